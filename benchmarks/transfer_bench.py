@@ -1,0 +1,133 @@
+"""Transfer engine throughput between two real processes, against memcpy in the same run.
+
+    python benchmarks/transfer_bench.py [--quick] [--backends tcp,local] [--reps N]
+
+Prints a table, then one JSON line with memcpy_gbps and, per backend, <backend>_gbps_<size> for the
+contiguous sizes and <backend>_scatter_ratio (4096 x 64 KiB scatter-gather GB/s over contiguous
+GB/s of the same total). Anchors (Mooncake TE's TCP transport, NIXL/UCX) run when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import msgpack
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pdserve.transfer import TransferConfig, TransferEngine  # noqa: E402
+
+MiB = 1 << 20
+SIZES = [1 * MiB, 16 * MiB, 256 * MiB]
+BLOCK = 64 * 1024
+SECRET = "transfer-bench-secret"
+
+
+def serve(region_bytes: int) -> None:
+    """Target process: register one region, print the descriptor, live until stdin closes."""
+    engine = TransferEngine(TransferConfig(secret=SECRET))
+    buf = np.zeros(region_bytes, dtype=np.uint8)
+    engine.register("dst", buf)
+    sys.stdout.buffer.write(msgpack.packb(engine.segment().to_wire()) + b"\n")
+    sys.stdout.flush()
+    sys.stdin.read()
+    engine.close()
+
+
+def start_target(region_bytes: int) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(region_bytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = proc.stdout.readline()
+    return proc, msgpack.unpackb(line[:-1])
+
+
+def median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up: connections, page faults
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    return median_gbps(nbytes, lambda: np.copyto(dst, src), reps)
+
+
+def scatter_entries(total: int, seed: int = 0) -> list[tuple]:
+    """4096 x 64 KiB blocks, peer offsets shuffled so no two neighbours merge."""
+    n = total // BLOCK
+    order = np.random.default_rng(seed).permutation(n)
+    return [("src", i * BLOCK, "dst", int(j) * BLOCK, BLOCK) for i, j in enumerate(order)]
+
+
+def bench_engine(backend: str, peer: dict, engine: TransferEngine, sizes: list[int], scatter_total: int,
+                 reps: int) -> dict[str, float]:
+    out = {}
+    for size in sizes:
+        entries = [("src", 0, "dst", 0, size)]
+        out[f"{size // MiB}MiB"] = median_gbps(
+            size, lambda: engine.submit(peer, entries, backend=backend).result(), reps)
+    entries = scatter_entries(scatter_total)
+    out["scatter"] = median_gbps(scatter_total, lambda: engine.submit(peer, entries, backend=backend).result(), reps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions; finishes within a minute")
+    ap.add_argument("--backends", default="tcp,local", help="pdserve backends to measure")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions per point (default 3 quick, 7 full)")
+    ap.add_argument("--no-anchors", action="store_true", help="skip Mooncake TE and NIXL")
+    ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args.serve)
+    reps = args.reps or (3 if args.quick else 7)
+    total = max(SIZES)
+    rows: list[tuple[str, str, float]] = []
+    result: dict[str, float] = {}
+    result["memcpy_gbps"] = memcpy_gbps(total, reps)
+    rows.append(("memcpy", "256MiB", result["memcpy_gbps"]))
+
+    proc, peer = start_target(total)
+    engine = TransferEngine(TransferConfig(secret=SECRET))
+    src = np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8)
+    engine.register("src", src)
+    try:
+        for backend in args.backends.split(","):
+            figures = bench_engine(backend, peer, engine, SIZES, total, reps)
+            for label, gbps in figures.items():
+                rows.append((backend, label, gbps))
+            result[f"{backend}_gbps_16MiB"] = figures["16MiB"]
+            result[f"{backend}_gbps_256MiB"] = figures["256MiB"]
+            result[f"{backend}_gbps_1MiB"] = figures["1MiB"]
+            result[f"{backend}_gbps_scatter"] = figures["scatter"]
+            result[f"{backend}_scatter_ratio"] = figures["scatter"] / figures["256MiB"]
+    finally:
+        engine.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    if not args.no_anchors:
+        from anchors import run_anchors  # benchmarks/anchors.py: Mooncake TE and NIXL, when installed
+        for name, label, gbps in run_anchors(SIZES, reps):
+            rows.append((name, label, gbps))
+            result[f"{name}_gbps_{label}"] = gbps
+    print(f"{'path':<14}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
+    for name, label, gbps in rows:
+        print(f"{name:<14}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
+    print(json.dumps({k: round(v, 3) for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Batches of transfer entries: merging, slicing into frames, striping, and the handle callers poll."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .errors import TransferError
+
+
+class Op(str, enum.Enum):
+    WRITE = "write"  # local -> peer
+    READ = "read"  # peer -> local
+
+
+class BatchStatus(str, enum.Enum):
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class TransferEntry:
+    """Move ``length`` bytes between local_region[local_offset:] and the peer's peer_region[peer_offset:]."""
+
+    local_region: str
+    local_offset: int
+    peer_region: str
+    peer_offset: int
+    length: int
+
+
+def merge_contiguous(entries: Iterable[TransferEntry]) -> list[TransferEntry]:
+    """Merge neighbours that are contiguous on both sides (same regions, both offsets adjacent)."""
+    merged: list[TransferEntry] = []
+    for e in entries:
+        if e.length == 0:
+            continue
+        if merged:
+            last = merged[-1]
+            if (
+                last.local_region == e.local_region and last.peer_region == e.peer_region
+                and last.local_offset + last.length == e.local_offset
+                and last.peer_offset + last.length == e.peer_offset
+            ):
+                merged[-1] = TransferEntry(last.local_region, last.local_offset, last.peer_region,
+                                           last.peer_offset, last.length + e.length)
+                continue
+        merged.append(e)
+    return merged
+
+
+def split_into_frames(entries: list[TransferEntry], slice_bytes: int) -> list[list[TransferEntry]]:
+    """Cut entries into frames of at most ``slice_bytes`` bytes; large entries are split across frames."""
+    frames: list[list[TransferEntry]] = []
+    current: list[TransferEntry] = []
+    room = slice_bytes
+    for e in entries:
+        done = 0
+        while done < e.length:
+            take = min(room, e.length - done)
+            current.append(TransferEntry(e.local_region, e.local_offset + done, e.peer_region,
+                                         e.peer_offset + done, take))
+            done += take
+            room -= take
+            if room == 0:
+                frames.append(current)
+                current, room = [], slice_bytes
+    if current:
+        frames.append(current)
+    return frames
+
+
+def stripe(frames: list[list[TransferEntry]], streams: int) -> list[list[list[TransferEntry]]]:
+    """Deal frames round-robin over at most ``streams`` lanes (frames are near-equal in size)."""
+    lanes = min(streams, len(frames))
+    return [frames[i::lanes] for i in range(lanes)] if lanes else []
+
+
+class BatchHandle:
+    """Status of one submitted batch: poll, wait with a timeout, or abort.
+
+    The batch fails by its deadline at the latest: workers bound every socket wait by it, and
+    ``wait`` marks an overdue batch failed and interrupts its connections.
+    """
+
+    def __init__(self, batch_id: str, op: Op, total_bytes: int, deadline: float) -> None:
+        self.batch_id = batch_id
+        self.op = op
+        self.total_bytes = total_bytes
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._status = BatchStatus.PENDING
+        self._error: TransferError | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._interrupts: dict[int, Callable[[], None]] = {}
+
+    # ---- caller side ----
+    def poll(self) -> BatchStatus:
+        if self._status is BatchStatus.PENDING and time.monotonic() > self.deadline:
+            self.fail(TransferError("deadline", f"batch {self.batch_id} missed its deadline"))
+        return self._status
+
+    def wait(self, timeout: float | None = None) -> BatchStatus:
+        """Block until done, the deadline, or ``timeout`` seconds; return the status then."""
+        limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        self._done.wait(max(0.0, limit - time.monotonic()))
+        return self.poll()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait, then raise the batch's error unless it succeeded."""
+        status = self.wait(timeout)
+        if status is BatchStatus.PENDING:
+            raise TimeoutError(f"batch {self.batch_id} still pending after {timeout} s")
+        if status is not BatchStatus.SUCCEEDED:
+            raise self._error or TransferError(status.value, f"batch {self.batch_id} {status.value}")
+
+    def abort(self) -> None:
+        self._finish(BatchStatus.ABORTED, TransferError("aborted", f"batch {self.batch_id} aborted"))
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    # ---- worker side ----
+    @property
+    def active(self) -> bool:
+        return self._status is BatchStatus.PENDING
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline; raise once it has passed or the batch has ended."""
+        if not self.active:
+            raise self._error or TransferError("aborted", f"batch {self.batch_id} already ended")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            err = TransferError("deadline", f"batch {self.batch_id} missed its deadline")
+            self.fail(err)
+            raise err
+        return left
+
+    def add_interrupt(self, key: int, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._interrupts[key] = fn
+        if not self.active:
+            fn()
+
+    def remove_interrupt(self, key: int) -> None:
+        with self._lock:
+            self._interrupts.pop(key, None)
+
+    def succeed(self) -> None:
+        self._finish(BatchStatus.SUCCEEDED, None)
+
+    def fail(self, error: TransferError) -> None:
+        self._finish(BatchStatus.FAILED, error)
+
+    def _finish(self, status: BatchStatus, error: TransferError | None) -> None:
+        with self._lock:
+            if self._status is not BatchStatus.PENDING:
+                return
+            self._status, self._error = status, error
+            self.finished = time.monotonic()
+            interrupts = list(self._interrupts.values()) if error else []
+        self._done.set()
+        for fn in interrupts:
+            fn()

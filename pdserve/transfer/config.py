@@ -1,0 +1,65 @@
+"""Configuration of one transfer engine (one per process)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import TransferError
+
+BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")
+SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
+MIN_SECRET_LEN = 16
+
+
+def _default_secret() -> str:
+    return os.environ.get(SECRET_ENV, "")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of a :class:`~pdserve.transfer.engine.TransferEngine`.
+
+    backend: ``auto`` picks ``local`` (one cross-process copy) for peers on this host and ``tcp``
+    otherwise; ``tcp``, ``local``, ``mooncake`` and ``nixl`` force one path.
+    secret: shared by every engine of a deployment; connections that cannot prove it are refused.
+    streams: parallel TCP connections per peer; large batches are striped across them.
+    slice_bytes: a batch is cut into frames of at most this many bytes, the unit of striping.
+    """
+
+    secret: str = ""
+    host: str = "127.0.0.1"
+    advertise_host: str = ""  # address peers should dial when host is a wildcard like 0.0.0.0
+    port: int = 0
+    backend: str = "auto"
+    streams: int = 4
+    slice_bytes: int = 4 << 20
+    connect_timeout_s: float = 5.0
+    default_deadline_s: float = 30.0
+    socket_buffer_bytes: int = 4 << 20
+    max_iov: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.secret:
+            object.__setattr__(self, "secret", _default_secret())
+        self.validate()
+
+    def validate(self) -> None:
+        if len(self.secret) < MIN_SECRET_LEN:
+            raise TransferError(
+                "config",
+                f"transfer secret must be at least {MIN_SECRET_LEN} characters: pass "
+                f"TransferConfig(secret=...) or set {SECRET_ENV} to the same value on every worker",
+            )
+        if self.backend not in BACKENDS:
+            raise TransferError("config", f"backend {self.backend!r} unknown; choose one of {BACKENDS}")
+        if not 0 <= self.port <= 65535:
+            raise TransferError("config", f"port {self.port} out of range 0-65535 (0 picks a free port)")
+        if not 1 <= self.streams <= 64:
+            raise TransferError("config", f"streams={self.streams}: use 1 to 64 parallel connections per peer")
+        if self.slice_bytes < 4096:
+            raise TransferError("config", f"slice_bytes={self.slice_bytes}: use at least 4096 bytes")
+        if not 1 <= self.max_iov <= 1024:
+            raise TransferError("config", f"max_iov={self.max_iov}: use 1 to 1024 (the kernel's IOV_MAX)")
+        if self.connect_timeout_s <= 0 or self.default_deadline_s <= 0:
+            raise TransferError("config", "connect_timeout_s and default_deadline_s must be positive seconds")

@@ -1,0 +1,216 @@
+"""The transfer engine: one per process. Register memory, publish a segment descriptor, submit
+batches of (local range, peer range) entries as WRITE or READ, poll/wait/abort them, and receive
+the small notifications peers attach to their batches."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, Union
+
+from .backend import Backend, EngineContext, batch_connection
+from .batch import BatchHandle, Op, TransferEntry, merge_contiguous
+from .config import TransferConfig
+from .descriptor import SegmentDescriptor, host_identity
+from .errors import TransferError
+from .local import LocalBackend
+from .regions import Region, RegionTable
+from .server import ControlServer, PeerContext
+from . import wire
+from .tcp import TcpBackend
+
+log = logging.getLogger(__name__)
+EntryLike = Union[TransferEntry, Sequence[Any]]
+PeerLike = Union[SegmentDescriptor, dict]
+
+
+class Notification(NamedTuple):
+    peer_engine_id: str
+    batch_id: str
+    message: Any  # bytes or str, as the peer sent it
+
+
+def _optional_backend(name: str) -> type[Backend]:
+    if name == "mooncake":
+        from .mooncake import MooncakeBackend
+        return MooncakeBackend
+    from .nixl import NixlBackend
+    return NixlBackend
+
+
+class TransferEngine:
+    """Batched, bounds-checked, authenticated memory transfers between processes."""
+
+    def __init__(self, config: TransferConfig | None = None, engine_id: str | None = None) -> None:
+        self.config = config or TransferConfig()
+        self.engine_id = engine_id or uuid.uuid4().hex[:16]
+        self._regions = RegionTable()
+        self._executor = ThreadPoolExecutor(max_workers=4 * self.config.streams + 8,
+                                            thread_name_prefix="pdserve-te")
+        self.ctx = EngineContext(self.config, self.engine_id, host_identity(), os.getpid(),
+                                 self._regions, self._executor)
+        self._backends: dict[str, Backend] = {"tcp": TcpBackend(self.ctx), "local": LocalBackend(self.ctx)}
+        if self.config.backend in ("mooncake", "nixl"):
+            self._backends[self.config.backend] = _optional_backend(self.config.backend)(self.ctx)
+        handlers = {"n": self._serve_notify, "seg": self._serve_segment}
+        for backend in self._backends.values():
+            handlers.update(backend.server_handlers())
+        self._server = ControlServer(self.config, handlers, f"pdserve-te-{self.engine_id}")
+        self._backends["local"].uds_name = self._server.uds_name  # type: ignore[attr-defined]
+        self._ids = itertools.count()
+        self._inbox: deque[Notification] = deque()
+        self._inbox_cond = threading.Condition()
+        self._callbacks: list[Callable[[Notification], None]] = []
+
+    # ---- memory ----
+    def register(self, name: str, buffer: Any) -> Region:
+        """Expose ``buffer`` (numpy array, CPU tensor, mmap, bytearray) to peers as region ``name``."""
+        region = self._regions.register(name, buffer)
+        for backend in self._backends.values():
+            backend.on_register(region)
+        return region
+
+    def unregister(self, name: str) -> None:
+        region = self._regions.get(name)
+        for backend in self._backends.values():
+            backend.on_unregister(region)
+        self._regions.unregister(name)
+
+    def segment(self) -> SegmentDescriptor:
+        backends = {n: d for n, b in self._backends.items() if (d := b.describe()) is not None}
+        return SegmentDescriptor(self.engine_id, self.config.advertise_host or self.config.host,
+                                 self._server.port, os.getpid(), self.ctx.host_id,
+                                 self._regions.describe(), backends)
+
+    def fetch_segment(self, host: str, port: int, timeout: float | None = None) -> SegmentDescriptor:
+        """Ask the engine listening at host:port for its current descriptor."""
+        pool = self.ctx.pool((host, port))
+        conn = pool.acquire(timeout or self.config.connect_timeout_s)
+        ok = False
+        try:
+            reply = conn.call({"t": "seg"}, timeout or self.config.connect_timeout_s)
+            ok = True
+        except OSError as exc:
+            raise TransferError("peer", f"engine at {host}:{port} did not answer: {exc}") from exc
+        finally:
+            pool.release(conn, ok)
+        return SegmentDescriptor.from_wire(reply.get("seg"))
+
+    # ---- transfers ----
+    def submit(self, peer: PeerLike, entries: Iterable[EntryLike], op: Op | str = Op.WRITE,
+               notify: bytes | str | None = None, deadline_s: float | None = None,
+               backend: str | None = None) -> BatchHandle:
+        """Start a batch; return at once with its handle. Bad ranges raise here, synchronously."""
+        peer = peer if isinstance(peer, SegmentDescriptor) else SegmentDescriptor.from_wire(peer)
+        op = Op(op)
+        merged = merge_contiguous(self._checked(peer, entries))
+        seconds = self.config.default_deadline_s if deadline_s is None else deadline_s
+        handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
+                             time.monotonic() + seconds)
+        threading.Thread(target=self._execute, args=(handle, peer, op, merged, notify, backend),
+                         name="pdserve-te-batch", daemon=True).start()
+        return handle
+
+    def write(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
+              deadline_s: float | None = None) -> BatchHandle:
+        """Submit a WRITE batch and wait for it; raise TransferError on failure."""
+        handle = self.submit(peer, entries, Op.WRITE, notify, deadline_s)
+        handle.result()
+        return handle
+
+    def read(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
+             deadline_s: float | None = None) -> BatchHandle:
+        """Submit a READ batch and wait for it; raise TransferError on failure."""
+        handle = self.submit(peer, entries, Op.READ, notify, deadline_s)
+        handle.result()
+        return handle
+
+    def _checked(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
+        out = []
+        for e in entries:
+            entry = e if isinstance(e, TransferEntry) else TransferEntry(*e)
+            self._regions.slice(entry.local_region, entry.local_offset, entry.length)
+            peer.check(entry.peer_region, entry.peer_offset, entry.length)
+            out.append(entry)
+        return out
+
+    def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None) -> Backend:
+        name = requested or self.config.backend
+        if name == "auto":
+            local = self._backends["local"]
+            return local if local.supports(peer) else self._backends["tcp"]
+        backend = self._backends.get(name)
+        if backend is None:
+            raise TransferError("config", f"backend {name!r} not enabled in this engine's config")
+        if not backend.supports(peer):
+            raise TransferError("unavailable", f"backend {name!r} cannot reach peer {peer.engine_id}")
+        return backend
+
+    def _execute(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op,
+                 entries: list[TransferEntry], notify: Any, requested: str | None) -> None:
+        try:
+            backend = self.choose_backend(peer, requested)
+            if entries:
+                backend.run(handle, peer, op, entries)
+            if notify is not None:
+                with batch_connection(self.ctx, handle, backend.control_address(peer)) as conn:
+                    conn.call({"t": "n", "b": handle.batch_id, "from": self.engine_id, "m": notify},
+                              handle.remaining())
+            handle.succeed()
+        except TransferError as exc:
+            handle.fail(exc)
+        except Exception as exc:  # never leave a batch pending on a bug
+            log.exception("batch %s crashed", handle.batch_id)
+            handle.fail(TransferError("internal", f"{type(exc).__name__}: {exc}"))
+
+    # ---- notifications ----
+    def on_notify(self, callback: Callable[[Notification], None]) -> None:
+        """Call ``callback`` (on an engine thread) for every notification that arrives."""
+        self._callbacks.append(callback)
+
+    def get_notifications(self) -> list[Notification]:
+        """Drain and return the notifications received so far."""
+        with self._inbox_cond:
+            items, self._inbox = list(self._inbox), deque()
+        return items
+
+    def wait_notification(self, timeout: float | None = None) -> Notification | None:
+        with self._inbox_cond:
+            if not self._inbox_cond.wait_for(lambda: self._inbox, timeout):
+                return None
+            return self._inbox.popleft()
+
+    def _serve_notify(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
+        note = Notification(str(msg.get("from")), str(msg.get("b")), msg.get("m"))
+        with self._inbox_cond:
+            self._inbox.append(note)
+            self._inbox_cond.notify_all()
+        for callback in list(self._callbacks):
+            try:
+                callback(note)
+            except Exception:
+                log.exception("notification callback failed")
+        wire.send_msg(ctx.sock, {"t": "ok"})
+
+    def _serve_segment(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
+        wire.send_msg(ctx.sock, {"t": "ok", "seg": self.segment().to_wire()})
+
+    # ---- lifecycle ----
+    def close(self) -> None:
+        self._server.close()
+        self.ctx.close_pools()
+        for backend in self._backends.values():
+            backend.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,50 @@
+"""Cross-process memory copy (process_vm_readv / process_vm_writev): one copy, no staging buffer."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+from .errors import TransferError
+
+IOV_MAX = 1024
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # CDLL calls release the GIL while copying
+_readv = _libc.process_vm_readv
+_writev = _libc.process_vm_writev
+for _fn in (_readv, _writev):
+    _fn.restype = ctypes.c_ssize_t
+    _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                    ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _iovecs(pieces: Sequence[tuple[int, int]]) -> ctypes.Array:
+    arr = (_IoVec * len(pieces))()
+    for i, (addr, length) in enumerate(pieces):
+        arr[i].base, arr[i].len = addr, length
+    return arr
+
+
+def copy(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], pull: bool) -> None:
+    """Copy between this process's ``local`` (address, length) pieces and ``pid``'s ``remote`` pieces.
+
+    pull=True reads remote -> local, pull=False writes local -> remote. Piece i of both lists has
+    the same length. Raises TransferError unless every byte moved.
+    """
+    fn = _readv if pull else _writev
+    for start in range(0, len(local), IOV_MAX):
+        lo, ro = local[start : start + IOV_MAX], remote[start : start + IOV_MAX]
+        want = sum(n for _, n in lo)
+        done = fn(pid, _iovecs(lo), len(lo), _iovecs(ro), len(ro), 0)
+        if done != want:
+            err = ctypes.get_errno()
+            raise TransferError(
+                "peer" if err in (0, 3, 14) else "unavailable",  # ESRCH, EFAULT: peer gone or unmapped
+                f"cross-process copy with pid {pid} moved {max(done, 0)} of {want} bytes: {os.strerror(err)}",
+            )

@@ -1,0 +1,126 @@
+"""Owner side: accept authenticated connections and dispatch their requests to handlers.
+
+The server listens on TCP (host:port from the config) and, for peers on the same host, on an
+abstract Unix socket whose kernel-reported peer credentials identify the peer process.
+A handler gets (PeerContext, message), does the work (bounds-checked against this process's
+regions) and sends its reply. A handler that rejects a request raises TransferError after
+consuming the request's payload, so the connection stays usable; OutOfStep or anything else
+closes that connection only. The process and its other connections go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import wire
+from .config import TransferConfig
+from .connection import tune
+from .errors import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class OutOfStep(TransferError):
+    """The request cannot be skipped cleanly: reply with the error, then close the connection."""
+
+
+@dataclass
+class PeerContext:
+    sock: socket.socket
+    pid: int | None  # kernel-verified for Unix-socket peers, None over TCP
+
+
+Handler = Callable[[PeerContext, dict[str, Any]], None]
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    if sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+class ControlServer:
+    def __init__(self, config: TransferConfig, handlers: dict[str, Handler], uds_name: str) -> None:
+        self.config = config
+        self.handlers = handlers
+        self._listeners = [socket.create_server((config.host, config.port))]
+        self.port = self._listeners[0].getsockname()[1]
+        self.uds_name = self._listen_unix(uds_name)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        for listener in self._listeners:
+            threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-te-accept",
+                             daemon=True).start()
+
+    def _listen_unix(self, name: str) -> str | None:
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind("\0" + name)
+            sock.listen(128)
+        except OSError as exc:
+            log.info("same-host socket unavailable (%s); peers will use TCP", exc)
+            return None
+        self._listeners.append(sock)
+        return name
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._closed:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name="pdserve-te-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(self.config.connect_timeout_s)
+            tune(sock, self.config.socket_buffer_bytes)
+            wire.server_handshake(sock, self.config.secret)
+            sock.settimeout(None)
+            ctx = PeerContext(sock, _peer_pid(sock))
+            while not self._closed:
+                self._serve_one(ctx)
+        except (OSError, TransferError) as exc:
+            log.debug("engine connection closed: %s", exc)
+        except Exception:  # a bug must not take the process (or other peers) down
+            log.exception("engine connection handler crashed; closing that connection")
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _serve_one(self, ctx: PeerContext) -> None:
+        try:
+            msg = wire.recv_msg(ctx.sock)
+            handler = self.handlers.get(msg["t"])
+            if handler is None:
+                raise OutOfStep("protocol", f"unknown request type {msg['t']!r}")
+            handler(ctx, msg)
+        except TransferError as exc:
+            wire.send_msg(ctx.sock, {"t": "err", "code": exc.code, "m": exc.message})
+            if isinstance(exc, OutOfStep) or exc.code == "protocol":
+                raise
+
+    def close(self) -> None:
+        self._closed = True
+        for listener in self._listeners:
+            try:
+                listener.close()
+            except OSError:
+                pass
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -1,0 +1,61 @@
+"""Fixtures that start real processes on 127.0.0.1 and always stop them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "integration-test-secret"
+
+
+class PeerProcess:
+    """A transfer engine in a child process (tests/integration/transfer_peer.py)."""
+
+    def __init__(self, size: int, seed: int, secret: str = SECRET) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("transfer_peer.py")), str(size), str(seed), secret],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        self.descriptor = json.loads(self.proc.stdout.readline())
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def sha(self, offset: int, length: int) -> str:
+        return self.ask(f"sha {offset} {length}")
+
+    def notes(self) -> list:
+        return json.loads(self.ask("notes"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.ask("ping") == "pong"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+
+@pytest.fixture
+def spawn_peer():
+    peers: list[PeerProcess] = []
+
+    def spawn(size: int, seed: int = 0, secret: str = SECRET) -> PeerProcess:
+        peer = PeerProcess(size, seed, secret)
+        peers.append(peer)
+        return peer
+
+    yield spawn
+    for peer in peers:
+        peer.stop()
