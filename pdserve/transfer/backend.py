@@ -121,7 +121,15 @@ def _run_lane(ctx: EngineContext, handle: BatchHandle, address: Address,
 
 def run_lanes(ctx: EngineContext, handle: BatchHandle, address: Address,
               lanes: list[list[list[TransferEntry]]], job: LaneJob) -> None:
-    """Run each lane on its own pooled connection in parallel; raise the first lane's error."""
+    """Run each lane on its own pooled connection in parallel; raise the first lane's error.
+    A single lane runs in the calling thread: small batches pay no thread hand-off."""
+    if len(lanes) == 1:
+        try:
+            _run_lane(ctx, handle, address, lanes[0], job)
+        except TransferError as exc:
+            handle.fail(exc)
+            raise
+        return
     futures = [ctx.executor.submit(_run_lane, ctx, handle, address, lane, job) for lane in lanes]
     first: TransferError | None = None
     for fut in futures:
@@ -141,7 +149,24 @@ def parse_entries(msg: dict[str, Any], width: int) -> list[list[Any]]:
     if not isinstance(rows, list) or not rows:
         raise TransferError("protocol", "request carries no entry list 'e'")
     for row in rows:
-        if (not isinstance(row, list) or len(row) != width or not isinstance(row[0], str)
-                or not all(isinstance(x, int) and x >= 0 for x in row[1:])):
+        if type(row) is not list or len(row) != width or type(row[0]) is not str:
             raise TransferError("protocol", f"malformed entry {row!r}: want [region, offset, length, ...]")
+        for x in row[1:]:
+            if type(x) is not int or x < 0:
+                raise TransferError("protocol", f"malformed entry {row!r}: offsets and lengths are ints >= 0")
     return rows
+
+
+def region_addresses(regions: RegionTable, rows: list[list[Any]]) -> list[tuple[int, int]]:
+    """(address, length) in this process for each [region, offset, length, ...] row, bounds-checked."""
+    cache: dict[str, Region] = {}
+    out = []
+    for row in rows:
+        name, offset, length = row[0], row[1], row[2]
+        region = cache.get(name)
+        if region is None:
+            region = cache[name] = regions.get(name)
+        if offset + length > region.length:
+            region.slice(offset, length)  # raises the bounds error with the details
+        out.append((region.addr + offset, length))
+    return out

@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from .errors import TransferError
 
@@ -23,9 +22,11 @@ class BatchStatus(str, enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass(frozen=True)
-class TransferEntry:
-    """Move ``length`` bytes between local_region[local_offset:] and the peer's peer_region[peer_offset:]."""
+class TransferEntry(NamedTuple):
+    """Move ``length`` bytes between local_region[local_offset:] and the peer's peer_region[peer_offset:].
+
+    A named tuple: batches of thousands are built per request, so construction must be cheap.
+    """
 
     local_region: str
     local_offset: int
@@ -60,6 +61,13 @@ def split_into_frames(entries: list[TransferEntry], slice_bytes: int) -> list[li
     current: list[TransferEntry] = []
     room = slice_bytes
     for e in entries:
+        if e.length <= room:  # common case: the entry fits whole, no new object
+            current.append(e)
+            room -= e.length
+            if room == 0:
+                frames.append(current)
+                current, room = [], slice_bytes
+            continue
         done = 0
         while done < e.length:
             take = min(room, e.length - done)

@@ -59,8 +59,11 @@ class SegmentDescriptor:
     def is_same_host(self, other_host_id: str) -> bool:
         return self.host_id == other_host_id
 
-    def check(self, region: str, offset: int, length: int) -> None:
-        """Initiator-side pre-check; the owner checks again on its side."""
+    def region_length(self, region: str) -> int:
         if region not in self.regions:
             raise TransferError("unknown_region", f"peer {self.engine_id} has no region {region!r}")
-        check_range(region, self.regions[region][1], offset, length)
+        return self.regions[region][1]
+
+    def check(self, region: str, offset: int, length: int) -> None:
+        """Initiator-side pre-check; the owner checks again on its side."""
+        check_range(region, self.region_length(region), offset, length)

@@ -53,6 +53,8 @@ class TransferEngine:
         self._regions = RegionTable()
         self._executor = ThreadPoolExecutor(max_workers=4 * self.config.streams + 8,
                                             thread_name_prefix="pdserve-te")
+        # batches run on their own pool: they wait on lanes, which run on self._executor
+        self._batch_runner = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-te-batch")
         self.ctx = EngineContext(self.config, self.engine_id, host_identity(), os.getpid(),
                                  self._regions, self._executor)
         self._backends: dict[str, Backend] = {"tcp": TcpBackend(self.ctx), "local": LocalBackend(self.ctx)}
@@ -113,8 +115,7 @@ class TransferEngine:
         seconds = self.config.default_deadline_s if deadline_s is None else deadline_s
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
-        threading.Thread(target=self._execute, args=(handle, peer, op, merged, notify, backend),
-                         name="pdserve-te-batch", daemon=True).start()
+        self._batch_runner.submit(self._execute, handle, peer, op, merged, notify, backend)
         return handle
 
     def write(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
@@ -132,12 +133,15 @@ class TransferEngine:
         return handle
 
     def _checked(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
-        out = []
-        for e in entries:
-            entry = e if isinstance(e, TransferEntry) else TransferEntry(*e)
-            self._regions.slice(entry.local_region, entry.local_offset, entry.length)
-            peer.check(entry.peer_region, entry.peer_offset, entry.length)
-            out.append(entry)
+        """Entries as TransferEntry, every range checked against our regions and the peer's."""
+        out = [e if isinstance(e, TransferEntry) else TransferEntry(*e) for e in entries]
+        mine = {name: self._regions.get(name).length for name in {e.local_region for e in out}}
+        theirs = {name: peer.region_length(name) for name in {e.peer_region for e in out}}
+        for e in out:
+            if (e.local_offset < 0 or e.length < 0 or e.local_offset + e.length > mine[e.local_region]
+                    or e.peer_offset < 0 or e.peer_offset + e.length > theirs[e.peer_region]):
+                self._regions.slice(e.local_region, e.local_offset, e.length)  # raises the precise error
+                peer.check(e.peer_region, e.peer_offset, e.length)
         return out
 
     def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None) -> Backend:
@@ -208,6 +212,7 @@ class TransferEngine:
         for backend in self._backends.values():
             backend.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._batch_runner.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "TransferEngine":
         return self

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from . import procmem, wire
-from .backend import Backend, parse_entries, run_lanes
+from .backend import Backend, parse_entries, region_addresses, run_lanes
 from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
@@ -22,6 +22,7 @@ from .errors import TransferError
 from .server import Handler, PeerContext
 
 _PROBE_BYTES = 32
+_MIN_LANE_BYTES = 4 << 20  # below this a second parallel copy costs more than it saves
 
 
 class LocalBackend(Backend):
@@ -70,13 +71,16 @@ class LocalBackend(Backend):
         return ok
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        lanes = stripe(split_into_frames(entries, self.ctx.config.slice_bytes), self.ctx.config.streams)
+        lanes = stripe(split_into_frames(entries, self._lane_bytes(entries)), self.ctx.config.streams)
         kind = "lw" if op is Op.WRITE else "lr"
 
+        addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}
+
         def job(conn: Connection, h: BatchHandle, frames: list[list[TransferEntry]]) -> None:
-            for frame in frames:
+            for frame in frames:  # ranges were bounds-checked by the engine at submit
                 conn.sock.settimeout(h.remaining())
-                rows = [[e.peer_region, e.peer_offset, e.length, self._local_addr(e)] for e in frame]
+                rows = [[e.peer_region, e.peer_offset, e.length, addrs[e.local_region] + e.local_offset]
+                        for e in frame]
                 wire.send_msg(conn.sock, {"t": kind, "b": h.batch_id, "e": rows})
             for _ in frames:
                 conn.sock.settimeout(h.remaining())
@@ -84,10 +88,12 @@ class LocalBackend(Backend):
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
 
-    def _local_addr(self, e: TransferEntry) -> int:
-        region = self.ctx.regions.get(e.local_region)
-        region.slice(e.local_offset, e.length)  # bounds check on our side
-        return region.addr + e.local_offset
+    def _lane_bytes(self, entries: list[TransferEntry]) -> int:
+        """One request per parallel copy: the owner copies a whole lane with few system calls, and
+        no more copies run at once than there are cores to run them."""
+        total = sum(e.length for e in entries)
+        lanes = max(1, min(self.ctx.config.streams, os.cpu_count() or 1, total // _MIN_LANE_BYTES))
+        return max(4096, -(-total // lanes))
 
     # ---- owner side ----
     def server_handlers(self) -> dict[str, Handler]:
@@ -102,12 +108,8 @@ class LocalBackend(Backend):
     def _serve_copy(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
         pid = self._require_pid(ctx)
         rows = parse_entries(msg, 4)
-        mine: list[tuple[int, int]] = []
-        for region_name, offset, length, _ in rows:
-            region = self.ctx.regions.get(region_name)
-            region.slice(offset, length)
-            mine.append((region.addr + offset, length))
-        theirs = [(addr, length) for _, _, length, addr in rows]
+        mine = region_addresses(self.ctx.regions, rows)
+        theirs = [(row[3], row[2]) for row in rows]
         procmem.copy(pid, mine, theirs, pull=msg["t"] == "lw")
         wire.send_msg(ctx.sock, {"t": "ok", "b": msg.get("b")})
 

@@ -6,6 +6,8 @@ import ctypes
 import os
 from typing import Sequence
 
+import numpy as np
+
 from .errors import TransferError
 
 IOV_MAX = 1024
@@ -15,6 +17,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+_IOV_P = ctypes.POINTER(_IoVec)
 _libc = ctypes.CDLL(None, use_errno=True)  # CDLL calls release the GIL while copying
 _readv = _libc.process_vm_readv
 _writev = _libc.process_vm_writev
@@ -24,11 +27,9 @@ for _fn in (_readv, _writev):
                     ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
 
 
-def _iovecs(pieces: Sequence[tuple[int, int]]) -> ctypes.Array:
-    arr = (_IoVec * len(pieces))()
-    for i, (addr, length) in enumerate(pieces):
-        arr[i].base, arr[i].len = addr, length
-    return arr
+def _iovecs(pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+    """struct iovec[] laid out in a numpy array (two machine words per piece)."""
+    return np.array(pieces, dtype=np.uint64).reshape(len(pieces), 2)
 
 
 def copy(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], pull: bool) -> None:
@@ -41,7 +42,8 @@ def copy(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int,
     for start in range(0, len(local), IOV_MAX):
         lo, ro = local[start : start + IOV_MAX], remote[start : start + IOV_MAX]
         want = sum(n for _, n in lo)
-        done = fn(pid, _iovecs(lo), len(lo), _iovecs(ro), len(ro), 0)
+        liov, riov = _iovecs(lo), _iovecs(ro)
+        done = fn(pid, liov.ctypes.data_as(_IOV_P), len(lo), riov.ctypes.data_as(_IOV_P), len(ro), 0)
         if done != want:
             err = ctypes.get_errno()
             raise TransferError(

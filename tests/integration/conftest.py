@@ -17,13 +17,17 @@ SECRET = "integration-test-secret"
 class PeerProcess:
     """A transfer engine in a child process (tests/integration/transfer_peer.py)."""
 
-    def __init__(self, size: int, seed: int, secret: str = SECRET) -> None:
+    def __init__(self, size: int, seed: int, secret: str = SECRET, backend: str = "auto") -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        script = str(Path(__file__).with_name("transfer_peer.py"))
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("transfer_peer.py")), str(size), str(seed), secret],
+            [sys.executable, script, str(size), str(seed), secret, backend],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
-        self.descriptor = json.loads(self.proc.stdout.readline())
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("{"):  # skip third-party log lines (NIXL logs to stdout)
+            line = self.proc.stdout.readline()
+        self.descriptor = json.loads(line)
 
     def ask(self, line: str) -> str:
         self.proc.stdin.write(line + "\n")
@@ -51,8 +55,8 @@ class PeerProcess:
 def spawn_peer():
     peers: list[PeerProcess] = []
 
-    def spawn(size: int, seed: int = 0, secret: str = SECRET) -> PeerProcess:
-        peer = PeerProcess(size, seed, secret)
+    def spawn(size: int, seed: int = 0, secret: str = SECRET, backend: str = "auto") -> PeerProcess:
+        peer = PeerProcess(size, seed, secret, backend)
         peers.append(peer)
         return peer
 
