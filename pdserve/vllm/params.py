@@ -1,0 +1,311 @@
+"""Configuration, ``kv_transfer_params`` schema and the pure logic of the pdserve KV connector.
+
+Nothing here imports vLLM or torch: the connector (``pdserve.vllm.connector``) wires these pieces
+into vLLM's scheduler and worker hooks, and unit tests drive them directly.
+
+Request path (see /tmp/pd/CONTRACT.md):
+
+* prefill worker P gets ``{"do_remote_decode": true}``; when the request ends, P keeps the prompt's
+  KV blocks and answers :class:`RemoteParams` (``do_remote_prefill`` + where the blocks are);
+* decode worker D gets those params back unchanged, READs the blocks it lacks from P's registered
+  KV cache with one transfer batch whose notification (``remote_request_id``) tells P to free them;
+  P frees them anyway when the lease runs out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
+MIN_SECRET_LEN = 16
+BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")
+LEASE_MIN_S = 0.1
+LEASE_MAX_S = 3600.0
+# Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
+# the read (real corruption of the transferred KV); "fail" fails the read (D must recompute).
+TEST_FAULTS = ("zero", "fail")
+
+
+class ConfigError(ValueError):
+    """A kv_connector_extra_config value is wrong; the message says how to fix it."""
+
+
+def _as_float(extra: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = extra.get(key, default)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give a number of seconds "
+                          f"between {lo} and {hi}") from None
+    if not lo <= out <= hi or math.isnan(out):
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use {lo} to {hi} seconds")
+    return out
+
+
+def _as_int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give an integer {lo}-{hi}")
+    try:
+        out = int(value)
+    except ValueError:
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give an integer {lo}-{hi}") from None
+    if not lo <= out <= hi:
+        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use {lo} to {hi}")
+    return out
+
+
+def _as_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use true or false")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Settings from ``kv_connector_extra_config``.
+
+    secret: transfer-engine secret shared by every worker (or env PDSERVE_TRANSFER_SECRET).
+    lease_s: how long P keeps a finished prefill's blocks for a decode that never reads them.
+    transfer_host / advertise_host: where this worker's transfer engine listens / is dialled.
+    transfer_port: 0 = any free port (the scheduler learns it through vLLM's handshake metadata);
+        a fixed port P binds P + tensor-parallel rank.
+    backend: transfer-engine data path (auto = same-host copy when possible, else TCP).
+    transfer_deadline_s: longest a READ batch may take before D gives up and recomputes.
+    clock_margin_s: D stops trusting P's blocks this long before P's lease deadline (clock skew).
+    on_load_failure: recompute (default: D recomputes the prompt) or fail (the request errors).
+    allow_test_faults: honour ``pdserve_test_fault`` in kv_transfer_params (tests only).
+    idle_wait_ms: pace the empty steps vLLM runs while P holds blocks for a decode and has nothing
+        else to do (0 = let them spin); a request arriving then waits at most this long.
+    """
+
+    secret: str
+    lease_s: float = 30.0
+    transfer_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    transfer_port: int = 0
+    backend: str = "auto"
+    streams: int = 4
+    transfer_deadline_s: float = 30.0
+    clock_margin_s: float = 0.5
+    on_load_failure: str = "recompute"
+    allow_test_faults: bool = False
+    idle_wait_ms: float = 10.0
+
+    KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
+            "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        env = os.environ if env is None else env
+        unknown = sorted(set(extra) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config has unknown keys {unknown}; "
+                              f"PdserveConnector understands {list(cls.KEYS)}")
+        secret = extra.get("secret") or env.get(SECRET_ENV, "")
+        if not isinstance(secret, str) or len(secret) < MIN_SECRET_LEN:
+            raise ConfigError(
+                f"PdserveConnector needs a transfer secret of at least {MIN_SECRET_LEN} characters, the "
+                f"same on every worker: set kv_connector_extra_config.secret or env {SECRET_ENV}")
+        backend = extra.get("backend", "auto")
+        if backend not in BACKENDS:
+            raise ConfigError(f"kv_connector_extra_config.backend={backend!r}: choose one of {BACKENDS}")
+        on_fail = extra.get("on_load_failure", "recompute")
+        if on_fail not in ("recompute", "fail"):
+            raise ConfigError(f"kv_connector_extra_config.on_load_failure={on_fail!r}: use recompute or fail")
+        host = extra.get("transfer_host", "127.0.0.1")
+        advertise = extra.get("advertise_host", "")
+        if not isinstance(host, str) or not host or not isinstance(advertise, str):
+            raise ConfigError("kv_connector_extra_config.transfer_host/advertise_host must be host names "
+                              "or IP addresses (strings)")
+        if host in ("0.0.0.0", "::") and not advertise:
+            raise ConfigError(f"transfer_host={host!r} listens on every interface: also set advertise_host "
+                              "to the address decode workers should dial")
+        return cls(
+            secret=secret,
+            lease_s=_as_float(extra, "lease_s", 30.0, LEASE_MIN_S, LEASE_MAX_S),
+            transfer_host=host,
+            advertise_host=advertise,
+            transfer_port=_as_int(extra, "transfer_port", 0, 0, 65535),
+            backend=backend,
+            streams=_as_int(extra, "streams", 4, 1, 64),
+            transfer_deadline_s=_as_float(extra, "transfer_deadline_s", 30.0, 0.1, 3600.0),
+            clock_margin_s=_as_float(extra, "clock_margin_s", 0.5, 0.0, 60.0),
+            on_load_failure=on_fail,
+            allow_test_faults=_as_bool(extra, "allow_test_faults", False),
+            idle_wait_ms=_as_float(extra, "idle_wait_ms", 10.0, 0.0, 1000.0),
+        )
+
+    def port_for_rank(self, rank: int) -> int:
+        return self.transfer_port + rank if self.transfer_port else 0
+
+
+def prompt_hash(token_ids: Sequence[int], n: int) -> str:
+    """A short digest of the first ``n`` prompt tokens: D loads P's KV only for the same prefix."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(n.to_bytes(4, "little"))
+    # int32 little-endian packing without numpy: fast enough for a few thousand tokens.
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids[:n]))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class RemoteParams:
+    """P's answer (``kv_transfer_params``) naming the blocks D should read."""
+
+    engine_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    request_id: str
+    layout: str = ""  # KV layout signature; D refuses a layout unlike its own
+    prompt_hash: str = ""  # digest of the first num_tokens prompt tokens
+    lease_deadline: float = 0.0  # P's wall clock (time.time()) after which the blocks may be gone
+    test_fault: str = ""
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.port,
+            "remote_block_ids": list(self.block_ids), "remote_num_tokens": self.num_tokens,
+            "remote_request_id": self.request_id, "remote_kv_layout": self.layout,
+            "remote_prompt_hash": self.prompt_hash, "remote_lease_deadline": self.lease_deadline,
+        }
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None, block_size: int) -> "RemoteParams":
+        """Validate D's kv_transfer_params; raise ValueError saying what is wrong."""
+        if not params or not params.get("do_remote_prefill"):
+            raise ValueError("not a remote-prefill request (do_remote_prefill is not true)")
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids",
+                               "remote_num_tokens", "remote_request_id") if params.get(k) is None]
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {missing}: pass P's kv_transfer_params unchanged")
+        try:
+            blocks = tuple(int(b) for b in params["remote_block_ids"])
+            num_tokens = int(params["remote_num_tokens"])
+            port = int(params["remote_port"])
+            deadline = float(params.get("remote_lease_deadline") or 0.0)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed kv_transfer_params: {exc}") from None
+        if num_tokens < 0 or any(b < 0 for b in blocks) or not 0 < port < 65536:
+            raise ValueError("kv_transfer_params: negative block id/token count or bad port")
+        if len(blocks) < -(-num_tokens // block_size):
+            raise ValueError(f"kv_transfer_params: {len(blocks)} remote blocks cannot hold {num_tokens} "
+                             f"tokens of {block_size} per block (P and D must use the same block size)")
+        fault = params.get("pdserve_test_fault") or ""
+        return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
+                   str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
+                   str(params.get("remote_prompt_hash") or ""), deadline, str(fault))
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Which local blocks receive which remote blocks (same positions in the two block tables)."""
+
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+def plan_blocks(local_block_ids: Sequence[int], num_local_hit_tokens: int, num_external_tokens: int,
+                remote_block_ids: Sequence[int], block_size: int) -> BlockPlan:
+    """Pair the blocks D lacks with P's: D holds the first ``num_local_hit_tokens`` (block-aligned,
+    from its own prefix cache); the next ``num_external_tokens`` come from P, block position for
+    block position."""
+    if num_local_hit_tokens % block_size:
+        raise ValueError(f"local hit of {num_local_hit_tokens} tokens is not a multiple of {block_size}")
+    first = num_local_hit_tokens // block_size
+    end = -(-(num_local_hit_tokens + num_external_tokens) // block_size)
+    if end > len(local_block_ids) or end > len(remote_block_ids):
+        raise ValueError(f"plan needs blocks [{first}, {end}) but D has {len(local_block_ids)} and P "
+                         f"{len(remote_block_ids)}")
+    return BlockPlan(tuple(local_block_ids[first:end]), tuple(remote_block_ids[first:end]))
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Where one layer's KV blocks live inside its registered region."""
+
+    name: str  # region name (the vLLM layer name)
+    block_stride: int  # bytes between consecutive (manager) blocks
+    block_bytes: int  # contiguous bytes of one (manager) block: K and V of every head
+
+
+def build_entries(layers: Iterable[LayerGeometry], plan: BlockPlan) -> list[tuple[str, int, str, int, int]]:
+    """Transfer entries (local_region, local_off, peer_region, peer_off, length): one per layer per
+    block, in block order so the engine merges contiguous runs. Both sides share the geometry."""
+    entries = []
+    for layer in layers:
+        for lb, rb in zip(plan.local, plan.remote):
+            entries.append((layer.name, lb * layer.block_stride, layer.name, rb * layer.block_stride,
+                            layer.block_bytes))
+    return entries
+
+
+@dataclass
+class SendLeases:
+    """P-side bookkeeping of finished prefills whose blocks wait for a decode read.
+
+    Every request added is released exactly once: on its notification or at its deadline,
+    whichever comes first. Notifications that arrive before the request is known are kept (for
+    ``early_ttl_s``) and applied when it arrives; a notification for a released request is ignored.
+    """
+
+    early_ttl_s: float = 600.0
+    leases: dict[str, float] = field(default_factory=dict)  # req_id -> deadline (time.time())
+    early: dict[str, float] = field(default_factory=dict)  # req_id -> arrival time
+    released_notified: int = 0
+    released_expired: int = 0
+
+    def add(self, req_id: str, deadline: float) -> None:
+        if req_id in self.leases:
+            return
+        self.leases[req_id] = deadline
+
+    def notify(self, req_id: str, now: float | None = None) -> None:
+        if req_id not in self.leases:
+            self.early[req_id] = time.time() if now is None else now
+            return
+        self.early.pop(req_id, None)
+        self.leases[req_id] = -1.0  # released at the next collect()
+
+    def collect(self, now: float | None = None) -> tuple[set[str], set[str]]:
+        """Return (notified, expired) request ids released now; forget them."""
+        now = time.time() if now is None else now
+        notified: set[str] = set()
+        expired: set[str] = set()
+        for req_id, deadline in list(self.leases.items()):
+            if deadline < 0 or req_id in self.early:
+                notified.add(req_id)
+            elif now >= deadline:
+                expired.add(req_id)
+            else:
+                continue
+            del self.leases[req_id]
+            self.early.pop(req_id, None)
+        for req_id, seen in list(self.early.items()):
+            if now - seen > self.early_ttl_s:
+                del self.early[req_id]
+        self.released_notified += len(notified)
+        self.released_expired += len(expired)
+        return notified, expired
+
+
+def layout_signature(dtype: str, layers: Sequence[LayerGeometry], block_size: int) -> str:
+    """Equal on P and D iff a block copied byte for byte means the same KV on both."""
+    geo = sorted((g.name, g.block_stride, g.block_bytes) for g in layers)
+    h = hashlib.blake2b(repr((dtype, block_size, geo)).encode(), digest_size=8).hexdigest()
+    return f"{dtype}/bs{block_size}/L{len(geo)}/{h}"
