@@ -1,0 +1,64 @@
+"""``python -m pdserve.router``: run the router (flags mirror :class:`RouterConfig`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import RouterConfig, RouterConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.router",
+                                description="pdserve router: the OpenAI-compatible port in front of prefill/decode "
+                                            "(or colocated) vLLM workers")
+    p.add_argument("--model-dir", required=True, help="model folder (tokenizer, chat template, config.json)")
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="prefill worker base URL(s), e.g. http://127.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="decode worker base URL(s) (repeatable)")
+    p.add_argument("--colocated", nargs="+", action="extend", default=[], metavar="URL",
+                   help="baseline: workers that serve whole requests, round-robin (instead of --prefill/--decode)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default="", help="name clients use in 'model' (default: --model-dir)")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context limit (prompt + max_tokens) to enforce; set to the workers' --max-model-len "
+                        "(default: config.json max_position_embeddings)")
+    p.add_argument("--connect-timeout-s", type=float, default=5.0)
+    p.add_argument("--upstream-idle-timeout-s", type=float, default=120.0,
+                   help="fail a request when its worker sends nothing for this long")
+    p.add_argument("--health-timeout-s", type=float, default=2.0)
+    p.add_argument("--health-interval-s", type=float, default=5.0, help="background health probes (0: off)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> RouterConfig:
+    a = build_parser().parse_args(argv)
+    return RouterConfig(model_dir=a.model_dir, prefill=tuple(a.prefill), decode=tuple(a.decode),
+                        colocated=tuple(a.colocated), host=a.host, port=a.port,
+                        served_model_name=a.served_model_name, max_model_len=a.max_model_len,
+                        connect_timeout_s=a.connect_timeout_s, upstream_idle_timeout_s=a.upstream_idle_timeout_s,
+                        health_timeout_s=a.health_timeout_s, health_interval_s=a.health_interval_s,
+                        log_level=a.log_level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(argv)
+    except RouterConfigError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .app import serve
+
+    logging.getLogger("pdserve.router").info("router (%s) on http://%s:%d serving %s", config.mode, config.host,
+                                             config.port, config.served_model_name)
+    serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

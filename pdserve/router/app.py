@@ -1,0 +1,311 @@
+"""The router's HTTP server (aiohttp): the one public port.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
+(200 only when every configured worker answers its /health), GET /metrics (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from .config import RouterConfig
+from .errors import RouterError, bad_request, not_found, upstream_failed
+from .handoff import Delta, Generation, Timings
+from .metrics import RouterMetrics
+from .placement import Placement, RoundRobin
+from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
+    parse_json, sse
+from .tokenizer import PromptTokenizer
+from .workers import Worker, WorkerClient, WorkerError
+
+log = logging.getLogger("pdserve.router")
+
+TIMINGS_HEADER = "X-Pdserve-Timings"
+ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
+_OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
+
+
+class Router:
+    """State shared by the handlers of one app."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None,
+                 placement: Placement | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or PromptTokenizer(config.model_dir)
+        self.metrics = RouterMetrics()
+        self.workers: dict[str, Worker] = {}
+        for role, url in config.all_workers():
+            self.workers.setdefault(url, Worker(url)).roles.add(role)
+        w = self.workers
+        self.placement: Placement = placement or RoundRobin([w[u] for u in config.prefill],
+                                                            [w[u] for u in config.decode],
+                                                            [w[u] for u in config.colocated])
+        self.session: aiohttp.ClientSession | None = None
+        self.client: WorkerClient | None = None
+        self._health_task: asyncio.Task | None = None
+        self.created = int(time.time())
+
+    # ---- lifecycle ----
+    async def start(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
+        if self.config.health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+        if self.session is not None:
+            await self.session.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.probe()
+            except Exception:  # never let the loop die
+                log.exception("health probe failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def probe(self) -> list[dict[str, Any]]:
+        assert self.client is not None
+        workers = list(self.workers.values())
+        results = await asyncio.gather(*(self.client.health(w.url, self.config.health_timeout_s) for w in workers))
+        out = []
+        for w, (ok, detail) in zip(workers, results):
+            if ok != w.healthy:
+                log.warning("worker %s is now %s (%s)", w.url, "healthy" if ok else "unhealthy", detail)
+            w.healthy = ok
+            w.last_error = "" if ok else detail
+            for role in sorted(w.roles):
+                self.metrics.worker_healthy.set(1.0 if ok else 0.0, role, w.url)
+            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": ok, "detail": detail})
+        return out
+
+    # ---- handlers ----
+    async def health(self, request: web.Request) -> web.Response:
+        workers = await self.probe()
+        ok = all(w["healthy"] for w in workers)
+        return web.json_response({"status": "ok" if ok else "unhealthy", "mode": self.config.mode,
+                                  "workers": workers}, status=200 if ok else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "root": self.config.model_dir, "parent": None, "max_model_len": self.config.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    # ---- generation ----
+    async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        tok = self.tokenizer
+        if req.kind == "chat":
+            assert req.messages is not None
+            size = sum(len(m["content"]) for m in req.messages)
+            fn: Callable[[], list[int]] = lambda: tok.chat_ids(  # noqa: E731
+                req.messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                **req.chat_template_kwargs)
+        elif req.prompt_ids is not None:
+            tok.check_ids(req.prompt_ids)
+            return req.prompt_ids
+        else:
+            text = req.prompt_text or ""
+            size = len(text)
+            fn = lambda: tok.encode(text, req.add_special_tokens)  # noqa: E731
+        if size > _OFFLOAD_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, fn)
+        return fn()
+
+    def _limits(self, req: GenerationRequest, n: int) -> int:
+        limit = self.config.max_model_len
+        if n == 0:
+            raise bad_request("the prompt is empty after tokenization", "prompt" if req.kind != "chat" else "messages")
+        if n >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{n} tokens, leaving no room for output. Please reduce the length of the prompt.",
+                              "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
+        if req.max_tokens is None:
+            return limit - n
+        if n + req.max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} for the completion). "
+                              "Please reduce the length of the prompt or max_tokens.", "max_tokens",
+                              "context_length_exceeded")
+        return req.max_tokens
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t = Timings(arrive=time.perf_counter(), mode=self.config.mode)
+        m = self.metrics
+        m.inflight.inc()
+        status = "200"
+        done = False
+        try:
+            body = parse_json(await request.read())
+            req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
+            if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
+                req.timings = True
+            if req.model is not None and req.model != self.config.served_model_name:
+                raise not_found(f"The model `{req.model}` does not exist. This router serves "
+                                f"`{self.config.served_model_name}` (see /v1/models).", "model", "model_not_found")
+            prompt_ids = await self._prompt_ids(req)
+            max_tokens = self._limits(req, len(prompt_ids))
+            assert self.client is not None, "router not started"
+            detok = None
+            if self.config.mode != "colocated":
+                detok = self.tokenizer.detokenizer(prompt_ids, req.sampling.get("skip_special_tokens", True),
+                                                   req.sampling.get("spaces_between_special_tokens", True))
+            gen = Generation(req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode,
+                             detok)
+            builder = ResponseBuilder(req, self.config.served_model_name)
+            if req.stream:
+                resp, status = await self._stream(request, req, gen, builder, prompt_ids)
+            else:
+                resp = await self._collect(req, gen, builder, prompt_ids)
+            done = True
+            return resp
+        except RouterError as e:
+            status = str(e.status)
+            return web.json_response(e.to_dict(), status=e.status)
+        except asyncio.CancelledError:
+            status = "client_disconnected"
+            raise
+        finally:
+            m.inflight.inc(amount=-1)
+            m.requests.inc(endpoint, status)
+            if t.end is None:
+                t.end = time.perf_counter()
+            if done and status == "200":
+                m.observe_timings(t.mode, t.report())
+                m.prompt_tokens.inc(amount=t.prompt_tokens)
+                m.completion_tokens.inc(amount=t.tokens)
+
+    async def _collect(self, req: GenerationRequest, gen: Generation, builder: ResponseBuilder,
+                       prompt_ids: list[int]) -> web.Response:
+        parts: list[str] = []
+        async with aclosing(gen.run()) as deltas:
+            try:
+                async for d in deltas:
+                    parts.append(d.text)
+            except WorkerError as e:
+                raise upstream_failed(str(e)) from None
+        gen.t.end = time.perf_counter()
+        out = builder.full("".join(parts), gen.finish_reason, gen.stop_reason, gen.token_ids, len(prompt_ids),
+                           prompt_ids)
+        if req.timings:
+            out["pdserve_timings"] = gen.t.report()
+        return web.Response(text=dumps(out), content_type="application/json")
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation,
+                      builder: ResponseBuilder, prompt_ids: list[int]) -> tuple[web.StreamResponse, str]:
+        """Answer with SSE. Errors before the first token keep their HTTP status (raised); after it they become an
+        error event followed by [DONE]. Returns (response, status label for the metrics)."""
+        async with aclosing(gen.run()) as deltas:
+            try:
+                first: Delta = await deltas.__anext__()
+            except StopAsyncIteration:
+                raise upstream_failed("worker produced no output") from None
+            except WorkerError as e:
+                raise upstream_failed(str(e)) from None
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": req.request_id})
+            await resp.prepare(request)
+            ntok = 0
+            try:
+                d: Delta | None = first
+                out = sse(builder.chunk("", role=True)) if builder.chat else b""
+                while d is not None:
+                    chunk = builder.chunk(d.text, d.token_ids, d.finish_reason, d.stop_reason,
+                                          prompt_ids=prompt_ids if ntok == 0 else None)
+                    ntok += len(d.token_ids)
+                    if req.continuous_usage:
+                        chunk["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": ntok,
+                                          "total_tokens": len(prompt_ids) + ntok}
+                    if d.finish_reason is not None:
+                        gen.t.end = time.perf_counter()
+                        if req.include_usage:
+                            out += sse(chunk)
+                            chunk = builder.usage_chunk(len(prompt_ids), ntok)
+                        if req.timings:
+                            chunk["pdserve_timings"] = gen.t.report()
+                        out += sse(chunk) + SSE_DONE
+                        await resp.write(out)
+                        break
+                    out += sse(chunk)
+                    await resp.write(out)
+                    out = b""
+                    d = await deltas.__anext__()
+            except (RouterError, WorkerError, StopAsyncIteration) as e:
+                err = e if isinstance(e, RouterError) else upstream_failed(
+                    str(e) if isinstance(e, WorkerError) else "worker stream ended early")
+                log.warning("request %s failed mid-stream: %s", req.request_id, err.message)
+                await resp.write(sse(err.to_dict()) + SSE_DONE)
+                await resp.write_eof()
+                return resp, "stream_error"
+            except ConnectionError:
+                # client went away: leaving this block closes the worker streams, so vLLM aborts the requests
+                return resp, "client_disconnected"
+            await resp.write_eof()
+            return resp, "200"
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                             ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        etype = "invalid_request_error" if e.status < 500 else "server_error"
+        err = RouterError(e.status, f"{e.reason}: {request.method} {request.path}", etype)
+        return web.json_response(err.to_dict(), status=e.status)
+    except RouterError as e:
+        return web.json_response(e.to_dict(), status=e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(RouterError(500, f"internal router error: {e}", "server_error").to_dict(),
+                                 status=500)
+
+
+def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
+               placement: Placement | None = None) -> web.Application:
+    """The aiohttp app (serve it with handler_cancellation=True so client disconnects abort worker calls)."""
+    router = Router(config, tokenizer, placement)
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 << 20)
+    app[ROUTER_KEY] = router
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_handler)
+    return app
+
+
+def serve(config: RouterConfig) -> None:
+    """Run the router until interrupted."""
+    app = create_app(config)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, access_log=None,
+                print=lambda msg: log.info(msg), shutdown_timeout=5.0)

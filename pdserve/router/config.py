@@ -1,0 +1,122 @@
+"""Router settings: one frozen dataclass, validated on construction with messages that say how to fix a value."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+# config.json keys that bound the context length, in the order vLLM consults them.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "model_max_length")
+
+
+class RouterConfigError(ValueError):
+    """A router setting is wrong; the message says which and how to fix it."""
+
+
+def _check_url(flag: str, url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RouterConfigError(f"{flag} {url!r}: give a worker's base URL like http://127.0.0.1:8100 "
+                                "(scheme and host, no /v1 path)")
+    if parts.path.rstrip("/") not in ("",):
+        raise RouterConfigError(f"{flag} {url!r}: give the base URL without a path (the router adds /v1/...)")
+    return url.rstrip("/")
+
+
+def context_length_from_model_dir(model_dir: str) -> int | None:
+    """The model's maximum context from ``config.json`` (None when no key says it)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for source in (cfg, cfg.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of one router process.
+
+    Disaggregated mode: ``prefill`` and ``decode`` list the workers' base URLs (one may appear in both when it
+    runs the connector with ``kv_role: kv_both``). Colocated mode (baseline): ``colocated`` lists workers that
+    serve whole requests; then ``prefill``/``decode`` must be empty.
+    model_dir: Hugging Face folder with the tokenizer (and chat template) and config.json; read locally only.
+    served_model_name: the name clients use in ``model``; defaults to ``model_dir`` as given (as vLLM does).
+    max_model_len: context limit the router enforces (prompt + max_tokens); defaults to config.json's
+    ``max_position_embeddings``. Set it to the workers' ``--max-model-len``.
+    upstream_idle_timeout_s: a worker that sends nothing for this long fails the request (no hung streams).
+    health_interval_s: period of the background health probes (0 turns them off; /health always probes).
+    """
+
+    model_dir: str
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+    max_model_len: int = 0
+    connect_timeout_s: float = 5.0
+    upstream_idle_timeout_s: float = 120.0
+    health_timeout_s: float = 2.0
+    health_interval_s: float = 5.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            value = tuple(_check_url(f"--{name}", u) for u in value)
+            object.__setattr__(self, name, value)
+        if not self.model_dir:
+            raise RouterConfigError("--model-dir is required: the model folder whose tokenizer and chat template "
+                                    "the router uses (the same folder the workers serve)")
+        model_dir = Path(self.model_dir)
+        if not model_dir.is_dir():
+            raise RouterConfigError(f"--model-dir {self.model_dir!r} is not a directory: point it at the Hugging "
+                                    "Face model folder the workers serve")
+        if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                        "tokenizer.model", "vocab.json")):
+            raise RouterConfigError(f"--model-dir {self.model_dir!r} has no tokenizer files (tokenizer.json, "
+                                    "tokenizer_config.json): the router tokenizes prompts with them")
+        if self.colocated and (self.prefill or self.decode):
+            raise RouterConfigError("--colocated cannot be combined with --prefill/--decode: choose colocated "
+                                    "(baseline) or disaggregated mode")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
+                                    "--colocated URL... (baseline)")
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", self.model_dir)
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise RouterConfigError(f"--port {self.port!r}: use 1-65535, or 0 to pick a free port")
+        if self.max_model_len == 0:
+            found = context_length_from_model_dir(self.model_dir)
+            if found is None:
+                raise RouterConfigError(f"{self.model_dir}/config.json gives no context length "
+                                        "(max_position_embeddings): pass --max-model-len (the workers' value)")
+            object.__setattr__(self, "max_model_len", found)
+        if self.max_model_len < 2:
+            raise RouterConfigError(f"--max-model-len {self.max_model_len}: must be at least 2 tokens")
+        for name in ("connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise RouterConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
+        if self.health_interval_s < 0:
+            raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    def all_workers(self) -> list[tuple[str, str]]:
+        """(role, url) for every configured worker, a URL listed once per role."""
+        if self.colocated:
+            return [("colocated", u) for u in self.colocated]
+        return [("prefill", u) for u in self.prefill] + [("decode", u) for u in self.decode]

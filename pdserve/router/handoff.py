@@ -1,0 +1,362 @@
+"""Drives one request across the workers: prefill on P (max_tokens=1, do_remote_decode), first token out at once,
+then decode on D (prompt + [t1], P's kv_transfer_params), or the whole request on one worker (colocated).
+
+The output is a stream of :class:`Delta` (text + token ids) after router-side stop-string handling, so a stop
+string that spans the P/D boundary (t1's text + D's first text) is honoured exactly as one worker would: the
+last len(stop)-1 characters are held back, the stop string is cut, D is aborted, and usage counts the tokens up
+to the one that completed the stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from .errors import RouterError, from_worker, upstream_failed
+from .metrics import RouterMetrics
+from .placement import Choice, Placement
+from .protocol import GenerationRequest
+from .tokenizer import IncrementalDetokenizer
+from .workers import Wait, Worker, WorkerClient, WorkerError
+
+_RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class Timings:
+    """Monotonic timestamps (perf_counter seconds) of one request's phases, reported in milliseconds as:
+
+    queue_ms: arrival -> first worker request sent (body parse, chat template, tokenization, placement).
+    prefill_ms: P's round trip (request sent -> its one-token answer parsed).
+    kv_transfer_bytes / kv_transfer_ms: what D's connector reports (``kv_transfer_params.pdserve``); None
+        when the worker does not say (vLLM 0.32 omits kv_transfer_params from streamed answers).
+    handoff_ms: P's answer -> D's first token at the router (includes D's queue, KV fetch, first step).
+    ttft_ms: arrival -> first token known to the router (t1 from P in disaggregated mode).
+    tpot_ms: (last token - first token) / (tokens - 1); None below two tokens.
+    decode_ms: D (or the colocated worker) request sent -> its last token.
+    e2e_ms: arrival -> final chunk / response built.
+    router_overhead_ms: e2e minus the time spent awaiting workers (parsing, tokenizing, detokenizing, stop
+        matching, JSON/SSE, writes to the client, event-loop scheduling).
+    """
+
+    arrive: float
+    mode: str = "disaggregated"
+    dispatch: float | None = None
+    p_sent: float | None = None
+    p_done: float | None = None
+    d_sent: float | None = None
+    d_first: float | None = None
+    d_end: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    prompt_tokens: int = 0
+    kv_bytes: int | None = None
+    kv_ms: float | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    wait: Wait = field(default_factory=Wait)
+
+    def report(self) -> dict[str, Any]:
+        end = self.end if self.end is not None else time.perf_counter()
+
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((b - a) * 1000.0, 3)
+
+        tpot = None
+        if self.tokens >= 2 and self.first_token is not None and self.last_token is not None:
+            tpot = round((self.last_token - self.first_token) * 1000.0 / (self.tokens - 1), 3)
+        e2e = (end - self.arrive) * 1000.0
+        return {
+            "mode": self.mode,
+            "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker,
+            "queue_ms": ms(self.arrive, self.dispatch),
+            "prefill_ms": ms(self.p_sent, self.p_done),
+            "kv_transfer_bytes": self.kv_bytes,
+            "kv_transfer_ms": self.kv_ms,
+            "handoff_ms": ms(self.p_done, self.d_first),
+            "ttft_ms": ms(self.arrive, self.first_token),
+            "tpot_ms": tpot,
+            "decode_ms": ms(self.d_sent, self.d_end),
+            "e2e_ms": round(e2e, 3),
+            "router_overhead_ms": round(max(0.0, e2e - self.wait.seconds * 1000.0), 3),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
+        }
+
+
+class StopStrings:
+    """Stop-string matching over the whole output text, holding back what could begin a stop string."""
+
+    def __init__(self, stops: list[str], include: bool) -> None:
+        self.stops = stops
+        self.include = include
+        self.maxlen = max((len(s) for s in stops), default=0)
+        self.hold = 0 if include or not stops else self.maxlen - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Add text; return (text that may go out now, the stop string hit or None)."""
+        if not self.stops:
+            return delta, None
+        start = max(0, len(self.text) - self.maxlen + 1)
+        self.text += delta
+        hit, at = None, -1
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (at < 0 or i < at):
+                hit, at = s, i
+        if hit is not None:
+            end = at + (len(hit) if self.include else 0)
+            out = self.text[self.sent:end]
+            self.text = self.text[:end]
+            self.sent = end
+            return out, hit
+        upto = len(self.text) - self.hold
+        if upto > self.sent:
+            out = self.text[self.sent:upto]
+            self.sent = upto
+            return out, None
+        return "", None
+
+    def flush(self) -> str:
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+
+def _transfer_stats(obj: Any, t: Timings) -> None:
+    """Read KV transfer bytes/ms where the pdserve connector reports them: D's ``kv_transfer_params`` =
+    ``{"pdserve": {"bytes", "ms", "blocks", "ok"}}`` (set in request_finished). vLLM 0.32 puts
+    kv_transfer_params only in non-streaming answers, so for streamed decodes they stay None."""
+    if not isinstance(obj, dict):
+        return
+    kvp = obj.get("kv_transfer_params")
+    stats = kvp.get("pdserve") if isinstance(kvp, dict) else None
+    if not isinstance(stats, dict):
+        return
+    b, m = stats.get("bytes"), stats.get("ms")
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        t.kv_bytes = int(b)
+    if isinstance(m, (int, float)) and not isinstance(m, bool):
+        t.kv_ms = float(m)
+
+
+class Generation:
+    """One request's run. Iterate :meth:`run` for client-ready deltas; read ``timings`` afterwards."""
+
+    def __init__(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, placement: Placement,
+                 client: WorkerClient, metrics: RouterMetrics, timings: Timings, mode: str,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.placement = placement
+        self.client = client
+        self.metrics = metrics
+        self.t = timings
+        self.t.mode = mode
+        self.t.prompt_tokens = len(prompt_ids)
+        self.colocated = mode == "colocated"
+        # P -> D: text from the router's own detokenizer (see IncrementalDetokenizer); colocated: the worker's
+        self.detok = None if self.colocated else detokenizer
+        self.stopper = StopStrings(req.stop, req.include_stop_str_in_output)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+    # ---- worker bodies ----
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+                                "return_token_ids": True, **self.req.sampling}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.req.stop and self.colocated:
+            # Only a worker that sees the whole output checks stop strings. P and D never get them: D would
+            # miss a stop string spanning t1 and its own text, and its hold-back of text that could begin one
+            # delays text behind token ids (usage would overcount). The router matches on the whole text and
+            # closes D's stream at the hit, which aborts D.
+            body["stop"] = self.req.stop
+        if self.req.stop_token_ids:
+            body["stop_token_ids"] = self.req.stop_token_ids
+        if self.req.include_stop_str_in_output and self.colocated:
+            body["include_stop_str_in_output"] = True
+        return body
+
+    def _fail(self, w: Worker, role: str, e: WorkerError) -> None:
+        self.metrics.worker_errors.inc(role, e.kind)
+        if e.kind in _RETRYABLE:
+            w.healthy = False
+            w.last_error = str(e)
+
+    @staticmethod
+    def _as_router_error(e: WorkerError) -> RouterError:
+        if e.kind == "http" and e.status is not None:
+            return from_worker(e.status, e.payload)
+        return upstream_failed(str(e))
+
+    # ---- the run ----
+    async def run(self) -> AsyncIterator[Delta]:
+        """Yield client-ready deltas; the last has finish_reason set. Raises RouterError before the first delta
+        (the app answers with its status) and RouterError/WorkerError after (the app sends an error event)."""
+        async with aclosing(self._raw()) as raws:
+            async for raw in raws:
+                text, hit = self.stopper.feed(raw.text)
+                self.token_ids.extend(raw.token_ids)
+                self.t.tokens += len(raw.token_ids)
+                now = time.perf_counter()
+                if raw.token_ids:
+                    if self.t.first_token is None:
+                        self.t.first_token = now
+                    self.t.last_token = now
+                if hit is not None:
+                    self.finish_reason, self.stop_reason = "stop", hit
+                    yield Delta(text, raw.token_ids, "stop", hit)
+                    return  # leaving _raw() closes D's stream: vLLM aborts it
+                if raw.finish_reason is not None:
+                    self.finish_reason, self.stop_reason = raw.finish_reason, raw.stop_reason
+                    yield Delta(text + self.stopper.flush(), raw.token_ids, raw.finish_reason, raw.stop_reason)
+                    return
+                yield Delta(text, raw.token_ids)
+        raise upstream_failed("worker stream ended without a finish_reason")
+
+    async def _raw(self) -> AsyncIterator[Delta]:
+        exclude: set[str] = set()
+        while True:
+            choice = self.placement.choose(self.prompt_ids, frozenset(exclude))
+            try:
+                gen = self._one_worker(choice.decode) if self.colocated or choice.prefill is None \
+                    else self._pd(choice, exclude)
+                async with aclosing(gen) as deltas:
+                    async for d in deltas:
+                        yield d
+                return
+            except _Retry as r:
+                exclude.add(r.url)
+
+    async def _one_worker(self, w: Worker) -> AsyncIterator[Delta]:
+        self.t.decode_worker = w.url
+        body = self._body(self.prompt_ids, self.max_tokens, True)
+        async with aclosing(self._decode_stream(w, body, "colocated" if self.colocated else "decode")) as deltas:
+            async for d in deltas:
+                yield d
+
+    async def _pd(self, choice: Choice, exclude: set[str]) -> AsyncIterator[Delta]:
+        p = choice.prefill
+        assert p is not None
+        self.t.prefill_worker = p.url
+        body = self._body(self.prompt_ids, 1, False)
+        body["kv_transfer_params"] = {"do_remote_decode": True}
+        now = time.perf_counter()
+        if self.t.dispatch is None:
+            self.t.dispatch = now
+        self.t.p_sent = now
+        try:
+            resp = await self.client.complete(p.url, body, self.t.wait)
+        except WorkerError as e:
+            self._fail(p, "prefill", e)
+            if e.kind in _RETRYABLE:
+                raise _Retry(p.url) from None
+            raise self._as_router_error(e) from None
+        self.t.p_done = time.perf_counter()
+        try:
+            c0 = resp["choices"][0]
+            ids = c0.get("token_ids")
+            text = c0.get("text") or ""
+            finish = c0.get("finish_reason")
+            stop_reason = c0.get("stop_reason")
+            if not isinstance(ids, list) or len(ids) != 1 or not isinstance(text, str):
+                raise ValueError(f"expected one token id, got token_ids={ids!r}")
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            self.metrics.worker_errors.inc("prefill", "protocol")
+            raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
+        kvp = resp.get("kv_transfer_params")
+        _transfer_stats(resp, self.t)
+        t1 = ids[0]
+        if self.detok is not None:
+            text = self.detok.step(t1)
+        if finish == "stop" or self.max_tokens == 1:
+            self.metrics.handoffs.inc("skipped")
+            yield Delta(text, [t1], finish or "length", stop_reason)
+            return
+        if finish != "length":
+            raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
+        yield Delta(text, [t1])
+        self.metrics.handoffs.inc("kv" if isinstance(kvp, dict) else "no_kv")
+        d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True)
+        if isinstance(kvp, dict):
+            d_body["kv_transfer_params"] = kvp
+        d = choice.decode
+        tries: set[str] = set()
+        while True:
+            self.t.decode_worker = d.url
+            try:
+                async with aclosing(self._decode_stream(d, d_body, "decode", after_first=True)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            except _Retry as r:  # D unreachable: P's blocks are still leased, try another D
+                tries.add(r.url)
+                d = self.placement.choose(self.prompt_ids, frozenset(exclude | tries)).decode
+
+    async def _decode_stream(self, w: Worker, body: dict, role: str, after_first: bool = False
+                             ) -> AsyncIterator[Delta]:
+        now = time.perf_counter()
+        if self.t.dispatch is None:
+            self.t.dispatch = now
+        self.t.d_sent = now
+        started = False
+        last: Delta | None = None
+        try:
+            async with aclosing(self.client.stream(w.url, body, self.t.wait)) as objs:
+                async for obj in objs:
+                    _transfer_stats(obj, self.t)
+                    choices = obj.get("choices") or []
+                    if not choices:
+                        continue  # usage chunk
+                    c0 = choices[0]
+                    ids = c0.get("token_ids") or []
+                    if self.detok is not None and after_first:
+                        text = "".join(self.detok.step(t) for t in ids)
+                    else:
+                        text = c0.get("text") or ""
+                    if not started and (ids or text):
+                        started = True
+                        self.t.d_first = time.perf_counter()
+                    delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"))
+                    if delta.finish_reason is None:
+                        yield delta
+                    else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
+                        self.t.d_end = time.perf_counter()
+                        last = delta
+            if last is not None:
+                yield last
+        except WorkerError as e:
+            self._fail(w, role, e)
+            if e.kind in _RETRYABLE and not started:
+                raise _Retry(w.url) from None
+            if not after_first and not started:
+                raise self._as_router_error(e) from None
+            raise upstream_failed(f"{role} worker {w.url} failed mid-request: {e}") from None
+        finally:
+            if self.t.d_end is None:
+                self.t.d_end = time.perf_counter()
+
+
+class _Retry(Exception):
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url

@@ -1,0 +1,321 @@
+"""The router in front of real vLLM servers, driven by the official ``openai`` client.
+
+One vLLM server (a small random-weight Llama from :func:`pdserve.models.build_random_llama`, served without the
+connector) sits behind two routers: a colocated one and a disaggregated one that uses the same server as prefill
+and decode worker (P returns no kv_transfer_params, so D recomputes the prompt: the hand-off sequence is real, the
+KV transfer is not; the connector path is tested where the connector lands). Greedy outputs must agree token for
+token between the worker itself, the colocated router and the P -> D path.
+
+Set PDSERVE_TEST_MODEL_DIR to reuse a built model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+pytest.importorskip("vllm", reason="vLLM is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_LEN = 2048
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Proc:
+    """A child process in its own process group, always killed (with its children) at teardown."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
+        self.log = log
+        self.fh = open(log, "wb")
+        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+    def wait_healthy(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.p.args[:4]} exited {self.p.returncode}:\n{self.log.read_text()[-3000:]}")
+            if _get(url + "/health", 2.0)[0] == 200:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{url} not healthy after {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+                self.p.wait(timeout=15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.p.wait(timeout=10)
+        self.fh.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    env = os.environ.get("PDSERVE_TEST_MODEL_DIR")
+    if env:
+        return Path(env)
+    from pdserve.models import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models") / "random-llama")
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    """One vLLM worker, a colocated router and a disaggregated router (P = D = that worker)."""
+    logs = tmp_path_factory.mktemp("logs")
+    procs: list[Proc] = []
+    try:
+        wport = _free_port()
+        worker = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                       "--host", "127.0.0.1", "--port", str(wport), "--enforce-eager",
+                       "--max-model-len", str(MAX_LEN)], logs / "worker.log",
+                      {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+        procs.append(worker)
+        wurl = f"http://127.0.0.1:{wport}"
+        routers = {}
+        for mode, flags in (("colocated", ["--colocated", wurl]), ("pd", ["--prefill", wurl, "--decode", wurl])):
+            port = _free_port()
+            r = Proc([sys.executable, "-m", "pdserve.router", "--model-dir", str(model_dir), "--port", str(port),
+                      "--served-model-name", "rl", "--max-model-len", str(MAX_LEN), *flags], logs / f"router-{mode}.log")
+            procs.append(r)
+            routers[mode] = f"http://127.0.0.1:{port}"
+        worker.wait_healthy(wurl, 300)
+        for mode, url in routers.items():
+            procs[1 + list(routers).index(mode)].wait_healthy(url, 120)
+        yield {"worker": wurl, **routers, "procs": procs}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def _client(url: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _direct(stack, path: str, body: dict) -> dict:
+    st, out = _post(stack["worker"] + path, body)
+    assert st == 200, out
+    return out
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_completions_match_worker(stack, mode):
+    c = _client(stack[mode])
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    want = _direct(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                              "ignore_eos": True, "return_token_ids": True})
+    got = c.completions.create(model="rl", prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].text == want["choices"][0]["text"]
+    assert got.choices[0].model_extra["token_ids"] == want["choices"][0]["token_ids"]
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.completion_tokens == 24 and got.choices[0].finish_reason == "length"
+    # streaming gives the same text, one [DONE]-terminated stream with usage at the end
+    chunks = list(c.completions.create(model="rl", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want["choices"][0]["text"]
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens
+    # token-id prompts
+    ids = want["choices"][0]["prompt_token_ids"]
+    got2 = c.completions.create(model="rl", prompt=ids, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert got2.choices[0].text == want["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_chat_template_and_output_match_worker(stack, mode):
+    c = _client(stack[mode])
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+    want = _direct(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0,
+                                                   "ignore_eos": True})
+    got = c.chat.completions.create(model="rl", messages=messages, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]  # same chat template, same tokens
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+    assert got.choices[0].message.role == "assistant" and got.usage.completion_tokens == 16
+    stream = c.chat.completions.create(model="rl", messages=messages, max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        want["choices"][0]["message"]["content"]
+    assert chunks[-1].usage.total_tokens == want["usage"]["prompt_tokens"] + 16
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_stop_strings_match_worker(stack, mode):
+    c = _client(stack[mode])
+    prompt = "Once upon a time"
+    full = _direct(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True})["choices"][0]["text"]
+    # a stop string inside the text, one that starts at the very first character (t1 from P in pd mode), and
+    # one spanning the first and second tokens
+    for stop in (full[len(full) // 2: len(full) // 2 + 3], full[:2], full[1:len(full) // 3 + 1]):
+        want = _direct(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True, "stop": [stop]})
+        got = c.completions.create(model="rl", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                   extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want["choices"][0]["text"], stop
+        assert got.choices[0].finish_reason == want["choices"][0]["finish_reason"] == "stop"
+        assert got.usage.completion_tokens == want["usage"]["completion_tokens"], stop
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="rl", prompt=prompt, max_tokens=12, temperature=0, stop=[stop], stream=True,
+            extra_body={"ignore_eos": True}))
+        assert streamed == want["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_bad_input_statuses_then_healthy(stack, mode):
+    c = _client(stack[mode])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="rl", prompt=[100] * MAX_LEN, max_tokens=4)
+    assert f"{MAX_LEN} tokens" in str(e.value) and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="rl", prompt=[100] * 2000, max_tokens=100)
+    assert "2000 in the prompt" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="rl", prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="rl", messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="rl", prompt=[10 ** 7], max_tokens=2)  # out of vocabulary
+    assert [m.id for m in c.models.list()] == ["rl"]
+    assert _get(stack[mode] + "/health")[0] == 200 and _get(stack["worker"] + "/health")[0] == 200
+    ok = c.completions.create(model="rl", prompt="hi", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def _running(worker: str) -> float:
+    _, text = _get(worker + "/metrics")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_client_disconnect_aborts_worker_request(stack, mode):
+    c = _client(stack[mode])
+    stream = c.completions.create(model="rl", prompt="Tell me a long story.", max_tokens=1500, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    for _ in stream:
+        n += 1
+        if n == 5:
+            break
+    assert _running(stack["worker"]) >= 1
+    stream.close()
+    deadline = time.monotonic() + 15
+    while _running(stack["worker"]) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running(stack["worker"]) == 0, "the worker still runs the request after the client left"
+    assert _get(stack[mode] + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_timings_and_router_overhead(stack, mode):
+    c = _client(stack[mode])
+    overhead, e2e = [], []
+    for i in range(8):
+        r = c.completions.create(model="rl", prompt=f"Request number {i} asks for a few tokens", max_tokens=16,
+                                 temperature=0, extra_body={"ignore_eos": True},
+                                 extra_headers={"X-Pdserve-Timings": "1"})
+        tm = r.model_extra["pdserve_timings"]
+        assert tm["mode"] == ("disaggregated" if mode == "pd" else "colocated") and tm["completion_tokens"] == 16
+        phases = ("queue_ms", "ttft_ms", "tpot_ms", "decode_ms", "e2e_ms")
+        if mode == "pd":
+            phases += ("prefill_ms", "handoff_ms")
+            assert tm["prefill_ms"] <= tm["ttft_ms"]
+        for k in phases:
+            assert tm[k] is not None and tm[k] >= 0, (k, tm)
+        assert tm["ttft_ms"] <= tm["e2e_ms"]
+        overhead.append(tm["router_overhead_ms"])
+        e2e.append(tm["e2e_ms"])
+    s_overhead = []
+    for i in range(4):
+        chunks = list(c.completions.create(model="rl", prompt=f"stream timings {i}", max_tokens=32, stream=True,
+                                           extra_body={"pdserve_timings": True, "ignore_eos": True}))
+        tm = chunks[-1].model_extra["pdserve_timings"]
+        assert tm["completion_tokens"] == 32
+        s_overhead.append(tm["router_overhead_ms"])
+    _, metrics = _get(stack[mode] + "/metrics")
+    assert 'pdserve_router_phase_seconds_count{mode="%s",phase="e2e"}' % tm["mode"] in metrics
+    print(f"\nrouter overhead per request ({mode}, 16 tokens, non-stream): median {statistics.median(overhead):.2f} "
+          f"ms, e2e median {statistics.median(e2e):.1f} ms; streamed 32 tokens: median {statistics.median(s_overhead):.2f} ms")
+
+
+def test_pd_text_when_first_token_splits_a_character(stack, model_dir):
+    """t1 (from P) may be the first byte-piece of a multi-byte character: P's text for it is then empty or partial,
+    and D's text must complete it. The joined text must equal one worker's."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    rng = random.Random(0)
+    found = None
+    for _ in range(8):
+        prompts = [[rng.randrange(100, 40000) for _ in range(6)] for _ in range(64)]
+        out = _direct(stack, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0,
+                                                 "return_token_ids": True})
+        for ch in out["choices"]:
+            t1 = ch["token_ids"][0]
+            if "\ufffd" in tok.decode([t1]):
+                found = prompts[ch["index"]]
+                break
+        if found:
+            break
+    if found is None:
+        pytest.skip("no prompt found whose greedy first token is a partial UTF-8 piece")
+    want = _direct(stack, "/v1/completions", {"prompt": found, "max_tokens": 8, "temperature": 0,
+                                              "ignore_eos": True})["choices"][0]["text"]
+    c = _client(stack["pd"])
+    got = c.completions.create(model="rl", prompt=found, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="rl", prompt=found, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == want
