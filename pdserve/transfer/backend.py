@@ -122,23 +122,21 @@ def _run_lane(ctx: EngineContext, handle: BatchHandle, address: Address,
 def run_lanes(ctx: EngineContext, handle: BatchHandle, address: Address,
               lanes: list[list[list[TransferEntry]]], job: LaneJob) -> None:
     """Run each lane on its own pooled connection in parallel; raise the first lane's error.
-    A single lane runs in the calling thread: small batches pay no thread hand-off."""
-    if len(lanes) == 1:
-        try:
-            _run_lane(ctx, handle, address, lanes[0], job)
-        except TransferError as exc:
-            handle.fail(exc)
-            raise
-        return
-    futures = [ctx.executor.submit(_run_lane, ctx, handle, address, lane, job) for lane in lanes]
+    The first lane runs in the calling thread, so a one-lane batch pays no thread hand-off."""
+    futures = [ctx.executor.submit(_run_lane, ctx, handle, address, lane, job) for lane in lanes[1:]]
     first: TransferError | None = None
+    try:
+        _run_lane(ctx, handle, address, lanes[0], job)
+    except TransferError as exc:
+        first = exc
+        handle.fail(exc)  # interrupts the other lanes at once
     for fut in futures:
         try:
             fut.result()
         except TransferError as exc:
             if first is None:
                 first = exc
-                handle.fail(exc)  # interrupts the other lanes at once
+                handle.fail(exc)
     if first is not None:
         raise first
 
@@ -155,18 +153,3 @@ def parse_entries(msg: dict[str, Any], width: int) -> list[list[Any]]:
             if type(x) is not int or x < 0:
                 raise TransferError("protocol", f"malformed entry {row!r}: offsets and lengths are ints >= 0")
     return rows
-
-
-def region_addresses(regions: RegionTable, rows: list[list[Any]]) -> list[tuple[int, int]]:
-    """(address, length) in this process for each [region, offset, length, ...] row, bounds-checked."""
-    cache: dict[str, Region] = {}
-    out = []
-    for row in rows:
-        name, offset, length = row[0], row[1], row[2]
-        region = cache.get(name)
-        if region is None:
-            region = cache[name] = regions.get(name)
-        if offset + length > region.length:
-            region.slice(offset, length)  # raises the bounds error with the details
-        out.append((region.addr + offset, length))
-    return out

@@ -13,8 +13,10 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 from . import procmem, wire
-from .backend import Backend, parse_entries, region_addresses, run_lanes
+from .backend import Backend, run_lanes
 from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
@@ -23,6 +25,32 @@ from .server import Handler, PeerContext
 
 _PROBE_BYTES = 32
 _MIN_LANE_BYTES = 4 << 20  # below this a second parallel copy costs more than it saves
+
+
+def _copy_request(kind: str, batch_id: str, frame: list[TransferEntry], addrs: dict[str, int]) -> dict[str, Any]:
+    """Entries as columns: peer region names once, then one (name index, peer offset, length,
+    our address) row of uint64 per entry, so neither side loops in Python over thousands of rows."""
+    local_regions, local_offsets, peer_regions, peer_offsets, lengths = zip(*frame)
+    names = list(dict.fromkeys(peer_regions))
+    index = {name: i for i, name in enumerate(names)}
+    cols = np.empty((len(frame), 4), dtype=np.uint64)
+    cols[:, 0] = [index[name] for name in peer_regions]
+    cols[:, 1] = peer_offsets
+    cols[:, 2] = lengths
+    cols[:, 3] = np.array([addrs[name] for name in local_regions], dtype=np.uint64) + np.array(
+        local_offsets, dtype=np.uint64)
+    return {"t": kind, "b": batch_id, "names": names, "cols": cols.tobytes()}
+
+
+def _parse_copy_request(msg: dict[str, Any]) -> tuple[list[str], np.ndarray]:
+    names, raw = msg.get("names"), msg.get("cols")
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
+            or not isinstance(raw, bytes) or not raw or len(raw) % 32):
+        raise TransferError("protocol", "copy request needs 'names' (region names) and 'cols' (n x 4 uint64)")
+    cols = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 4)
+    if int(cols[:, 0].max()) >= len(names):
+        raise TransferError("protocol", "copy request row names a region index out of range")
+    return names, cols
 
 
 class LocalBackend(Backend):
@@ -71,7 +99,8 @@ class LocalBackend(Backend):
         return ok
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        lanes = stripe(split_into_frames(entries, self._lane_bytes(entries)), self.ctx.config.streams)
+        frames = split_into_frames(entries, self.ctx.config.slice_bytes)
+        lanes = stripe(frames, self._lane_count(entries))
         kind = "lw" if op is Op.WRITE else "lr"
 
         addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}
@@ -79,21 +108,19 @@ class LocalBackend(Backend):
         def job(conn: Connection, h: BatchHandle, frames: list[list[TransferEntry]]) -> None:
             for frame in frames:  # ranges were bounds-checked by the engine at submit
                 conn.sock.settimeout(h.remaining())
-                rows = [[e.peer_region, e.peer_offset, e.length, addrs[e.local_region] + e.local_offset]
-                        for e in frame]
-                wire.send_msg(conn.sock, {"t": kind, "b": h.batch_id, "e": rows})
+                wire.send_msg(conn.sock, _copy_request(kind, h.batch_id, frame, addrs))
             for _ in frames:
                 conn.sock.settimeout(h.remaining())
                 wire.raise_if_error(wire.recv_msg(conn.sock))
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
 
-    def _lane_bytes(self, entries: list[TransferEntry]) -> int:
-        """One request per parallel copy: the owner copies a whole lane with few system calls, and
-        no more copies run at once than there are cores to run them."""
+    def _lane_count(self, entries: list[TransferEntry]) -> int:
+        """No more parallel copies than cores to run them, and none for small batches, where a
+        second copy costs more than it saves. Each lane still sends several frames, so the owner
+        parses one frame while it copies another."""
         total = sum(e.length for e in entries)
-        lanes = max(1, min(self.ctx.config.streams, os.cpu_count() or 1, total // _MIN_LANE_BYTES))
-        return max(4096, -(-total // lanes))
+        return max(1, min(self.ctx.config.streams, os.cpu_count() or 1, total // _MIN_LANE_BYTES))
 
     # ---- owner side ----
     def server_handlers(self) -> dict[str, Handler]:
@@ -107,10 +134,17 @@ class LocalBackend(Backend):
 
     def _serve_copy(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
         pid = self._require_pid(ctx)
-        rows = parse_entries(msg, 4)
-        mine = region_addresses(self.ctx.regions, rows)
-        theirs = [(row[3], row[2]) for row in rows]
-        procmem.copy(pid, mine, theirs, pull=msg["t"] == "lw")
+        names, cols = _parse_copy_request(msg)
+        regions = [self.ctx.regions.get(name) for name in names]
+        index, offset, length, theirs = cols.T
+        limit = np.array([r.length for r in regions], dtype=np.uint64)[index]
+        bad = np.flatnonzero((offset > limit) | (length > limit - np.minimum(offset, limit)))
+        if bad.size:
+            i = int(bad[0])
+            regions[int(index[i])].slice(int(offset[i]), int(length[i]))  # raises the precise error
+        base = np.array([r.addr for r in regions], dtype=np.uint64)[index]
+        mine = np.stack([base + offset, length], axis=1)
+        procmem.copy(pid, mine, np.stack([theirs, length], axis=1), pull=msg["t"] == "lw")
         wire.send_msg(ctx.sock, {"t": "ok", "b": msg.get("b")})
 
     def _serve_probe(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
@@ -119,5 +153,5 @@ class LocalBackend(Backend):
         if not isinstance(n, int) or not isinstance(addr, int) or not 0 < n <= 64:
             raise TransferError("protocol", "probe wants an int address and 1-64 bytes")
         buf = ctypes.create_string_buffer(n)
-        procmem.copy(pid, [(ctypes.addressof(buf), n)], [(addr, n)], pull=True)
+        procmem.copy(pid, procmem.iovecs([(ctypes.addressof(buf), n)]), procmem.iovecs([(addr, n)]), pull=True)
         wire.send_msg(ctx.sock, {"t": "ok", "data": buf.raw})

@@ -27,23 +27,25 @@ for _fn in (_readv, _writev):
                     ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
 
 
-def _iovecs(pieces: Sequence[tuple[int, int]]) -> np.ndarray:
-    """struct iovec[] laid out in a numpy array (two machine words per piece)."""
+def iovecs(pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+    """struct iovec[] laid out in a numpy array: one (address, length) row of machine words per piece."""
     return np.array(pieces, dtype=np.uint64).reshape(len(pieces), 2)
 
 
-def copy(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], pull: bool) -> None:
-    """Copy between this process's ``local`` (address, length) pieces and ``pid``'s ``remote`` pieces.
+def copy(pid: int, local: np.ndarray, remote: np.ndarray, pull: bool) -> None:
+    """Copy between this process's ``local`` iovecs and ``pid``'s ``remote`` iovecs ((n, 2) uint64
+    arrays of address, length; row i of both has the same length).
 
-    pull=True reads remote -> local, pull=False writes local -> remote. Piece i of both lists has
-    the same length. Raises TransferError unless every byte moved.
+    pull=True reads remote -> local, pull=False writes local -> remote. Raises TransferError unless
+    every byte moved.
     """
     fn = _readv if pull else _writev
+    local = np.ascontiguousarray(local, dtype=np.uint64)
+    remote = np.ascontiguousarray(remote, dtype=np.uint64)
     for start in range(0, len(local), IOV_MAX):
         lo, ro = local[start : start + IOV_MAX], remote[start : start + IOV_MAX]
-        want = sum(n for _, n in lo)
-        liov, riov = _iovecs(lo), _iovecs(ro)
-        done = fn(pid, liov.ctypes.data_as(_IOV_P), len(lo), riov.ctypes.data_as(_IOV_P), len(ro), 0)
+        want = int(lo[:, 1].sum())
+        done = fn(pid, lo.ctypes.data_as(_IOV_P), len(lo), ro.ctypes.data_as(_IOV_P), len(ro), 0)
         if done != want:
             err = ctypes.get_errno()
             raise TransferError(

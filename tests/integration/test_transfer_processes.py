@@ -221,6 +221,30 @@ def test_raw_malformed_requests_get_errors_and_the_engine_survives(spawn_peer):
     assert peer.alive() and peer.sha(0, MiB) == sha(expected)
 
 
+def test_malformed_same_host_requests_are_refused(spawn_peer):
+    peer = spawn_peer(MiB, seed=9)
+    uds = peer.descriptor["backends"]["local"]["uds"]
+    mine = np.zeros(64, dtype=np.uint8)
+    cases = [
+        ({"t": "lw", "names": ["mem"], "cols": bytes(31)}, "protocol"),
+        ({"t": "lw", "names": ["mem"], "cols": np.array([[1, 0, 8, 0]], np.uint64).tobytes()}, "protocol"),
+        ({"t": "lw", "names": ["nope"], "cols": np.array([[0, 0, 8, 0]], np.uint64).tobytes()}, "unknown_region"),
+        ({"t": "lw", "names": ["mem"],
+          "cols": np.array([[0, MiB - 4, 8, mine.ctypes.data]], np.uint64).tobytes()}, "bounds"),
+        ({"t": "lr", "names": ["mem"],
+          "cols": np.array([[0, 2**63, 2**63, mine.ctypes.data]], np.uint64).tobytes()}, "bounds"),
+    ]
+    for msg, code in cases:
+        conn = Connection(uds, TransferConfig(secret=SECRET))
+        try:
+            with pytest.raises(TransferError) as info:
+                conn.call(msg, 5)
+            assert info.value.code == code, msg
+        finally:
+            conn.close()
+    assert peer.alive() and peer.sha(0, MiB) == sha(pattern(MiB, 9))
+
+
 def test_fetch_segment_returns_the_live_descriptor(engine, spawn_peer):
     peer = spawn_peer(MiB)
     desc = engine.fetch_segment("127.0.0.1", peer.descriptor["port"])
