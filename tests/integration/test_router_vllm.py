@@ -228,18 +228,27 @@ def test_bad_input_statuses_then_healthy(stack, mode):
     assert ok.usage.completion_tokens >= 1
 
 
-def _running(worker: str) -> float:
+def _metric(worker: str, name: str) -> float:
     _, text = _get(worker + "/metrics")
     total = 0.0
     for line in text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _running(worker: str) -> float:
+    return _metric(worker, "vllm:num_requests_running")
+
+
+def _generated(worker: str) -> float:
+    return _metric(worker, "vllm:generation_tokens_total")
 
 
 @pytest.mark.parametrize("mode", ["colocated", "pd"])
 def test_client_disconnect_aborts_worker_request(stack, mode):
     c = _client(stack[mode])
+    before = _generated(stack["worker"])
     stream = c.completions.create(model="rl", prompt="Tell me a long story.", max_tokens=1500, temperature=0,
                                   stream=True, extra_body={"ignore_eos": True})
     n = 0
@@ -247,12 +256,15 @@ def test_client_disconnect_aborts_worker_request(stack, mode):
         n += 1
         if n == 5:
             break
-    assert _running(stack["worker"]) >= 1
     stream.close()
     deadline = time.monotonic() + 15
     while _running(stack["worker"]) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _running(stack["worker"]) == 0, "the worker still runs the request after the client left"
+    settled = _generated(stack["worker"])
+    time.sleep(1.0)
+    assert _generated(stack["worker"]) == settled, "the worker kept generating after the client left"
+    assert settled - before < 1500, "the request ran to max_tokens instead of being aborted"
     assert _get(stack[mode] + "/health")[0] == 200
 
 
