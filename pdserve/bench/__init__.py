@@ -1,0 +1,1 @@
+"""Benchmark clients: they use the router's public OpenAI API only."""
