@@ -18,7 +18,8 @@ import numpy as np
 MiB = 1 << 20
 
 
-def _median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
+def median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
+    """GB/s of the median of ``reps`` timed calls, after one untimed warm-up call."""
     fn()
     times = []
     for _ in range(reps):
@@ -57,7 +58,7 @@ def _mooncake_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
         def once() -> None:
             if te.transfer_sync_write(session, src.ctypes.data, raddr, size) != 0:
                 raise RuntimeError("Mooncake write failed")
-        out[size] = _median_gbps(size, once, reps)
+        out[size] = median_gbps(size, once, reps)
     conn.send(out)
     os._exit(0)
 
@@ -97,7 +98,7 @@ def _nixl_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
             agent.release_xfer_handle(handle)
             if state != "DONE":
                 raise RuntimeError(f"NIXL transfer ended {state}")
-        out[size] = _median_gbps(size, once, reps)
+        out[size] = median_gbps(size, once, reps)
     conn.send(out)
     os._exit(0)
 

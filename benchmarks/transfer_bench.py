@@ -12,17 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-from typing import Callable
 
 import msgpack
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.transfer import TransferConfig, TransferEngine  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from anchors import median_gbps, run_anchors  # noqa: E402  (Mooncake TE and NIXL, when installed)
 
 MiB = 1 << 20
 SIZES = [1 * MiB, 16 * MiB, 256 * MiB]
@@ -46,16 +46,6 @@ def start_target(region_bytes: int) -> tuple[subprocess.Popen, dict]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     line = proc.stdout.readline()
     return proc, msgpack.unpackb(line[:-1])
-
-
-def median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: connections, page faults
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
@@ -119,7 +109,6 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(timeout=30)
     if not args.no_anchors:
-        from anchors import run_anchors  # benchmarks/anchors.py: Mooncake TE and NIXL, when installed
         for name, label, gbps in run_anchors(SIZES, reps):
             rows.append((name, label, gbps))
             result[f"{name}_gbps_{label}"] = gbps

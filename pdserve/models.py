@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "pdserve_model.json"
@@ -54,6 +54,20 @@ def _tmp_dir(out: Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     tmp.chmod(0o755)
     return tmp
+
+
+def _write_folder(out: Path, prefix: str, stamp: dict[str, Any], dtype: str,
+                  write: Callable[[Path], None]) -> Path:
+    """Build the model folder next to ``out`` with ``write``, then move it into place (no half-written
+    folder is ever left at ``out``)."""
+    tmp = _tmp_dir(out, prefix)
+    try:
+        write(tmp)
+        _patch_config(tmp / "config.json", architectures=["LlamaForCausalLM"], torch_dtype=dtype)
+        return _finish(tmp, out, stamp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _finish(tmp: Path, out: Path, stamp: dict[str, Any]) -> Path:
@@ -108,18 +122,15 @@ def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str = "bfloat16") ->
     stamp = {"kind": "smollm2", "gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size, "dtype": dtype}
     if _stamp_matches(out, stamp):
         return out
-    tmp = _tmp_dir(out, ".smollm2-")
-    try:
+
+    def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)  # cast to dtype on save
         _save_plain(model, tmp, getattr(torch, dtype))
         _save_tokenizer(tokenizer, tmp)
-        _patch_config(tmp / "config.json", architectures=["LlamaForCausalLM"], torch_dtype=dtype)
-        return _finish(tmp, out, stamp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    return _write_folder(out, ".smollm2-", stamp, dtype, write)
 
 
 def _tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
@@ -181,15 +192,12 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
                 std = lm_head_std if name == "lm_head.weight" else init_std
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     model = model.to(getattr(torch, dtype))
-    tmp = _tmp_dir(out, ".random-llama-")
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         _save_tokenizer(tokenizer, tmp)
-        _patch_config(tmp / "config.json", architectures=["LlamaForCausalLM"], torch_dtype=dtype)
-        return _finish(tmp, out, stamp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    return _write_folder(out, ".random-llama-", stamp, dtype, write)
 
 
 def main(argv: list[str] | None = None) -> int:
