@@ -24,7 +24,9 @@ class TransferConfig:
     otherwise; ``tcp``, ``local``, ``mooncake`` and ``nixl`` force one path.
     secret: shared by every engine of a deployment; connections that cannot prove it are refused.
     streams: parallel TCP connections per peer; large batches are striped across them.
-    slice_bytes: a batch is cut into frames of at most this many bytes, the unit of striping.
+    slice_bytes: a batch is cut into frames of at most this many bytes, the unit of striping (TCP).
+    local_slice_bytes: the same for the same-host path, where each frame is one owner-side copy request
+    (larger frames: fewer requests; measured best at 16 MiB on 2 cores).
     """
 
     secret: str = ""
@@ -34,6 +36,7 @@ class TransferConfig:
     backend: str = "auto"
     streams: int = 4
     slice_bytes: int = 4 << 20
+    local_slice_bytes: int = 16 << 20
     connect_timeout_s: float = 5.0
     default_deadline_s: float = 30.0
     socket_buffer_bytes: int = 4 << 20
@@ -57,8 +60,9 @@ class TransferConfig:
             raise TransferError("config", f"port {self.port} out of range 0-65535 (0 picks a free port)")
         if not 1 <= self.streams <= 64:
             raise TransferError("config", f"streams={self.streams}: use 1 to 64 parallel connections per peer")
-        if self.slice_bytes < 4096:
-            raise TransferError("config", f"slice_bytes={self.slice_bytes}: use at least 4096 bytes")
+        for name in ("slice_bytes", "local_slice_bytes"):
+            if getattr(self, name) < 4096:
+                raise TransferError("config", f"{name}={getattr(self, name)}: use at least 4096 bytes")
         if not 1 <= self.max_iov <= 1024:
             raise TransferError("config", f"max_iov={self.max_iov}: use 1 to 1024 (the kernel's IOV_MAX)")
         if self.connect_timeout_s <= 0 or self.default_deadline_s <= 0:

@@ -99,7 +99,7 @@ class LocalBackend(Backend):
         return ok
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        frames = split_into_frames(entries, self.ctx.config.slice_bytes)
+        frames = split_into_frames(entries, self.ctx.config.local_slice_bytes)
         lanes = stripe(frames, self._lane_count(entries))
         kind = "lw" if op is Op.WRITE else "lr"
 
