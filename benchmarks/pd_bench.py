@@ -3,7 +3,7 @@
     python benchmarks/pd_bench.py [--quick] [--model DIR] [--requests N] [--output-tokens T]
 
 For 512- and 2,048-token prompts (fresh random token ids, so no prefix-cache hits) it streams requests
-through the router one at a time and reports TTFT, TPOT and ITL p50/p99 from the client's clock,
+through the router (one at a time, or --concurrency N at once) and reports TTFT, TPOT and ITL p50/p99 from the client's clock,
 the KV transfer's share of TTFT and the router's own overhead (time in the router excluding waits on
 workers) from the router's per-request timings. Prints a table and a final JSON line.
 """
@@ -36,17 +36,23 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def run_requests(url: str, model: str, length: int, n: int, out_tokens: int, seed: int) -> tuple[list[RequestRecord], float]:
+async def run_requests(url: str, model: str, length: int, n: int, out_tokens: int, seed: int,
+                       concurrency: int = 1) -> tuple[list[RequestRecord], float]:
+    """n requests of ``length`` fresh random tokens, ``concurrency`` client loops at a time."""
     rng = random.Random(seed)
-    records = []
+    payloads = [{"model": model, "prompt": prompt_ids(length, rng), "max_tokens": out_tokens,
+                 "temperature": 0, "ignore_eos": True} for _ in range(n)]
+    records: list[RequestRecord] = []
     async with aiohttp.ClientSession() as session:
         warm = {"model": model, "prompt": prompt_ids(length, rng), "max_tokens": 2, "temperature": 0}
         await stream_completion(session, url, warm)
+
+        async def loop(mine: list[dict]) -> None:
+            for payload in mine:
+                records.append(await stream_completion(session, url, payload))
+
         t0 = time.monotonic()
-        for _ in range(n):
-            payload = {"model": model, "prompt": prompt_ids(length, rng), "max_tokens": out_tokens,
-                       "temperature": 0, "ignore_eos": True}
-            records.append(await stream_completion(session, url, payload))
+        await asyncio.gather(*(loop(payloads[i::concurrency]) for i in range(concurrency)))
         return records, time.monotonic() - t0
 
 
@@ -85,7 +91,8 @@ def bench_config(name: str, cfg: LauncherConfig, args: argparse.Namespace) -> di
         for length in PROMPT_LENGTHS:
             before = kv_counters(decoders)
             records, wall = asyncio.run(run_requests(cluster.router_url, cluster.model_name, length,
-                                                     args.requests, args.output_tokens, seed=length))
+                                                     args.requests, args.output_tokens, seed=length,
+                                                     concurrency=args.concurrency))
             kv = delta(before, kv_counters(decoders))
             errors = [r.error for r in records if not r.ok]
             if errors:
@@ -100,7 +107,9 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, converted once)")
     ap.add_argument("--requests", type=int, default=0, help="requests per prompt length (default 12, quick 4)")
     ap.add_argument("--output-tokens", type=int, default=0, help="tokens per request (default 64, quick 16)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=1, help="client loops sending at once (default 1)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM chunked-prefill budget for every worker (default: vLLM's)")
     args = ap.parse_args()
     args.requests = args.requests or (4 if args.quick else 12)
     args.output_tokens = args.output_tokens or (16 if args.quick else 64)
