@@ -410,6 +410,25 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines()) if text else "    (log is empty)"
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_dead(pids: Sequence[int], timeout_s: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is alive; return those still alive at the timeout."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not any(pid_alive(p) for p in pids):
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
 def pids_in_group(pgid: int) -> list[int]:
     """Live pids whose process group is ``pgid`` (Linux /proc scan; used by tests and diagnostics)."""
     out = []

@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
-from pdserve.procs import http_status, pids_in_group
+from pdserve.procs import http_status, pids_in_group, wait_dead
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,21 +40,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_random_llama(tmp_path_factory.mktemp("launcher-model") / "tiny-llama", layers=2, hidden=256)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
-
-def _wait_dead(pids, timeout: float = 30.0) -> list[int]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not any(_pid_alive(p) for p in pids):
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if _pid_alive(p)]
 
 
 def _group_pids(pgids) -> list[int]:
@@ -142,7 +128,7 @@ def test_cli_colocated_health_gates_on_workers_and_kill_9_leaves_nothing(tiny_mo
         p.kill()
         p.wait()
         p.stdout.close()
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids, 30.0) == []
     assert _group_pids(pgids) == []
     assert sorted(x.name for x in run_dir.iterdir()) == ["colocated0.log", "launch.json", "router.log"]
 
@@ -174,6 +160,6 @@ def test_cluster_1p1d_serves_through_the_connector_and_stop_leaves_nothing(tiny_
         pids = _group_pids(pgids) + [cluster._reaper.proc.pid]
         t1 = time.monotonic()
     print(f"stopped in {time.monotonic() - t1:.1f} s")
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids, 30.0) == []
     assert _group_pids(pgids) == []
     assert not any("got SIGKILL" in line for line in log), log  # vLLM and the router exit on SIGTERM

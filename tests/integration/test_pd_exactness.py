@@ -15,7 +15,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from pdserve.procs import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -40,15 +41,9 @@ LENGTHS = (100, 1000, 1900)
 START_TIMEOUT_S = float(os.environ.get("PDSERVE_TEST_VLLM_START_S", "300"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32") -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         kv = {"kv_connector": "PdserveConnector", "kv_connector_module_path": "pdserve.vllm.connector",
@@ -302,7 +297,7 @@ def test_unusable_remote_kv_recomputes_exactly(servers, breakage):
     if breakage == "block_ids_out_of_range":
         params["remote_block_ids"] = [10**7 + i for i in range(len(params["remote_block_ids"]))]
     else:
-        params["remote_port"] = _free_port()
+        params["remote_port"] = free_port()
     dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=_salt())
     stats = dr["kv_transfer_params"]["pdserve"]
     assert not stats["ok"] and stats["error"], stats

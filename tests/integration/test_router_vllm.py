@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.procs import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
@@ -31,12 +32,6 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LEN = 2048
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -107,7 +102,7 @@ def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     procs: list[Proc] = []
     try:
-        wport = _free_port()
+        wport = free_port()
         worker = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                        "--host", "127.0.0.1", "--port", str(wport), "--enforce-eager",
                        "--max-model-len", str(MAX_LEN)], logs / "worker.log",
@@ -116,7 +111,7 @@ def stack(model_dir, tmp_path_factory):
         wurl = f"http://127.0.0.1:{wport}"
         routers = {}
         for mode, flags in (("colocated", ["--colocated", wurl]), ("pd", ["--prefill", wurl, "--decode", wurl])):
-            port = _free_port()
+            port = free_port()
             r = Proc([sys.executable, "-m", "pdserve.router", "--model-dir", str(model_dir), "--port", str(port),
                       "--served-model-name", "rl", "--max-model-len", str(MAX_LEN), *flags], logs / f"router-{mode}.log")
             procs.append(r)

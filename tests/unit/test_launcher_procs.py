@@ -16,8 +16,8 @@ import pytest
 
 from pdserve import launcher
 from pdserve.config import LauncherConfig
-from pdserve.procs import (LaunchError, Reaper, group_alive, http_status, pids_in_group, spawn, stop_children,
-                           wait_healthy)
+from pdserve.procs import (LaunchError, Reaper, group_alive, http_status, pid_alive, pids_in_group, spawn,
+                           stop_children, wait_dead, wait_healthy)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,22 +101,7 @@ def _wait_for_line(path: Path, prefix: str, timeout: float = 20.0) -> str:
     raise AssertionError(f"{prefix!r} never appeared in {path}: {path.read_text() if path.exists() else ''}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
-
-def _wait_dead(pids, timeout=10.0) -> list[int]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        alive = [p for p in pids if _pid_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _pid_alive(p)]
 
 
 # ----------------------------------------------------------------- groups and signals
@@ -130,7 +115,7 @@ def test_child_gets_own_group_and_stop_kills_grandchildren(tmp_path):
     t0 = time.monotonic()
     assert stop_children([c], timeout_s=5) == []
     assert time.monotonic() - t0 < 5
-    assert not c.alive() and not group_alive(c.pgid) and _wait_dead([g]) == []
+    assert not c.alive() and not group_alive(c.pgid) and wait_dead([g]) == []
 
 
 def test_sigterm_ignored_escalates_to_sigkill(tmp_path):
@@ -172,12 +157,12 @@ def test_kill_9_of_launcher_leaves_no_orphans(tmp_path, where):
     try:
         child, reaper = map(int, fake.stdout.readline().split())
         g = int(_wait_for_line(log, "GRANDCHILD").split()[1])
-        assert all(_pid_alive(p) for p in (child, g, reaper))
+        assert all(pid_alive(p) for p in (child, g, reaper))
     finally:
         fake.kill()
         fake.wait()
         fake.stdout.close()
-    assert _wait_dead([child, g, reaper]) == []
+    assert wait_dead([child, g, reaper]) == []
 
 
 def test_reaper_clean_goodbye_kills_nothing(tmp_path):
@@ -250,7 +235,7 @@ def test_cluster_pd_lifecycle(fake_modules, model_dir, tmp_path):
         grandchild = int(_wait_for_line(c.router.log_path, "GRANDCHILD").split()[1])
         pids = [w.pid for w in c.children()] + [grandchild]
         pgids = c.pgids()
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids) == []
     assert not any(group_alive(g) for g in pgids)
     assert any("router ready" in line for line in lines)
     assert any(line.startswith("stopped 4 process group(s)") for line in lines), lines
@@ -276,7 +261,7 @@ def test_cluster_worker_failure_shows_log_and_cleans_up(fake_modules, model_dir,
     finally:
         launcher.plan_workers = orig
     g = int(_wait_for_line(c.workers[0].log_path, "GRANDCHILD").split()[1])
-    assert _wait_dead([w.pid for w in c.children()] + [g]) == []
+    assert wait_dead([w.pid for w in c.children()] + [g]) == []
 
 
 def test_cluster_router_failure_during_worker_load_fails_fast(fake_modules, model_dir, tmp_path):
@@ -287,7 +272,7 @@ def test_cluster_router_failure_during_worker_load_fails_fast(fake_modules, mode
     with pytest.raises(LaunchError, match=r"(?s)router exited with code 3 during start-up.*boom"):
         c.start()
     assert time.monotonic() - t0 < 20
-    assert _wait_dead([w.pid for w in c.children()]) == []
+    assert wait_dead([w.pid for w in c.children()]) == []
 
 
 def test_cluster_router_port_in_use(fake_modules, model_dir, tmp_path):
@@ -338,7 +323,7 @@ def test_cli_signal_stops_everything(fake_modules, model_dir, tmp_path, sig):
     err = (tmp_path / "cli.err").read_text()
     assert "curl http://127.0.0.1:" in out and "OpenAI(base_url=" in out
     assert "stopped" in err and "got SIG" in err
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids) == []
 
 
 def test_cli_kill_9_leaves_no_orphans(fake_modules, model_dir, tmp_path):
@@ -346,4 +331,4 @@ def test_cli_kill_9_leaves_no_orphans(fake_modules, model_dir, tmp_path):
     p.kill()
     p.wait()
     p.stdout.close()
-    assert _wait_dead(pids) == []
+    assert wait_dead(pids) == []
