@@ -4,7 +4,9 @@
 
 Prints a table, then one JSON line with memcpy_gbps and, per backend, <backend>_gbps_<size> for the
 contiguous sizes and <backend>_scatter_ratio (4096 x 64 KiB scatter-gather GB/s over contiguous
-GB/s of the same total). Anchors (Mooncake TE's TCP transport, NIXL/UCX) run when installed.
+GB/s of the same total). When installed, the anchors run too: Mooncake TE's TCP transport and
+NIXL/UCX through their own APIs (mooncake_tcp_*, nixl_*), and pdserve's adapters over them
+(mooncake_adapter_*, nixl_adapter_*).
 """
 
 from __future__ import annotations
@@ -30,22 +32,50 @@ BLOCK = 64 * 1024
 SECRET = "transfer-bench-secret"
 
 
-def serve(region_bytes: int) -> None:
+def serve(region_bytes: int, backend: str) -> None:
     """Target process: register one region, print the descriptor, live until stdin closes."""
-    engine = TransferEngine(TransferConfig(secret=SECRET))
+    engine = TransferEngine(TransferConfig(secret=SECRET, backend=backend))
     buf = np.zeros(region_bytes, dtype=np.uint8)
     engine.register("dst", buf)
-    sys.stdout.buffer.write(msgpack.packb(engine.segment().to_wire()) + b"\n")
+    sys.stdout.buffer.write(b"DESC " + msgpack.packb(engine.segment().to_wire()).hex().encode() + b"\n")
     sys.stdout.flush()
     sys.stdin.read()
     engine.close()
+    os._exit(0)  # NIXL crashes in interpreter teardown
 
 
-def start_target(region_bytes: int) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(region_bytes)],
+def start_target(region_bytes: int, backend: str = "auto") -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(region_bytes), "--engine-backend", backend],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     line = proc.stdout.readline()
-    return proc, msgpack.unpackb(line[:-1])
+    while line and not line.startswith(b"DESC "):  # third-party engines log to stdout
+        line = proc.stdout.readline()
+    return proc, msgpack.unpackb(bytes.fromhex(line[5:].strip().decode()))
+
+
+def measure(backends: list[str], reps: int, engine_backend: str = "auto") -> dict[str, dict[str, float]]:
+    """pdserve's engine between this process and a target process, for each backend named."""
+    total = max(SIZES)
+    proc, peer = start_target(total, engine_backend)
+    engine = TransferEngine(TransferConfig(secret=SECRET, backend=engine_backend))
+    engine.register("src", np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8))
+    try:
+        return {b: bench_engine(b, peer, engine, SIZES, total, reps) for b in backends}
+    finally:
+        engine.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def measure_adapter(name: str, reps: int) -> dict[str, float] | None:
+    """pdserve's Mooncake or NIXL adapter, in a child process (NIXL crashes at interpreter exit)."""
+    out = subprocess.run([sys.executable, __file__, "--adapter", name, "--reps", str(reps)],
+                         capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ADAPTER ")]
+    if not lines:
+        print(f"[transfer_bench] {name} adapter not measured: {out.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("ADAPTER "):])
 
 
 def memcpy_gbps(nbytes: int, reps: int) -> float:
@@ -80,41 +110,38 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per point (default 3 quick, 7 full)")
     ap.add_argument("--no-anchors", action="store_true", help="skip Mooncake TE and NIXL")
     ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-backend", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--adapter", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        return serve(args.serve)
+        return serve(args.serve, args.engine_backend)
     reps = args.reps or (3 if args.quick else 7)
-    total = max(SIZES)
+    if args.adapter:
+        figures = measure([args.adapter], reps, engine_backend=args.adapter)[args.adapter]
+        print("ADAPTER " + json.dumps(figures), flush=True)
+        os._exit(0)
     rows: list[tuple[str, str, float]] = []
     result: dict[str, float] = {}
-    result["memcpy_gbps"] = memcpy_gbps(total, reps)
+    result["memcpy_gbps"] = memcpy_gbps(max(SIZES), reps)
     rows.append(("memcpy", "256MiB", result["memcpy_gbps"]))
-
-    proc, peer = start_target(total)
-    engine = TransferEngine(TransferConfig(secret=SECRET))
-    src = np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8)
-    engine.register("src", src)
-    try:
-        for backend in args.backends.split(","):
-            figures = bench_engine(backend, peer, engine, SIZES, total, reps)
-            for label, gbps in figures.items():
-                rows.append((backend, label, gbps))
-            result[f"{backend}_gbps_16MiB"] = figures["16MiB"]
-            result[f"{backend}_gbps_256MiB"] = figures["256MiB"]
-            result[f"{backend}_gbps_1MiB"] = figures["1MiB"]
-            result[f"{backend}_gbps_scatter"] = figures["scatter"]
-            result[f"{backend}_scatter_ratio"] = figures["scatter"] / figures["256MiB"]
-    finally:
-        engine.close()
-        proc.stdin.close()
-        proc.wait(timeout=30)
+    measured = measure(args.backends.split(","), reps)
+    if not args.no_anchors:
+        for name in ("mooncake", "nixl"):
+            figures = measure_adapter(name, reps)
+            if figures:
+                measured[f"{name}_adapter"] = figures
+    for backend, figures in measured.items():
+        for label, gbps in figures.items():
+            rows.append((backend, label, gbps))
+            result[f"{backend}_gbps_{label}"] = gbps
+        result[f"{backend}_scatter_ratio"] = figures["scatter"] / figures["256MiB"]
     if not args.no_anchors:
         for name, label, gbps in run_anchors(SIZES, reps):
             rows.append((name, label, gbps))
             result[f"{name}_gbps_{label}"] = gbps
-    print(f"{'path':<14}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
+    print(f"{'path':<18}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
     for name, label, gbps in rows:
-        print(f"{name:<14}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
+        print(f"{name:<18}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 

@@ -19,6 +19,7 @@ from .errors import TransferError
 from .regions import Region
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
+MAX_BATCH_ENTRIES = 1024  # Mooncake TE 0.3.13 fails a 4096-entry batch outright (2048 still passes)
 
 
 class MooncakeBackend(Backend):
@@ -56,11 +57,14 @@ class MooncakeBackend(Backend):
         remote = [peer.regions[e.peer_region][0] + e.peer_offset for e in entries]
         lengths = [e.length for e in entries]
         call = self._te.batch_transfer_sync_write if op is Op.WRITE else self._te.batch_transfer_sync_read
-        future = self.ctx.executor.submit(call, peer.backends["mooncake"]["session"], local, remote, lengths)
-        try:
-            rc = future.result(timeout=handle.remaining())
-        except FutureTimeout as exc:
-            raise TransferError("deadline", f"batch {handle.batch_id}: Mooncake transfer missed its deadline") from exc
-        if rc != 0:
-            raise TransferError("peer", f"batch {handle.batch_id}: Mooncake TE returned {rc} "
-                                "(peer unreachable or range outside its registered memory)")
+        session = peer.backends["mooncake"]["session"]
+        for i in range(0, len(entries), MAX_BATCH_ENTRIES):
+            part = slice(i, i + MAX_BATCH_ENTRIES)
+            future = self.ctx.executor.submit(call, session, local[part], remote[part], lengths[part])
+            try:
+                rc = future.result(timeout=handle.remaining())
+            except FutureTimeout as exc:
+                raise TransferError("deadline", f"batch {handle.batch_id}: Mooncake transfer missed its deadline") from exc
+            if rc != 0:
+                raise TransferError("peer", f"batch {handle.batch_id}: Mooncake TE returned {rc} "
+                                    "(peer unreachable or range outside its registered memory)")
