@@ -26,7 +26,7 @@ def importable(backend: str) -> bool:
 def test_adapter_moves_bytes_exactly_and_notifies(spawn_peer, backend):
     if importlib.util.find_spec(MODULES[backend].split(".")[0]) is None or not importable(backend):
         pytest.skip(f"{backend} is not installed")
-    size = 4 << 20
+    size = 8 << 20
     peer = spawn_peer(size, seed=3, backend=backend)
     assert backend in peer.descriptor["backends"]
     proc = subprocess.run(
