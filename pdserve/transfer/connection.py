@@ -108,6 +108,19 @@ class PeerPool:
         if not healthy:
             conn.close()
 
+    def call(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One header-only request on a pooled connection; the connection goes back only if it worked."""
+        conn = self.acquire(timeout)
+        ok = False
+        try:
+            reply = conn.call(msg, timeout)
+            ok = True
+            return reply
+        except OSError as exc:
+            raise TransferError("peer", f"engine at {self.address} did not answer: {exc}") from exc
+        finally:
+            self.release(conn, ok)
+
     def close(self) -> None:
         with self._cond:
             idle, self._idle = self._idle, []

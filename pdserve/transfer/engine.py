@@ -92,16 +92,8 @@ class TransferEngine:
 
     def fetch_segment(self, host: str, port: int, timeout: float | None = None) -> SegmentDescriptor:
         """Ask the engine listening at host:port for its current descriptor."""
-        pool = self.ctx.pool((host, port))
-        conn = pool.acquire(timeout or self.config.connect_timeout_s)
-        ok = False
-        try:
-            reply = conn.call({"t": "seg"}, timeout or self.config.connect_timeout_s)
-            ok = True
-        except OSError as exc:
-            raise TransferError("peer", f"engine at {host}:{port} did not answer: {exc}") from exc
-        finally:
-            pool.release(conn, ok)
+        wait = timeout or self.config.connect_timeout_s
+        reply = self.ctx.pool((host, port)).call({"t": "seg"}, wait)
         return SegmentDescriptor.from_wire(reply.get("seg"))
 
     # ---- transfers ----

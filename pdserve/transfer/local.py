@@ -82,21 +82,12 @@ class LocalBackend(Backend):
         return known
 
     def _probe(self, peer: SegmentDescriptor) -> bool:
-        pool = self.ctx.pool(self.control_address(peer))
+        msg = {"t": "lprobe", "addr": ctypes.addressof(self._probe_token), "n": _PROBE_BYTES}
         try:
-            conn = pool.acquire(self.ctx.config.connect_timeout_s)
+            reply = self.ctx.pool(self.control_address(peer)).call(msg, self.ctx.config.connect_timeout_s)
         except TransferError:
             return False
-        ok = False
-        try:
-            msg = {"t": "lprobe", "addr": ctypes.addressof(self._probe_token), "n": _PROBE_BYTES}
-            reply = conn.call(msg, self.ctx.config.connect_timeout_s)
-            ok = reply.get("data") == self._probe_token.raw
-        except (OSError, TransferError):
-            pass
-        finally:
-            pool.release(conn, ok)
-        return ok
+        return reply.get("data") == self._probe_token.raw
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
         frames = split_into_frames(entries, self.ctx.config.local_slice_bytes)
