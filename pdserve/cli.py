@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
+    for name, (_, text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
     d = argparse.SUPPRESS  # only flags actually given override the config file
     s.add_argument("--config", metavar="FILE", help="YAML file of settings (see deploy/pdserve.example.yaml)")
     s.add_argument("--model", metavar="DIR", default=d,
@@ -183,7 +185,21 @@ def _supervise(cluster, say) -> int:
             return 1
 
 
+# Subcommands that own their parser live next to their code: ``pdserve NAME ...`` calls ``MODULE.main(rest)``.
+SUBCOMMANDS = {
+    "bench": ("pdserve.bench.cli", "run a workload against an OpenAI-compatible URL, or compare configurations"),
+    "plan": ("pdserve.plan.cli", "size KV, simulate and recommend colocated vs xPyD for a model and traffic"),
+    "store": ("pdserve.store.cli", "run a KV pool master or store node"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
