@@ -1,0 +1,19 @@
+"""The conductor: KV-cache-aware, load-aware placement (Mooncake FAST'25 Algorithm 1 and what came after).
+
+Pure Python: no vLLM, no HTTP. The router feeds it worker membership, KV events and request lifecycle; the
+simulator in :mod:`pdserve.plan` drives the same code with simulated workers.
+
+- :mod:`.index`      prefix index: block key -> holders (workers, pool tiers); longest prefix per holder
+- :mod:`.load`       per-worker load view: queued prefills, running decodes, KV room, reported metrics
+- :mod:`.cost_model` prefill / decode-step / transfer / hand-off time, fitted online from observations
+- :mod:`.events`     vLLM KV events (BlockStored / BlockRemoved / AllBlocksCleared) -> index updates
+- :mod:`.policy`     the decision: (P, D), decode-local, or reject with Retry-After
+"""
+
+from .config import ConductorConfig, ConductorConfigError, POLICIES
+from .cost_model import CostModel, OnlineCostModel
+from .index import PrefixIndex
+from .policy import Conductor, Decision, PlacementRequest
+
+__all__ = ["POLICIES", "Conductor", "ConductorConfig", "ConductorConfigError", "CostModel", "Decision",
+           "OnlineCostModel", "PlacementRequest", "PrefixIndex"]

@@ -1,0 +1,60 @@
+"""Conductor settings: one frozen dataclass, validated with messages that say how to fix a value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("round_robin", "least_loaded", "conductor")
+
+
+class ConductorConfigError(ValueError):
+    """A conductor setting is wrong; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    """policy: ``conductor`` (prefix + load + SLO aware), ``least_loaded`` or ``round_robin`` (baselines).
+    block_size: tokens per KV block, as the workers use (vLLM on CPU: 128); block keys use the same size.
+    ttft_slo_s / tpot_slo_s: targets; a request whose best predicted TTFT (or TPOT) misses its target is
+        rejected (429 + Retry-After). None: never reject on that measure.
+    local_prefill_tokens: run the whole request on the decode worker when its uncached prompt is at most this
+        many tokens. None: learned, i.e. local while computing the prompt on D costs less than the hand-off and
+        the KV transfer would, and D's running decodes can absorb the stall (``local_stall_s``).
+    local_stall_s: the longest prefill a decode worker may run locally while it has running decodes.
+    fetchable: holders whose blocks a prefill worker can load instead of computing (the KV pool's tiers).
+    min_fetch_blocks: fetch a pooled prefix only when it is at least this many blocks longer than P's own.
+    load_staleness_s: worker-reported load older than this is ignored (our own accounting is used).
+    kv_reserve: fraction of each worker's KV kept free when checking that a request fits.
+    """
+
+    policy: str = "conductor"
+    block_size: int = 128
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    local_prefill_tokens: int | None = None
+    local_stall_s: float = 0.05
+    fetchable: tuple[str, ...] = ("pool",)
+    min_fetch_blocks: int = 1
+    load_staleness_s: float = 3.0
+    kv_reserve: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConductorConfigError(f"policy={self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ConductorConfigError(f"block_size={self.block_size!r}: give the workers' KV block size in "
+                                       "tokens (vLLM on CPU uses 128)")
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ConductorConfigError(f"{name}={v!r}: give a target in seconds > 0, or None for no target")
+        if self.local_prefill_tokens is not None and self.local_prefill_tokens < 0:
+            raise ConductorConfigError(f"local_prefill_tokens={self.local_prefill_tokens}: use >= 0 (0 never runs "
+                                       "a request decode-local) or None to learn the threshold")
+        if self.local_stall_s < 0 or self.load_staleness_s <= 0:
+            raise ConductorConfigError("local_stall_s must be >= 0 and load_staleness_s > 0 (seconds)")
+        if self.min_fetch_blocks < 1:
+            raise ConductorConfigError(f"min_fetch_blocks={self.min_fetch_blocks}: use >= 1")
+        if not 0 <= self.kv_reserve < 1:
+            raise ConductorConfigError(f"kv_reserve={self.kv_reserve}: a fraction in [0, 1)")
+        object.__setattr__(self, "fetchable", tuple(self.fetchable))

@@ -1,0 +1,101 @@
+"""vLLM KV cache events -> prefix-index updates keyed by :mod:`pdserve.hashing` keys.
+
+vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``) publishes, per
+scheduler step, a msgpack ``[ts, [event, ...], dp_rank]`` where each event is a map with ``type``:
+``BlockStored`` (vLLM block hashes, parent hash, the blocks' token ids, block size), ``BlockRemoved`` (vLLM
+hashes) or ``AllBlocksCleared``. vLLM's hashes are seeded per process, so the translator re-keys every stored
+block with our chained hash of its token ids, remembering vLLM hash -> our key per worker so removals and
+children resolve. A stored block whose parent was never seen (events lost) cannot be keyed and is skipped.
+A gap or restart in the publisher's sequence numbers makes the translator report a clear: the worker's index
+entries are dropped and rebuilt from later events (an under-estimate of its cache, never an over-estimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import msgpack
+
+from ..hashing import ROOT_KEY, block_key
+
+
+@dataclass
+class IndexUpdate:
+    cleared: bool = False
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    skipped: int = 0  # blocks that could not be keyed (unknown parent, other block size, extra keys)
+
+
+def decode_batch(payload: bytes) -> list[dict[str, Any]]:
+    """The events of one published batch (raises ValueError when the payload is not a KV event batch)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise ValueError(f"not a msgpack KV event batch: {e}") from None
+    if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], list):
+        raise ValueError("KV event batch must be [ts, [events...], ...]")
+    return [e for e in obj[1] if isinstance(e, dict)]
+
+
+def _h(x: Any) -> Hashable:
+    return bytes(x) if isinstance(x, (bytes, bytearray)) else x
+
+
+class EventTranslator:
+    """One per worker (publisher)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.keys: dict[Hashable, int] = {}  # vLLM block hash -> our key
+        self.last_seq: int | None = None
+
+    def sequence(self, seq: int) -> bool:
+        """Record a batch's sequence number; True when batches were lost or the publisher restarted."""
+        lost = self.last_seq is not None and seq != self.last_seq + 1
+        self.last_seq = seq
+        if lost:
+            self.keys.clear()
+        return lost
+
+    def apply(self, events: list[dict[str, Any]]) -> IndexUpdate:
+        up = IndexUpdate()
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "BlockStored":
+                self._stored(ev, up)
+            elif kind == "BlockRemoved":
+                for h in ev.get("block_hashes") or []:
+                    k = self.keys.pop(_h(h), None)
+                    if k is not None:
+                        up.removed.append(k)
+            elif kind == "AllBlocksCleared":
+                self.keys.clear()
+                up.cleared = True
+                up.stored.clear()
+                up.removed.clear()
+        return up
+
+    def _stored(self, ev: dict[str, Any], up: IndexUpdate) -> None:
+        hashes = ev.get("block_hashes") or []
+        tokens = ev.get("token_ids") or []
+        bs = ev.get("block_size")
+        extra = ev.get("extra_keys")
+        if bs != self.block_size or len(tokens) != len(hashes) * self.block_size or (
+                extra and any(e for e in extra)):
+            up.skipped += len(hashes)
+            return
+        parent_h = ev.get("parent_block_hash")
+        if parent_h is None:
+            parent = ROOT_KEY
+        else:
+            found = self.keys.get(_h(parent_h))
+            if found is None:
+                up.skipped += len(hashes)
+                return
+            parent = found
+        for i, h in enumerate(hashes):
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            self.keys[_h(h)] = parent
+            up.stored.append(parent)

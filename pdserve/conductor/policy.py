@@ -1,0 +1,395 @@
+"""The placement decision, and the request lifecycle that keeps the load view and the cost model current.
+
+Per request (policy ``conductor``):
+
+1. Prefix: the index gives, per holder, how many leading blocks of the prompt it holds.
+2. For each prefill worker p: cached = p's own prefix, or the pool's when loading the extra blocks is
+   predicted faster than computing them; TTFT(p) = queue(p) + fetch + prefill(new, cached). Best p = min.
+3. Decode worker: among those whose free KV fits prompt + max_tokens, the lowest TPOT predicted at the moment
+   the prefill would finish (its decode batch then, plus this request).
+4. Decode-local: run everything on that D when the uncached prompt is short (``local_prefill_tokens``, or
+   learned: local reaches the second token sooner than prefill + hand-off + transfer and the prefill stalls
+   D's running decodes by at most ``local_stall_s``), or when every P misses the TTFT target and local meets it.
+5. Reject (Retry-After) when the best predicted TTFT or TPOT misses its target.
+
+``round_robin`` and ``least_loaded`` are the baselines: same interface, never local, never reject.
+Colocated workers (role ``colocated``) only ever get whole requests ("local").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from .config import ConductorConfig
+from .cost_model import CostModel
+from .index import PrefixIndex
+from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
+
+
+class NoWorker(Exception):
+    """No live worker can take the request (role given in ``role``)."""
+
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    prompt_tokens: int
+    block_keys: Sequence[int] = ()
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # "disaggregated" | "local" | "reject"
+    request_id: str
+    prefill: str | None = None
+    decode: str | None = None
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    retry_after_s: float = 0.0
+    reason: str = ""
+    cached_tokens: int = 0  # prompt tokens the chosen prefill worker will not compute
+    fetch_tokens: int = 0  # of those, tokens loaded from a fetchable holder (the pool)
+
+
+@dataclass
+class _Option:
+    worker: WorkerLoad
+    ttft_s: float
+    cached: int
+    fetched: int
+    new: int
+
+
+@dataclass
+class _Placed:
+    decision: Decision
+    prefill_worker: str | None
+    decode_worker: str | None
+    prefill_done_at: float | None = None
+    first_decode_seen: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig, cost: CostModel, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.config = config
+        self.cost = cost
+        self.clock = clock
+        self.index = PrefixIndex()
+        self.workers: dict[str, WorkerLoad] = {}
+        self._placed: dict[str, _Placed] = {}
+        self._rr = {"prefill": 0, "decode": 0, "colocated": 0}
+        self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
+
+    # ---- membership ----
+    def add_worker(self, worker_id: str, role: str, kv_capacity_tokens: int) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: one of {', '.join(ROLES)}")
+        old = self.workers.get(worker_id)
+        if old is not None and old.role == role:
+            old.kv_capacity_tokens = kv_capacity_tokens or old.kv_capacity_tokens
+            old.healthy = True
+            return
+        self.workers[worker_id] = WorkerLoad(worker_id, role, kv_capacity_tokens)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop placing on it and forget its cache; requests already there finish (their ``finished`` call
+        still works)."""
+        self.workers.pop(worker_id, None)
+        self.index.cleared(worker_id)
+
+    def set_health(self, worker_id: str, healthy: bool) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            if w.healthy and not healthy:
+                self.index.cleared(worker_id)  # a restarted worker comes back with an empty cache
+            w.healthy = healthy
+
+    def report_load(self, worker_id: str, waiting: int, running: int, kv_usage: float,
+                    kv_capacity_tokens: int | None = None) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.reported = Reported(self.clock(), waiting, running, kv_usage)
+            if kv_capacity_tokens:
+                w.kv_capacity_tokens = kv_capacity_tokens
+
+    # ---- index events ----
+    def blocks_stored(self, holder: str, keys: Iterable[int]) -> None:
+        self.index.stored(holder, keys)
+
+    def blocks_removed(self, holder: str, keys: Iterable[int]) -> None:
+        self.index.removed(holder, keys)
+
+    def all_cleared(self, holder: str) -> None:
+        self.index.cleared(holder)
+
+    # ---- the decision ----
+    def place(self, req: PlacementRequest, exclude: frozenset[str] = frozenset()) -> Decision:
+        """Choose where ``req`` runs and reserve it in the load view (call :meth:`finished` when it ends,
+        whatever happens). Raises :class:`NoWorker` when no live worker of a needed role is left."""
+        live = [w for w in self.workers.values() if w.healthy and w.worker_id not in exclude]
+        colocated = [w for w in live if w.role == "colocated"]
+        if colocated:
+            d = self._colocated(req, colocated)
+        else:
+            prefill = [w for w in live if w.can_prefill]
+            decode = [w for w in live if w.can_decode]
+            if not decode:
+                raise NoWorker("decode", "no live decode worker")
+            if not prefill:
+                raise NoWorker("prefill", "no live prefill worker")
+            policy = self.config.policy
+            d = self._baseline(req, prefill, decode) if policy != "conductor" else self._conduct(req, prefill,
+                                                                                                 decode)
+        self.counts[d.kind] += 1
+        if d.kind != "reject":
+            self._reserve(req, d)
+        return d
+
+    # -- baselines --
+    def _pick_rr(self, ring: str, ws: list[WorkerLoad]) -> WorkerLoad:
+        ws = sorted(ws, key=lambda w: w.worker_id)
+        w = ws[self._rr[ring] % len(ws)]
+        self._rr[ring] += 1
+        return w
+
+    def _baseline(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad]) -> Decision:
+        now = self.clock()
+        if self.config.policy == "round_robin":
+            p, d = self._pick_rr("prefill", prefill), self._pick_rr("decode", decode)
+        else:
+            p = min(prefill, key=lambda w: (w.queued_prefill_tokens(), len(w.prefills), w.worker_id))
+            st = self.config.load_staleness_s
+            d = min(decode, key=lambda w: (w.running_decodes(), w.kv_used_tokens(now, st), w.worker_id))
+        cached = self._own_cached(req, p)
+        return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
+                        ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
+                        tpot_s=self._tpot(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
+
+    def _colocated(self, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
+        now = self.clock()
+        policy = self.config.policy
+        if policy == "round_robin":
+            w = self._pick_rr("colocated", ws)
+        elif policy == "least_loaded":
+            w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
+        else:
+            w = min(ws, key=lambda w: (self._local_ttft(req, w, now)[0], w.worker_id))
+        ttft, cached = self._local_ttft(req, w, now)
+        d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
+                     req), reason=f"colocated ({policy})", cached_tokens=cached)
+        if policy == "conductor":
+            rej = self._reject_reason(d, [w])
+            if rej is not None:
+                return rej
+        return d
+
+    # -- the conductor --
+    def _own_cached(self, req: PlacementRequest, w: WorkerLoad, prefix: dict[str, int] | None = None) -> int:
+        if prefix is None:
+            prefix = self.index.prefix_lengths(req.block_keys)
+        return min(prefix.get(w.worker_id, 0) * self.config.block_size, max(0, req.prompt_tokens - 1))
+
+    def _prefill_options(self, req: PlacementRequest, prefill: list[WorkerLoad], prefix: dict[str, int],
+                         now: float) -> list[_Option]:
+        bs = self.config.block_size
+        limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
+        pooled = max((prefix.get(h, 0) for h in self.config.fetchable), default=0) * bs
+        pooled = min(pooled, limit)
+        out = []
+        for p in prefill:
+            own = min(prefix.get(p.worker_id, 0) * bs, limit)
+            cached, fetched, fetch_s = own, 0, 0.0
+            if pooled - own >= self.config.min_fetch_blocks * bs:
+                f_s = self.cost.transfer_s((pooled - own) * self.cost.kv_bytes_per_token)
+                saved = self.cost.prefill_s(req.prompt_tokens - own, own) - self.cost.prefill_s(
+                    req.prompt_tokens - pooled, pooled)
+                if f_s < saved:
+                    cached, fetched, fetch_s = pooled, pooled - own, f_s
+            new = req.prompt_tokens - cached
+            ttft = p.queue_s(now) + fetch_s + self.cost.prefill_s(new, cached)
+            out.append(_Option(p, ttft, cached, fetched, new))
+        return out
+
+    def _tpot(self, d: WorkerLoad, now: float, at: float, req: PlacementRequest) -> float:
+        step_now = self.cost.decode_step_s(max(1, d.running_decodes()), 1)
+        batch, ctx = d.decode_batch_at(at, now, step_now)
+        return self.cost.decode_step_s(batch + 1, ctx + req.prompt_tokens)
+
+    def _fits(self, d: WorkerLoad, req: PlacementRequest, now: float) -> bool:
+        cap = d.kv_capacity_tokens
+        if cap <= 0:
+            return True  # capacity unknown: vLLM queues what does not fit
+        used = d.kv_used_tokens(now, self.config.load_staleness_s)
+        return used + req.prompt_tokens + req.max_tokens <= cap * (1 - self.config.kv_reserve)
+
+    def _local_ttft(self, req: PlacementRequest, w: WorkerLoad, now: float) -> tuple[float, int]:
+        cached = self._own_cached(req, w)
+        # a colocated/local prefill shares steps with running decodes: roughly one decode step extra
+        extra = self.cost.decode_step_s(w.running_decodes(), 1) if w.running_decodes() else 0.0
+        return w.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached) + extra, cached
+
+    def _conduct(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad]) -> Decision:
+        now = self.clock()
+        prefix = self.index.prefix_lengths(req.block_keys)
+        options = self._prefill_options(req, prefill, prefix, now)
+        best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
+        at = now + best.ttft_s
+        fitting = [d for d in decode if self._fits(d, req, now)]
+        pool = fitting or decode
+        d = min(pool, key=lambda w: (self._tpot(w, now, at, req), w.worker_id))
+        tpot = self._tpot(d, now, at, req)
+        disagg = Decision("disaggregated", req.request_id, best.worker.worker_id, d.worker_id, ttft_s=best.ttft_s,
+                          tpot_s=tpot, cached_tokens=best.cached, fetch_tokens=best.fetched,
+                          reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
+        local = self._local_choice(req, d, now, best, tpot)
+        chosen = local or disagg
+        return self._reject_reason(chosen, decode, fits=bool(fitting)) or chosen
+
+    def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float
+                      ) -> Decision | None:
+        if not d.can_decode:
+            return None
+        l_ttft, l_cached = self._local_ttft(req, d, now)
+        uncached = req.prompt_tokens - l_cached
+        l_prefill = self.cost.prefill_s(uncached, l_cached)
+        mk = lambda why: Decision("local", req.request_id, None, d.worker_id, ttft_s=l_ttft,  # noqa: E731
+                                  tpot_s=self._tpot(d, now, now + l_ttft, req), cached_tokens=l_cached, reason=why)
+        thr = self.config.local_prefill_tokens
+        if thr is not None:
+            return mk(f"uncached prompt {uncached} <= {thr} tokens") if uncached <= thr else None
+        hand = self.cost.handoff_s + self.cost.transfer_s(req.prompt_tokens * self.cost.kv_bytes_per_token)
+        second_local = l_ttft + tpot
+        second_pd = best.ttft_s + hand
+        stall_ok = d.running_decodes() == 0 or l_prefill <= self.config.local_stall_s
+        if stall_ok and second_local <= second_pd:
+            return mk(f"uncached prompt {uncached} tokens: local prefill {l_prefill * 1e3:.0f} ms beats "
+                      f"P + hand-off {second_pd * 1e3:.0f} ms")
+        slo = self.config.ttft_slo_s
+        if slo is not None and best.ttft_s > slo and l_ttft <= slo:
+            return mk(f"every prefill worker misses TTFT {slo * 1e3:.0f} ms (best {best.ttft_s * 1e3:.0f} ms); "
+                      f"local {l_ttft * 1e3:.0f} ms")
+        return None
+
+    def _reject_reason(self, d: Decision, decode: list[WorkerLoad], fits: bool = True) -> Decision | None:
+        cfg = self.config
+        now = self.clock()
+        why, wait = "", 0.0
+        if cfg.ttft_slo_s is not None and d.ttft_s > cfg.ttft_slo_s:
+            why = f"predicted TTFT {d.ttft_s * 1e3:.0f} ms > target {cfg.ttft_slo_s * 1e3:.0f} ms"
+            wait = d.ttft_s - cfg.ttft_slo_s
+        elif cfg.tpot_slo_s is not None and d.tpot_s > cfg.tpot_slo_s:
+            why = f"predicted TPOT {d.tpot_s * 1e3:.1f} ms > target {cfg.tpot_slo_s * 1e3:.1f} ms"
+            wait = min((self._drain_s(w, now) for w in decode), default=1.0)
+        elif cfg.tpot_slo_s is not None and not fits:
+            why = "no decode worker has KV room for prompt + max_tokens"
+            wait = min((self._drain_s(w, now) for w in decode), default=1.0)
+        if not why:
+            return None
+        return Decision("reject", d.request_id, d.prefill, d.decode, ttft_s=d.ttft_s, tpot_s=d.tpot_s,
+                        retry_after_s=float(max(1, math.ceil(wait))), reason=why)
+
+    def _drain_s(self, w: WorkerLoad, now: float) -> float:
+        """Seconds until the first of w's decodes is predicted to finish."""
+        step = self.cost.decode_step_s(max(1, w.running_decodes()), 1)
+        return min((j.remaining_tokens * step for j in w.decodes.values()), default=1.0)
+
+    # ---- lifecycle ----
+    def _reserve(self, req: PlacementRequest, d: Decision) -> None:
+        now = self.clock()
+        new = req.prompt_tokens - d.cached_tokens
+        prefill_on = d.prefill if d.kind == "disaggregated" else d.decode
+        assert prefill_on is not None and d.decode is not None
+        pw, dw = self.workers[prefill_on], self.workers[d.decode]
+        pw.prefills[req.request_id] = PrefillJob(req.request_id, new, d.cached_tokens,
+                                                 self.cost.prefill_s(new, d.cached_tokens), now)
+        dw.decodes[req.request_id] = DecodeJob(req.request_id, req.prompt_tokens, req.max_tokens,
+                                               req.prompt_tokens + req.max_tokens)
+        self._placed[req.request_id] = _Placed(d, prefill_on, d.decode)
+
+    def prefill_done(self, request_id: str, cached_tokens: int | None = None) -> None:
+        """The prompt is computed (P answered, or a local request's first token arrived)."""
+        pl = self._placed.get(request_id)
+        if pl is None or pl.prefill_worker is None or pl.prefill_done_at is not None:
+            return
+        now = self.clock()
+        pl.prefill_done_at = now
+        w = self.workers.get(pl.prefill_worker)
+        if w is not None:
+            job = w.prefills.pop(request_id, None)
+            if job is not None:
+                began = max(job.enqueued_at, w.last_prefill_end)
+                observe = getattr(self.cost, "observe_prefill", None)
+                if observe is not None and now > began:
+                    new = job.new_tokens if cached_tokens is None else job.new_tokens + job.cached_tokens - cached_tokens
+                    observe(new, job.cached_tokens if cached_tokens is None else cached_tokens, now - began)
+            w.last_prefill_end = max(w.last_prefill_end, now)
+        dw = self.workers.get(pl.decode_worker or "")
+        if dw is not None and request_id in dw.decodes:
+            job_d = dw.decodes[request_id]
+            job_d.started_at = now
+            job_d.last_progress_at = now
+
+    def decode_progress(self, request_id: str, tokens_done: int) -> None:
+        """``tokens_done`` output tokens so far (including the first). Feeds decode-step and hand-off times."""
+        pl = self._placed.get(request_id)
+        if pl is None:
+            return
+        w = self.workers.get(pl.decode_worker or "")
+        job = w.decodes.get(request_id) if w is not None else None
+        if job is None or job.started_at is None or tokens_done <= job.tokens_done:
+            return
+        now = self.clock()
+        delta = tokens_done - job.tokens_done
+        if job.tokens_done >= 2 and job.last_progress_at is not None:
+            observe = getattr(self.cost, "observe_decode_step", None)
+            if observe is not None:
+                batch = sum(1 for j in w.decodes.values() if j.started_at is not None)
+                ctx = sum(j.context_tokens for j in w.decodes.values() if j.started_at is not None)
+                observe(batch, ctx, (now - job.last_progress_at) / delta)
+        elif job.tokens_done == 1 and pl.decision.kind == "disaggregated" and not pl.first_decode_seen:
+            pl.first_decode_seen = True
+            observe_h = getattr(self.cost, "observe_handoff", None)
+            if observe_h is not None and pl.prefill_done_at is not None:
+                observe_h(now - pl.prefill_done_at)
+        job.tokens_done = tokens_done
+        job.context_tokens += delta
+        job.remaining_tokens = max(0, job.remaining_tokens - delta)
+        job.last_progress_at = now
+
+    def transfer_observed(self, nbytes: int, seconds: float) -> None:
+        observe = getattr(self.cost, "observe_transfer", None)
+        if observe is not None:
+            observe(nbytes, seconds)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (done, failed, aborted): release everything reserved for it."""
+        pl = self._placed.pop(request_id, None)
+        if pl is None:
+            return
+        for wid in (pl.prefill_worker, pl.decode_worker):
+            w = self.workers.get(wid or "")
+            if w is not None:
+                w.prefills.pop(request_id, None)
+                w.decodes.pop(request_id, None)
+
+    def in_flight(self) -> int:
+        return len(self._placed)
+
+    def snapshot(self) -> list[dict]:
+        now = self.clock()
+        st = self.config.load_staleness_s
+        return [{"worker": w.worker_id, "role": w.role, "healthy": w.healthy,
+                 "queued_prefill_tokens": w.queued_prefill_tokens(), "queued_prefills": len(w.prefills),
+                 "running_requests": w.running_decodes(), "queue_s": round(w.queue_s(now), 4),
+                 "kv_capacity_tokens": w.kv_capacity_tokens, "kv_used_tokens": w.kv_used_tokens(now, st),
+                 "indexed_blocks": self.index.blocks_of(w.worker_id)} for w in self.workers.values()]
