@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for workers' /health (default 600)")
     s.add_argument("--router-timeout", dest="router_timeout_s", type=float, default=d,
                    help="seconds to wait for the router's /health (default 120)")
+    s.add_argument("--policy", choices=("round_robin", "least_loaded", "conductor"), default=d,
+                   help="router placement: round_robin (default), least_loaded, or conductor (prefix-, load- and "
+                        "SLO-aware; enables the workers' KV cache events)")
+    s.add_argument("--ttft-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
+                   "this TTFT")
+    s.add_argument("--tpot-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
+                   "this TPOT")
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
     return parser

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 ROLES = ("prefill", "decode", "colocated")
+POLICIES = ("round_robin", "least_loaded", "conductor")  # same names as pdserve.conductor.config.POLICIES
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 CONNECTOR_NAME = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.vllm.connector"
@@ -91,6 +92,7 @@ class WorkerConfig:
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    kv_events_port: int = 0  # > 0: publish vLLM KV cache events (ZMQ) on this port for the conductor
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -100,6 +102,7 @@ class WorkerConfig:
         if not self.model:
             raise ConfigError("worker model is empty: pass the model folder (--model DIR)")
         _check_port(f"{self.name}.port", self.port)
+        _check_port(f"{self.name}.kv_events_port", self.kv_events_port)
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
@@ -111,6 +114,11 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        """ZMQ endpoint of the worker's KV event publisher ("" when off)."""
+        return f"tcp://{self.host}:{self.kv_events_port}" if self.kv_events_port else ""
 
     @property
     def omp_bind(self) -> str:
@@ -168,6 +176,9 @@ class LauncherConfig:
     workers (e.g. ``["--max-num-seqs", "64"]``); router_args: extra ``python -m pdserve.router`` flags.
     env: extra environment variables for every worker.
     run_dir: folder for logs and ``launch.json`` (default ``.pdserve/runs/<timestamp>-<pid>``).
+    policy: the router's placement policy: ``round_robin`` (default), ``least_loaded`` or ``conductor``
+    (prefix-, load- and SLO-aware; workers then publish KV cache events to the router).
+    ttft_slo_ms / tpot_slo_ms: conductor targets; requests predicted to miss them get 429 + Retry-After.
     """
 
     model: str = ""
@@ -196,8 +207,20 @@ class LauncherConfig:
     worker_timeout_s: float = 600.0
     router_timeout_s: float = 120.0
     stop_timeout_s: float = 20.0
+    policy: str = "round_robin"
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy={self.policy!r}: choose one of {', '.join(POLICIES)} (conductor: prefix- and "
+                              "load-aware placement; the others are baselines)")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"{name}={v!r}: a target in milliseconds > 0, or unset for none")
+            if v is not None and self.policy != "conductor":
+                raise ConfigError(f"{name} needs policy=conductor (only the conductor predicts and rejects)")
         for name in ("prefill", "decode", "colocated"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

@@ -129,8 +129,11 @@ def plan_workers(
     if len(ports) != n:
         raise ValueError(f"need {n} ports, got {len(ports)}")
     name = served_name(config, Path(model_dir))
+    events = [0] * n
+    if config.policy == "conductor":  # the conductor's prefix index is fed by the workers' KV events
+        events = free_ports(n, config.worker_host, exclude=(config.port, *ports))
     out = []
-    for (role, index), port, bind in zip(roles, ports, bindings):
+    for (role, index), port, bind, ev_port in zip(roles, ports, bindings, events):
         extra = tuple(config.worker_args)
         if role == "prefill":
             extra += tuple(config.prefill_args)
@@ -154,6 +157,7 @@ def plan_workers(
                 connector_extra=dict(config.connector_extra),
                 extra_args=extra,
                 env=dict(config.env),
+                kv_events_port=ev_port,
             )
         )
     return out
@@ -169,6 +173,11 @@ def kv_transfer_config(worker: WorkerConfig) -> dict:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+
+
+def kv_events_config(worker: WorkerConfig) -> dict:
+    """The ``--kv-events-config`` value: vLLM publishes BlockStored/BlockRemoved/AllBlocksCleared over ZMQ."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": worker.kv_events_endpoint}
 
 
 def worker_command(
@@ -191,6 +200,8 @@ def worker_command(
         argv += ["--dtype", worker.dtype]
     if worker.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(worker), separators=(",", ":"))]
+    if worker.kv_events_port:
+        argv += ["--kv-events-config", json.dumps(kv_events_config(worker), separators=(",", ":"))]
     argv += list(worker.extra_args)
 
     env = dict(os.environ if base_env is None else base_env)
@@ -226,6 +237,14 @@ def router_command(
         argv += ["--decode", *[w.url for w in workers if w.role == "decode"]]
     argv += ["--served-model-name", served_name(config, Path(model_dir))]
     argv += ["--max-model-len", str(config.max_model_len)]
+    argv += ["--policy", config.policy]
+    for w in workers:
+        if w.kv_events_port:
+            argv += ["--kv-events", f"{w.url}={w.kv_events_endpoint}"]
+    if config.ttft_slo_ms is not None:
+        argv += ["--ttft-slo-ms", str(config.ttft_slo_ms)]
+    if config.tpot_slo_ms is not None:
+        argv += ["--tpot-slo-ms", str(config.tpot_slo_ms)]
     argv += list(config.router_args)
     return argv
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import RouterConfig, RouterConfigError
@@ -32,6 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=float, default=2.0)
     p.add_argument("--health-interval-s", type=float, default=5.0, help="background health probes (0: off)")
     p.add_argument("--log-level", default="info")
+    c = p.add_argument_group("placement (pdserve.conductor)")
+    c.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "conductor"),
+                   help="round_robin (default), least_loaded, or conductor: prefix-, load- and SLO-aware")
+    c.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="a worker's KV event publisher, e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557 (repeatable)")
+    c.add_argument("--ttft-slo-ms", type=float, default=None, help="reject (429) requests predicted to miss it")
+    c.add_argument("--tpot-slo-ms", type=float, default=None, help="reject (429) requests predicted to miss it")
+    c.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="run requests with at most this many uncached prompt tokens on the decode worker alone "
+                        "(default: learned from the cost model)")
+    c.add_argument("--block-size", type=int, default=128, help="workers' KV block size in tokens (default 128)")
+    c.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip the start-up timing of each worker (the cost model then starts from defaults)")
+    c.add_argument("--load-interval-s", type=float, default=1.0, help="period of worker /metrics reads")
     return p
 
 
@@ -42,7 +57,11 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         served_model_name=a.served_model_name, max_model_len=a.max_model_len,
                         connect_timeout_s=a.connect_timeout_s, upstream_idle_timeout_s=a.upstream_idle_timeout_s,
                         health_timeout_s=a.health_timeout_s, health_interval_s=a.health_interval_s,
-                        log_level=a.log_level)
+                        log_level=a.log_level, policy=a.policy, kv_events=tuple(a.kv_events),
+                        ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
+                        local_prefill_tokens=a.local_prefill_tokens, block_size=a.block_size,
+                        calibrate=a.calibrate, load_interval_s=a.load_interval_s,
+                        admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""))
 
 
 def main(argv: list[str] | None = None) -> int:

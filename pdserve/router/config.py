@@ -53,6 +53,15 @@ class RouterConfig:
     ``max_position_embeddings``. Set it to the workers' ``--max-model-len``.
     upstream_idle_timeout_s: a worker that sends nothing for this long fails the request (no hung streams).
     health_interval_s: period of the background health probes (0 turns them off; /health always probes).
+    policy: placement: ``round_robin`` | ``least_loaded`` | ``conductor`` (see :mod:`pdserve.conductor`).
+    kv_events: (worker URL, ZMQ endpoint) pairs: the workers' KV event publishers feeding the prefix index.
+    ttft_slo_ms / tpot_slo_ms: conductor targets (429 + Retry-After when predicted to miss); None: no target.
+    local_prefill_tokens: conductor: decode-local at most this many uncached prompt tokens (None: learned).
+    block_size: the workers' KV block size in tokens (vLLM CPU: 128); block keys must match it.
+    calibrate: conductor: time a few prefills and decodes per worker at start-up to seed the cost model.
+    load_interval_s: how often the conductor reads workers' /metrics (queue, running, KV usage).
+    admin_token: bearer token required by the worker-membership endpoints (/v1/pdserve/workers); empty: they
+        accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
     """
 
     model_dir: str
@@ -68,6 +77,15 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     health_interval_s: float = 5.0
     log_level: str = "info"
+    policy: str = "round_robin"
+    kv_events: tuple[tuple[str, str], ...] = ()
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    local_prefill_tokens: int | None = None
+    block_size: int = 128
+    calibrate: bool = True
+    load_interval_s: float = 1.0
+    admin_token: str = ""
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -108,6 +126,28 @@ class RouterConfig:
         for name in ("connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
+        from ..conductor.config import POLICIES
+
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        pairs = []
+        for item in self.kv_events:
+            url, endpoint = (item.split("=", 1) + [""])[:2] if isinstance(item, str) else item
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise RouterConfigError(f"--kv-events {item!r}: give WORKER_URL=tcp://HOST:PORT (the worker's "
+                                        "--kv-events-config endpoint)")
+            pairs.append((_check_url("--kv-events", url), endpoint))
+        object.__setattr__(self, "kv_events", tuple(pairs))
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise RouterConfigError(f"--{name.replace('_', '-')} {v!r}: a target in ms > 0 (omit for none)")
+        if self.local_prefill_tokens is not None and self.local_prefill_tokens < 0:
+            raise RouterConfigError("--local-prefill-tokens must be >= 0 (omit it to let the conductor learn it)")
+        if self.block_size < 1:
+            raise RouterConfigError(f"--block-size {self.block_size}: the workers' KV block size (vLLM CPU: 128)")
+        if not self.load_interval_s > 0:
+            raise RouterConfigError(f"--load-interval-s {self.load_interval_s}: must be > 0 seconds")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
 
