@@ -1,0 +1,307 @@
+"""KV cache size from a Hugging Face ``config.json`` (or a named preset).
+
+Attention layers are grouped by shape. A group keeps, per layer and per token, ``kv_heads x (k_dim + v_dim)``
+elements, for at most ``window`` tokens (sliding-window layers) or for the whole context (full layers):
+
+- MHA/GQA: one group, ``num_key_value_heads x (head_dim + head_dim)``.
+- MLA (DeepSeek): one latent shared by all heads: ``kv_lora_rank + qk_rope_head_dim`` elements, no V.
+- Hybrid sliding-window + full (MiMo-V2-Flash ``hybrid_layer_pattern``, Gemma/gpt-oss ``layer_types``,
+  Mistral ``sliding_window``): window layers keep only the last ``window`` tokens.
+- MoE changes the weights read per decode step, not the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+                                 "fp8": 1, "float8": 1, "int8": 1, "fp4": 0.5, "int4": 0.5}
+
+
+class ModelConfigError(ValueError):
+    """A config.json (or preset) this calculator cannot read, with what to fix."""
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of ``dtype`` (bf16 -> 2, fp8 -> 1)."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ModelConfigError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Attention layers of one shape. ``k_dim``/``v_dim`` are cached elements per KV head."""
+
+    kind: str  # "full", "sliding" or "mla"
+    layers: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    window: int | None  # tokens kept per sequence; None = the whole context
+    q_heads: int  # for attention FLOPs
+    attn_qk_dim: int  # per query head, for attention FLOPs (MLA: nope + rope)
+    attn_v_dim: int
+
+    def bytes_per_token(self, dtype: str) -> float:
+        """Bytes one cached token takes in this group (all its layers)."""
+        return self.layers * self.kv_heads * (self.k_dim + self.v_dim) * dtype_bytes(dtype)
+
+    def kept_tokens(self, context: int) -> int:
+        return context if self.window is None else min(context, self.window)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know about a model: attention groups and parameter counts."""
+
+    name: str
+    groups: tuple[AttentionGroup, ...]
+    total_params: int
+    active_params: int  # per token (MoE: shared + routed top-k experts)
+    expert_params: int  # all routed-expert weights (0 for dense models)
+    num_experts: int
+    experts_per_token: int
+    moe_layers: int
+    weight_dtype: str = "bf16"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
+        """Bytes per token while the context is shorter than every window (all layers count)."""
+        return sum(g.bytes_per_token(dtype) for g in self.groups)
+
+    def kv_bytes_per_token_long(self, dtype: str = "bf16") -> float:
+        """Marginal bytes per extra token of a long context (only full-context layers grow)."""
+        return sum(g.bytes_per_token(dtype) for g in self.groups if g.window is None)
+
+    def kv_bytes(self, context: int, dtype: str = "bf16") -> float:
+        """Bytes of KV cache one request holds at ``context`` tokens."""
+        if context < 0:
+            raise ValueError(f"context must be >= 0, got {context}")
+        return sum(g.bytes_per_token(dtype) * g.kept_tokens(context) for g in self.groups)
+
+    def kv_bytes_batch(self, contexts: Iterable[int], dtype: str = "bf16") -> float:
+        """Bytes of KV cache a decode batch of requests at these context lengths holds."""
+        return sum(self.kv_bytes(c, dtype) for c in contexts)
+
+    def weight_bytes(self) -> float:
+        return self.total_params * dtype_bytes(self.weight_dtype)
+
+    def attention_flops(self, new_tokens: int, cached_tokens: int) -> float:
+        """FLOPs of QK^T and PV for ``new_tokens`` queries after ``cached_tokens`` (causal, windows honoured)."""
+        total = 0.0
+        for g in self.groups:
+            attended = _attended_pairs(new_tokens, cached_tokens, g.window)
+            total += 2.0 * g.layers * g.q_heads * (g.attn_qk_dim + g.attn_v_dim) * attended
+        return total
+
+
+def _attended_pairs(n: int, c: int, window: int | None) -> float:
+    """Sum over the n new query positions of how many keys each attends to (itself included)."""
+    if n <= 0:
+        return 0.0
+    full = n * c + n * (n + 1) / 2.0
+    if window is None:
+        return full
+    # position p (0-based over the whole sequence) attends to min(p + 1, window) keys
+    def s(m: int) -> float:  # sum_{p<m} min(p+1, w)
+        w = window
+        if m <= w:
+            return m * (m + 1) / 2.0
+        return w * (w + 1) / 2.0 + (m - w) * w
+    return s(c + n) - s(c)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    inner = cfg.get("text_config") or cfg.get("llm_config") or cfg.get("language_config")
+    return {**cfg, **inner} if isinstance(inner, dict) else cfg
+
+
+def _need(cfg: dict[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ModelConfigError(f"config has no {key!r}; is this a decoder-only LLM config.json?")
+    return cfg[key]
+
+
+def _window_flags(cfg: dict[str, Any], layers: int) -> list[bool]:
+    """Per layer: True when it is a sliding-window layer."""
+    pattern = cfg.get("hybrid_layer_pattern")  # MiMo: 0 = full, 1 = sliding window
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ModelConfigError(f"hybrid_layer_pattern has {len(pattern)} entries for {layers} layers")
+        return [bool(x) for x in pattern]
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != layers:
+            raise ModelConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+        flags = []
+        for t in types:
+            if t in ("full_attention", "global", "attention"):
+                flags.append(False)
+            elif t in ("sliding_attention", "sliding_window", "local", "chunked_attention"):
+                flags.append(True)
+            else:
+                raise ModelConfigError(
+                    f"layer type {t!r} is not supported (full_attention / sliding_attention only); "
+                    "linear-attention and SSM layers keep a constant state, not a KV cache")
+        return flags
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False:
+        return [True] * layers  # Mistral-style: every layer windowed
+    return [False] * layers
+
+
+def _window(cfg: dict[str, Any]) -> int:
+    w = cfg.get("sliding_window") or cfg.get("sliding_window_size") or cfg.get("attention_window")
+    if not w:
+        raise ModelConfigError("config marks sliding-window layers but gives no sliding_window size")
+    return int(w)
+
+
+def attention_groups(cfg: dict[str, Any]) -> tuple[AttentionGroup, ...]:
+    """Attention groups of a (text) config: MLA, GQA/MHA, or sliding + full."""
+    cfg = _text_config(cfg)
+    layers = int(_need(cfg, "num_hidden_layers"))
+    q_heads = int(_need(cfg, "num_attention_heads"))
+    if cfg.get("kv_lora_rank"):
+        rope = int(cfg.get("qk_rope_head_dim", 64))
+        nope = int(cfg.get("qk_nope_head_dim", 128))
+        latent = int(cfg["kv_lora_rank"]) + rope
+        return (AttentionGroup("mla", layers, 1, latent, 0, None, q_heads, nope + rope,
+                               int(cfg.get("v_head_dim", nope))),)
+    hidden = int(_need(cfg, "hidden_size"))
+    head_dim = int(cfg.get("head_dim") or hidden // q_heads)
+    v_dim = int(cfg.get("v_head_dim") or head_dim)
+    kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
+    flags = _window_flags(cfg, layers)
+    n_win = sum(flags)
+    groups = []
+    if layers - n_win:
+        groups.append(AttentionGroup("full", layers - n_win, kv_heads, head_dim, v_dim, None, q_heads,
+                                     head_dim, v_dim))
+    if n_win:
+        s_head = int(cfg.get("swa_head_dim") or head_dim)
+        groups.append(AttentionGroup(
+            "sliding", n_win, int(cfg.get("swa_num_key_value_heads") or kv_heads), s_head,
+            int(cfg.get("swa_v_head_dim") or (v_dim if s_head == head_dim else s_head)), _window(cfg),
+            int(cfg.get("swa_num_attention_heads") or q_heads), s_head,
+            int(cfg.get("swa_v_head_dim") or v_dim)))
+    return tuple(groups)
+
+
+def _moe_layer_count(cfg: dict[str, Any], layers: int) -> int:
+    freq = cfg.get("moe_layer_freq")
+    if isinstance(freq, list):
+        return sum(1 for x in freq if x)
+    if "first_k_dense_replace" in cfg:
+        return layers - int(cfg["first_k_dense_replace"])
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+
+
+def _attention_params(cfg: dict[str, Any], groups: tuple[AttentionGroup, ...], hidden: int) -> int:
+    if groups[0].kind == "mla":
+        g = groups[0]
+        heads, qk, v = g.q_heads, g.attn_qk_dim, g.attn_v_dim
+        rank, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim", 64))
+        q_rank = cfg.get("q_lora_rank")
+        q = hidden * int(q_rank) + int(q_rank) * heads * qk if q_rank else hidden * heads * qk
+        kv = hidden * (rank + rope) + rank * heads * (qk - rope + v)
+        return g.layers * (q + kv + heads * v * hidden)
+    return sum(g.layers * hidden * (g.q_heads * g.attn_qk_dim + g.kv_heads * (g.k_dim + g.v_dim)
+                                    + g.q_heads * g.attn_v_dim) for g in groups)
+
+
+def estimate_params(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(total, active per token, routed-expert) parameter counts estimated from the config's shapes."""
+    cfg = _text_config(cfg)
+    groups = attention_groups(cfg)
+    layers = int(_need(cfg, "num_hidden_layers"))
+    hidden = int(_need(cfg, "hidden_size"))
+    vocab = int(_need(cfg, "vocab_size"))
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    attn = _attention_params(cfg, groups, hidden)
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    moe_layers = _moe_layer_count(cfg, layers) if experts else 0
+    dense_ffn = (layers - moe_layers) * 3 * hidden * int(_need(cfg, "intermediate_size"))
+    total = active = embed + attn + dense_ffn
+    routed = 0
+    if experts:
+        moe_inter = int(cfg.get("moe_intermediate_size") or _need(cfg, "intermediate_size"))
+        top_k = int(_need(cfg, "num_experts_per_tok"))
+        shared = int(cfg.get("n_shared_experts") or 0)
+        shared_inter = int(cfg.get("shared_expert_intermediate_size") or shared * moe_inter)
+        per_expert = 3 * hidden * moe_inter
+        routed = moe_layers * experts * per_expert
+        common = moe_layers * (3 * hidden * shared_inter + hidden * experts)  # shared experts + router
+        total += routed + common
+        active += moe_layers * top_k * per_expert + common
+    return total, active, routed
+
+
+def spec_from_config(cfg: dict[str, Any], name: str = "model", weight_dtype: str | None = None,
+                     total_params: int | None = None, active_params: int | None = None) -> ModelSpec:
+    """ModelSpec from a config.json dict; published parameter counts override the shape estimate."""
+    text = _text_config(cfg)
+    groups = attention_groups(text)
+    est_total, est_active, routed = estimate_params(text)
+    experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
+    total = int(total_params or est_total)
+    active = int(active_params or est_active)
+    if total_params and routed:  # keep the expert share consistent with the published total
+        routed = int(routed * total / est_total)
+    if weight_dtype is None:
+        weight_dtype = "fp8" if (text.get("quantization_config") or {}).get("quant_method") == "fp8" else "bf16"
+    return ModelSpec(name=name, groups=groups, total_params=total, active_params=active, expert_params=routed,
+                     num_experts=experts, experts_per_token=int(text.get("num_experts_per_tok") or 0),
+                     moe_layers=_moe_layer_count(text, int(text["num_hidden_layers"])) if experts else 0,
+                     weight_dtype=weight_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- presets
+
+_DATA = Path(__file__).with_name("data")
+
+
+def load_presets() -> dict[str, dict[str, Any]]:
+    """Named model presets from pdserve/plan/data/models.json."""
+    return json.loads((_DATA / "models.json").read_text())
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset name (see ``load_presets``), a config.json path or a model folder holding one."""
+    presets = load_presets()
+    if name_or_path in presets:
+        p = presets[name_or_path]
+        return spec_from_config(p["config"], name=name_or_path, weight_dtype=p.get("weight_dtype"),
+                                total_params=p.get("total_params"), active_params=p.get("active_params"))
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{name_or_path!r} is neither a preset ({', '.join(sorted(presets))}) "
+                               "nor a config.json / model folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: not JSON ({exc})") from None
+    return spec_from_config(cfg, name=path.parent.name or path.stem)
+
+
+def format_bytes(n: float) -> str:
+    """1.5 GiB style (binary units), for tables."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** exp:.2f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
