@@ -1,7 +1,7 @@
 """Hardware-derived cost model: the conductor's ``CostModel`` protocol from a model spec, a device and a link.
 
 - prefill: (2 x active params x new tokens + attention FLOPs over cached + new) / (devices x peak x MFU),
-  never faster than reading the weights once.
+  never faster than reading the weights and the cached prefix's KV once.
 - decode step: (weights read + KV bytes of the batch) / (devices x bandwidth x MBU), never faster than its
   FLOPs; MoE reads only the experts the batch touches (E x (1 - (1 - k/E)^batch) of them).
 - transfer: bytes / (link rate x efficiency x the instance's share of the NICs) + a per-batch overhead.
@@ -74,7 +74,7 @@ class HardwareCostModel:
             return 0.0
         m = self.model
         flops = 2.0 * m.active_params * new_tokens + m.attention_flops(new_tokens, cached_tokens)
-        read = self.weight_bytes_per_device() * self.parallel.devices / self._bw
+        read = (self.weight_bytes_per_device() * self.parallel.devices + self.kv_bytes(cached_tokens)) / self._bw
         return max(flops / self._flops, read) + self.acc.step_overhead_s
 
     def _weights_read(self, batch: int) -> float:
