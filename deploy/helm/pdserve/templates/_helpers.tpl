@@ -1,0 +1,120 @@
+{{/* Names: <release>-pdserve unless the release name already contains "pdserve"; 63-char DNS labels. */}}
+{{- define "pdserve.fullname" -}}
+{{- if contains "pdserve" .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-pdserve" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+app.kubernetes.io/name: pdserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* Selector of one component: include "pdserve.selector" (list $ "prefill") */}}
+{{- define "pdserve.selector" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: pdserve
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (toString .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pdserve.secretName" -}}
+{{- default (printf "%s-transfer" (include "pdserve.fullname" .)) .Values.transfer.existingSecret -}}
+{{- end -}}
+
+{{- define "pdserve.servedName" -}}
+{{- default .Values.model.name .Values.model.servedName -}}
+{{- end -}}
+
+{{/* In-cluster DNS names (headless Services resolve to ready pod IPs). */}}
+{{- define "pdserve.poolHost" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s.%s.svc" (include "pdserve.fullname" $root) (index . 1) $root.Release.Namespace -}}
+{{- end -}}
+
+{{- define "pdserve.routerPeersHost" -}}
+{{- printf "%s-router-peers.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "pdserve.storeMaster" -}}
+{{- printf "%s-store-master.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.store.master.port) -}}
+{{- end -}}
+
+{{/* Model folder the router reads its tokenizer from. */}}
+{{- define "pdserve.routerModelDir" -}}
+{{- if eq .Values.model.source "hf" -}}
+/models/router-tokenizer
+{{- else -}}
+{{- .Values.model.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.modelVolume" -}}
+- name: models
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvcName is required when model.source is pvc" .Values.model.pvcName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ required "model.hostPath is required when model.source is hostPath" .Values.model.hostPath }}
+    type: Directory
+{{- else if eq .Values.model.source "hf" }}
+  emptyDir: {}
+{{- else }}
+{{- fail (printf "model.source=%q: use hf, pvc or hostPath" .Values.model.source) }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.modelEnv" -}}
+- name: HF_HOME
+  value: {{ .Values.model.cacheDir | quote }}
+{{- if .Values.model.hfTokenSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hfTokenSecret }}
+      key: HF_TOKEN
+{{- end }}
+{{- end -}}
+
+{{/* --kv-transfer-config of one pool: include "pdserve.kvTransferConfig" (list $ $pool) */}}
+{{- define "pdserve.kvTransferConfig" -}}
+{{- $root := index . 0 -}}
+{{- $pool := index . 1 -}}
+{{- $t := $root.Values.transfer -}}
+{{- if not (has $t.backend (list "tcp" "mooncake" "nixl")) -}}
+{{- fail (printf "transfer.backend=%q: choose tcp, mooncake or nixl (auto/local only make sense on one host)" $t.backend) -}}
+{{- end -}}
+{{- $extra := dict "lease_s" $t.leaseSeconds "transfer_host" "0.0.0.0" "advertise_host" "$(POD_IP)" "transfer_port" (int $t.port) "backend" $t.backend "streams" (int $t.streams) "transfer_deadline_s" $t.deadlineSeconds -}}
+{{- $extra = merge (deepCopy $t.extraConfig) $extra -}}
+{{- $cfg := dict "kv_connector" "PdserveConnector" "kv_connector_module_path" "pdserve.vllm.connector" "kv_role" $pool.kvRole "kv_connector_extra_config" $extra -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{- define "pdserve.checkValues" -}}
+{{- if not (has .Values.autoscaling.provider (list "prometheus-adapter" "keda")) -}}
+{{- fail (printf "autoscaling.provider=%q: choose prometheus-adapter or keda" .Values.autoscaling.provider) -}}
+{{- end -}}
+{{- if and .Values.efa.enabled (ne .Values.transfer.backend "mooncake") (ne .Values.transfer.backend "nixl") -}}
+{{- fail "efa.enabled needs transfer.backend mooncake or nixl: the tcp backend cannot use EFA devices" -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := index $.Values $role -}}
+{{- if not (has $p.kvRole (list "kv_both" "kv_producer" "kv_consumer")) -}}
+{{- fail (printf "%s.kvRole=%q: choose kv_both, kv_producer or kv_consumer" $role $p.kvRole) -}}
+{{- end -}}
+{{- if regexMatch "(--tensor-parallel-size|-tp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs) -}}
+{{- fail (printf "%s.extraArgs sets tensor parallelism > 1: the pdserve KV connector supports one GPU per vLLM instance today; scale with replicas instead" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
