@@ -1,0 +1,227 @@
+"""Discrete-event simulation of a pdserve cluster, placing every request with the real conductor policy.
+
+Events: arrivals, engine-step ends, hand-overs (KV transfer done + router hand-off). The conductor
+(:class:`pdserve.conductor.policy.Conductor`) gets the simulated clock, the workers, their prefix-cache events
+and the request lifecycle exactly as the router would feed it, and decides local / disaggregated / reject."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pdserve.conductor.config import ConductorConfig
+from pdserve.conductor.cost_model import CostModel
+from pdserve.conductor.policy import Conductor, NoWorker, PlacementRequest
+
+from .results import Targets, summarize
+from .traffic import Request
+from .worker import Job, SimWorker
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Worker counts of one configuration; each worker (instance) spans ``devices_per_worker`` devices."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    devices_per_worker: int = 1
+
+    def __post_init__(self) -> None:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("a cluster is either colocated workers or prefill + decode workers")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("give colocated >= 1, or prefill >= 1 and decode >= 1")
+
+    @property
+    def label(self) -> str:
+        return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
+
+    @property
+    def devices(self) -> int:
+        return (self.colocated + self.prefill + self.decode) * self.devices_per_worker
+
+    def roles(self) -> list[tuple[str, str]]:
+        if self.colocated:
+            return [(f"c{i}", "colocated") for i in range(self.colocated)]
+        return [(f"p{i}", "prefill") for i in range(self.prefill)] + [(f"d{i}", "decode") for i in range(self.decode)]
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """policy: the conductor policy (round_robin | least_loaded | conductor).
+    chunk_tokens: per-step token budget (vLLM max_num_batched_tokens); max_seqs: vLLM max_num_seqs.
+    reject: give the targets to the conductor so it rejects requests predicted to miss them."""
+
+    targets: Targets
+    policy: str = "round_robin"
+    chunk_tokens: int = 8192
+    max_seqs: int = 256
+    block_size: int = 128
+    kv_capacity_tokens: int = 1 << 20
+    reject: bool = False
+    progress_every: int = 4  # tokens between decode_progress calls to the conductor
+
+
+class Simulation:
+    def __init__(self, cluster: Cluster, cost: CostModel, settings: SimSettings) -> None:
+        self.cluster, self.cost, self.settings = cluster, cost, settings
+        self.now = 0.0
+        s = settings
+        self.conductor = Conductor(
+            ConductorConfig(policy=s.policy, block_size=s.block_size,
+                            ttft_slo_s=s.targets.ttft_s if s.reject else None,
+                            tpot_slo_s=s.targets.tpot_s if s.reject else None),
+            cost, clock=lambda: self.now)
+        self.workers: dict[str, SimWorker] = {}
+        for wid, role in cluster.roles():
+            self.workers[wid] = SimWorker(wid, role, cost, s.kv_capacity_tokens, s.chunk_tokens, s.max_seqs,
+                                          s.block_size)
+            self.conductor.add_worker(wid, role, s.kv_capacity_tokens)
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._plans: dict[str, Any] = {}
+        self._link_free: dict[str, float] = {}
+        self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of each KV transfer
+        self.jobs: list[Job] = []
+
+    # ---- events ----
+    def _push(self, t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self, requests: Sequence[Request]) -> dict[str, Any]:
+        jobs = self.jobs = [Job(r) for r in requests]
+        for job in jobs:
+            self._push(job.req.arrival_s, "arrive", job)
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.now = t
+            if kind == "arrive":
+                self._arrive(payload)
+            elif kind == "step":
+                self._step_end(self.workers[payload])
+            else:
+                self._handed_over(payload)
+        return self._summary(jobs)
+
+    def _arrive(self, job: Job) -> None:
+        r = job.req
+        try:
+            d = self.conductor.place(PlacementRequest(r.rid, r.prompt_tokens, r.block_keys, r.output_tokens))
+        except NoWorker as exc:
+            job.rejected = str(exc)
+            return
+        if d.kind == "reject":
+            job.rejected = d.reason or "rejected"
+            return
+        job.kind = d.kind
+        job.decode_worker = d.decode or ""
+        job.prefill_worker = d.prefill if d.kind == "disaggregated" else job.decode_worker
+        w = self.workers[job.prefill_worker]
+        w.waiting.append(job)
+        self._kick(w)
+
+    def _kick(self, w: SimWorker) -> None:
+        if w.busy_until is not None:
+            return
+        plan = w.plan_step()
+        if plan is None:
+            return
+        w.busy_until = self.now + plan.seconds
+        self._plans[w.wid] = plan
+        self._push(w.busy_until, "step", w.wid)
+
+    def _step_end(self, w: SimWorker) -> None:
+        plan = self._plans.pop(w.wid)
+        w.busy_s += plan.seconds
+        w.steps += 1
+        w.busy_until = None
+        for job, n in plan.chunks:
+            job.computed += n
+            if job.prefill_left <= 0:
+                self._prefill_finished(w, job)
+        for job in plan.decodes:
+            self._token(w, job)
+        self._kick(w)
+
+    def _prefill_finished(self, w: SimWorker, job: Job) -> None:
+        w.waiting.remove(job)
+        self._store(w, job)
+        self.conductor.prefill_done(job.req.rid, job.cached)
+        job.tokens = 1
+        job.first_token_s = job.last_token_s = self.now
+        if job.kind == "disaggregated":
+            w.release(job, with_output=False)
+            if job.req.output_tokens <= 1:
+                self._finish(None, job)
+                return
+            nbytes = int(self._kv_bytes(job.req.prompt_tokens))
+            start = max(self.now, self._link_free.get(w.wid, 0.0))
+            secs = self.cost.transfer_s(nbytes)
+            self._link_free[w.wid] = start + secs
+            self.transfers.append((nbytes, secs))
+            self._push(start + secs + self.cost.handoff_s, "handover", job)
+        elif job.req.output_tokens <= 1:
+            self._finish(w, job)
+        else:
+            w.running.append(job)
+            self.conductor.decode_progress(job.req.rid, 1)
+
+    def _handed_over(self, job: Job) -> None:
+        d = self.workers[job.decode_worker]
+        d.incoming.append(job)
+        self.conductor.decode_progress(job.req.rid, 1)
+        self._kick(d)
+
+    def _token(self, w: SimWorker, job: Job) -> None:
+        job.tokens += 1
+        job.gaps.append(self.now - job.last_token_s)
+        job.last_token_s = self.now
+        if job.tokens >= job.req.output_tokens:
+            self._store(w, job)
+            self._finish(w, job)
+        elif job.tokens == 2 or job.tokens % self.settings.progress_every == 0:
+            self.conductor.decode_progress(job.req.rid, job.tokens)
+
+    def _finish(self, w: SimWorker | None, job: Job) -> None:
+        job.done_s = self.now
+        if w is not None:
+            if job in w.running:
+                w.running.remove(job)
+            w.release(job)
+        self.conductor.finished(job.req.rid)
+
+    def _store(self, w: SimWorker, job: Job) -> None:
+        stored, evicted = w.store(job.req.block_keys)
+        if evicted:
+            self.conductor.blocks_removed(w.wid, evicted)
+        if stored:
+            self.conductor.blocks_stored(w.wid, stored)
+
+    def _kv_bytes(self, tokens: int) -> float:
+        exact = getattr(self.cost, "kv_bytes", None)
+        return exact(tokens) if exact is not None else tokens * self.cost.kv_bytes_per_token
+
+    def _summary(self, jobs: list[Job]) -> dict[str, Any]:
+        makespan = max((j.done_s for j in jobs if j.done_s is not None), default=0.0)
+        busy: dict[str, list[tuple[float, float]]] = {}
+        for w in self.workers.values():
+            busy.setdefault(w.role, []).append((w.busy_s, makespan))
+        out = summarize(jobs, self.settings.targets, busy)
+        out["config"] = self.cluster.label
+        out["devices"] = self.cluster.devices
+        out["policy"] = self.settings.policy
+        out["decisions"] = dict(self.conductor.counts)
+        if self.transfers:
+            out["transfer"] = {"count": len(self.transfers),
+                               "mean_bytes": sum(b for b, _ in self.transfers) / len(self.transfers),
+                               "mean_s": sum(s for _, s in self.transfers) / len(self.transfers)}
+        return out
+
+
+def simulate(cluster: Cluster, cost: CostModel, settings: SimSettings, requests: Sequence[Request]
+             ) -> dict[str, Any]:
+    """Run ``requests`` through ``cluster``; summary as in :func:`pdserve.plan.results.summarize`."""
+    return Simulation(cluster, cost, settings).run(requests)
