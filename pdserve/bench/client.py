@@ -12,9 +12,14 @@ from .metrics import RequestRecord
 
 
 async def stream_completion(session: aiohttp.ClientSession, base_url: str, payload: dict[str, Any],
-                            timeout_s: float = 600.0) -> RequestRecord:
-    """POST /v1/completions with stream=true and usage; record when each content chunk arrived."""
-    body = dict(payload, stream=True, stream_options={"include_usage": True}, pdserve_timings=True)
+                            timeout_s: float = 600.0, timings: bool = True) -> RequestRecord:
+    """POST /v1/completions with stream=true and usage; record when each content chunk arrived.
+
+    ``timings`` asks the pdserve router for its per-request phase timings (``pdserve_timings``); leave it off for
+    servers that reject unknown fields."""
+    body = dict(payload, stream=True, stream_options={"include_usage": True})
+    if timings:
+        body["pdserve_timings"] = True
     rec = RequestRecord(ok=False, start=time.monotonic())
     try:
         async with session.post(f"{base_url}/v1/completions", json=body,
@@ -24,10 +29,12 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, paylo
                 return rec
             async for raw in resp.content:
                 _consume_line(rec, raw.decode().strip(), time.monotonic())
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
         return rec
     rec.end = time.monotonic()
+    if not rec.output_tokens:  # no usage chunk: count content chunks
+        rec.output_tokens = len(rec.chunk_times)
     rec.ok = rec.error is None and rec.first_token is not None
     return rec
 

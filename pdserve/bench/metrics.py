@@ -1,4 +1,15 @@
-"""Per-request records and the measures every benchmark reports (DESIGN.md section 8)."""
+"""Per-request records and the measures every benchmark reports (DESIGN.md section 8).
+
+Definitions (the same as vLLM's and SGLang's serving benchmarks):
+
+- TTFT: request sent -> first content chunk received (client clock).
+- TPOT: (end-to-end latency - TTFT) / (output tokens - 1); undefined for one-token outputs.
+- ITL: gaps between consecutive content chunks (every chunk, across requests).
+- E2E: request sent -> last byte of the stream.
+- Throughput: successful requests and their output tokens per second of wall time (first send -> last end).
+- Goodput: successful requests per second that met *both* the TTFT and the TPOT target (a request without a TPOT,
+  i.e. one output token, meets the TPOT target); ``slo_attainment`` is that count over all requests sent.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
+
+QUANTILES = (50, 90, 99)
+# Router per-request timing fields (pdserve/router/handoff.py Timings.report), summarized as phases.
+PHASE_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "handoff_ms", "decode_ms", "router_overhead_ms")
 
 
 @dataclass
@@ -21,6 +36,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     error: str | None = None
     timings: dict[str, Any] | None = None  # the router's pdserve_timings, when asked for
+    session: int = 0
+    turn: int = 0
+    scheduled_s: float | None = None  # when the workload wanted it sent (from the run's start)
 
     @property
     def ttft_s(self) -> float | None:
@@ -41,16 +59,58 @@ class RequestRecord:
     def itls_s(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
+    def to_dict(self, t0: float = 0.0) -> dict[str, Any]:
+        """JSON-ready, times relative to ``t0`` (the run's start)."""
+        rel = (lambda t: None if t is None else round(t - t0, 6))
+        return {"ok": self.ok, "session": self.session, "turn": self.turn, "scheduled_s": self.scheduled_s,
+                "start_s": rel(self.start), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+                "e2e_s": self.latency_s, "end_s": rel(self.end), "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "itl_s": [round(x, 6) for x in self.itls_s],
+                "error": self.error, "timings": self.timings}
 
-def percentiles(values: Iterable[float | None], qs: tuple[int, ...] = (50, 90, 99)) -> dict[int, float | None]:
+
+@dataclass(frozen=True)
+class SLO:
+    """Goodput targets in milliseconds (None: no target on that measure)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met(self, rec: RequestRecord) -> bool:
+        if not rec.ok:
+            return False
+        if self.ttft_ms is not None and (rec.ttft_s is None or rec.ttft_s * 1e3 > self.ttft_ms):
+            return False
+        tpot = rec.tpot_s
+        if self.tpot_ms is not None and tpot is not None and tpot * 1e3 > self.tpot_ms:
+            return False
+        return True
+
+
+def percentiles(values: Iterable[float | None], qs: tuple[int, ...] = QUANTILES) -> dict[int, float | None]:
+    """Linear-interpolated percentiles (numpy's default) of the values that are not None."""
     vals = [v for v in values if v is not None]
     if not vals:
         return {q: None for q in qs}
     return {q: float(np.percentile(vals, q)) for q in qs}
 
 
-def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
-    """TTFT, TPOT, ITL, latency p50/p90/p99 in ms; throughput; error count."""
+def _stats_ms(name: str, values: list[float | None]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None]
+    out: dict[str, float | None] = {f"{name}_mean_ms": round(float(np.mean(vals)) * 1e3, 2) if vals else None}
+    for q, v in percentiles(vals).items():
+        out[f"{name}_p{q}_ms"] = None if v is None else round(v * 1e3, 2)
+    return out
+
+
+def goodput(records: list[RequestRecord], wall_s: float, slo: SLO) -> dict[str, float | None]:
+    met = sum(1 for r in records if slo.met(r))
+    return {"goodput_req_per_s": round(met / wall_s, 4) if wall_s > 0 else None,
+            "slo_attainment": round(met / len(records), 4) if records else None}
+
+
+def summarize(records: list[RequestRecord], wall_s: float, slo: SLO | None = None) -> dict[str, Any]:
+    """TTFT, TPOT, ITL, E2E mean/p50/p90/p99 in ms; throughput; goodput (when ``slo`` is given); errors."""
     ok = [r for r in records if r.ok]
     out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
     series = {
@@ -58,8 +118,56 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "itl": [x for r in ok for x in r.itls_s], "e2e": [r.latency_s for r in ok],
     }
     for name, vals in series.items():
-        for q, v in percentiles(vals).items():
-            out[f"{name}_p{q}_ms"] = None if v is None else round(v * 1e3, 2)
-    out["req_per_s"] = round(len(ok) / wall_s, 3) if wall_s > 0 else None
+        out.update(_stats_ms(name, vals))
+    out["wall_s"] = round(wall_s, 3)
+    out["req_per_s"] = round(len(ok) / wall_s, 4) if wall_s > 0 else None
     out["output_tok_per_s"] = round(sum(r.output_tokens for r in ok) / wall_s, 2) if wall_s > 0 else None
+    out["prompt_tokens_mean"] = round(float(np.mean([r.prompt_tokens for r in ok])), 1) if ok else None
+    if slo is not None:
+        out.update(goodput(records, wall_s, slo))
+    return out
+
+
+def phase_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """Router-side phases (p50 and mean, ms), KV bytes per request, and the KV transfer's share of TTFT.
+
+    Empty when the server returned no ``pdserve_timings`` (a plain vLLM server, or a router without them)."""
+    timings = [r.timings for r in records if r.ok and r.timings]
+    if not timings:
+        return {}
+    out: dict[str, Any] = {"timed_requests": len(timings)}
+    modes: dict[str, int] = {}
+    for t in timings:
+        modes[str(t.get("mode"))] = modes.get(str(t.get("mode")), 0) + 1
+    out["modes"] = modes
+    for key in PHASE_FIELDS + ("kv_transfer_bytes",):
+        vals = [float(t[key]) for t in timings if t.get(key) is not None]
+        base = key[:-3] if key.endswith("_ms") else key
+        unit = "_ms" if key.endswith("_ms") else ""
+        out[f"{base}_p50{unit}"] = round(float(np.median(vals)), 3) if vals else None
+        out[f"{base}_mean{unit}"] = round(float(np.mean(vals)), 3) if vals else None
+    shares = [t["kv_transfer_ms"] / t["ttft_ms"] for t in timings
+              if t.get("kv_transfer_ms") is not None and t.get("ttft_ms")]
+    out["transfer_share_p50"] = round(float(np.median(shares)), 5) if shares else None
+    return out
+
+
+def counter_phases(kv: dict[str, float], router: dict[str, float], ttft_p50_ms: float | None,
+                   handoff_p50_ms: float | None = None) -> dict[str, Any]:
+    """Phases from Prometheus counter deltas over a run: decode workers' ``vllm:pdserve_kv_*`` (KV reads, bytes,
+    seconds) and the router's ``pdserve_router_phase_seconds`` sums (used when per-request timings lack a field;
+    vLLM 0.32 leaves kv_transfer_params out of streamed answers, so the KV numbers come from here)."""
+    out: dict[str, Any] = {}
+    reads = kv.get("vllm:pdserve_kv_reads_total", 0.0)
+    if reads:
+        out["kv_reads"] = int(reads)
+        out["kv_read_mean_ms"] = round(kv.get("vllm:pdserve_kv_read_seconds_sum", 0.0) * 1e3 / reads, 3)
+        out["kv_read_mean_bytes"] = round(kv.get("vllm:pdserve_kv_read_bytes_total", 0.0) / reads, 1)
+        if ttft_p50_ms:
+            out["kv_read_share_of_ttft_p50"] = round(out["kv_read_mean_ms"] / ttft_p50_ms, 5)
+        if handoff_p50_ms:  # the read happens in the hand-off (after P's first token): its share of that gap
+            out["kv_read_share_of_handoff_p50"] = round(out["kv_read_mean_ms"] / handoff_p50_ms, 5)
+    for key, value in sorted(router.items()):
+        if key.startswith("pdserve_router_handoffs_total"):
+            out[key.replace("pdserve_router_", "")] = int(value)
     return out

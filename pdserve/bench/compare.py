@@ -1,0 +1,196 @@
+"""Run the same workloads against several serving configurations, one after another on the same cores.
+
+Configuration names (:func:`launcher_config`):
+
+- ``colocatedN``: N plain vLLM workers behind the router, the machine's cores split evenly between them
+  (``colocated1`` = one worker on every core, ``colocated2`` = two workers on half each).
+- ``PpDd`` (``1p1d``, ``1p2d`` ...): disaggregated, one core per worker, the router's default policy.
+- ``PpDd-POLICY`` (``1p1d-conductor``, ``1p1d-least_loaded``): the same with the router's placement policy
+  ``POLICY`` (needs ``LauncherConfig.policy``; a clear error otherwise).
+
+Each configuration is started once with :class:`pdserve.launcher.Cluster`, health-gated, warmed up, then every
+workload runs against it in order; counters (decode workers' ``vllm:pdserve_kv_*``, the router's
+``pdserve_router_*``) are scraped before and after each workload. Workload ``k`` uses seed ``k`` unless its spec
+sets one, so a configuration never gets prefix-cache hits from an earlier workload, and every configuration gets
+the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import ConfigError, LauncherConfig
+from .metrics import SLO, counter_phases, phase_summary, summarize
+from .prom import delta, scrape
+from .runner import RunOptions, RunResult, run
+from .workload import build_workload, parse_spec
+
+_NAME = re.compile(r"^(?:colocated(?P<c>\d+)|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """What every configuration shares."""
+
+    model: str = ""
+    max_model_len: int = 4096
+    kv_cache_gib: int = 1
+    max_num_batched_tokens: int | None = None
+    dtype: str | None = None
+    cores: tuple[int, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    run_dir: str = ""
+    worker_timeout_s: float = 600.0
+
+
+@dataclass
+class WorkloadPlan:
+    """One workload run: a label for tables and plots, the spec string and its overrides (rate, seed)."""
+
+    label: str
+    spec: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float | None:
+        r = self.overrides.get("rate")
+        if r is None:
+            r = parse_spec(self.spec)[1].get("rate")
+        return None if r is None else float(r)
+
+
+def plan_workloads(specs: list[str], rates: list[float] | None = None) -> list[WorkloadPlan]:
+    """Every spec, at every rate when ``rates`` is given; workload k gets seed k unless its spec sets one."""
+    plans: list[WorkloadPlan] = []
+    for spec in specs:
+        kind, params = parse_spec(spec)
+        for rate in rates or [None]:
+            ov: dict[str, Any] = {}
+            label = params.get("name", spec)
+            if rate is not None:
+                ov["rate"] = rate
+                label = f"{label}@{rate:g}"
+            plans.append(WorkloadPlan(label, spec, ov))
+    for k, p in enumerate(plans):
+        if "seed" not in parse_spec(p.spec)[1]:
+            p.overrides["seed"] = k
+    return plans
+
+
+def available_cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
+    """The :class:`LauncherConfig` a configuration name stands for (see the module docstring)."""
+    m = _NAME.match(name)
+    if not m:
+        raise ConfigError(f"configuration {name!r} unknown: use colocatedN (e.g. colocated2), PpDd (e.g. 1p1d) or "
+                          "PpDd-POLICY (e.g. 1p1d-conductor)")
+    cores = s.cores or available_cores()
+    common: dict[str, Any] = dict(model=s.model, port=0, cores=cores, max_model_len=s.max_model_len,
+                                  kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_num_batched_tokens,
+                                  dtype=s.dtype, worker_args=s.worker_args, worker_timeout_s=s.worker_timeout_s)
+    if s.run_dir:
+        common["run_dir"] = str(Path(s.run_dir) / name)
+    if m.group("c"):
+        n = int(m.group("c"))
+        if n < 1:
+            raise ConfigError(f"{name}: colocated needs at least one worker")
+        return LauncherConfig(colocated=n, cores_per_worker=max(1, len(cores) // n), **common)
+    policy = m.group("policy")
+    if policy:
+        if "policy" not in {f.name for f in fields(LauncherConfig)}:
+            raise ConfigError(f"{name}: this pdserve's LauncherConfig has no 'policy' field yet (the router's "
+                              "placement policies land with the conductor); drop the -POLICY suffix")
+        common["policy"] = policy
+    return LauncherConfig(prefill=int(m.group("p")), decode=int(m.group("d")), cores_per_worker=1, **common)
+
+
+def _vocab_size(model_dir: Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+    if not vocab:
+        raise ConfigError(f"{model_dir}/config.json has no vocab_size; pass a Hugging Face model folder")
+    return int(vocab)
+
+
+def _counters(urls: list[str], prefix: str, labels: bool = False) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for url in urls:
+        try:
+            for k, v in scrape(url, prefix, labels=labels).items():
+                totals[k] = totals.get(k, 0.0) + v
+        except OSError:
+            continue  # a worker without /metrics (or gone): its counters are missing, not fatal
+    return totals
+
+
+def run_on_cluster(cluster: Any, plans: list[WorkloadPlan], slo: SLO, opts: dict[str, Any],
+                   on_result: Callable[[str, RunResult], None] | None = None,
+                   max_model_len: int | None = None) -> dict[str, Any]:
+    """Every planned workload against a started cluster; returns ``{label: summary}``."""
+    vocab = _vocab_size(cluster.model_dir)
+    decoders = cluster.worker_urls("decode")
+    out: dict[str, Any] = {}
+    for plan in plans:
+        wl = build_workload(plan.spec, vocab_size=vocab, max_model_len=max_model_len, overrides=plan.overrides)
+        wl.name = plan.label
+        kv0 = _counters(decoders, "vllm:pdserve_kv_")
+        r0 = _counters([cluster.router_url], "pdserve_router_handoffs_total", labels=True)
+        result = run(wl, RunOptions(url=cluster.router_url, model=cluster.model_name, **opts))
+        kv = delta(kv0, _counters(decoders, "vllm:pdserve_kv_"))
+        rt = delta(r0, _counters([cluster.router_url], "pdserve_router_handoffs_total", labels=True))
+        summary = summarize(result.records, result.wall_s, slo)
+        summary.update(phase_summary(result.records))
+        summary.update(counter_phases(kv, rt, summary.get("ttft_p50_ms"), summary.get("handoff_p50_ms")))
+        summary["offered_rate"] = wl.offered_rate
+        summary["truncated"] = result.truncated
+        summary["workload_info"] = wl.info
+        errors = [r.error for r in result.records if not r.ok]
+        if errors:
+            summary["first_error"] = errors[0]
+        out[plan.label] = summary
+        if on_result:
+            on_result(plan.label, result)
+    return out
+
+
+def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSettings, slo: SLO,
+            out_dir: Path, opts: dict[str, Any] | None = None,
+            log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Run ``plans`` on each configuration in turn; raw records go to ``out_dir/raw``; returns the results dict
+    that :func:`pdserve.bench.report.write_report` renders."""
+    from ..launcher import Cluster
+
+    cfgs = {name: launcher_config(name, settings) for name in configs}  # validate all names before starting any
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"configs": {}, "order": list(configs), "workloads": [p.label for p in plans],
+                               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+                               "settings": {k: v for k, v in settings.__dict__.items()},
+                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "cores": list(settings.cores or available_cores())}
+    for name, cfg in cfgs.items():
+        log(f"[compare] {name}: starting ({cfg.mode}, {cfg.num_workers} worker(s))")
+        t_start = time.monotonic()
+
+        def save(label: str, result: RunResult, name: str = name) -> None:
+            slug = re.sub(r"[^A-Za-z0-9_.@-]+", "_", label)
+            (raw / f"{name}__{slug}.json").write_text(json.dumps(result.to_dict()))
+
+        with Cluster(cfg, log=lambda s, n=name: log(f"[{n}] {s}")) as cluster:
+            startup = time.monotonic() - t_start
+            per_wl = run_on_cluster(cluster, plans, slo, dict(opts or {}), on_result=save,
+                                    max_model_len=settings.max_model_len)
+        results["configs"][name] = {"startup_s": round(startup, 1), "mode": cfg.mode,
+                                    "workers": cfg.num_workers, "workloads": per_wl}
+        log(f"[compare] {name}: done")
+    return results

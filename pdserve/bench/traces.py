@@ -1,0 +1,228 @@
+"""Mooncake-format traces: load, scale, and turn hash ids into token-id prompts.
+
+A trace row (one JSON object per line, as in Mooncake's FAST'25 traces) is::
+
+    {"timestamp": 3000, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, ...]}
+
+``timestamp`` is the arrival in milliseconds, ``hash_ids`` name the prompt's 512-token blocks, chained so that two
+rows sharing a leading run of ids share that many blocks of prefix. To replay a row we make one token block per
+hash id, drawn from a random generator seeded with (seed, hash id), so equal ids give equal tokens in every row
+and every run. The last block is usually partial (``input_length`` is not a multiple of 512): the prompt is the
+concatenation cut at ``input_length``, so it is a prefix of that block's tokens.
+
+Scaling (this machine cannot serve 12K-token prompts at trace rate): ``input_scale`` multiplies input lengths
+*and* the block size (a block of 512 becomes ``round(512 * input_scale)`` tokens), which keeps the sharing
+structure: what was a shared 512-token block is a shared smaller block. ``output_scale`` multiplies output
+lengths, ``time_scale`` multiplies inter-arrival times (0.5 = twice as fast); ``rate`` instead rescales time so
+the mean arrival rate over the selected rows is that many requests per second. Finally lengths are capped:
+``max_output``, then the input to ``min(max_input, max_model_len - output)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+# Token ids are drawn from [TOKEN_LOW, vocab_size): clear of the special tokens every Llama/Qwen/SmolLM2
+# tokenizer keeps at low ids.
+TOKEN_LOW = 1000
+
+
+class TraceError(ValueError):
+    """A trace file or scaling option is wrong; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One request of a Mooncake-format trace, as written in the file."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TraceScale:
+    """How to fit a trace to this machine; see the module docstring for what each factor does."""
+
+    input_scale: float = 1.0
+    output_scale: float = 1.0
+    time_scale: float = 1.0
+    rate: float | None = None
+    max_input: int | None = None
+    max_output: int | None = None
+    max_model_len: int | None = None
+    min_output: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("input_scale", "output_scale", "time_scale"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise TraceError(f"{name}={v!r}: use a factor > 0 (1 keeps the trace as is)")
+        if self.rate is not None and not self.rate > 0:
+            raise TraceError(f"rate={self.rate!r}: use requests per second > 0, or leave it unset")
+        for name in ("max_input", "max_output", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise TraceError(f"{name}={v!r}: use a positive number of tokens, or leave it unset")
+        if self.min_output < 1:
+            raise TraceError(f"min_output={self.min_output!r}: a request generates at least 1 token")
+        if self.max_model_len is not None and self.max_model_len < self.min_output + 1:
+            raise TraceError(f"max_model_len={self.max_model_len} leaves no room for a prompt")
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per hash block after scaling (at least 1)."""
+        return max(1, round(TRACE_BLOCK_TOKENS * self.input_scale))
+
+
+@dataclass(frozen=True)
+class ScaledRequest:
+    """A trace row after scaling: arrival in seconds from the first row, lengths in tokens."""
+
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_row(obj: dict, where: str = "") -> TraceRow:
+    """One JSON object -> :class:`TraceRow`, with a message naming the field when it is wrong."""
+    try:
+        ts = float(obj["timestamp"])
+        inp = int(obj["input_length"])
+        out = int(obj["output_length"])
+        ids = tuple(int(h) for h in obj.get("hash_ids", ()))
+    except KeyError as exc:
+        raise TraceError(f"{where}missing field {exc.args[0]!r}: a Mooncake trace row has timestamp (ms), "
+                         "input_length, output_length and hash_ids") from None
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{where}bad value ({exc}): timestamp is a number of ms, lengths are integers, "
+                         "hash_ids a list of integers") from None
+    if inp < 1 or out < 0:
+        raise TraceError(f"{where}input_length={inp}, output_length={out}: need input >= 1 and output >= 0")
+    if ids and len(ids) * TRACE_BLOCK_TOKENS < inp:
+        raise TraceError(f"{where}{len(ids)} hash ids cover {len(ids) * TRACE_BLOCK_TOKENS} tokens but "
+                         f"input_length is {inp}: hash ids name {TRACE_BLOCK_TOKENS}-token blocks")
+    return TraceRow(ts, inp, out, ids)
+
+
+def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, limit: int | None = None) -> list[TraceRow]:
+    """Rows ``start .. start+limit`` of a Mooncake-format JSONL trace (blank lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"trace {p} not found: pass a Mooncake-format JSONL file "
+                         "(e.g. ../shared/traces/conversation_trace.jsonl)")
+    rows: list[TraceRow] = []
+    with p.open() as f:
+        n = 0
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if n >= start:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{p}:{lineno}: not JSON ({exc})") from None
+                rows.append(parse_row(obj, f"{p}:{lineno}: "))
+                if limit is not None and len(rows) >= limit:
+                    break
+            n += 1
+    if not rows:
+        raise TraceError(f"{p}: no rows from index {start}")
+    return rows
+
+
+def scale_rows(rows: Sequence[TraceRow], scale: TraceScale) -> list[ScaledRequest]:
+    """Apply ``scale`` to rows (in file order; arrivals start at 0)."""
+    if not rows:
+        return []
+    t0 = rows[0].timestamp_ms
+    span_s = (rows[-1].timestamp_ms - t0) / 1000.0
+    time_factor = scale.time_scale
+    if scale.rate is not None:
+        if span_s <= 0:
+            # every row at the same instant: spread them evenly at the asked rate instead
+            time_factor = 0.0
+        else:
+            # n requests over the span; the rate over arrivals is (n - 1) / span
+            time_factor = (len(rows) - 1) / scale.rate / span_s
+    out: list[ScaledRequest] = []
+    for i, r in enumerate(rows):
+        arrival = (r.timestamp_ms - t0) / 1000.0 * time_factor
+        if scale.rate is not None and span_s <= 0:
+            arrival = i / scale.rate
+        output = max(scale.min_output, round(r.output_length * scale.output_scale))
+        if scale.max_output is not None:
+            output = min(output, scale.max_output)
+        inp = max(1, round(r.input_length * scale.input_scale))
+        if scale.max_input is not None:
+            inp = min(inp, scale.max_input)
+        if scale.max_model_len is not None:
+            if output >= scale.max_model_len:
+                output = scale.max_model_len - 1
+            inp = min(inp, scale.max_model_len - output)
+        out.append(ScaledRequest(i, arrival, inp, output, r.hash_ids))
+    return out
+
+
+def block_tokens(hash_id: int, n: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """The ``n`` token ids of hash block ``hash_id``: the same for the same (seed, id, n) everywhere."""
+    if vocab_size <= TOKEN_LOW:
+        raise TraceError(f"vocab_size={vocab_size}: token ids are drawn from [{TOKEN_LOW}, vocab_size); "
+                         "give the tokenizer's vocabulary size")
+    rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, hash_id & 0xFFFFFFFFFFFFFFFF]))
+    return rng.integers(TOKEN_LOW, vocab_size, size=n, dtype=np.int64)
+
+
+def prompt_ids(req: ScaledRequest, block: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """Token ids for a scaled request: hash blocks of ``block`` tokens cut at ``input_length``.
+
+    Past the named blocks (a row without hash ids, or a length the ids do not cover) the tokens are unique to
+    the row, seeded by its index under a separate stream so they never collide with a hash block.
+    """
+    need = req.input_length
+    parts: list[np.ndarray] = []
+    have = 0
+    for h in req.hash_ids:
+        if have >= need:
+            break
+        take = min(block, need - have)
+        parts.append(block_tokens(h, block, vocab_size, seed)[:take])
+        have += take
+    if have < need:
+        rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, 1 << 40, req.index]))
+        parts.append(rng.integers(TOKEN_LOW, vocab_size, size=need - have, dtype=np.int64))
+    return [int(t) for t in np.concatenate(parts)] if parts else []
+
+
+def shared_prefix_len(a: Iterable[int], b: Iterable[int]) -> int:
+    """Length of the common prefix of two token lists (used by tests and the trace summary)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def trace_summary(reqs: Sequence[ScaledRequest]) -> dict[str, float]:
+    """Mean/median lengths and the mean arrival rate of scaled requests."""
+    if not reqs:
+        return {"requests": 0}
+    inp = [r.input_length for r in reqs]
+    out = [r.output_length for r in reqs]
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    return {"requests": len(reqs), "input_mean": float(np.mean(inp)), "input_p50": float(np.median(inp)),
+            "output_mean": float(np.mean(out)), "output_p50": float(np.median(out)),
+            "span_s": span, "rate": (len(reqs) - 1) / span if span > 0 else math.inf}

@@ -1,0 +1,133 @@
+"""Mooncake trace loading and scaling, and the synthetic and agent workloads (no servers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.traces import (DEFAULT_TRACE, TOKEN_LOW, TraceError, TraceRow, TraceScale, load_trace,
+                                  parse_row, prompt_ids, scale_rows, shared_prefix_len)
+from pdserve.bench.workload import agent_workload, build_workload, parse_spec, synthetic_workload
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1200, "output_length": 100, "hash_ids": [0, 1, 2]},
+    {"timestamp": 3000, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 3]},
+    {"timestamp": 5000, "input_length": 600, "output_length": 50, "hash_ids": [4, 5]},
+    {"timestamp": 9000, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 2]},
+]
+
+
+@pytest.fixture
+def trace(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    return p
+
+
+def test_load_and_window(trace):
+    rows = load_trace(trace)
+    assert rows[0] == TraceRow(1000.0, 1200, 100, (0, 1, 2))
+    assert [r.input_length for r in load_trace(trace, start=1, limit=2)] == [1100, 600]
+
+
+def test_bad_rows_name_the_problem(tmp_path):
+    with pytest.raises(TraceError, match="input_length"):
+        parse_row({"timestamp": 0, "output_length": 3, "hash_ids": [1]})
+    with pytest.raises(TraceError, match="512-token blocks"):
+        parse_row({"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2]})
+    with pytest.raises(TraceError, match="not found"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_equal_hash_ids_give_equal_prefixes(trace):
+    reqs = scale_rows(load_trace(trace), TraceScale())
+    p = [prompt_ids(r, 512, 49152) for r in reqs]
+    assert [len(x) for x in p] == [1200, 1100, 600, 1536]
+    assert shared_prefix_len(p[0], p[1]) == 1024  # blocks 0 and 1 shared, block 2 vs 3 differ at once
+    assert p[3][:1200] == p[0]  # same ids: the shorter one's partial last block is a prefix of the longer one
+    assert shared_prefix_len(p[0], p[2]) == 0
+    assert all(TOKEN_LOW <= t < 49152 for x in p for t in x)
+    # deterministic across calls, different under another seed
+    assert prompt_ids(reqs[0], 512, 49152) == p[0]
+    assert shared_prefix_len(prompt_ids(reqs[0], 512, 49152, seed=1), p[0]) < 5
+
+
+def test_length_and_time_scaling(trace):
+    rows = load_trace(trace)
+    s = TraceScale(input_scale=0.25, output_scale=0.5, time_scale=0.5)
+    reqs = scale_rows(rows, s)
+    assert s.block_tokens == 128
+    assert [r.input_length for r in reqs] == [300, 275, 150, 384]
+    assert [r.output_length for r in reqs] == [50, 5, 25, 4]  # round(3.5) == 4 (banker's rounding)
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 2.0, 4.0]
+    p = [prompt_ids(r, s.block_tokens, 32000) for r in reqs]
+    assert shared_prefix_len(p[0], p[1]) == 256  # the sharing structure survives scaling
+    assert p[3][:300] == p[0]
+
+
+def test_rate_rescales_time(trace):
+    reqs = scale_rows(load_trace(trace), TraceScale(rate=1.5))
+    assert reqs[-1].arrival_s == pytest.approx(3 / 1.5)  # 4 requests, 3 gaps
+    assert reqs[1].arrival_s == pytest.approx(2.0 / 8.0 * 2.0)  # relative spacing kept
+
+
+def test_caps_to_the_model_context(trace):
+    reqs = scale_rows(load_trace(trace), TraceScale(max_model_len=1000, max_output=64, max_input=900))
+    for r in reqs:
+        assert r.input_length + r.output_length <= 1000 and r.output_length <= 64 and r.input_length <= 900
+    assert reqs[0].input_length == 900 and reqs[0].output_length == 64
+    tiny = scale_rows(load_trace(trace), TraceScale(max_model_len=64))
+    assert all(r.input_length + r.output_length <= 64 and r.input_length >= 1 for r in tiny)
+
+
+def test_scale_validation():
+    with pytest.raises(TraceError, match="input_scale"):
+        TraceScale(input_scale=0)
+    with pytest.raises(TraceError, match="rate"):
+        TraceScale(rate=-1)
+
+
+@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="shared conversation trace not present")
+def test_real_conversation_trace_shares_prefixes():
+    wl = build_workload("trace:input_scale=0.1,output_scale=0.1,requests=40,rate=2", vocab_size=49152,
+                        max_model_len=2048)
+    prompts = [s.turns[0].prompt_ids for s in wl.sessions]
+    assert wl.num_requests == 40 and wl.offered_rate == pytest.approx(2.0)
+    assert all(len(p) + s.turns[0].max_tokens <= 2048 for p, s in zip(prompts, wl.sessions))
+    # rows 0-2 all start with hash id 0: a 51-token shared block
+    assert shared_prefix_len(prompts[0], prompts[1]) >= 51
+
+
+def test_synthetic_rates_and_lengths():
+    wl = synthetic_workload(rate=4.0, requests=2000, input=100, output=20, input_dist="uniform", seed=3)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(wl.sessions, wl.sessions[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.08)
+    ins = [len(s.turns[0].prompt_ids) for s in wl.sessions]
+    assert 50 <= min(ins) and max(ins) <= 150 and sum(ins) / len(ins) == pytest.approx(100, rel=0.05)
+    fixed = synthetic_workload(rate=2.0, requests=5, arrival="fixed")
+    assert [s.arrival_s for s in fixed.sessions] == [0.0, 0.5, 1.0, 1.5, 2.0]
+
+
+def test_agent_context_grows_with_each_tool_result():
+    wl = agent_workload(sessions=3, turns=4, system=100, user=10, tool=50, output=8)
+    for s in wl.sessions:
+        lens = [len(t.prompt_ids) for t in s.turns]
+        assert lens == [110, 168, 226, 284]
+        for a, b in zip(s.turns, s.turns[1:]):
+            assert b.prompt_ids[:len(a.prompt_ids)] == a.prompt_ids
+    a, b = wl.sessions[0].turns[0].prompt_ids, wl.sessions[1].turns[0].prompt_ids
+    assert shared_prefix_len(a, b) >= 100  # the system prompt is shared
+    capped = agent_workload(sessions=1, turns=10, system=100, user=10, tool=50, output=8, max_model_len=250)
+    assert all(len(t.prompt_ids) + 8 <= 250 for t in capped.sessions[0].turns)
+
+
+def test_spec_strings():
+    assert parse_spec("poisson:rate=2, input=10") == ("poisson", {"rate": "2", "input": "10"})
+    wl = build_workload("fixed:rate=10,requests=3,input=5,output=2,concurrency=2")
+    assert wl.concurrency == 2 and wl.num_requests == 3
+    with pytest.raises(TraceError, match="unknown option"):
+        build_workload("poisson:bogus=1")
+    with pytest.raises(TraceError, match="kind"):
+        parse_spec("zipf:rate=1")
+    assert build_workload("poisson:rate=1,requests=4", overrides={"rate": 8.0}).info["rate"] == 8.0
