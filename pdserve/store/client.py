@@ -36,7 +36,8 @@ class TransferStats:
 
 
 class StoreClient:
-    def __init__(self, config: ClientConfig, engine: TransferEngine) -> None:
+    def __init__(self, config: ClientConfig, engine: TransferEngine | None = None) -> None:
+        """``engine`` None: control calls only (exists/prefix/remove/keys/events/stats)."""
         self.config = config
         self.engine = engine
         self.master = RpcClient(config.master_host, config.master_port, config.secret, config.timeout_s)
@@ -82,6 +83,8 @@ class StoreClient:
 
     def _run(self, batches: dict[str, list], nodes: dict[str, Any], op: str) -> dict[str, bool]:
         """Submit one batch per node at once, then wait for all; node -> succeeded."""
+        if self.engine is None:
+            raise StoreError("config", "this StoreClient has no transfer engine: pass one to move data")
         handles = {}
         ok: dict[str, bool] = {}
         for node_id, entries in batches.items():
