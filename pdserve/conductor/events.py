@@ -13,7 +13,7 @@ entries are dropped and rebuilt from later events (an under-estimate of its cach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import msgpack
 
@@ -22,10 +22,31 @@ from ..hashing import ROOT_KEY, block_key
 
 @dataclass
 class IndexUpdate:
+    """``ops``: ("stored" | "removed" | "cleared", keys) in event order (apply them in this order);
+    ``stored`` / ``removed`` / ``cleared`` summarise them."""
+
     cleared: bool = False
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     skipped: int = 0  # blocks that could not be keyed (unknown parent, other block size, extra keys)
+    ops: list[tuple[str, list[int]]] = field(default_factory=list)
+
+    def apply_to(self, holder: str, index: "IndexLike") -> None:
+        for op, keys in self.ops:
+            if op == "stored":
+                index.blocks_stored(holder, keys)
+            elif op == "removed":
+                index.blocks_removed(holder, keys)
+            else:
+                index.all_cleared(holder)
+
+
+class IndexLike(Protocol):
+    def blocks_stored(self, holder: str, keys: list[int]) -> None: ...
+
+    def blocks_removed(self, holder: str, keys: list[int]) -> None: ...
+
+    def all_cleared(self, holder: str) -> None: ...
 
 
 def decode_batch(payload: bytes) -> list[dict[str, Any]]:
@@ -66,15 +87,17 @@ class EventTranslator:
             if kind == "BlockStored":
                 self._stored(ev, up)
             elif kind == "BlockRemoved":
-                for h in ev.get("block_hashes") or []:
-                    k = self.keys.pop(_h(h), None)
-                    if k is not None:
-                        up.removed.append(k)
+                gone = [k for k in (self.keys.pop(_h(h), None) for h in ev.get("block_hashes") or [])
+                        if k is not None]
+                up.removed.extend(gone)
+                if gone:
+                    up.ops.append(("removed", gone))
             elif kind == "AllBlocksCleared":
                 self.keys.clear()
                 up.cleared = True
                 up.stored.clear()
                 up.removed.clear()
+                up.ops = [("cleared", [])]
         return up
 
     def _stored(self, ev: dict[str, Any], up: IndexUpdate) -> None:
@@ -95,7 +118,10 @@ class EventTranslator:
                 up.skipped += len(hashes)
                 return
             parent = found
+        new = []
         for i, h in enumerate(hashes):
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
             self.keys[_h(h)] = parent
-            up.stored.append(parent)
+            new.append(parent)
+        up.stored.extend(new)
+        up.ops.append(("stored", new))

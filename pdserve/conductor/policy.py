@@ -157,8 +157,7 @@ class Conductor:
 
     # -- baselines --
     def _pick_rr(self, ring: str, ws: list[WorkerLoad]) -> WorkerLoad:
-        ws = sorted(ws, key=lambda w: w.worker_id)
-        w = ws[self._rr[ring] % len(ws)]
+        w = ws[self._rr[ring] % len(ws)]  # in membership order
         self._rr[ring] += 1
         return w
 

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode worker base URL(s) (repeatable)")
     p.add_argument("--colocated", nargs="+", action="extend", default=[], metavar="URL",
                    help="baseline: workers that serve whole requests, round-robin (instead of --prefill/--decode)")
+    p.add_argument("--mode", dest="mode_hint", default="", choices=("", "colocated", "disaggregated"),
+                   help="start with no workers in this mode; workers join via POST /v1/pdserve/workers")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="", help="name clients use in 'model' (default: --model-dir)")
@@ -61,7 +63,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
                         local_prefill_tokens=a.local_prefill_tokens, block_size=a.block_size,
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,
-                        admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""))
+                        admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint)
 
 
 def main(argv: list[str] | None = None) -> int:

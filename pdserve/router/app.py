@@ -1,7 +1,8 @@
 """The router's HTTP server (aiohttp): the one public port.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
-(200 only when every configured worker answers its /health), GET /metrics (Prometheus text).
+(200 only when every configured worker answers its /health), GET /metrics (Prometheus text), and worker
+membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from .config import RouterConfig
 from .errors import RouterError, bad_request, not_found, upstream_failed
 from .handoff import Delta, Generation, Timings
 from .metrics import RouterMetrics
-from .placement import Placement, RoundRobin
+from ..conductor import ConductorConfig
+from .calibration import calibrate
+from .config import kv_bytes_per_token
+from .kv_events import KVEventSubscriber
+from .load_probe import read_worker_load
+from .membership import add_routes as add_membership_routes
+from .metrics import conductor_metrics_text
+from .placement import ConductorPlacement, Placement, make_placement
 from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
     parse_json, sse
 from .tokenizer import PromptTokenizer
@@ -43,14 +51,42 @@ class Router:
         self.workers: dict[str, Worker] = {}
         for role, url in config.all_workers():
             self.workers.setdefault(url, Worker(url)).roles.add(role)
-        w = self.workers
-        self.placement: Placement = placement or RoundRobin([w[u] for u in config.prefill],
-                                                            [w[u] for u in config.decode],
-                                                            [w[u] for u in config.colocated])
+        self.placement: Placement = placement or make_placement(self.workers, ConductorConfig(
+            policy=config.policy, block_size=config.block_size,
+            ttft_slo_s=None if config.ttft_slo_ms is None else config.ttft_slo_ms / 1000.0,
+            tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1000.0,
+            local_prefill_tokens=config.local_prefill_tokens), kv_bytes_per_token(config.model_dir))
         self.session: aiohttp.ClientSession | None = None
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._zmq = None
+        self.calibration: dict | None = None
         self.created = int(time.time())
+
+    @property
+    def conducted(self) -> ConductorPlacement | None:
+        return self.placement if isinstance(self.placement, ConductorPlacement) else None
+
+    def subscribe(self, url: str, endpoint: str) -> None:
+        """Follow a worker's KV events (replacing an earlier subscription)."""
+        cp = self.conducted
+        if cp is None:
+            return
+        import zmq.asyncio
+
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        old = self.subscribers.pop(url, None)
+        if old is not None:
+            self._tasks.append(asyncio.create_task(old.close()))
+        self.subscribers[url] = KVEventSubscriber(self._zmq, url, endpoint, cp.conductor, self.config.block_size)
+
+    async def unsubscribe(self, url: str) -> None:
+        sub = self.subscribers.pop(url, None)
+        if sub is not None:
+            await sub.close()
 
     # ---- lifecycle ----
     async def start(self, app: web.Application) -> None:
@@ -59,16 +95,49 @@ class Router:
         self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
+        cp = self.conducted
+        if cp is not None and self.config.policy != "round_robin":
+            for url, endpoint in self.config.kv_events:
+                self.subscribe(url, endpoint)
+            self._tasks.append(asyncio.create_task(self._load_loop(cp)))
+            if self.config.calibrate and self.config.policy == "conductor":
+                self._tasks.append(asyncio.create_task(self._calibrate(cp)))
 
     async def stop(self, app: web.Application) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in [self._health_task, *self._tasks]:
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._health_task
-            except asyncio.CancelledError:
+                await task
+            except (asyncio.CancelledError, Exception):
                 pass
+        for url in list(self.subscribers):
+            await self.unsubscribe(url)
+        if self._zmq is not None:
+            self._zmq.term()
         if self.session is not None:
             await self.session.close()
+
+    async def _load_loop(self, cp: ConductorPlacement) -> None:
+        """Read every worker's /metrics (queue, running, KV usage and capacity) into the conductor."""
+        assert self.session is not None
+        while True:
+            workers = list(self.workers.values())
+            reports = await asyncio.gather(*(read_worker_load(self.session, w.url, self.config.health_timeout_s)
+                                             for w in workers))
+            for w, r in zip(workers, reports):
+                if r is not None:
+                    cp.conductor.report_load(w.url, r.waiting, r.running, r.kv_usage, r.kv_capacity_tokens)
+            await asyncio.sleep(self.config.load_interval_s)
+
+    async def _calibrate(self, cp: ConductorPlacement) -> None:
+        assert self.client is not None
+        try:
+            self.calibration = await calibrate(self.client, cp.conductor, self.workers, self.tokenizer.vocab_size,
+                                               self.config.max_model_len)
+        except Exception:
+            log.exception("start-up calibration failed; the cost model keeps its defaults")
 
     async def _health_loop(self) -> None:
         while True:
@@ -101,7 +170,10 @@ class Router:
                                   "workers": workers}, status=200 if ok else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
+        text = self.metrics.render()
+        if self.conducted is not None:
+            text += conductor_metrics_text(self.conducted, self.subscribers)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -184,7 +256,7 @@ class Router:
             return resp
         except RouterError as e:
             status = str(e.status)
-            return web.json_response(e.to_dict(), status=e.status)
+            return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
         except asyncio.CancelledError:
             status = "client_disconnected"
             raise
@@ -279,7 +351,7 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         err = RouterError(e.status, f"{e.reason}: {request.method} {request.path}", etype)
         return web.json_response(err.to_dict(), status=e.status)
     except RouterError as e:
-        return web.json_response(e.to_dict(), status=e.status)
+        return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
@@ -301,6 +373,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_handler)
+    add_membership_routes(app, router)
     return app
 
 

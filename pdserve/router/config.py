@@ -40,6 +40,28 @@ def context_length_from_model_dir(model_dir: str) -> int | None:
     return None
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8": 1, "fp8": 1}
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """KV cache bytes per token of a standard (MHA/GQA) model from its config.json: 2 (K and V) x layers x KV
+    heads x head dim x dtype bytes; 0 when config.json does not say (the conductor then ignores transfer cost)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    cfg = cfg.get("text_config") or cfg
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg.get("num_attention_heads") or 0)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or (int(cfg["hidden_size"]) // heads))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Settings of one router process.
@@ -86,6 +108,7 @@ class RouterConfig:
     calibrate: bool = True
     load_interval_s: float = 1.0
     admin_token: str = ""
+    mode_hint: str = ""  # "colocated" | "disaggregated": lets a router start with no workers (they join later)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -108,9 +131,14 @@ class RouterConfig:
         if self.colocated and (self.prefill or self.decode):
             raise RouterConfigError("--colocated cannot be combined with --prefill/--decode: choose colocated "
                                     "(baseline) or disaggregated mode")
-        if not self.colocated and not (self.prefill and self.decode):
+        if self.mode_hint not in ("", "colocated", "disaggregated"):
+            raise RouterConfigError(f"--mode {self.mode_hint!r}: colocated or disaggregated")
+        if self.mode_hint and (self.colocated if self.mode_hint == "disaggregated" else (self.prefill or self.decode)):
+            raise RouterConfigError(f"--mode {self.mode_hint} contradicts the worker flags given")
+        if not self.mode_hint and not self.colocated and not (self.prefill and self.decode):
             raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
-                                    "--colocated URL... (baseline)")
+                                    "--colocated URL... (baseline), or --mode to start empty and let workers "
+                                    "join through POST /v1/pdserve/workers")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", self.model_dir)
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -153,7 +181,7 @@ class RouterConfig:
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
+        return "colocated" if self.colocated or self.mode_hint == "colocated" else "disaggregated"
 
     def all_workers(self) -> list[tuple[str, str]]:
         """(role, url) for every configured worker, a URL listed once per role."""

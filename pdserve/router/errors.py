@@ -9,8 +9,9 @@ class RouterError(Exception):
     """An error the client sees. ``status`` is the HTTP status; the rest fills OpenAI's error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.type = type

@@ -177,6 +177,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
+        self.choice: Choice | None = None  # the placement in force (closed with placement.finished)
 
     # ---- worker bodies ----
     def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -222,6 +223,8 @@ class Generation:
                     if self.t.first_token is None:
                         self.t.first_token = now
                     self.t.last_token = now
+                    if self.choice is not None:
+                        self.placement.progress(self.choice, self.t.tokens)
                 if hit is not None:
                     self.finish_reason, self.stop_reason = "stop", hit
                     yield Delta(text, raw.token_ids, "stop", hit)
@@ -236,7 +239,7 @@ class Generation:
     async def _raw(self) -> AsyncIterator[Delta]:
         exclude: set[str] = set()
         while True:
-            choice = self.placement.choose(self.prompt_ids, frozenset(exclude))
+            choice = self._choose(exclude)
             try:
                 gen = self._one_worker(choice.decode) if self.colocated or choice.prefill is None \
                     else self._pd(choice, exclude)
@@ -246,6 +249,19 @@ class Generation:
                 return
             except _Retry as r:
                 exclude.add(r.url)
+            finally:
+                self._release()
+
+    def _choose(self, exclude: set[str]) -> Choice:
+        self._release()
+        self.choice = self.placement.choose(self.prompt_ids, frozenset(exclude), self.req.request_id,
+                                            self.max_tokens)
+        return self.choice
+
+    def _release(self) -> None:
+        if self.choice is not None:
+            self.placement.finished(self.choice)
+            self.choice = None
 
     async def _one_worker(self, w: Worker) -> AsyncIterator[Delta]:
         self.t.decode_worker = w.url
@@ -272,6 +288,8 @@ class Generation:
                 raise _Retry(p.url) from None
             raise self._as_router_error(e) from None
         self.t.p_done = time.perf_counter()
+        if self.choice is not None:
+            self.placement.prefill_done(self.choice)
         try:
             c0 = resp["choices"][0]
             ids = c0.get("token_ids")
@@ -310,7 +328,9 @@ class Generation:
                 return
             except _Retry as r:  # D unreachable: P's blocks are still leased, try another D
                 tries.add(r.url)
-                d = self.placement.choose(self.prompt_ids, frozenset(exclude | tries)).decode
+                d = self._choose(exclude | tries).decode
+                assert self.choice is not None
+                self.placement.prefill_done(self.choice)
 
     async def _decode_stream(self, w: Worker, body: dict, role: str, after_first: bool = False
                              ) -> AsyncIterator[Delta]:
@@ -336,6 +356,8 @@ class Generation:
                     if not started and (ids or text):
                         started = True
                         self.t.d_first = time.perf_counter()
+                        if not after_first and self.choice is not None:
+                            self.placement.prefill_done(self.choice)  # whole request here: prompt computed
                     delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"))
                     if delta.finish_reason is None:
                         yield delta

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Iterable
+from typing import Any, Iterable
 
 # Seconds: 1 ms .. 60 s (phase timings on CPU range from sub-ms router overhead to multi-second prefills).
 TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
@@ -125,3 +125,37 @@ class RouterMetrics:
                   self.handoffs, self.worker_errors, self.inflight, self.worker_healthy):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"
+
+
+def conductor_metrics_text(placement: "Any", subscribers: dict) -> str:
+    """Per-worker load gauges (the autoscaling signals) and the conductor's own counters, rendered fresh."""
+    c = placement.conductor
+    q = Gauge("pdserve_worker_queued_prefill_tokens", "Prompt tokens placed on the worker and not yet prefilled.",
+              ("worker", "role"))
+    r = Gauge("pdserve_worker_running_requests", "Requests placed on the worker to decode (running or awaiting "
+              "their KV).", ("worker", "role"))
+    kv = Gauge("pdserve_worker_kv_usage", "KV cache in use, 0..1 (worker-reported when fresh, else the "
+               "conductor's reservations).", ("worker", "role"))
+    blocks = Gauge("pdserve_conductor_indexed_blocks", "Blocks the prefix index holds, per holder.", ("holder",))
+    for s in c.snapshot():
+        labels = (s["worker"], s["role"])
+        q.set(s["queued_prefill_tokens"], *labels)
+        r.set(s["running_requests"], *labels)
+        cap = s["kv_capacity_tokens"]
+        kv.set(min(1.0, s["kv_used_tokens"] / cap) if cap else 0.0, *labels)
+    for h in c.index.holders():
+        blocks.set(c.index.blocks_of(h), h)
+    dec = Counter("pdserve_conductor_decisions_total", "Placements by outcome (disaggregated, local, reject).",
+                  ("kind",))
+    for kind, n in c.counts.items():
+        dec.inc(kind, amount=n)
+    hist = Histogram("pdserve_conductor_decision_seconds", "Time to choose a placement (recent decisions).")
+    for v in list(placement.decision_seconds):
+        hist.observe(v)
+    ev = Counter("pdserve_conductor_kv_event_batches_total", "KV event batches received per worker.", ("worker",))
+    for url, sub in subscribers.items():
+        ev.inc(url, amount=sub.batches)
+    lines: list[str] = []
+    for m in (q, r, kv, blocks, dec, hist, ev):
+        lines.extend(m.render())
+    return "\n".join(lines) + "\n"

@@ -74,3 +74,18 @@ def test_decode_batch():
         decode_batch(b"\xc1garbage")
     with pytest.raises(ValueError):
         decode_batch(msgpack.packb({"a": 1}))
+
+
+def test_translator_ops_keep_event_order():
+    from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
+
+    bs = 4
+    toks = list(range(8))
+    ours = block_hashes(toks, bs)
+    tr = EventTranslator(bs)
+    up = tr.apply([_stored([b"h0", b"h1"], None, toks, bs),
+                   {"type": "BlockRemoved", "block_hashes": [b"h1"], "medium": None}])
+    assert up.ops == [("stored", ours), ("removed", [ours[1]])]
+    c = Conductor(ConductorConfig(block_size=bs), OnlineCostModel(1))
+    up.apply_to("w", c)
+    assert c.index.prefix_lengths(ours) == {"w": 1}  # stored then removed: block 1 is gone

@@ -1,0 +1,67 @@
+"""Reads a vLLM worker's /metrics into the numbers the conductor's load view uses.
+
+vLLM v1 exports ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
+(0..1) and ``vllm:cache_config_info{block_size=..., num_gpu_blocks=...}`` (KV capacity), plus prefix-cache
+counters. Only what is present is used.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import aiohttp
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class WorkerReport:
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+
+
+def parse_vllm_metrics(text: str) -> WorkerReport:
+    r = WorkerReport()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name == "vllm:cache_config_info":
+            lab = dict(_LABEL.findall(labels))
+            try:
+                r.kv_capacity_tokens = int(float(lab.get("num_gpu_blocks", 0))) * int(float(lab.get("block_size", 0)))
+            except ValueError:
+                pass
+            continue
+        sums[name] = sums.get(name, 0.0) + v
+    r.waiting = int(sums.get("vllm:num_requests_waiting", 0))
+    r.running = int(sums.get("vllm:num_requests_running", 0))
+    r.kv_usage = sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc", 0.0))
+    r.prefix_cache_queries = sums.get("vllm:prefix_cache_queries_total", 0.0)
+    r.prefix_cache_hits = sums.get("vllm:prefix_cache_hits_total", 0.0)
+    return r
+
+
+async def read_worker_load(session: aiohttp.ClientSession, url: str, timeout_s: float) -> WorkerReport | None:
+    """The worker's load, or None when it does not answer in time."""
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            return parse_vllm_metrics(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
