@@ -1,0 +1,163 @@
+"""Simulated vs measured on this machine: does ``pdserve plan`` predict what a live pdserve stack does?
+
+1. Calibrate: start one colocated worker (one core), fit prefill and decode-step times from single requests
+   and small batches (pdserve.plan.calibrate), and measure the P -> D hand-off on a 1P1D stack.
+2. For each configuration (colocated x2, 1P1D round-robin, 1P1D with the conductor): start it, replay one
+   Poisson workload (random token-id prompts, 25% long / 75% short, fixed output lengths), and simulate the
+   same requests (same arrival times and lengths) with the calibrated cost model.
+3. Table of TTFT p50 and TPOT p50/p99, measured vs simulated, with the error; then one JSON line.
+
+    flock /tmp/pd/heavy.lock .venv/bin/python benchmarks/plan_validate.py            # ~8-10 min on 2 cores
+    flock /tmp/pd/heavy.lock .venv/bin/python benchmarks/plan_validate.py --quick    # ~5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+
+from pdserve.bench.client import stream_completion  # noqa: E402
+from pdserve.config import LauncherConfig  # noqa: E402
+from pdserve.launcher import Cluster  # noqa: E402
+from pdserve.plan.calibrate import Calibration, fit, measure  # noqa: E402
+from pdserve.plan.kvsize import load_model  # noqa: E402
+from pdserve.plan.measure import transfer_bytes_s  # noqa: E402
+from pdserve.plan.results import Targets, percentiles  # noqa: E402
+from pdserve.plan.simulator import Cluster as SimCluster, SimSettings, simulate  # noqa: E402
+from pdserve.plan.traffic import Request  # noqa: E402
+
+KV_GIB = 1
+CHUNK = 2048  # vLLM's CPU default max_num_batched_tokens
+
+
+def log(msg: str) -> None:
+    print(f"[plan_validate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def launch(**kw: Any) -> Cluster:
+    cfg = LauncherConfig(port=0, kv_cache_gib=KV_GIB, max_model_len=2048, **kw)
+    return Cluster(cfg, log=lambda s: log(s))
+
+
+def workload(rate: float, n: int, seed: int, long_tokens: int, short_tokens: int, output: int) -> list[Request]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = long_tokens if rng.random() < 0.25 else short_tokens
+        out.append(Request(f"r{i}", t, prompt, output))
+    return out
+
+
+async def replay(url: str, reqs: list[Request], seed: int) -> list[dict[str, float]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(r.prompt_tokens)] for r in reqs]
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+
+        async def one(r: Request, ids: list[int]) -> dict[str, float]:
+            await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.monotonic()))
+            rec = await stream_completion(session, url, {"prompt": ids, "max_tokens": r.output_tokens,
+                                                         "ignore_eos": True})
+            if not rec.ok or rec.end is None:
+                return {"error": 1.0}
+            n = max(rec.output_tokens, len(rec.chunk_times))
+            return {"ttft": rec.ttft_s, "tpot": (rec.end - rec.first_token) / (n - 1) if n > 1 else None}
+
+        return await asyncio.gather(*(one(r, p) for r, p in zip(reqs, prompts)))
+
+
+def figures(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    t, p = percentiles(ttft), percentiles(tpot)
+    return {"ttft_p50": t["p50"], "tpot_p50": p["p50"], "tpot_p99": p["p99"]}
+
+
+def calibrate_here(model_kv: int, quick: bool) -> Calibration:
+    with launch(colocated=1, cores=(0,)) as c:
+        log(f"calibrating on {c.router_url}")
+        pre, dec = asyncio.run(measure(c.router_url, repeats=1 if quick else 2))
+    bw = transfer_bytes_s()
+    cal = fit(pre, dec, model_kv, bw)
+    with launch(prefill=1, decode=1, cores=(0, 1)) as c:  # hand-off: first gap of a PD request minus a step
+        async def gaps() -> list[float]:
+            rng = random.Random(1)
+            out = []
+            async with aiohttp.ClientSession() as s:
+                for _ in range(3 if quick else 5):
+                    rec = await stream_completion(s, c.router_url, {"prompt": [rng.randrange(1000, 20000)
+                                                                               for _ in range(1024)],
+                                                                    "max_tokens": 8, "ignore_eos": True})
+                    if rec.ok and len(rec.chunk_times) > 2:
+                        out.append(rec.chunk_times[1] - rec.chunk_times[0])
+            return out
+        g = statistics.median(asyncio.run(gaps()))
+    cm = cal.cost_model()
+    cal.handoff_s = max(0.0, g - cm.decode_step_s(1, 1024) - cm.transfer_s(1024 * model_kv))
+    log(f"calibration: prefill {cal.prefill_coef}, decode {cal.decode_coef}, handoff {cal.handoff_s:.3f} s, "
+        f"transfer {bw / 1e9:.1f} GB/s")
+    return cal
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--requests", type=int, default=0)
+    ap.add_argument("--calibration", help="reuse a saved calibration instead of measuring one")
+    args = ap.parse_args()
+    n = args.requests or (30 if args.quick else 60)
+    spec = load_model("smollm2-135m")
+    kv = int(spec.kv_bytes_per_token())
+    cal = Calibration.load(args.calibration) if args.calibration else calibrate_here(kv, args.quick)
+    cal.save("/tmp/pd/plan_calibration.json") if not args.calibration else None
+    cost = cal.cost_model()
+    reqs = workload(args.rate, n, 11, 1536, 128, 32)
+    capacity = KV_GIB * (1 << 30) // kv
+    configs = [("colocated x2", dict(colocated=2, cores=(0, 1)), SimCluster(colocated=2), "round_robin"),
+               ("1P1D", dict(prefill=1, decode=1, cores=(0, 1)), SimCluster(prefill=1, decode=1), "round_robin"),
+               ("1P1D conductor", dict(prefill=1, decode=1, cores=(0, 1), policy="conductor"),
+                SimCluster(prefill=1, decode=1), "conductor")]
+    rows = []
+    for name, launch_kw, sim_cluster, policy in configs:
+        with launch(**launch_kw) as c:
+            log(f"{name}: replaying {n} requests at {args.rate}/s on {c.router_url}")
+            got = asyncio.run(replay(c.router_url, reqs, 5))
+        ok = [g for g in got if "error" not in g]
+        measured = figures([g["ttft"] for g in ok], [g["tpot"] for g in ok if g["tpot"] is not None])
+        sim = simulate(sim_cluster, cost, SimSettings(Targets(1e9, 1e9), policy=policy, chunk_tokens=CHUNK,
+                                                      kv_capacity_tokens=capacity), reqs)
+        simulated = {"ttft_p50": sim["ttft_s"]["p50"], "tpot_p50": sim["tpot_s"]["p50"],
+                     "tpot_p99": sim["tpot_s"]["p99"]}
+        err = {k: (simulated[k] - measured[k]) / measured[k] for k in measured}
+        rows.append({"config": name, "errors": len(got) - len(ok), "measured": measured, "simulated": simulated,
+                     "rel_error": err, "decisions": sim["decisions"]})
+    print(f"Poisson {args.rate}/s, {n} requests (25% 1536-token, 75% 128-token prompts, 32 output tokens), "
+          "SmolLM2-135M bf16, one core per worker; times in ms, error = (simulated - measured) / measured")
+    print(f"{'config':16s} {'':9s} {'TTFT p50':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}")
+    for r in rows:
+        for kind in ("measured", "simulated"):
+            v = r[kind]
+            print(f"{r['config']:16s} {kind:9s} {v['ttft_p50'] * 1e3:9.0f} {v['tpot_p50'] * 1e3:9.1f} "
+                  f"{v['tpot_p99'] * 1e3:9.1f}")
+        e = r["rel_error"]
+        print(f"{r['config']:16s} {'error':9s} {e['ttft_p50']:+9.0%} {e['tpot_p50']:+9.0%} {e['tpot_p99']:+9.0%}")
+    worst = max(abs(v) for r in rows for v in r["rel_error"].values())
+    print(json.dumps({"calibration": {"prefill_coef": cal.prefill_coef, "decode_coef": cal.decode_coef,
+                                      "handoff_s": cal.handoff_s, "bandwidth_bytes_s": cal.bandwidth_bytes_s},
+                      "rows": rows, "worst_abs_rel_error": worst, "within_15pct": worst <= 0.15}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
