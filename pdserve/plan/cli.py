@@ -148,9 +148,9 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}" if v < 0.1 else f"{v * 1e3:.0f}"
 
 
-def _print_kv(kv: dict[str, Any], par: Parallelism, acc: Accelerator, net: Link) -> None:
+def _print_kv(kv: dict[str, Any], devices: int, hardware: str, network: str) -> None:
     print(f"{kv['model']}: {kv['total_params'] / 1e9:.1f}B params ({kv['active_params'] / 1e9:.1f}B active), "
-          f"weights {format_bytes(kv['weights_bytes'])}; worker = {par.devices} x {acc.name}, link {net.name}")
+          f"weights {format_bytes(kv['weights_bytes'])}; worker = {devices} x {hardware}, link {network}")
     print(f"  KV {kv['kv_dtype']}: {format_bytes(kv['kv_bytes_per_token'])}/token"
           + (f" ({format_bytes(kv['kv_bytes_per_token_long'])}/token beyond the window)"
              if kv["kv_bytes_per_token_long"] != kv["kv_bytes_per_token"] else "")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, default=float))
         return 0
-    _print_kv(out["kv"], Parallelism(out["devices_per_worker"]), *_acc_net(out))
+    _print_kv(out["kv"], out["devices_per_worker"], out["hardware"], out["network"])
     if "candidates" in out:
         t = out["traffic"]
         print(f"traffic: {t['requests']} requests at {t['rate']:.2f} req/s, mean prompt {t['mean_prompt']:.0f}, "
@@ -256,9 +256,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {args.plot}")
     return 0
 
-
-def _acc_net(out: dict[str, Any]) -> tuple[Any, Any]:
-    class _N:  # names only, for the header line
-        def __init__(self, name: str) -> None:
-            self.name = name
-    return _N(out["hardware"]), _N(out["network"])
