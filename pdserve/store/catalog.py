@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -96,6 +97,7 @@ class Catalog:
         self.counters = {k: 0 for k in METRIC_COUNTERS}
         self.events: deque = deque(maxlen=events_kept)  # (seq, "stored" | "removed", key)
         self.event_seq = 0
+        self.epoch = uuid.uuid4().hex[:12]  # changes when the master restarts: event readers resync
 
     # ------------------------------------------------------------------ nodes
     def register_node(self, node_id: str, rpc: Sequence[Any], segment: dict[str, Any], mem_capacity: int,
@@ -373,13 +375,14 @@ class Catalog:
 
     def events_since(self, since: int, limit: int = 10000) -> dict[str, Any]:
         """Stored/removed events with seq > since. ``reset``: events were dropped since then; re-read
-        :meth:`keys` and continue from ``next``."""
+        :meth:`keys` and continue from ``next``. ``epoch`` changes when the master restarts (its sequence
+        starts again): a reader that sees a new epoch resyncs the same way."""
         with self.lock:
             oldest = self.events[0][0] if self.events else self.event_seq + 1
             reset = since + 1 < oldest and since < self.event_seq
             out = [list(e) for e in self.events if e[0] > since][:limit]
             nxt = out[-1][0] if out else max(since, self.event_seq) if not reset else self.event_seq
-            return {"events": out, "next": nxt, "reset": reset}
+            return {"events": out, "next": nxt, "reset": reset, "epoch": self.epoch}
 
     # ------------------------------------------------------------------ eviction
     def _delete(self, key: int) -> None:
