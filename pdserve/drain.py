@@ -5,7 +5,8 @@
 
 1. Deregister: ``DELETE /v1/pdserve/workers {"url": SELF}`` on *every* router replica: the router's host name
    is resolved and each address is called (the chart passes a headless Service that lists every router pod).
-   The routers stop sending this worker new requests at once; requests already on it go on.
+   The routers stop sending this worker new requests at once; requests already on it go on. The routers'
+   admin token is read from $PDSERVE_ADMIN_TOKEN.
 2. Wait until the worker is idle: its vLLM ``/metrics`` shows ``vllm:num_requests_running`` +
    ``vllm:num_requests_waiting`` == 0, and every gauge the pdserve connector exports about KV it holds
    (``vllm:pdserve_kv_*`` gauges, when present) == 0, on ``quiet_polls`` polls in a row (a request the router
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from .discovery import WORKERS_PATH, worker_url
+from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
 
 log = logging.getLogger("pdserve.drain")
 
@@ -123,10 +125,12 @@ def router_targets(router_url: str, resolve: Callable[[str, int], Iterable[str]]
     return [worker_url(a, port, parts.scheme) for a in addrs] or [router_url]
 
 
-def _http(method: str, url: str, body: dict | None, timeout_s: float) -> tuple[int, bytes]:
+def _http(method: str, url: str, body: dict | None, timeout_s: float, token: str = "") -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -138,18 +142,20 @@ def deregister(config: DrainConfig, resolve: Callable[[str, int], Iterable[str]]
                ) -> tuple[list[str], list[str]]:
     """DELETE this worker on every router address: (routers that dropped it, errors)."""
     done, errors = [], []
+    token = os.environ.get(TOKEN_ENV, "")
     for router in config.routers:
         for target in router_targets(router, resolve):
             url = target + WORKERS_PATH
             try:
-                status, body = _http("DELETE", url, {"url": config.self_url}, config.http_timeout_s)
+                status, body = _http("DELETE", url, {"url": config.self_url}, config.http_timeout_s, token)
             except (urllib.error.URLError, OSError) as exc:
                 errors.append(f"{target}: {exc}")
                 continue
             if status in (200, 202, 204, 404):  # 404: it was not a member there (already removed)
                 done.append(target)
             else:
-                errors.append(f"{target}: HTTP {status} {body[:200].decode(errors='replace')}")
+                hint = f" (set ${TOKEN_ENV} to the router's admin token)" if status in (401, 403) else ""
+                errors.append(f"{target}: HTTP {status} {body[:200].decode(errors='replace')}{hint}")
     return done, errors
 
 

@@ -52,6 +52,7 @@ SCENARIOS = {
                                 "store.nodes.ssd.storageClass=local-nvme", "metrics.serviceMonitor.enabled=true",
                                 "model.source=hostPath", "model.hostPath=/mnt/models",
                                 "model.name=/models/qwen", "prefill.hugepages2Mi=1Gi")),
+    "conductor-no-discovery": ((), ("router.policy=conductor", "router.discovery.enabled=false")),
     "keda-nixl-efa": ((), ("autoscaling.enabled=true", "autoscaling.provider=keda", "transfer.backend=nixl",
                            "efa.enabled=true", "model.source=pvc", "model.pvcName=models",
                            "model.name=/models/qwen")),
@@ -243,6 +244,28 @@ def test_kv_transfer_config_is_accepted_by_the_connector(scenario):
         assert conf.backend == backend and conf.advertise_host == "10.1.2.3" and conf.transfer_port == 14579
 
 
+def test_conductor_policy_wires_kv_events_from_workers_to_the_router():
+    from pdserve.discovery import config_from_args
+
+    for role in ("prefill", "decode"):
+        dep = objs("conductor-no-discovery", "Deployment")[f"{FULL}-{role}"]
+        c = container(dep, "vllm")
+        ev = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
+        # vLLM binds a wildcard endpoint (and connects to any other): the router's SUB socket dials the pod
+        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in c["ports"]
+        assert "--kv-events-config" not in container(objs("default", "Deployment")[f"{FULL}-{role}"], "vllm")["args"]
+    ports = objs("conductor-no-discovery", "NetworkPolicy")[f"{FULL}-workers"]["spec"]["ingress"][0]["ports"]
+    assert {"port": "kv-events", "protocol": "TCP"} in ports
+    out = helm_template(sets=("router.policy=conductor",))
+    router = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == f"{FULL}-router")
+    cfg, _ = config_from_args(container(router, "discovery")["args"])
+    assert cfg.kv_events_port == 5557
+    cfg, _ = config_from_args(container(objs("default", "Deployment")[f"{FULL}-router"], "discovery")["args"])
+    assert cfg.kv_events_port == 0
+
+
 def test_tensor_parallel_above_one_is_refused():
     out = helm_template(sets=("decode.extraArgs={--tensor-parallel-size,2}",))
     assert out.returncode != 0 and "one GPU per vLLM instance" in out.stderr
@@ -251,8 +274,14 @@ def test_tensor_parallel_above_one_is_refused():
 
 def test_shared_secret_is_generated_and_only_workers_and_store_get_it():
     secret = objs("default", "Secret")[f"{FULL}-transfer"]
-    value = base64.b64decode(secret["data"]["PDSERVE_TRANSFER_SECRET"]).decode()
-    assert len(value) == 48 and value.isalnum()
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(values) == {"PDSERVE_TRANSFER_SECRET", "PDSERVE_ADMIN_TOKEN"}
+    assert all(len(v) == 48 and v.isalnum() for v in values.values()) and len(set(values.values())) == 2
+    # the admin token goes to the router, its discovery sidecar and the workers (their drain hooks)
+    for name, dep in objs("default", "Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            refs = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "PDSERVE_ADMIN_TOKEN"]
+            assert refs == [{"name": f"{FULL}-transfer", "key": "PDSERVE_ADMIN_TOKEN"}], (name, c["name"])
     for o in render("everything-adapter"):
         if o["kind"] not in ("Deployment", "StatefulSet"):
             continue
@@ -336,10 +365,17 @@ def test_router_and_discovery_flags_are_the_ones_their_clis_accept():
     r = container(dep, "router")
     assert r["command"] == ["python3", "-m", "pdserve.router"]
     a = router_parser().parse_args(r["args"])
-    assert a.host == "0.0.0.0" and a.port == 8000 and a.max_model_len == 8192
-    assert a.prefill == [f"http://{FULL}-prefill.{NAMESPACE}.svc:8000"]
-    assert a.decode == [f"http://{FULL}-decode.{NAMESPACE}.svc:8000"]
+    assert a.host == "0.0.0.0" and a.port == 8000 and a.max_model_len == 8192 and a.policy == "round_robin"
+    # it starts empty and the discovery sidecar adds the pods
+    assert a.mode_hint == "disaggregated" and a.prefill == [] and a.decode == []
     assert r["readinessProbe"]["httpGet"]["path"] == "/health"
+    # without discovery each pool is one member: its headless Service name
+    nodisc = objs("conductor-no-discovery", "Deployment")[f"{FULL}-router"]
+    assert [c["name"] for c in nodisc["spec"]["template"]["spec"]["containers"]] == ["router"]
+    b = router_parser().parse_args(container(nodisc, "router")["args"])
+    assert b.mode_hint == "" and b.policy == "conductor"
+    assert b.prefill == [f"http://{FULL}-prefill.{NAMESPACE}.svc:8000"]
+    assert b.decode == [f"http://{FULL}-decode.{NAMESPACE}.svc:8000"]
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
 
@@ -445,7 +481,8 @@ def test_bad_values_fail_with_actionable_messages():
     cases = {("transfer.backend=auto",): "choose tcp, mooncake or nixl",
              ("model.source=pvc",): "model.pvcName is required",
              ("autoscaling.enabled=true", "autoscaling.prefill.minReplicas=9"): "minReplicas",
-             ("autoscaling.provider=hpa",): "choose prometheus-adapter or keda"}
+             ("autoscaling.provider=hpa",): "choose prometheus-adapter or keda",
+             ("router.policy=random",): "choose round_robin, least_loaded or conductor"}
     for sets, msg in cases.items():
         out = helm_template(sets=sets)
         assert out.returncode != 0 and msg in out.stderr, (sets, out.stderr[-300:])

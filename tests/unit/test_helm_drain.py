@@ -38,7 +38,7 @@ class Server:
             def _go(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
-                status, data = handle(self.command, self.path, body)
+                status, data = handle(self.command, self.path, body, dict(self.headers))
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -68,7 +68,7 @@ class Worker:
         self.scrapes = 0
         self.server = Server(self.handle)
 
-    def handle(self, method, path, body):
+    def handle(self, method, path, body, headers=None):
         assert path == "/metrics"
         self.scrapes += 1
         if self.scrapes > self.finish_after:
@@ -82,13 +82,16 @@ class Worker:
 
 
 class Router:
-    def __init__(self, members: set[str]) -> None:
+    def __init__(self, members: set[str], token: str = "") -> None:
         self.members = set(members)
         self.deletes: list[str] = []
+        self.token = token
         self.server = Server(self.handle)
 
-    def handle(self, method, path, body):
+    def handle(self, method, path, body, headers=None):
         assert path == "/v1/pdserve/workers" and method == "DELETE"
+        if self.token and (headers or {}).get("Authorization") != f"Bearer {self.token}":
+            return 401, b'{"error": "needs the admin token"}'
         url = json.loads(body)["url"]
         self.deletes.append(url)
         if url not in self.members:
@@ -147,7 +150,7 @@ def test_timeout_reports_what_is_still_busy(servers):
 def test_connector_kv_gauges_must_reach_zero_and_replace_the_blind_hold(servers):
     held = {"n": 3}
 
-    def metrics(method, path, body):
+    def metrics(method, path, body, headers=None):
         held["n"] = max(0, held["n"] - 1)
         extra = "# TYPE vllm:pdserve_kv_leases_held gauge\nvllm:pdserve_kv_leases_held{engine=\"0\"} %d\n" % held["n"]
         return 200, (VLLM_METRICS % {"running": 0.0, "waiting": 0.0, "extra": extra}).encode()
@@ -188,6 +191,19 @@ def test_a_dead_worker_has_nothing_to_drain_and_a_dead_router_is_reported(server
     servers.remove(w)
     res = drain(DrainConfig(routers=(dead_url,), self_url=w.server.url, poll_s=0.01))
     assert res.idle and "unreachable" in res.message
+
+
+def test_the_admin_token_comes_from_the_environment(servers, monkeypatch):
+    w = Worker(running=0)
+    r = Router({w.server.url}, token="t0ken")
+    servers += [w, r]
+    monkeypatch.delenv("PDSERVE_ADMIN_TOKEN", raising=False)
+    res = drain(DrainConfig(routers=(r.server.url,), self_url=w.server.url, poll_s=0.01))
+    assert res.deregistered == [] and "401" in res.deregister_errors[0]
+    assert "PDSERVE_ADMIN_TOKEN" in res.deregister_errors[0] and r.members == {w.server.url}
+    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", "t0ken")
+    res = drain(DrainConfig(routers=(r.server.url,), self_url=w.server.url, poll_s=0.01))
+    assert res.deregistered == [r.server.url] and r.members == set()
 
 
 def test_parse_prometheus_and_busy_counts():

@@ -31,6 +31,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- default (printf "%s-transfer" (include "pdserve.fullname" .)) .Values.transfer.existingSecret -}}
 {{- end -}}
 
+{{- define "pdserve.adminTokenEnv" -}}
+- name: PDSERVE_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" . }}
+      key: PDSERVE_ADMIN_TOKEN
+{{- end -}}
+
+{{- define "pdserve.conductor" -}}
+{{- if eq .Values.router.policy "conductor" }}true{{ end -}}
+{{- end -}}
+
 {{- define "pdserve.servedName" -}}
 {{- default .Values.model.name .Values.model.servedName -}}
 {{- end -}}
@@ -102,6 +114,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{- define "pdserve.checkValues" -}}
+{{- if not (has .Values.router.policy (list "round_robin" "least_loaded" "conductor")) -}}
+{{- fail (printf "router.policy=%q: choose round_robin, least_loaded or conductor" .Values.router.policy) -}}
+{{- end -}}
 {{- if not (has .Values.autoscaling.provider (list "prometheus-adapter" "keda")) -}}
 {{- fail (printf "autoscaling.provider=%q: choose prometheus-adapter or keda" .Values.autoscaling.provider) -}}
 {{- end -}}
