@@ -13,10 +13,12 @@ given would fail here. Tests:
 
 - the transfer engine between two namespaces: data arrives intact, ``auto`` picks TCP (the same-host path's
   abstract Unix socket does not cross network namespaces), and the peer is reachable only at its address;
-- the whole disaggregated path: router, prefill worker and decode worker (vLLM + pdserve connector, commands
-  built by pdserve.launcher) each in its own namespace, a client in a fourth; greedy output through the
-  router equals the decode worker serving the request alone, and the KV moved over a TCP connection from
-  the decode host to the prefill host.
+- the whole disaggregated path as the Helm chart runs it: the router starts empty in its namespace,
+  pdserve.discovery finds the prefill and decode workers (vLLM + pdserve connector, commands built by
+  pdserve.launcher, each in its own namespace) by name and adds them; greedy output through the router, from
+  a client in a fourth namespace, equals the decode worker serving the request alone, and the KV moved over
+  a TCP connection from the decode host to the prefill host; then pdserve.drain (from the decode host, with
+  the router's admin token) takes the decode worker out and discovery does not add it back.
 
 Skipped with the reason when namespaces cannot be created (not root, no `ip`, no CAP_NET_ADMIN).
 """
@@ -60,6 +62,7 @@ class Lab:
         self.ns = {h: f"{tag}{h[:3]}" for h in HOSTS}
         self.ip = {h: f"{SUBNET}.{i}" for h, i in HOSTS.items()}
         self.made: list[str] = []
+        self.etc: list[Path] = []
         try:
             self._build(tag)
         except Exception:
@@ -84,6 +87,12 @@ class Lab:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", self.sw, "link", "set", b, "master", "br0")
             _run("ip", "-n", self.sw, "link", "set", b, "up")
+            # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts: names resolve like a cluster's DNS
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            self.etc.append(etc)
+            (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{self.ip[h]} {h}.pd.test\n" for h in HOSTS))
 
     def exec(self, host: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns[host], *argv]
@@ -92,6 +101,14 @@ class Lab:
         for ns in reversed(self.made):
             _run("ip", "netns", "del", ns, check=False)
         self.made.clear()
+        for etc in self.etc:
+            shutil.rmtree(etc, ignore_errors=True)
+        if self.etc:
+            try:
+                Path("/etc/netns").rmdir()  # only when empty (made for this lab)
+            except OSError:
+                pass
+        self.etc.clear()
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +217,15 @@ def test_transfer_engine_between_two_hosts(lab):
 
 # ------------------------------------------------------------------- router + vLLM workers
 
+ADMIN_TOKEN = "multihost-admin-token-0123456789"
 
 CLIENT = """
 import json, random, sys, time, urllib.request
-router, decode, prefill, deadline = sys.argv[1], sys.argv[2], sys.argv[3], time.time() + float(sys.argv[4])
+router, decode, prefill, deadline, token = sys.argv[1], sys.argv[2], sys.argv[3], time.time() + float(sys.argv[4]), sys.argv[5]
 
-def get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def get(url, timeout=5, auth=False):
+    req = urllib.request.Request(url, headers={"Authorization": "Bearer " + token} if auth else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.status, r.read().decode()
 
 def post(url, body):
@@ -219,14 +238,18 @@ def metric(url, name):
     return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                if l.startswith(name + "{") or l.startswith(name + " "))
 
-while True:
+def members():
+    return {w["url"]: w["roles"] for w in json.loads(get(router + "/v1/pdserve/workers", auth=True)[1])["workers"]}
+
+last = ""
+while True:   # discovery must add both workers (found by name), then the router turns healthy
     try:
-        if get(router + "/health")[0] == 200:
+        if members() == {prefill: ["prefill"], decode: ["decode"]} and get(router + "/health")[0] == 200:
             break
     except Exception as exc:
         last = repr(exc)
     if time.time() > deadline:
-        print(json.dumps({"error": "router not healthy in time: " + last}))
+        print(json.dumps({"error": "router not ready with both workers in time: " + last}))
         sys.exit(0)
     time.sleep(2)
 
@@ -242,6 +265,13 @@ print(json.dumps({"router_text": via_router["choices"][0]["text"], "alone_text":
                   "read_bytes": metric(decode, "vllm:pdserve_kv_read_bytes_total"),
                   "read_failures": metric(decode, "vllm:pdserve_kv_read_failures_total"),
                   "released_notified": metric(prefill, "vllm:pdserve_kv_released_notified_total")}))
+"""
+
+MEMBERS = """
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1] + "/v1/pdserve/workers", headers={"Authorization": "Bearer " + sys.argv[2]})
+with urllib.request.urlopen(req, timeout=10) as r:
+    print(json.dumps({w["url"]: w["roles"] for w in json.loads(r.read())["workers"]}))
 """
 
 
@@ -270,13 +300,16 @@ class NsProcess:
 
 
 @pytest.mark.vllm
-def test_router_prefill_decode_on_three_hosts(lab, tmp_path):
+def test_router_prefill_decode_on_three_hosts_with_discovery_and_drain(lab, tmp_path):
+    """As on Kubernetes: the router starts empty, pdserve.discovery adds the workers it finds by name,
+    PD output through the router equals one worker alone with the KV read over TCP from the prefill host,
+    then pdserve.drain takes the decode worker out (admin token, from another host) and discovery leaves it out."""
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # pragma: no cover - environment
         pytest.skip(f"vllm not importable: {exc}")
-    from pdserve.config import LauncherConfig, WorkerConfig
-    from pdserve.launcher import router_command, router_env, worker_command
+    from pdserve.config import WorkerConfig
+    from pdserve.launcher import router_env, worker_command
     from pdserve.models import build_random_llama
 
     model = build_random_llama(tmp_path / "random-llama")
@@ -288,28 +321,48 @@ def test_router_prefill_decode_on_three_hosts(lab, tmp_path):
                                       "backend": "tcp"})
         for i, role in enumerate(("prefill", "decode"))
     ]
-    config = LauncherConfig(model=str(model), host=lab.ip["router"], port=8000, served_model_name="rl",
-                            max_model_len=2048, dtype="float32")
+    prefill_url, decode_url = workers[0].url, workers[1].url
+    router_url = "http://router.pd.test:8000"
+    admin_env = dict(_env(), PDSERVE_ADMIN_TOKEN=ADMIN_TOKEN)
     procs: list[NsProcess] = []
+    conns = None
     try:
         for w in workers:
             argv, env = worker_command(w, SECRET)
             assert "127.0.0.1" not in " ".join(argv), argv
             procs.append(NsProcess(lab, w.role, argv, env, tmp_path / f"{w.role}.log"))
-        rargv = router_command(config, workers, model, 8000)
-        assert "127.0.0.1" not in " ".join(rargv), rargv
-        procs.append(NsProcess(lab, "router", rargv, router_env(), tmp_path / "router.log"))
-        res = subprocess.run(lab.exec("client", [sys.executable, "-c", CLIENT, f"http://{lab.ip['router']}:8000",
-                                                 workers[1].url, workers[0].url, "420"]),
+        rargv = [sys.executable, "-m", "pdserve.router", "--host", lab.ip["router"], "--port", "8000",
+                 "--model-dir", str(model), "--mode", "disaggregated", "--served-model-name", "rl",
+                 "--max-model-len", "2048", "--health-interval-s", "1"]
+        procs.append(NsProcess(lab, "router", rargv, dict(router_env(), PDSERVE_ADMIN_TOKEN=ADMIN_TOKEN),
+                               tmp_path / "router.log"))
+        disc = NsProcess(lab, "router", [sys.executable, "-m", "pdserve.discovery", "--router", router_url,
+                                         "--prefill-dns", "prefill.pd.test:8100", "--decode-dns", "decode.pd.test:8100",
+                                         "--interval", "1", "--absent-rounds", "2", "--tombstone", "600"],
+                         admin_env, tmp_path / "discovery.log")
+        procs.append(disc)
+        res = subprocess.run(lab.exec("client", [sys.executable, "-c", CLIENT, router_url, decode_url, prefill_url,
+                                                 "420", ADMIN_TOKEN]),
                              capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+        logs = "\n".join(f"--- {p.log_path.name}\n{p.tail()}" for p in procs)
         for p in procs:
-            assert p.proc.poll() is None, f"{p.log_path.name} exited:\n{p.tail()}"
+            assert p.proc.poll() is None, f"{p.log_path.name} exited:\n{logs}"
         assert res.returncode == 0, res.stderr[-3000:]
         out = json.loads(res.stdout.strip().splitlines()[-1])
-        assert "error" not in out, out["error"] + "\n" + "\n".join(f"--- {p.log_path.name}\n{p.tail()}" for p in procs)
-        # the prefill host's transfer listener has (or had) a connection from the decode host
-        conns = _run(*lab.exec("prefill", ["ss", "-Htn", "state", "established", f"( sport = :{TRANSFER_PORT} )"]),
-                     check=False).stdout if shutil.which("ss") else None
+        assert "error" not in out, out["error"] + "\n" + logs
+        if shutil.which("ss"):  # the prefill host's transfer listener has a connection from the decode host
+            conns = _run(*lab.exec("prefill", ["ss", "-Htn", "state", "established",
+                                                f"( sport = :{TRANSFER_PORT} )"]), check=False).stdout
+
+        # drain the decode worker from its own host, as its preStop hook would
+        dr = subprocess.run(lab.exec("decode", [sys.executable, "-m", "pdserve.drain", "--router", router_url,
+                                                "--self", decode_url, "--timeout", "60", "--poll", "0.5"]),
+                            capture_output=True, text=True, timeout=120, env=admin_env, cwd=ROOT)
+        assert dr.returncode == 0, dr.stderr[-2000:]
+        drained = json.loads(dr.stdout.strip().splitlines()[-1])
+        time.sleep(4)  # four discovery rounds while decode.pd.test still resolves
+        after = py_in(lab, "client", MEMBERS, [router_url, ADMIN_TOKEN])
+        disc_log = disc.log_path.read_text(errors="replace")
     finally:
         for p in reversed(procs):
             p.stop()
@@ -319,3 +372,6 @@ def test_router_prefill_decode_on_three_hosts(lab, tmp_path):
     assert out["released_notified"] >= 1  # ... and told P, across hosts, so P freed it
     if conns is not None:
         assert lab.ip["decode"] in conns, f"no TCP connection from the decode host on :{TRANSFER_PORT}: {conns!r}"
+    assert drained["idle"] and len(drained["deregistered"]) == 1 and drained["deregister_errors"] == []
+    assert after == {prefill_url: ["prefill"]}, after  # drained, and not re-added from DNS
+    assert "left the router while still in DNS" in disc_log, disc_log[-2000:]
