@@ -1,103 +1,49 @@
 """Disaggregated (1P1D, one core each) vs one colocated worker (both cores), in one run.
 
-    python benchmarks/pd_bench.py [--quick] [--model DIR] [--requests N] [--output-tokens T]
+    python benchmarks/pd_bench.py [--quick] [--model DIR] [--requests N] [--output-tokens T] [--concurrency C]
 
 For 512- and 2,048-token prompts (fresh random token ids, so no prefix-cache hits) it streams requests
-through the router (one at a time, or --concurrency N at once) and reports TTFT, TPOT and ITL p50/p99 from the client's clock,
-the KV transfer's share of TTFT and the router's own overhead (time in the router excluding waits on
-workers) from the router's per-request timings. Prints a table and a final JSON line.
+through the router (one at a time, or --concurrency N at once: a closed loop) and reports TTFT, TPOT and ITL
+p50/p99 from the client's clock, the KV transfer's share of TTFT (decode workers' KV read counters) and the
+router's own overhead (time in the router excluding waits on workers) from the router's per-request timings.
+Prints a table and a final JSON line.
+
+A thin wrapper over ``pdserve bench`` (pdserve/bench): the same as
+``pdserve bench compare --configs colocated1,1p1d --workload fixed:requests=N,input=L,output=T,concurrency=C``
+for each prompt length; use that command for traces, rate sweeps, goodput and the Markdown/PNG report.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
-import statistics
 import sys
-import time
 from typing import Any
 
-import aiohttp
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pdserve.bench.client import stream_completion  # noqa: E402
-from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
-from pdserve.bench.prom import delta, scrape  # noqa: E402
-from pdserve.config import LauncherConfig  # noqa: E402
+from pdserve.bench.compare import CompareSettings, WorkloadPlan, launcher_config, run_on_cluster  # noqa: E402
+from pdserve.bench.metrics import SLO  # noqa: E402
 from pdserve.launcher import Cluster  # noqa: E402
 
 PROMPT_LENGTHS = (512, 2048)
+CONFIGS = {"colocated": "colocated1", "pd_1p1d": "1p1d"}
 
 
-def prompt_ids(n: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(1000, 40000) for _ in range(n)]
-
-
-async def run_requests(url: str, model: str, length: int, n: int, out_tokens: int, seed: int,
-                       concurrency: int = 1) -> tuple[list[RequestRecord], float]:
-    """n requests of ``length`` fresh random tokens, ``concurrency`` client loops at a time."""
-    rng = random.Random(seed)
-    payloads = [{"model": model, "prompt": prompt_ids(length, rng), "max_tokens": out_tokens,
-                 "temperature": 0, "ignore_eos": True} for _ in range(n)]
-    records: list[RequestRecord] = []
-    async with aiohttp.ClientSession() as session:
-        warm = {"model": model, "prompt": prompt_ids(length, rng), "max_tokens": 2, "temperature": 0}
-        await stream_completion(session, url, warm)
-
-        async def loop(mine: list[dict]) -> None:
-            for payload in mine:
-                records.append(await stream_completion(session, url, payload))
-
-        t0 = time.monotonic()
-        await asyncio.gather(*(loop(payloads[i::concurrency]) for i in range(concurrency)))
-        return records, time.monotonic() - t0
-
-
-def phase_stats(records: list[RequestRecord], kv: dict[str, float]) -> dict[str, Any]:
-    """Router-side phase medians, and the KV reads D's connector counted during this phase
-    (vLLM 0.32 leaves kv_transfer_params out of streamed answers, so they come from /metrics)."""
-    timings = [r.timings for r in records if r.ok and r.timings]
-
-    def med(key: str) -> float | None:
-        vals = [t[key] for t in timings if t.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
-    reads = kv.get("vllm:pdserve_kv_reads_total", 0.0)
-    out = {"router_overhead_p50_ms": med("router_overhead_ms"), "prefill_p50_ms": med("prefill_ms"),
-           "handoff_p50_ms": med("handoff_ms"), "kv_reads": int(reads),
-           "kv_transfer_mean_ms": kv["vllm:pdserve_kv_read_seconds_sum"] * 1e3 / reads if reads else None,
-           "kv_transfer_mean_bytes": kv.get("vllm:pdserve_kv_read_bytes_total", 0.0) / reads if reads else None}
-    ttft = med("ttft_ms")
-    out["transfer_share"] = out["kv_transfer_mean_ms"] / ttft if out["kv_transfer_mean_ms"] and ttft else None
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
-
-
-def kv_counters(urls: list[str]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for url in urls:
-        for k, v in scrape(url, "vllm:pdserve_kv_").items():
-            totals[k] = totals.get(k, 0.0) + v
-    return totals
-
-
-def bench_config(name: str, cfg: LauncherConfig, args: argparse.Namespace) -> dict[str, Any]:
+def bench_config(name: str, settings: CompareSettings, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[pd_bench] starting {name} ...", file=sys.stderr, flush=True)
-    results: dict[str, Any] = {}
+    plans = [WorkloadPlan(str(length), f"fixed:requests={args.requests},input={length},output={args.output_tokens},"
+                                       f"concurrency={args.concurrency},rate=1000", {"seed": length})
+             for length in PROMPT_LENGTHS]
+    cfg = launcher_config(CONFIGS[name], settings)
     with Cluster(cfg, log=lambda s: print(f"[{name}] {s}", file=sys.stderr, flush=True)) as cluster:
-        decoders = cluster.worker_urls("decode")
-        for length in PROMPT_LENGTHS:
-            before = kv_counters(decoders)
-            records, wall = asyncio.run(run_requests(cluster.router_url, cluster.model_name, length,
-                                                     args.requests, args.output_tokens, seed=length,
-                                                     concurrency=args.concurrency))
-            kv = delta(before, kv_counters(decoders))
-            errors = [r.error for r in records if not r.ok]
-            if errors:
-                print(f"[{name}] {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
-            results[str(length)] = {**summarize(records, wall), **phase_stats(records, kv)}
+        results = run_on_cluster(cluster, plans, SLO(), {"progress": False},
+                                 max_model_len=settings.max_model_len)
+    for length, row in results.items():
+        if row.get("errors"):
+            print(f"[{name}] {length}: {row['errors']} errors, first: {row.get('first_error')}", file=sys.stderr)
+        row["transfer_share"] = row.get("kv_read_share_of_ttft_p50")
+        row.pop("workload_info", None)
     return results
 
 
@@ -113,13 +59,9 @@ def main() -> None:
     args = ap.parse_args()
     args.requests = args.requests or (4 if args.quick else 12)
     args.output_tokens = args.output_tokens or (16 if args.quick else 64)
-    common = dict(model=args.model, port=0, max_model_len=4096, kv_cache_gib=2,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    configs = {
-        "colocated": LauncherConfig(colocated=1, cores_per_worker=2, **common),
-        "pd_1p1d": LauncherConfig(prefill=1, decode=1, **common),
-    }
-    results = {name: bench_config(name, cfg, args) for name, cfg in configs.items()}
+    settings = CompareSettings(model=args.model, max_model_len=4096, kv_cache_gib=2,
+                               max_num_batched_tokens=args.max_num_batched_tokens)
+    results = {name: bench_config(name, settings, args) for name in CONFIGS}
 
     cols = ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "transfer_share",
             "handoff_p50_ms", "router_overhead_p50_ms"]
@@ -132,7 +74,8 @@ def main() -> None:
     for name, by_len in results.items():
         for length, row in by_len.items():
             for key, value in row.items():
-                flat[f"{name}_{length}_{key}"] = value
+                if not isinstance(value, dict):
+                    flat[f"{name}_{length}_{key}"] = value
     for length in map(str, PROMPT_LENGTHS):
         for key in ("ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms"):
             a, b = results["pd_1p1d"][length].get(key), results["colocated"][length].get(key)

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workload", action="append", required=True)
     t.add_argument("--vocab-size", type=int, default=32000)
     t.add_argument("--max-model-len", type=int, default=None)
+    t.add_argument("--export", default="", help="write the (first) scaled trace workload as Mooncake JSONL here, "
+                   "e.g. for AIPerf's mooncake_trace replay")
     return ap
 
 
@@ -177,12 +179,24 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from .compare import plan_workloads
     from .workload import build_workload
 
+    from .traces import TraceScale, export_mooncake, load_trace, scale_rows
+
     rows = {}
+    exported = False
     for plan in plan_workloads(args.workload, None):
         wl = build_workload(plan.spec, vocab_size=args.vocab_size, max_model_len=args.max_model_len,
                             overrides=plan.overrides)
         rows[plan.label] = {k: v for k, v in wl.info.items() if not isinstance(v, dict)}
         rows[plan.label]["offered_rate"] = wl.offered_rate
+        if args.export and not exported and wl.info.get("kind") == "trace":
+            info = wl.info
+            scaled = scale_rows(load_trace(info["path"], info["start"], info["requests"]), TraceScale(**info["scale"]))
+            export_mooncake(scaled, info["block_tokens"], args.export)
+            rows[plan.label]["exported"] = args.export
+            rows[plan.label]["aiperf_isl_block_size"] = info["block_tokens"]
+            exported = True
+    if args.export and not exported:
+        raise TraceError("--export needs a trace: workload (the others are not Mooncake traces)")
     for label, row in rows.items():
         print(label)
         for k, v in row.items():

@@ -171,6 +171,8 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
     from ..launcher import Cluster
 
     cfgs = {name: launcher_config(name, settings) for name in configs}  # validate all names before starting any
+    for plan in plans:  # and every workload (a missing trace file fails here, not after the first start-up)
+        build_workload(plan.spec, max_model_len=settings.max_model_len, overrides=plan.overrides)
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"configs": {}, "order": list(configs), "workloads": [p.label for p in plans],
@@ -186,10 +188,15 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
             slug = re.sub(r"[^A-Za-z0-9_.@-]+", "_", label)
             (raw / f"{name}__{slug}.json").write_text(json.dumps(result.to_dict()))
 
-        with Cluster(cfg, log=lambda s, n=name: log(f"[{n}] {s}")) as cluster:
-            startup = time.monotonic() - t_start
-            per_wl = run_on_cluster(cluster, plans, slo, dict(opts or {}), on_result=save,
-                                    max_model_len=settings.max_model_len)
+        try:
+            with Cluster(cfg, log=lambda s, n=name: log(f"[{n}] {s}")) as cluster:
+                startup = time.monotonic() - t_start
+                per_wl = run_on_cluster(cluster, plans, slo, dict(opts or {}), on_result=save,
+                                        max_model_len=settings.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others' results
+            log(f"[compare] {name}: failed: {type(exc).__name__}: {exc}")
+            results.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+            continue
         results["configs"][name] = {"startup_s": round(startup, 1), "mode": cfg.mode,
                                     "workers": cfg.num_workers, "workloads": per_wl}
         log(f"[compare] {name}: done")

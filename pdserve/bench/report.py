@@ -136,6 +136,8 @@ def markdown(results: dict[str, Any], verdicts: list[dict[str, Any]], crossovers
     lines += [f"Configurations (in run order, same cores {results.get('cores')}): {', '.join(results['order'])}. "
               f"Baseline: {results['order'][0]}. Goodput targets: TTFT <= {slo.get('ttft_ms')} ms, "
               f"TPOT <= {slo.get('tpot_ms')} ms. Times in ms from the client's clock; phases from the router.", ""]
+    for c, why in (results.get("failed") or {}).items():
+        lines += [f"**{c} failed** and is left out: {why}", ""]
     lines += ["## Verdict", ""]
     for v in verdicts:
         s = f"- **{v['workload']}**: **{v['winner']}** wins"
@@ -251,6 +253,9 @@ def write_report(results: dict[str, Any], out_dir: Path, command: str | None = N
     """Write results.json and report.md (and PNGs when ``plots`` and matplotlib is installed); returns the
     verdicts and crossovers (also stored in results.json)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    results = dict(results, order=[c for c in results["order"] if c in results["configs"]])
+    if not results["order"]:
+        raise RuntimeError(f"no configuration ran: {results.get('failed')}")
     verdicts = [verdict(results, label) for label in results["workloads"]]
     xs = sweep_crossovers(results)
     results = dict(results, verdicts=verdicts, crossovers=xs, command=command)

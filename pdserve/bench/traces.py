@@ -226,3 +226,16 @@ def trace_summary(reqs: Sequence[ScaledRequest]) -> dict[str, float]:
     return {"requests": len(reqs), "input_mean": float(np.mean(inp)), "input_p50": float(np.median(inp)),
             "output_mean": float(np.mean(out)), "output_p50": float(np.median(out)),
             "span_s": span, "rate": (len(reqs) - 1) / span if span > 0 else math.inf}
+
+
+def export_mooncake(reqs: Sequence[ScaledRequest], block: int, path: str | Path) -> Path:
+    """Write scaled requests back as a Mooncake-format trace (timestamps in ms, hash ids trimmed to the blocks
+    the scaled prompt covers), for other replay tools: AIPerf's ``mooncake_trace`` with
+    ``--isl-block-size <block>`` then sees the same lengths, timing and sharing as ``pdserve bench``."""
+    p = Path(path)
+    with p.open("w") as f:
+        for r in reqs:
+            ids = list(r.hash_ids[:math.ceil(r.input_length / block)])
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000.0), "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": ids}) + "\n")
+    return p
