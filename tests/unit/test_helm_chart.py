@@ -478,11 +478,20 @@ def test_kv_pool_master_and_nodes_with_local_nvme():
 
 
 def test_bad_values_fail_with_actionable_messages():
-    cases = {("transfer.backend=auto",): "choose tcp, mooncake or nixl",
+    cases = {("transfer.backend=auto",): "at '/transfer/backend': value must be one of 'tcp', 'mooncake', 'nixl'",
              ("model.source=pvc",): "model.pvcName is required",
-             ("autoscaling.enabled=true", "autoscaling.prefill.minReplicas=9"): "minReplicas",
-             ("autoscaling.provider=hpa",): "choose prometheus-adapter or keda",
-             ("router.policy=random",): "choose round_robin, least_loaded or conductor"}
+             ("autoscaling.enabled=true", "autoscaling.prefill.minReplicas=9"): "minReplicas (9) > maxReplicas",
+             ("autoscaling.provider=hpa",): "at '/autoscaling/provider': value must be one of",
+             ("router.policy=random",): "at '/router/policy': value must be one of",
+             ("prefil.gpus=2",): "additional properties 'prefil' not allowed",  # a typo is not silently ignored
+             ("decode.drain.timeoutSeconds=-5",): "at '/decode/drain/timeoutSeconds'"}
     for sets, msg in cases.items():
         out = helm_template(sets=sets)
+        assert out.returncode != 0 and msg in out.stderr, (sets, out.stderr[-300:])
+    # the templates check the same things when the schema is skipped
+    for sets, msg in {("transfer.backend=auto",): "choose tcp, mooncake or nixl",
+                      ("router.policy=random",): "choose round_robin, least_loaded or conductor",
+                      ("autoscaling.provider=hpa",): "choose prometheus-adapter or keda"}.items():
+        out = subprocess.run([HELM, "template", RELEASE, str(CHART), "--skip-schema-validation",
+                              *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and msg in out.stderr, (sets, out.stderr[-300:])
