@@ -239,6 +239,12 @@ def test_kv_transfer_config_is_accepted_by_the_connector(scenario):
         assert "secret" not in extra  # it comes from the Secret, through the environment
         assert extra["advertise_host"] == "$(POD_IP)" and extra["transfer_host"] == "0.0.0.0"
         extra = dict(extra, advertise_host="10.1.2.3")  # what the kubelet substitutes
+        store_on = any(o["kind"] == "StatefulSet" for o in render(scenario))
+        assert ("pool_master" in extra) == store_on
+        if store_on:
+            assert extra["pool_master"] == f"{FULL}-store-master.{NAMESPACE}.svc:7600"
+            if "pool_master" not in ConnectorConfig.KEYS:  # pragma: no cover - connector without pool support
+                pytest.fail("the chart configures pool_master but this connector has no KV pool support")
         conf = ConnectorConfig.from_extra(extra, env={"PDSERVE_TRANSFER_SECRET": "s" * 48})
         backend = {"eks-efa": "mooncake", "keda-nixl-efa": "nixl"}.get(scenario, "tcp")
         assert conf.backend == backend and conf.advertise_host == "10.1.2.3" and conf.transfer_port == 14579
@@ -457,22 +463,27 @@ def test_service_monitor_scrapes_the_public_router_service_only():
 
 
 def test_kv_pool_master_and_nodes_with_local_nvme():
+    from pdserve.store.cli import build_parser as store_parser
+
     assert not objs("default", "StatefulSet")
     sts = objs("eks-efa", "StatefulSet")[f"{FULL}-store-node"]
     spec = sts["spec"]["template"]["spec"]
     ssd = next(v for v in spec["volumes"] if v["name"] == "ssd")
     assert ssd["hostPath"]["path"] == "/mnt/k8s-disks/0"
-    args = spec["containers"][0]["args"]
-    assert spec["containers"][0]["command"][-3:] == ["pdserve.cli", "store", "node"]
-    assert args[args.index("--disk-dir") + 1] == "/ssd" and args[args.index("--master") + 1] == \
-        f"{FULL}-store-master.{NAMESPACE}.svc:7800"
+    c = spec["containers"][0]
+    assert c["command"][-3:] == ["pdserve.cli", "store", "node"]
+    # the flags are the ones `pdserve store node` accepts
+    a = store_parser().parse_args(["node", *[x.replace("$(POD_IP)", "10.0.0.9") for x in c["args"]]])
+    assert (a.master, a.mem, a.disk, a.disk_dir) == (f"{FULL}-store-master.{NAMESPACE}.svc:7600", "512GiB",
+                                                     "3000GiB", "/ssd")
+    assert (a.host, a.advertise_host, a.transfer_port, a.backend) == ("0.0.0.0", "10.0.0.9", 14579, "tcp")
+    mc = container(objs("eks-efa", "Deployment")[f"{FULL}-store-master"], "master")
+    m = store_parser().parse_args(["master", *mc["args"]])
+    assert (m.host, m.port, m.metrics_port) == ("0.0.0.0", 7600, 7601)
     pvc = objs("everything-adapter", "StatefulSet")[f"{FULL}-store-node"]["spec"]["volumeClaimTemplates"][0]
     assert pvc["spec"]["storageClassName"] == "local-nvme" and pvc["spec"]["resources"]["requests"]["storage"] == "500Gi"
     master = objs("eks-efa", "Deployment")[f"{FULL}-store-master"]
     assert master["spec"]["replicas"] == 1
-    for role in ("prefill", "decode"):
-        env = {e["name"]: e.get("value") for e in container(objs("eks-efa", "Deployment")[f"{FULL}-{role}"], "vllm")["env"]}
-        assert env["PDSERVE_STORE_MASTER"] == f"{FULL}-store-master.{NAMESPACE}.svc:7800"
     pdbs = objs("eks-efa", "PodDisruptionBudget")
     assert set(pdbs) == {f"{FULL}-router", f"{FULL}-prefill", f"{FULL}-decode", f"{FULL}-store-node"}
 

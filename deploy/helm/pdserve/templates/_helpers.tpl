@@ -108,6 +108,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- fail (printf "transfer.backend=%q: choose tcp, mooncake or nixl (auto/local only make sense on one host)" $t.backend) -}}
 {{- end -}}
 {{- $extra := dict "lease_s" $t.leaseSeconds "transfer_host" "0.0.0.0" "advertise_host" "$(POD_IP)" "transfer_port" (int $t.port) "backend" $t.backend "streams" (int $t.streams) "transfer_deadline_s" $t.deadlineSeconds -}}
+{{- if $root.Values.store.enabled -}}
+{{- $_ := set $extra "pool_master" (include "pdserve.storeMaster" $root) -}}
+{{- end -}}
 {{- $extra = merge (deepCopy $t.extraConfig) $extra -}}
 {{- $cfg := dict "kv_connector" "PdserveConnector" "kv_connector_module_path" "pdserve.vllm.connector" "kv_role" $pool.kvRole "kv_connector_extra_config" $extra -}}
 {{- toJson $cfg -}}
