@@ -23,6 +23,13 @@ prefix cache lacks as an async load; ``update_state_after_alloc`` pairs D's new 
 block ids; the worker READs them, one entry per layer per block, in one batch with
 notify=remote_request_id, then reports ``finished_recving`` (or ``failed_recving`` + the block ids,
 and vLLM recomputes the prompt).
+
+KV pool (``pool_master`` set, see pdserve.store): a new request whose prompt continues beyond the local
+prefix cache asks the pool master how many of the following full blocks are pooled
+(``get_num_new_matched_tokens``) and loads them asynchronously into its new blocks (worker:
+``StoreClient.get_into`` straight into the KV cache); a finished request's full blocks are saved to the pool
+by the worker off the critical path (``StoreClient.put`` straight from the KV cache), the blocks held
+(delay_free) until written. Blocks that fail to load are recomputed (vLLM's invalid-block path).
 """
 
 from __future__ import annotations
@@ -48,7 +55,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from pdserve.hashing import block_hashes
+from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
+from pdserve.vllm.pool import PoolJob, SendGate, loaded_prefix, pool_items
 from pdserve.vllm.params import (
     TEST_FAULTS,
     BlockPlan,
@@ -112,6 +122,7 @@ class PdserveMeta(KVConnectorMetadata):
 
     recv: list[RecvJob] = field(default_factory=list)
     send: dict[str, float] = field(default_factory=dict)  # P request id -> lease deadline (time.time())
+    pool: list[PoolJob] = field(default_factory=list)  # KV pool saves and loads
 
 
 @dataclass
@@ -120,10 +131,11 @@ class PdserveWorkerMeta(KVConnectorWorkerMetadata):
 
     reads: dict[str, dict[str, Any]] = field(default_factory=dict)
     released: dict[str, str] = field(default_factory=dict)  # P request id -> "notified" | "lease"
+    pool: dict[str, str] = field(default_factory=dict)  # request id -> "saved" | "loaded" | "failed" ...
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, PdserveWorkerMeta)
-        merged = PdserveWorkerMeta(dict(self.reads), dict(self.released))
+        merged = PdserveWorkerMeta(dict(self.reads), dict(self.released), {**self.pool, **other.pool})
         for req_id, stats in other.reads.items():  # tensor parallel: every rank reads its shard
             if req_id in merged.reads:
                 mine = merged.reads[req_id]
@@ -147,7 +159,9 @@ class PdserveHandshake(KVConnectorHandshakeMetadata):
 
 
 # --------------------------------------------------------------------------------- metrics
-_COUNTERS = ("reads", "read_failures", "read_bytes", "released_notified", "released_lease")
+_COUNTERS = ("reads", "read_failures", "read_bytes", "released_notified", "released_lease",
+             "pool_loads", "pool_load_failures", "pool_loaded_tokens", "pool_load_bytes",
+             "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes")
 
 
 @dataclass
@@ -196,7 +210,15 @@ class PdservePromMetrics(KVConnectorPromMetrics):
                 "read_failures": "KV reads that failed (the prompt was recomputed)",
                 "read_bytes": "KV bytes read from prefill workers",
                 "released_notified": "prefill requests whose blocks were freed after the decode read them",
-                "released_lease": "prefill requests whose blocks were freed when the lease ran out"}
+                "released_lease": "prefill requests whose blocks were freed when the lease ran out",
+                "pool_loads": "requests that loaded a prefix from the KV pool",
+                "pool_load_failures": "KV pool loads that failed in part or whole (those blocks recomputed)",
+                "pool_loaded_tokens": "prompt tokens whose KV was loaded from the KV pool, not computed",
+                "pool_load_bytes": "KV bytes loaded from the KV pool",
+                "pool_saves": "finished requests whose full blocks were offered to the KV pool",
+                "pool_save_failures": "KV pool saves that failed (the pool is a cache: nothing else happens)",
+                "pool_saved_blocks": "KV blocks newly written to the KV pool",
+                "pool_save_bytes": "KV bytes written to the KV pool"}
         self.counters = {key: per_engine(self._counter_cls(name=f"vllm:pdserve_kv_{key}", documentation=doc,
                                                            labelnames=labelnames))
                          for key, doc in docs.items()}
@@ -357,6 +379,77 @@ class _Scheduler:
         self.held = 0  # P requests whose blocks wait for a decode
         self.reading = 0  # D reads in flight
         self.released = {"notified": 0, "lease": 0}
+        # KV pool: request -> (block-aligned local hit, pooled keys after it) seen by get_num_new_matched
+        self.pool: StoreClient | None = None
+        addr = config.pool_address
+        if addr is not None:
+            self.pool = StoreClient(ClientConfig(addr[0], addr[1], secret=config.secret,
+                                                 timeout_s=config.pool_timeout_s))
+            log.info("scheduler: KV pool master %s:%d (save %s, load %s)", addr[0], addr[1], config.pool_save,
+                     config.pool_load)
+        self._pool_hits: dict[str, tuple[int, list[int]]] = {}
+        self._pool_jobs: list[PoolJob] = []
+        self._pool_saving: set[str] = set()
+        self._pool_down_until = 0.0
+        self.pool_outcomes: dict[str, int] = {}
+
+    # ---- KV pool ----
+    def _pool_usable(self) -> bool:
+        return self.pool is not None and time.monotonic() >= self._pool_down_until
+
+    def _pool_failed(self, what: str, exc: Exception) -> None:
+        self._pool_down_until = time.monotonic() + self.config.pool_backoff_s
+        log.warning("KV pool %s failed (%s); not using the pool for %.0f s", what, exc, self.config.pool_backoff_s)
+
+    def _pool_match(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
+        self._pool_hits.pop(request.request_id, None)
+        if not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size:
+            return 0, False
+        keys = block_hashes(request.prompt_token_ids or [], self.block_size)
+        first = num_computed_tokens // self.block_size
+        if first >= len(keys):
+            return 0, False
+        try:
+            n = self.pool.prefix(keys[first:])  # type: ignore[union-attr]
+        except StoreError as exc:
+            self._pool_failed("lookup", exc)
+            return 0, False
+        if n < self.config.pool_min_blocks:
+            return 0, False
+        self._pool_hits[request.request_id] = (num_computed_tokens, keys[first:first + n])
+        return n * self.block_size, True
+
+    def _pool_plan_load(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        hit, keys = self._pool_hits.pop(request.request_id)
+        if num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self.block_size
+        first = hit // self.block_size
+        local = blocks.get_block_ids()[0][first:first + n]
+        self.reading += 1
+        if num_external_tokens % self.block_size or len(local) != n or n > len(keys):
+            log.error("request %s: cannot plan a pool load of %d tokens into %d blocks", request.request_id,
+                      num_external_tokens, len(local))
+            self._pool_jobs.append(PoolJob(request.request_id, (), tuple(local), False, error="plan"))
+            return
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False))
+
+    def _pool_plan_save(self, request: "Request", block_ids: list[int]) -> bool:
+        """Queue a save of the request's full computed blocks; True when its blocks must stay held."""
+        from vllm.v1.request import RequestStatus
+
+        if not self.config.pool_save or not self._pool_usable():
+            return False
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False  # aborted or failed: do not pool what may be partial
+        tokens = list(request.all_token_ids[:request.num_computed_tokens])
+        keys = block_hashes(tokens, self.block_size)
+        if not keys or len(block_ids) < len(keys):
+            return False
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True))
+        self._pool_saving.add(request.request_id)
+        return True
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         rank0 = metadata.get(0) or next(iter(metadata.values()), None)
@@ -400,7 +493,7 @@ class _Scheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
         if remote is None:
-            return 0, False
+            return self._pool_match(request, num_computed_tokens) if self.pool is not None else (0, False)
         count = self._loadable_tokens(request, remote) - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -410,6 +503,8 @@ class _Scheduler:
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            if request.request_id in self._pool_hits:
+                self._pool_plan_load(request, blocks, num_external_tokens)
             return
         remote = self._remote(request)
         params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
@@ -437,6 +532,13 @@ class _Scheduler:
 
     # ---- P ----
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pool_hits.pop(request.request_id, None)
+        delay, out = self._request_finished(request, block_ids)
+        if self.pool is not None and self._pool_plan_save(request, block_ids):
+            delay = True  # the worker reports finished_sending once the save (and any decode read) is done
+        return delay, out
+
+    def _request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -481,15 +583,16 @@ class _Scheduler:
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: "SchedulerOutput | None" = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
-                and not self._recv and not self._send and self.held > 0 and self.reading == 0
+                and not self._recv and not self._send and not self._pool_jobs
+                and (self.held > 0 or self._pool_saving) and self.reading == 0
                 and self.config.idle_wait_ms > 0):
             # vLLM keeps stepping while P holds blocks for a decode, even with nothing to run: an
             # empty-step loop that busy-spins the engine, worker and API processes (~1.5 cores here)
             # for up to a lease. Pace those steps; a request arriving meanwhile waits at most this.
             time.sleep(self.config.idle_wait_ms / 1e3)
         self.reading += sum(1 for job in self._recv if job.load)
-        meta = PdserveMeta(self._recv, self._send)
-        self._recv, self._send = [], {}
+        meta = PdserveMeta(self._recv, self._send, self._pool_jobs)
+        self._recv, self._send, self._pool_jobs = [], {}, []
         return meta
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
@@ -498,7 +601,12 @@ class _Scheduler:
             self._reads.update(meta.reads)
             while len(self._reads) > 10000:
                 self._reads.popitem(last=False)
-            self.reading = max(0, self.reading - len(meta.reads))
+            loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
+            self.reading = max(0, self.reading - len(meta.reads) - loads_done)
+            for req_id, outcome in meta.pool.items():
+                if outcome.startswith("save"):
+                    self._pool_saving.discard(req_id)
+                self.pool_outcomes[outcome] = self.pool_outcomes.get(outcome, 0) + 1
             for reason in meta.released.values():
                 self.held -= 1
                 self.released[reason] = self.released.get(reason, 0) + 1
@@ -540,6 +648,15 @@ class _Worker:
         self._invalid: set[int] = set()
         self._meta = PdserveWorkerMeta()
         self.stats = PdserveStats()  # since the last get_kv_connector_stats
+        self.pool: StoreClient | None = None
+        if config.pool_address is not None:
+            host, port = config.pool_address
+            self.pool = StoreClient(ClientConfig(host, port, secret=config.secret,
+                                                 timeout_s=max(config.pool_timeout_s, 2.0),
+                                                 transfer_deadline_s=min(config.transfer_deadline_s, 4.0)),
+                                    self.engine)
+        self._gate = SendGate()
+        self._pool_done: list[tuple[PoolJob, int, dict[str, Any]]] = []  # (job, blocks that made it, stats)
         seg = self.engine.segment()
         log.info("worker rank %d: transfer engine %s listening on %s:%d (backend %s)", rank,
                  self.engine.engine_id, seg.host, seg.port, config.backend)
@@ -589,6 +706,11 @@ class _Worker:
     def start(self, meta: PdserveMeta) -> None:
         for req_id, deadline in meta.send.items():
             self._leases.add(req_id, deadline)
+        for pjob in meta.pool:
+            if pjob.save:
+                self._gate.start_save(pjob.req_id)
+            threading.Thread(target=self._pool_run, args=(pjob,), name=f"pdserve-pool-{pjob.req_id[:24]}",
+                             daemon=True).start()
         for job in meta.recv:
             if job.load:
                 with self._lock:
@@ -658,6 +780,65 @@ class _Worker:
             log.info("request %s: read %d blocks (%d B) from %s in %.2f ms (%.2f GB/s)", job.req_id, len(plan),
                      stats["bytes"], remote.request_id, stats["ms"], stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
 
+    def _pool_run(self, job: PoolJob) -> None:
+        """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
+        t0 = time.perf_counter()
+        block_bytes = sum(g.block_bytes for g in self.layers)
+        stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
+        good = 0
+        try:
+            if self.pool is None or job.error:
+                raise StoreError("plan", job.error or "no pool configured on this worker")
+            items = pool_items(self.layers, job.keys, job.block_ids)
+            if job.save:
+                statuses = self.pool.put(items)
+                stored = statuses.count("stored")
+                good = stored + statuses.count("exists")
+                stats.update(stored=stored, bytes=stored * block_bytes,
+                             full=statuses.count("full"), failed=statuses.count("failed"))
+            else:
+                good = loaded_prefix(self.pool.get_into(items))
+                stats["bytes"] = good * block_bytes
+        except Exception as exc:  # the pool is a cache: a failure costs a recompute, never a wrong token
+            stats["error"] = f"{type(exc).__name__}: {exc}"
+            log.warning("request %s: KV pool %s failed: %s", job.req_id, "save" if job.save else "load",
+                        stats["error"])
+        stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        with self._lock:
+            self._pool_done.append((job, good, stats))
+        if not job.save and good:
+            log.info("request %s: loaded %d of %d blocks (%d B) from the KV pool in %.2f ms", job.req_id, good,
+                     len(job.block_ids), stats["bytes"], stats["ms"])
+
+    def _pool_results(self, recving: set[str], failed: set[str]) -> set[str]:
+        """Account finished pool jobs; return the request ids whose saves ended."""
+        saves_done: set[str] = set()
+        with self._lock:
+            done, self._pool_done = self._pool_done, []
+        for job, good, stats in done:
+            data = self.stats.data
+            if job.save:
+                saves_done.add(job.req_id)
+                ok = "error" not in stats
+                self._meta.pool[job.req_id] = "saved" if ok else "save_failed"
+                data["pool_saves"] += 1
+                data["pool_save_failures"] += 0 if ok else 1
+                data["pool_saved_blocks"] += stats.get("stored", 0)
+                data["pool_save_bytes"] += stats["bytes"]
+                continue
+            recving.add(job.req_id)
+            data["pool_loads"] += 1
+            data["pool_loaded_tokens"] += good * self.block_size
+            data["pool_load_bytes"] += stats["bytes"]
+            if good < len(job.block_ids):  # the rest is recomputed: vLLM keeps the valid prefix
+                failed.add(job.req_id)
+                self._invalid.update(job.block_ids[good:])
+                data["pool_load_failures"] += 1
+                self._meta.pool[job.req_id] = "load_partial" if good else "load_failed"
+            else:
+                self._meta.pool[job.req_id] = "loaded"
+        return saves_done
+
     def _release_remote(self, remote: RemoteParams) -> None:
         """Best effort: tell P to free the blocks now rather than at the lease's end."""
         try:
@@ -693,6 +874,8 @@ class _Worker:
         self.stats.data["released_lease"] += len(expired)
         recving: set[str] = set()
         failed: set[str] = set()
+        saves_done = self._pool_results(recving, failed)
+        sending = self._gate.release(notified | expired, saves_done, lambda r: r in self._leases.leases)
         with self._lock:
             done, self._done = self._done, []
             for job, ok, stats in done:
@@ -707,7 +890,7 @@ class _Worker:
                     failed.add(job.req_id)
                     self._invalid.update(job.plan.local)
                     self.stats.data["read_failures"] += 1
-        return KVConnectorTransferResults(finished_sending=notified | expired, finished_recving=recving,
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
     def take_stats(self) -> PdserveStats | None:
@@ -723,12 +906,14 @@ class _Worker:
 
     def take_worker_meta(self) -> PdserveWorkerMeta | None:
         meta = self._meta
-        if not meta.reads and not meta.released:
+        if not meta.reads and not meta.released and not meta.pool:
             return None
         self._meta = PdserveWorkerMeta()
         return meta
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         try:
             self.engine.close()
         except Exception:

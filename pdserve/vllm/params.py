@@ -85,6 +85,13 @@ class ConnectorConfig:
     allow_test_faults: honour ``pdserve_test_fault`` in kv_transfer_params (tests only).
     idle_wait_ms: pace the empty steps vLLM runs while P holds blocks for a decode and has nothing
         else to do (0 = let them spin); a request arriving then waits at most this long.
+    pool_master: ``HOST:PORT`` of a KV pool master (pdserve.store); empty = no pool. With a pool, a
+        finished request's full blocks are saved to it (asynchronously; the blocks stay held until
+        written) and a new request loads the longest pooled prefix beyond the local prefix cache.
+    pool_save / pool_load: turn either direction off (default both on when pool_master is set).
+    pool_min_blocks: load from the pool only when at least this many blocks are pooled.
+    pool_timeout_s: longest a control call to the pool master may take (the scheduler waits on it);
+        after a failure the pool is skipped for ``pool_backoff_s``.
     """
 
     secret: str
@@ -99,9 +106,16 @@ class ConnectorConfig:
     on_load_failure: str = "recompute"
     allow_test_faults: bool = False
     idle_wait_ms: float = 10.0
+    pool_master: str = ""
+    pool_save: bool = True
+    pool_load: bool = True
+    pool_min_blocks: int = 1
+    pool_timeout_s: float = 1.0
+    pool_backoff_s: float = 5.0
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
-            "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms")
+            "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
+            "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
@@ -130,6 +144,12 @@ class ConnectorConfig:
         if host in ("0.0.0.0", "::") and not advertise:
             raise ConfigError(f"transfer_host={host!r} listens on every interface: also set advertise_host "
                               "to the address decode workers should dial")
+        pool = extra.get("pool_master", "") or ""
+        if pool:
+            host_, sep, port_ = str(pool).rpartition(":")
+            if not isinstance(pool, str) or not sep or not host_ or not port_.isdigit() or not 0 < int(port_) < 65536:
+                raise ConfigError(f"kv_connector_extra_config.pool_master={pool!r}: give the KV pool master's "
+                                  "HOST:PORT (e.g. 127.0.0.1:7600), or leave it empty for no pool")
         return cls(
             secret=secret,
             lease_s=_as_float(extra, "lease_s", 30.0, LEASE_MIN_S, LEASE_MAX_S),
@@ -143,7 +163,20 @@ class ConnectorConfig:
             on_load_failure=on_fail,
             allow_test_faults=_as_bool(extra, "allow_test_faults", False),
             idle_wait_ms=_as_float(extra, "idle_wait_ms", 10.0, 0.0, 1000.0),
+            pool_master=pool,
+            pool_save=_as_bool(extra, "pool_save", True),
+            pool_load=_as_bool(extra, "pool_load", True),
+            pool_min_blocks=_as_int(extra, "pool_min_blocks", 1, 1, 1 << 20),
+            pool_timeout_s=_as_float(extra, "pool_timeout_s", 1.0, 0.05, 60.0),
+            pool_backoff_s=_as_float(extra, "pool_backoff_s", 5.0, 0.0, 3600.0),
         )
+
+    @property
+    def pool_address(self) -> tuple[str, int] | None:
+        if not self.pool_master:
+            return None
+        host, _, port = self.pool_master.rpartition(":")
+        return host, int(port)
 
     def port_for_rank(self, rank: int) -> int:
         return self.transfer_port + rank if self.transfer_port else 0

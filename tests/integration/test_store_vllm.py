@@ -1,0 +1,131 @@
+"""KV pool end to end with vLLM: a prefix computed by one worker is loaded from the pool by another.
+
+A real pool (master + one node process) and a vLLM CPU server whose PdserveConnector has ``pool_master``
+set. A 1000-token prompt is served once (its 7 full blocks are saved to the pool after the request), the
+server is restarted (its own cache is gone), and the same prompt is served again: the new server loads the
+7 blocks from the pool (``vllm:pdserve_kv_pool_loaded_tokens_total`` = 896) and its greedy output equals the
+first one's. Negative control: the pooled objects are replaced with random bytes under the same keys; a
+request that bypasses the local prefix cache (fresh cache_salt) then loads them and its output differs, so
+the tokens really came from the pool's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.hashing import block_hashes
+from pdserve.procs import free_port
+from pdserve.store import ClientConfig, StoreClient
+from pdserve.transfer import TransferConfig, TransferEngine
+
+from .test_pd_exactness import ROOT, START_TIMEOUT_S, Server, _prompt, _salt, _tokens  # noqa: F401
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
+SECRET = "pd-exactness-test-secret"
+BLOCK = 128
+GEN = 16
+
+
+def _start_store(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_TRANSFER_SECRET=SECRET)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.store.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    assert proc.stdout.readline(), f"pdserve store {args[0]} did not start"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from pdserve.models import build_random_llama
+
+    cache = os.environ.get("PDSERVE_TEST_MODEL_CACHE")
+    out = Path(cache) / "random-llama-2l" if cache else tmp_path_factory.mktemp("model") / "random-llama"
+    return build_random_llama(out)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    port = free_port()
+    tmp = tmp_path_factory.mktemp("pool")
+    procs = [_start_store("master", "--port", str(port))]
+    procs.append(_start_store("node", "--master", f"127.0.0.1:{port}", "--mem", "256MiB",
+                              "--disk-dir", str(tmp / "ssd"), "--disk", "256MiB", "--heartbeat-s", "0.2"))
+    client = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET))
+    deadline = time.time() + 10
+    while client.stats()["nodes"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    yield port, client
+    client.close()
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+
+
+def _wait_pooled(client: StoreClient, keys: list[int], timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while not all(client.exists(keys)):
+        assert time.time() < deadline, f"blocks not saved to the pool: {client.exists(keys)}"
+        time.sleep(0.2)
+
+
+def _wait_metric(server: Server, name: str, at_least: float, timeout: float = 20.0) -> float:
+    deadline = time.time() + timeout
+    value = server.metric(name)
+    while value < at_least and time.time() < deadline:
+        time.sleep(0.5)  # vLLM publishes connector stats with its periodic logging
+        value = server.metric(name)
+    return value
+
+
+def test_prefix_loaded_from_pool_after_restart_equals_computed(model_dir, pool, tmp_path) -> None:
+    port, client = pool
+    extra = {"secret": SECRET, "pool_master": f"127.0.0.1:{port}"}
+    prompt = _prompt(1000, seed=5)
+    keys = block_hashes(prompt, BLOCK)
+    assert len(keys) == 7
+
+    first = Server(model_dir, 0, tmp_path / "first.log", extra)
+    try:
+        first.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        computed = _tokens(first.complete(prompt, GEN))
+        _wait_pooled(client, keys)
+        assert _wait_metric(first, "vllm:pdserve_kv_pool_saved_blocks_total", 7) == 7
+        assert first.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
+    finally:
+        first.stop()
+
+    second = Server(model_dir, 0, tmp_path / "second.log", extra)  # a fresh process: its own cache is empty
+    try:
+        second.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        loaded = _tokens(second.complete(prompt, GEN))
+        assert _wait_metric(second, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
+        assert second.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
+        assert loaded == computed
+
+        # negative control: same keys, random bytes -> a request that misses the local cache loads garbage
+        size = client.stats()["bytes_mem"] // client.stats()["objects"]
+        assert client.remove(keys) == 7
+        engine = TransferEngine(TransferConfig(secret=SECRET))
+        try:
+            junk = np.random.default_rng(0).standard_normal(size * 7 // 4).astype(np.float32).view(np.uint8)
+            engine.register("junk", junk)
+            writer = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET), engine)
+            assert writer.put([(k, [("junk", i * size, size)]) for i, k in enumerate(keys)]) == ["stored"] * 7
+            writer.close()
+        finally:
+            engine.close()
+        garbage = _tokens(second.complete(prompt, GEN, cache_salt=_salt()))
+        assert _wait_metric(second, "vllm:pdserve_kv_pool_loaded_tokens_total", 14 * BLOCK) == 14 * BLOCK
+        assert garbage != computed, "output unchanged with corrupted pool blocks: the KV did not come from the pool"
+    finally:
+        second.stop()

@@ -1,0 +1,52 @@
+"""The connector's pool pieces without vLLM: object layout, partial loads, the send gate, config keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.vllm.params import ConfigError, ConnectorConfig, LayerGeometry
+from pdserve.vllm.pool import SendGate, loaded_prefix, pool_items
+
+SECRET = "unit-test-secret-0123"
+
+
+def test_pool_items_one_range_per_layer_in_block_order() -> None:
+    layers = [LayerGeometry("l0", 1000, 600), LayerGeometry("l1", 2000, 800)]
+    items = pool_items(layers, [11, 12], [3, 5])
+    assert items == [(11, [("l0", 3000, 600), ("l1", 6000, 800)]), (12, [("l0", 5000, 600), ("l1", 10000, 800)])]
+
+
+def test_loaded_prefix_stops_at_first_gap() -> None:
+    assert loaded_prefix([True, True, False, True]) == 2
+    assert loaded_prefix([True] * 3) == 3
+    assert loaded_prefix([False, True]) == 0
+
+
+def test_gate_waits_for_both_the_decode_lease_and_the_save() -> None:
+    gate = SendGate()
+    leased = {"p"}
+    gate.start_save("p")
+    gate.start_save("q")
+    # the decode read arrives first: P's blocks stay until the save ends
+    assert gate.release({"p"}, set(), lambda r: False) == set()
+    assert gate.release(set(), {"p"}, lambda r: r in leased) == {"p"}
+    # a save-only request is released when its save ends
+    assert gate.release(set(), {"q"}, lambda r: False) == {"q"}
+    # save ends first while the lease is held: the lease's release frees it
+    gate.start_save("r")
+    assert gate.release(set(), {"r"}, lambda r: True) == set()
+    assert gate.release({"r"}, set(), lambda r: False) == {"r"}
+    # both in the same step
+    gate.start_save("s")
+    assert gate.release({"s"}, {"s"}, lambda r: False) == {"s"}
+    assert not gate.saving and not gate.waiting_for_save
+
+
+def test_pool_config_keys() -> None:
+    cfg = ConnectorConfig.from_extra({"secret": SECRET, "pool_master": "127.0.0.1:7600", "pool_save": "false"})
+    assert cfg.pool_address == ("127.0.0.1", 7600) and not cfg.pool_save and cfg.pool_load
+    assert ConnectorConfig.from_extra({"secret": SECRET}).pool_address is None
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        ConnectorConfig.from_extra({"secret": SECRET, "pool_master": "localhost"})
+    with pytest.raises(ConfigError, match="pool_min_blocks"):
+        ConnectorConfig.from_extra({"secret": SECRET, "pool_min_blocks": 0})
