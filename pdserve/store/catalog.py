@@ -439,7 +439,7 @@ class Catalog:
                 self.counters["lease_waits"] += 1
                 continue
             if obj.on(node.node_id, SSD) is None and node.ssd_capacity and \
-                    node.ssd_used + obj.size <= node.ssd_capacity * self.high:
+                    node.ssd_used + obj.size <= node.ssd_capacity:
                 obj.busy = True
                 node.ssd_used += obj.size  # reserved until the spill ends
                 planned += obj.size

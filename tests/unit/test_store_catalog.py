@@ -141,3 +141,15 @@ def test_prefix_and_event_stream() -> None:
     small.register_node("a", ("h", 1), {}, 64000, 0)
     put(small, 1, 2, 3)
     assert small.events_since(0)["reset"]
+
+
+def test_newer_spills_displace_older_ssd_objects() -> None:
+    cat, _ = make((("a", 1000, 300),))  # SSD: 3 objects
+    for round_ in range(3):
+        put(cat, *range(round_ * 10 + 1, round_ * 10 + 11))
+        for _ in range(2):
+            for s in cat.plan_evictions():
+                cat.finish_spill(s, ok=True)
+    on_ssd = sorted(k for k, o in cat.objects.items() if o.on("a", SSD))
+    assert on_ssd and min(on_ssd) > 10, f"the oldest round should have left the SSD tier: {on_ssd}"
+    assert cat.counters["ssd_drops"] > 0
