@@ -93,3 +93,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_serve_flags(parser: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
+    """The KV pool flags of ``pdserve serve`` (LauncherConfig.pool*); ``default`` SUPPRESS lets a YAML
+    config supply what the command line does not."""
+    parser.add_argument("--pool", dest="pool", action="store_true", default=default,
+                        help="start a KV pool (master + one store node) for the workers' connectors "
+                             "(default: on whenever the connector is)")
+    parser.add_argument("--no-pool", dest="pool", action="store_false", default=default, help="no KV pool")
+    parser.add_argument("--pool-mem", default=default, metavar="SIZE",
+                        help="host memory the pool node lends, e.g. 1GiB (default 1GiB)")
+    parser.add_argument("--pool-disk", default=default, metavar="SIZE",
+                        help="SSD tier size, e.g. 8GiB (default 0: no SSD tier)")
+    parser.add_argument("--pool-disk-dir", default=default, metavar="DIR",
+                        help="SSD tier folder (default: pool-ssd in the run folder, removed at stop)")
+    parser.add_argument("--pool-port", type=int, default=default, help="pool master port (default: a free one)")
