@@ -151,3 +151,25 @@ def test_master_restart_nodes_reregister_objects_reachable(pool) -> None:
     assert c.get_into(items(keys, "dst")) == [True] * 30
     assert blocks_equal(pool, keys)
     assert c.put(items([500], "src")) == ["stored"]  # and it allocates around the adopted objects
+
+
+def test_two_replicas_on_distinct_nodes_survive_a_node_kill(pool, tmp_path: Path) -> None:
+    port = free_port()
+    start = pool["start"]
+    start("master", "--port", str(port), "--replicas", "2", "--node-timeout-s", "1.5")
+    nodes = [start("node", "--master", f"127.0.0.1:{port}", "--mem", "8MiB", "--node-id", f"r{i}",
+                   "--heartbeat-s", "0.2") for i in range(2)]
+    c = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET, timeout_s=3.0), pool["client"].engine)
+    try:
+        deadline = time.time() + 10
+        while c.stats()["nodes"] < 2:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        keys = list(range(1, 21))
+        assert c.put(items(keys, "src")) == ["stored"] * 20
+        assert c.stats()["bytes_mem"] == 2 * 20 * BLOCK  # every object twice
+        nodes[0].stop()
+        assert c.get_into(items(keys, "dst")) == [True] * 20  # the dead node's copies fail over at once
+        assert blocks_equal(pool, keys)
+    finally:
+        c.close()
