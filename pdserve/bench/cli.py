@@ -4,6 +4,7 @@
     pdserve bench compare --configs colocated2,1p1d --workload 'trace:input_scale=0.1,output_scale=0.1' \\
         --rates 0.3,0.6 --slo-ttft-ms 2000 --slo-tpot-ms 100 --out bench-out/
     pdserve bench trace --workload 'trace:input_scale=0.1,rate=1,requests=60'
+    pdserve bench report bench-out/ --slo-ttft-ms 5000 --slo-tpot-ms 100 --out bench-out-5s/
 
 Workload specs: ``trace:`` (Mooncake JSONL; path, start, requests, input_scale, output_scale, time_scale, rate,
 max_input, max_output, seed, concurrency), ``poisson:`` / ``fixed:`` (rate, requests, input, output, input_dist,
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cores", default="", help="CPU ids to use, e.g. 0,1 (default: all this process may use)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     _add_common(c)
+    rp = sub.add_parser("report", help="re-score a finished comparison at other goodput targets (new report)")
+    rp.add_argument("src", help="the --out folder of a finished compare")
+    rp.add_argument("--slo-ttft-ms", type=float, default=None)
+    rp.add_argument("--slo-tpot-ms", type=float, default=None)
+    rp.add_argument("--out", required=True, help="folder for the new report")
     t = sub.add_parser("trace", help="build a workload and print what it holds (no server needed)")
     t.add_argument("--workload", action="append", required=True)
     t.add_argument("--vocab-size", type=int, default=32000)
@@ -215,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "compare":
             return cmd_compare(args)
+        if args.command == "report":
+            from .report import rescore
+
+            summary = rescore(Path(args.src), Path(args.out), args.slo_ttft_ms, args.slo_tpot_ms)
+            for v in summary["verdicts"]:
+                print(f"{v['workload']}: {v['winner']} wins (goodput {v.get('goodput_ratio')}x vs "
+                      f"{v.get('runner_up')})")
+            print(json.dumps(summary, default=str))
+            return 0
         return cmd_trace(args)
     except (ConfigError, TraceError) as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)

@@ -69,6 +69,22 @@ class RequestRecord:
                 "error": self.error, "timings": self.timings}
 
 
+def record_from_dict(d: dict[str, Any]) -> RequestRecord:
+    """Inverse of :meth:`RequestRecord.to_dict` (times relative to the run's start)."""
+    start = d["start_s"]
+    first = None if d.get("ttft_s") is None else start + d["ttft_s"]
+    end = None if d.get("e2e_s") is None else start + d["e2e_s"]
+    chunks: list[float] = []
+    if first is not None:
+        chunks = [first]
+        for gap in d.get("itl_s") or []:
+            chunks.append(chunks[-1] + gap)
+    return RequestRecord(ok=d["ok"], start=start, first_token=first, end=end, chunk_times=chunks,
+                         output_tokens=d.get("output_tokens", 0), prompt_tokens=d.get("prompt_tokens", 0),
+                         error=d.get("error"), timings=d.get("timings"), session=d.get("session", 0),
+                         turn=d.get("turn", 0), scheduled_s=d.get("scheduled_s"))
+
+
 @dataclass(frozen=True)
 class SLO:
     """Goodput targets in milliseconds (None: no target on that measure)."""

@@ -269,3 +269,29 @@ def write_report(results: dict[str, Any], out_dir: Path, command: str | None = N
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "report.md").write_text(markdown(results, verdicts, xs, made, command))
     return {"verdicts": verdicts, "crossovers": xs}
+
+
+def rescore(src: Path, out: Path, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict[str, Any]:
+    """Goodput at other targets, from a finished comparison's raw records: ``src``'s results with goodput and
+    SLO attainment recomputed, written as a new report in ``out`` (its raw/ links to ``src``'s)."""
+    import os
+
+    from .metrics import SLO, goodput, record_from_dict
+
+    results = json.loads((src / "results.json").read_text())
+    slo = SLO(slo_ttft_ms, slo_tpot_ms)
+    for c, cfg in results["configs"].items():
+        for label, row in cfg["workloads"].items():
+            p = src / "raw" / f"{c}__{_slug(label)}.json"
+            raw = json.loads(p.read_text())
+            records = [record_from_dict(r) for r in raw["records"]]
+            row.update(goodput(records, raw["wall_s"], slo))
+    results["slo"] = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}
+    results["rescored_from"] = str(src)
+    for k in ("verdicts", "crossovers", "command"):
+        results.pop(k, None)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "raw").exists():
+        os.symlink(os.path.abspath(src / "raw"), out / "raw")
+    return write_report(results, out, command=f"pdserve bench report {src} --slo-ttft-ms {slo_ttft_ms} "
+                        f"--slo-tpot-ms {slo_tpot_ms} --out {out}")

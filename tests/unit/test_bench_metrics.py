@@ -136,3 +136,23 @@ def test_verdict_and_report_files(tmp_path):
     # ties on goodput go to the lower TPOT p99
     tie = _results({"colocated2": [1.0, 1.0], "1p1d": [1.0, 1.0]}, {"colocated2": [50, 50], "1p1d": [40, 60]})
     assert verdict(tie, "w@1")["winner"] == "1p1d" and verdict(tie, "w@2")["winner"] == "colocated2"
+
+
+def test_records_round_trip_and_rescore(tmp_path):
+    from pdserve.bench.metrics import record_from_dict
+    from pdserve.bench.report import rescore
+
+    r = rec(10.0, 10.2, 11.2, 3, [10.2, 10.7, 11.2])
+    back = record_from_dict(r.to_dict(t0=10.0))
+    assert back.ttft_s == pytest.approx(0.2) and back.tpot_s == pytest.approx(0.5)
+    assert back.itls_s == pytest.approx([0.5, 0.5])
+    res = _results({"colocated2": [0, 0], "1p1d": [0, 0]}, {"colocated2": [1, 1], "1p1d": [1, 1]})
+    (tmp_path / "src" / "raw").mkdir(parents=True)
+    fast, slow = rec(0, 0.1, 0.5, 5).to_dict(), rec(0, 3.0, 3.4, 5).to_dict()
+    for c, recs in (("colocated2", [fast, slow]), ("1p1d", [fast, fast])):
+        for label in res["workloads"]:
+            (tmp_path / "src" / "raw" / f"{c}__{label}.json").write_text(json.dumps({"wall_s": 2.0, "records": recs}))
+    (tmp_path / "src" / "results.json").write_text(json.dumps(res))
+    out = rescore(tmp_path / "src", tmp_path / "new", slo_ttft_ms=1000, slo_tpot_ms=None)
+    assert out["verdicts"][0]["winner"] == "1p1d" and out["verdicts"][0]["goodput_ratio"] == 2.0
+    assert (tmp_path / "new" / "report.md").is_file()
