@@ -92,7 +92,7 @@ class WorkerConfig:
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    kv_events_port: int = 0  # > 0: publish vLLM KV cache events (ZMQ) on this port for the conductor
+    kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -102,7 +102,8 @@ class WorkerConfig:
         if not self.model:
             raise ConfigError("worker model is empty: pass the model folder (--model DIR)")
         _check_port(f"{self.name}.port", self.port)
-        _check_port(f"{self.name}.kv_events_port", self.kv_events_port)
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith("tcp://"):
+            raise ConfigError(f"{self.name}.kv_events_endpoint={self.kv_events_endpoint!r}: use tcp://HOST:PORT")
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
@@ -114,11 +115,6 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def kv_events_endpoint(self) -> str:
-        """ZMQ endpoint of the worker's KV event publisher ("" when off)."""
-        return f"tcp://{self.host}:{self.kv_events_port}" if self.kv_events_port else ""
 
     @property
     def omp_bind(self) -> str:
@@ -179,6 +175,10 @@ class LauncherConfig:
     policy: the router's placement policy: ``round_robin`` (default), ``least_loaded`` or ``conductor``
     (prefix-, load- and SLO-aware; workers then publish KV cache events to the router).
     ttft_slo_ms / tpot_slo_ms: conductor targets; requests predicted to miss them get 429 + Retry-After.
+    pool: start a KV pool (``pdserve store`` master + one node) and point every worker's connector at it
+    (default: on whenever the connector is); pool_mem / pool_disk: host memory / SSD bytes the node lends
+    (e.g. ``1GiB``; pool_disk 0 = no SSD tier); pool_disk_dir: the SSD tier's folder (default: ``pool-ssd``
+    in the run folder, removed at stop); pool_port: the master's port (0 = a free one).
     """
 
     model: str = ""
@@ -210,6 +210,11 @@ class LauncherConfig:
     policy: str = "round_robin"
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    pool: bool | None = None
+    pool_mem: str = "1GiB"
+    pool_disk: str = "0"
+    pool_disk_dir: str = ""
+    pool_port: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -281,6 +286,7 @@ class LauncherConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+        _check_pool(self)
 
     # ------------------------------------------------------------------ derived
 
@@ -359,6 +365,29 @@ class LauncherConfig:
 
     def with_overrides(self, **overrides: Any) -> "LauncherConfig":
         return replace(self, **overrides)
+
+
+def _check_pool(cfg: "LauncherConfig") -> None:
+    """KV pool settings (pdserve.store): on by default with the connector, sizes parse, a port."""
+    from .store.config import StoreConfigError, parse_size
+
+    if cfg.pool is None:
+        object.__setattr__(cfg, "pool", bool(cfg.connector))
+    if cfg.pool and not cfg.connector:
+        raise ConfigError("pool=true needs the connector (it saves and loads KV through it): add --connector, "
+                          "or pool=false")
+    try:
+        mem, disk = parse_size(cfg.pool_mem, "pool_mem"), parse_size(cfg.pool_disk, "pool_disk")
+    except StoreConfigError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.pool and mem < 1 << 20:
+        raise ConfigError(f"pool_mem={cfg.pool_mem!r}: lend the pool at least 1MiB (e.g. 1GiB), or pool=false")
+    if disk < 0:
+        raise ConfigError(f"pool_disk={cfg.pool_disk!r}: a size >= 0 (0 = no SSD tier)")
+    _check_port("pool_port", cfg.pool_port)
+    if cfg.pool and "pool_master" in cfg.connector_extra:
+        raise ConfigError("connector_extra.pool_master is set by the launcher when pool=true; set pool=false to "
+                          "point workers at a pool of your own")
 
 
 def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:

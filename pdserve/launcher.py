@@ -22,10 +22,12 @@ import json
 import os
 import secrets
 import shlex
+import shutil
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -129,11 +131,9 @@ def plan_workers(
     if len(ports) != n:
         raise ValueError(f"need {n} ports, got {len(ports)}")
     name = served_name(config, Path(model_dir))
-    events = [0] * n
-    if config.policy == "conductor":  # the conductor's prefix index is fed by the workers' KV events
-        events = free_ports(n, config.worker_host, exclude=(config.port, *ports))
+    sink = kv_events_sink(config, exclude=(config.port, *ports))
     out = []
-    for (role, index), port, bind, ev_port in zip(roles, ports, bindings, events):
+    for (role, index), port, bind in zip(roles, ports, bindings):
         extra = tuple(config.worker_args)
         if role == "prefill":
             extra += tuple(config.prefill_args)
@@ -157,7 +157,7 @@ def plan_workers(
                 connector_extra=dict(config.connector_extra),
                 extra_args=extra,
                 env=dict(config.env),
-                kv_events_port=ev_port,
+                kv_events_endpoint=sink,
             )
         )
     return out
@@ -175,9 +175,19 @@ def kv_transfer_config(worker: WorkerConfig) -> dict:
     }
 
 
+def kv_events_sink(config: LauncherConfig, exclude: Sequence[int] = ()) -> str:
+    """Endpoint of the router's KV event sink (a fresh port), or "" unless the conductor places requests."""
+    if config.policy != "conductor":
+        return ""
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    return f"tcp://{host}:{free_ports(1, host, exclude=tuple(exclude))[0]}"
+
+
 def kv_events_config(worker: WorkerConfig) -> dict:
-    """The ``--kv-events-config`` value: vLLM publishes BlockStored/BlockRemoved/AllBlocksCleared over ZMQ."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": worker.kv_events_endpoint}
+    """The ``--kv-events-config`` value: vLLM connects to the router's sink (a host, not ``*``, in the endpoint)
+    and publishes BlockStored/BlockRemoved/AllBlocksCleared with the worker's URL as the topic."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": worker.kv_events_endpoint,
+            "topic": worker.url}
 
 
 def worker_command(
@@ -200,7 +210,7 @@ def worker_command(
         argv += ["--dtype", worker.dtype]
     if worker.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(worker), separators=(",", ":"))]
-    if worker.kv_events_port:
+    if worker.kv_events_endpoint:
         argv += ["--kv-events-config", json.dumps(kv_events_config(worker), separators=(",", ":"))]
     argv += list(worker.extra_args)
 
@@ -238,9 +248,9 @@ def router_command(
     argv += ["--served-model-name", served_name(config, Path(model_dir))]
     argv += ["--max-model-len", str(config.max_model_len)]
     argv += ["--policy", config.policy]
-    for w in workers:
-        if w.kv_events_port:
-            argv += ["--kv-events", f"{w.url}={w.kv_events_endpoint}"]
+    sinks = {w.kv_events_endpoint for w in workers if w.kv_events_endpoint}
+    if sinks:
+        argv += ["--kv-events-bind", sinks.pop()]
     if config.ttft_slo_ms is not None:
         argv += ["--ttft-slo-ms", str(config.ttft_slo_ms)]
     if config.tpot_slo_ms is not None:
@@ -295,9 +305,13 @@ class Plan:
     workers: tuple[WorkerConfig, ...]
     router_port: int
     router_argv: tuple[str, ...]
+    pool_port: int = 0  # KV pool master (0: no pool)
+    pool_metrics_port: int = 0
 
     def describe(self, secret_placeholder: str = "<generated per launch>") -> str:
         lines = []
+        for name, argv in pool_commands(self, "<run dir>/pool-ssd"):
+            lines.append(f"[{name}] {SECRET_ENV}={secret_placeholder} {shlex.join(argv)}")
         for w in self.workers:
             argv, _ = worker_command(w, secret_placeholder, base_env={})
             env = f"VLLM_CPU_OMP_THREADS_BIND={w.omp_bind} VLLM_CPU_KVCACHE_SPACE={w.kv_cache_gib}"
@@ -314,13 +328,51 @@ def make_plan(config: LauncherConfig, model_dir: Path) -> Plan:
         port = free_ports(1, config.host)[0]
     workers = plan_workers(config, model_dir, ports=free_ports(config.num_workers, config.worker_host,
                                                               exclude=(port,)))
+    pool_port = pool_metrics = 0
+    if config.pool:  # KV pool: a master + one node on this host; every connector saves to / loads from it
+        taken = (port, *(w.port for w in workers),
+                 *(int(w.kv_events_endpoint.rsplit(":", 1)[1]) for w in workers if w.kv_events_endpoint))
+        pool_metrics = free_ports(1, "127.0.0.1", exclude=taken)[0]
+        pool_port = config.pool_port or free_ports(1, "127.0.0.1", exclude=(*taken, pool_metrics))[0]
+        workers = [replace(w, connector_extra={**w.connector_extra, "pool_master": f"127.0.0.1:{pool_port}"})
+                   for w in workers]
     return Plan(
         model_dir=model_dir,
         model_name=served_name(config, model_dir),
         workers=tuple(workers),
         router_port=port,
         router_argv=tuple(router_command(config, workers, model_dir, port)),
+        pool_port=pool_port,
+        pool_metrics_port=pool_metrics,
     )
+
+
+def pool_commands(plan: Plan, disk_dir: str, config: LauncherConfig | None = None,
+                  python: str = sys.executable) -> list[tuple[str, list[str]]]:
+    """argv of the KV pool master and node (``pdserve store ...``); empty without a pool."""
+    if not plan.pool_port:
+        return []
+    mem, disk = (config.pool_mem, config.pool_disk) if config else ("<pool_mem>", "<pool_disk>")
+    master = [python, "-m", "pdserve.store.cli", "master", "--port", str(plan.pool_port),
+              "--metrics-port", str(plan.pool_metrics_port)]
+    node = [python, "-m", "pdserve.store.cli", "node", "--master", f"127.0.0.1:{plan.pool_port}", "--mem", mem,
+            "--node-id", "node0"]
+    if disk != "0":
+        node += ["--disk-dir", disk_dir, "--disk", disk]
+    return [("pool-master", master), ("pool-node", node)]
+
+
+def _wait_port(host: str, port: int, timeout_s: float, child: Child) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise LaunchError(f"{child.name} exited ({child.proc.returncode}); log:\n{child.log_tail(20)}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise LaunchError(f"{child.name} did not listen on {host}:{port} within {timeout_s:g} s; log {child.log_path}")
 
 
 # --------------------------------------------------------------------------- cluster
@@ -341,6 +393,8 @@ class Cluster:
         self.plan: Plan | None = None
         self.workers: list[Child] = []
         self.router: Child | None = None
+        self.pool: list[Child] = []  # KV pool master + node
+        self._pool_dir: Path | None = None
         self._reaper: Reaper | None = None
         self._stop_requested = threading.Event()
         self._stopped = False
@@ -368,7 +422,7 @@ class Cluster:
         return [c.url for c in self.workers if role is None or c.name.rstrip("0123456789") == role]
 
     def children(self) -> list[Child]:
-        return [*self.workers, *([self.router] if self.router else [])]
+        return [*self.workers, *([self.router] if self.router else []), *self.pool]
 
     def pgids(self) -> list[int]:
         return [c.pgid for c in self.children()]
@@ -401,6 +455,7 @@ class Cluster:
             self.run_dir = new_run_dir(cfg)
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
+            self._start_pool()
             for w in self.plan.workers:
                 argv, env = worker_command(w, self.secret)
                 log_path = self.run_dir / f"{w.name}.log"
@@ -442,12 +497,34 @@ class Cluster:
             killed += stop_children([self.router], timeout_s=min(t, 10.0), reaper=self._reaper)
         if self.workers:
             killed += stop_children(self.workers, timeout_s=t, reaper=self._reaper)
+        if self.pool:
+            killed += stop_children(self.pool, timeout_s=min(t, 10.0), reaper=self._reaper)
+        if self._pool_dir is not None:
+            shutil.rmtree(self._pool_dir, ignore_errors=True)
         if self.workers or self.router:
             extra = f"; {', '.join(killed)} ignored SIGTERM for {t:g} s and got SIGKILL" if killed else ""
             self.log(f"stopped {len(self.children())} process group(s) in {time.monotonic() - t0:.1f} s{extra}")
         if self._reaper is not None:
             self._reaper.close()
             self._reaper = None
+
+    def _start_pool(self) -> None:
+        """KV pool master, then its node; workers find the master through their connector config."""
+        assert self.plan is not None and self.run_dir is not None
+        disk_dir = Path(self.config.pool_disk_dir).expanduser() if self.config.pool_disk_dir else None
+        if disk_dir is None:
+            disk_dir = self._pool_dir = self.run_dir / "pool-ssd"  # ours: removed at stop
+        env = router_env()
+        env[SECRET_ENV] = self.secret
+        for name, argv in pool_commands(self.plan, str(disk_dir), self.config):
+            log_path = self.run_dir / f"{name}.log"
+            child = spawn(name, argv, env, log_path, reaper=self._reaper)
+            self.pool.append(child)
+            self.log(f"started {name} (pid {child.pid}), log {log_path}")
+            if name == "pool-master":
+                _wait_port("127.0.0.1", self.plan.pool_port, 30.0, child)
+                child.url = f"http://127.0.0.1:{self.plan.pool_metrics_port}"
+                self.log(f"KV pool master on 127.0.0.1:{self.plan.pool_port}, metrics {child.url}/metrics")
 
     def poll(self) -> list[Child]:
         """Children that have exited (for a supervisor loop)."""

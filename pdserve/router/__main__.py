@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("placement (pdserve.conductor)")
     c.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "conductor"),
                    help="round_robin (default), least_loaded, or conductor: prefix-, load- and SLO-aware")
-    c.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
-                   help="a worker's KV event publisher, e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557 (repeatable)")
+    c.add_argument("--kv-events-bind", default="", metavar="ENDPOINT",
+                   help="bind this ZMQ endpoint for workers' KV events (e.g. tcp://127.0.0.1:5557); workers set "
+                        "--kv-events-config endpoint to it and topic to their own URL")
     c.add_argument("--ttft-slo-ms", type=float, default=None, help="reject (429) requests predicted to miss it")
     c.add_argument("--tpot-slo-ms", type=float, default=None, help="reject (429) requests predicted to miss it")
     c.add_argument("--local-prefill-tokens", type=int, default=None,
@@ -59,7 +60,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         served_model_name=a.served_model_name, max_model_len=a.max_model_len,
                         connect_timeout_s=a.connect_timeout_s, upstream_idle_timeout_s=a.upstream_idle_timeout_s,
                         health_timeout_s=a.health_timeout_s, health_interval_s=a.health_interval_s,
-                        log_level=a.log_level, policy=a.policy, kv_events=tuple(a.kv_events),
+                        log_level=a.log_level, policy=a.policy, kv_events_bind=a.kv_events_bind,
                         ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
                         local_prefill_tokens=a.local_prefill_tokens, block_size=a.block_size,
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,

@@ -23,7 +23,7 @@ from .metrics import RouterMetrics
 from ..conductor import ConductorConfig
 from .calibration import calibrate
 from .config import kv_bytes_per_token
-from .kv_events import KVEventSubscriber
+from .kv_events import KVEventSink
 from .load_probe import read_worker_load
 from .membership import add_routes as add_membership_routes
 from .metrics import conductor_metrics_text
@@ -60,8 +60,7 @@ class Router:
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
-        self.subscribers: dict[str, KVEventSubscriber] = {}
-        self._zmq = None
+        self.events: KVEventSink | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
 
@@ -69,24 +68,9 @@ class Router:
     def conducted(self) -> ConductorPlacement | None:
         return self.placement if isinstance(self.placement, ConductorPlacement) else None
 
-    def subscribe(self, url: str, endpoint: str) -> None:
-        """Follow a worker's KV events (replacing an earlier subscription)."""
-        cp = self.conducted
-        if cp is None:
-            return
-        import zmq.asyncio
-
-        if self._zmq is None:
-            self._zmq = zmq.asyncio.Context()
-        old = self.subscribers.pop(url, None)
-        if old is not None:
-            self._tasks.append(asyncio.create_task(old.close()))
-        self.subscribers[url] = KVEventSubscriber(self._zmq, url, endpoint, cp.conductor, self.config.block_size)
-
-    async def unsubscribe(self, url: str) -> None:
-        sub = self.subscribers.pop(url, None)
-        if sub is not None:
-            await sub.close()
+    def forget_events(self, url: str) -> None:
+        if self.events is not None:
+            self.events.forget(url)
 
     # ---- lifecycle ----
     async def start(self, app: web.Application) -> None:
@@ -97,8 +81,9 @@ class Router:
             self._health_task = asyncio.create_task(self._health_loop())
         cp = self.conducted
         if cp is not None and self.config.policy != "round_robin":
-            for url, endpoint in self.config.kv_events:
-                self.subscribe(url, endpoint)
+            if self.config.kv_events_bind:
+                self.events = KVEventSink(self.config.kv_events_bind, cp.conductor, self.config.block_size)
+                log.info("KV event sink on %s", self.events.endpoint)
             self._tasks.append(asyncio.create_task(self._load_loop(cp)))
             if self.config.calibrate and self.config.policy == "conductor":
                 self._tasks.append(asyncio.create_task(self._calibrate(cp)))
@@ -112,10 +97,8 @@ class Router:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        for url in list(self.subscribers):
-            await self.unsubscribe(url)
-        if self._zmq is not None:
-            self._zmq.term()
+        if self.events is not None:
+            await self.events.close()
         if self.session is not None:
             await self.session.close()
 
@@ -172,7 +155,7 @@ class Router:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = self.metrics.render()
         if self.conducted is not None:
-            text += conductor_metrics_text(self.conducted, self.subscribers)
+            text += conductor_metrics_text(self.conducted, self.events.batches if self.events else {})
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 

@@ -76,7 +76,8 @@ class RouterConfig:
     upstream_idle_timeout_s: a worker that sends nothing for this long fails the request (no hung streams).
     health_interval_s: period of the background health probes (0 turns them off; /health always probes).
     policy: placement: ``round_robin`` | ``least_loaded`` | ``conductor`` (see :mod:`pdserve.conductor`).
-    kv_events: (worker URL, ZMQ endpoint) pairs: the workers' KV event publishers feeding the prefix index.
+    kv_events_bind: ZMQ endpoint the router binds for the workers' KV events (e.g. tcp://127.0.0.1:5557);
+        workers publish to it with their own URL as the topic. Empty: no prefix index (load-only placement).
     ttft_slo_ms / tpot_slo_ms: conductor targets (429 + Retry-After when predicted to miss); None: no target.
     local_prefill_tokens: conductor: decode-local at most this many uncached prompt tokens (None: learned).
     block_size: the workers' KV block size in tokens (vLLM CPU: 128); block keys must match it.
@@ -100,7 +101,7 @@ class RouterConfig:
     health_interval_s: float = 5.0
     log_level: str = "info"
     policy: str = "round_robin"
-    kv_events: tuple[tuple[str, str], ...] = ()
+    kv_events_bind: str = ""
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     local_prefill_tokens: int | None = None
@@ -158,14 +159,9 @@ class RouterConfig:
 
         if self.policy not in POLICIES:
             raise RouterConfigError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
-        pairs = []
-        for item in self.kv_events:
-            url, endpoint = (item.split("=", 1) + [""])[:2] if isinstance(item, str) else item
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise RouterConfigError(f"--kv-events {item!r}: give WORKER_URL=tcp://HOST:PORT (the worker's "
-                                        "--kv-events-config endpoint)")
-            pairs.append((_check_url("--kv-events", url), endpoint))
-        object.__setattr__(self, "kv_events", tuple(pairs))
+        if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
+            raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
+                                    "tcp://127.0.0.1:5557")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:

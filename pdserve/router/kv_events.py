@@ -1,4 +1,7 @@
-"""Subscribes to each worker's vLLM KV event publisher (ZMQ PUB) and feeds the conductor's prefix index.
+"""The router's KV event sink: one ZMQ SUB socket the router binds; every worker's vLLM publisher connects to
+it (``--kv-events-config {"endpoint": "tcp://ROUTER:PORT", "topic": "<worker URL>"}``: vLLM connects when the
+endpoint names a host, binds only for ``*``). The topic says which worker an event batch is from, so workers
+that join later (or restart) need no router-side set-up, and no worker has to open a port.
 
 Frames are (topic, 8-byte big-endian sequence number, msgpack batch); see :mod:`pdserve.conductor.events`.
 A lost batch or a publisher restart clears that worker's entries (re-learned from later events), so the index
@@ -19,18 +22,18 @@ from ..conductor.events import EventTranslator, decode_batch
 log = logging.getLogger("pdserve.router.kv_events")
 
 
-class KVEventSubscriber:
-    def __init__(self, ctx: zmq.asyncio.Context, worker_url: str, endpoint: str, conductor: Conductor,
-                 block_size: int) -> None:
-        self.worker_url = worker_url
-        self.endpoint = endpoint
+class KVEventSink:
+    def __init__(self, endpoint: str, conductor: Conductor, block_size: int) -> None:
         self.conductor = conductor
-        self.translator = EventTranslator(block_size)
-        self.sock = ctx.socket(zmq.SUB)
+        self.block_size = block_size
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.batches = 0
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.translators: dict[str, EventTranslator] = {}
+        self.batches: dict[str, int] = {}
         self.skipped_blocks = 0
         self.bad_batches = 0
         self.task = asyncio.create_task(self._run())
@@ -38,30 +41,35 @@ class KVEventSubscriber:
     async def _run(self) -> None:
         try:
             while True:
-                frames = await self.sock.recv_multipart()
-                self.handle(frames)
+                self.handle(await self.sock.recv_multipart())
         except asyncio.CancelledError:
             pass
         except Exception:  # never let a bad publisher kill the router
-            log.exception("KV event subscriber for %s stopped", self.worker_url)
+            log.exception("KV event sink stopped")
+
+    def forget(self, worker: str) -> None:
+        self.translators.pop(worker, None)
 
     def handle(self, frames: list[bytes]) -> None:
-        if len(frames) < 3 or len(frames[-2]) != 8:
+        if len(frames) != 3 or len(frames[1]) != 8:
             self.bad_batches += 1
             return
-        seq = int.from_bytes(frames[-2], "big")
         try:
-            events = decode_batch(frames[-1])
-        except ValueError:
+            worker = frames[0].decode().rstrip("/")
+            events = decode_batch(frames[2])
+        except (UnicodeDecodeError, ValueError):
             self.bad_batches += 1
             return
-        if self.translator.sequence(seq):
-            log.info("KV events from %s: gap or restart at seq %d; clearing its index entries", self.worker_url, seq)
-            self.conductor.all_cleared(self.worker_url)
-        up = self.translator.apply(events)
-        self.batches += 1
+        tr = self.translators.get(worker)
+        if tr is None:
+            tr = self.translators[worker] = EventTranslator(self.block_size)
+        if tr.sequence(int.from_bytes(frames[1], "big")):
+            log.info("KV events from %s: gap or restart; clearing its index entries", worker)
+            self.conductor.all_cleared(worker)
+        up = tr.apply(events)
+        self.batches[worker] = self.batches.get(worker, 0) + 1
         self.skipped_blocks += up.skipped
-        up.apply_to(self.worker_url, self.conductor)
+        up.apply_to(worker, self.conductor)
 
     async def close(self) -> None:
         self.task.cancel()
@@ -70,3 +78,4 @@ class KVEventSubscriber:
         except asyncio.CancelledError:
             pass
         self.sock.close(0)
+        self.ctx.term()

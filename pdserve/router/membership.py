@@ -1,6 +1,6 @@
 """Worker membership at run time: ``/v1/pdserve/workers``.
 
-GET lists workers with health and the conductor's load view; POST ``{"url", "role", "kv_events"?}`` adds a
+GET lists workers with health and the conductor's load view; POST ``{"url", "role"}`` adds a
 worker (or a role to it); DELETE ``{"url"}`` (or ``?url=``) removes one: it gets no new requests from that
 moment, its in-flight requests finish. Used by the Kubernetes discovery sidecar and by drain hooks.
 Guarded: a bearer token (``RouterConfig.admin_token`` / $PDSERVE_ADMIN_TOKEN) or, when none is set, clients on
@@ -102,12 +102,6 @@ def add_routes(app: web.Application, router: "Router") -> None:
             cp.add(w)
         else:
             router.workers[url] = w
-        events = body.get("kv_events")
-        if events:
-            if not isinstance(events, str) or not events.startswith(("tcp://", "ipc://")):
-                raise bad_request("kv_events must be the worker's ZMQ endpoint, e.g. tcp://10.0.0.5:5557",
-                                  "kv_events")
-            router.subscribe(url, events)
         return web.json_response({"added": url, "roles": sorted(w.roles)}, status=201)
 
     async def remove_worker(request: web.Request) -> web.Response:
@@ -121,7 +115,7 @@ def add_routes(app: web.Application, router: "Router") -> None:
             cp.remove(url)
         else:
             router.workers.pop(url, None)
-        await router.unsubscribe(url)
+        router.forget_events(url)
         return web.json_response({"removed": url})
 
     app.router.add_get(PATH, list_workers)

@@ -127,7 +127,7 @@ class RouterMetrics:
         return "\n".join(lines) + "\n"
 
 
-def conductor_metrics_text(placement: "Any", subscribers: dict) -> str:
+def conductor_metrics_text(placement: "Any", event_batches: dict[str, int]) -> str:
     """Per-worker load gauges (the autoscaling signals) and the conductor's own counters, rendered fresh."""
     c = placement.conductor
     q = Gauge("pdserve_worker_queued_prefill_tokens", "Prompt tokens placed on the worker and not yet prefilled.",
@@ -153,8 +153,8 @@ def conductor_metrics_text(placement: "Any", subscribers: dict) -> str:
     for v in list(placement.decision_seconds):
         hist.observe(v)
     ev = Counter("pdserve_conductor_kv_event_batches_total", "KV event batches received per worker.", ("worker",))
-    for url, sub in subscribers.items():
-        ev.inc(url, amount=sub.batches)
+    for url, n in event_batches.items():
+        ev.inc(url, amount=n)
     lines: list[str] = []
     for m in (q, r, kv, blocks, dec, hist, ev):
         lines.extend(m.render())

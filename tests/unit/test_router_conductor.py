@@ -127,8 +127,8 @@ def test_prefix_routing_from_real_kv_events(model_dir, tokenizer):
     d = FakeWorker("D")
     port = free_port()
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub = ctx.socket(zmq.PUB)  # like vLLM's publisher: connects to the router's sink, topic = worker URL
+    pub.connect(f"tcp://127.0.0.1:{port}")
     prompt = " ".join(["a", "b", "c", "hello"] * 4)  # 16 tokens = 4 blocks of 4
 
     async def main():
@@ -137,11 +137,12 @@ def test_prefix_routing_from_real_kv_events(model_dir, tokenizer):
         ids = tokenizer.encode(prompt, True)
         assert len(ids) == 16
         async with Env(model_dir, tokenizer, ps, [d], policy="conductor", calibrate=False, block_size=4,
-                       local_prefill_tokens=0, kv_events=((ps[1].url, f"tcp://127.0.0.1:{port}"),)) as env:
+                       local_prefill_tokens=0, kv_events_bind=f"tcp://127.0.0.1:{port}") as env:
+            topic = ps[1].url.encode()
             event = {"type": "BlockStored", "block_hashes": [b"v0", b"v1", b"v2"], "parent_block_hash": None,
                      "token_ids": ids[:12], "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
             for seq in range(200):  # ZMQ's slow joiner: publish until the router's subscriber has it
-                pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([0.0, [event], None])])
+                pub.send_multipart([topic, seq.to_bytes(8, "big"), msgpack.packb([0.0, [event], None])])
                 _, body = await _get(env)
                 if body["indexed_blocks"] >= 3:
                     break
@@ -154,7 +155,7 @@ def test_prefix_routing_from_real_kv_events(model_dir, tokenizer):
             _, metrics = await env.get("/metrics")
             assert f'pdserve_conductor_indexed_blocks{{holder="{ps[1].url}"}} 3' in metrics
             # worker restarted: AllBlocksCleared empties its entries
-            pub.send_multipart([b"", (999).to_bytes(8, "big"), msgpack.packb([0.0, [{"type": "AllBlocksCleared"}]])])
+            pub.send_multipart([topic, (999).to_bytes(8, "big"), msgpack.packb([0.0, [{"type": "AllBlocksCleared"}]])])
             for _ in range(100):
                 _, body = await _get(env)
                 if body["indexed_blocks"] == 0:
