@@ -198,7 +198,9 @@ def busy_counts(text: str) -> tuple[dict[str, float], bool]:
     if missing:
         raise ValueError(f"metrics lack {missing}: is this a vLLM server's /metrics?")
     busy = {m: sums[m] for m in BUSY_METRICS}
-    kv = {m: v for m, v in sums.items() if m.startswith(KV_GAUGE_PREFIX) and types.get(m) == "gauge"}
+    # prometheus_client also exports "<counter>_created" timestamps typed as gauges: those are not held KV
+    kv = {m: v for m, v in sums.items()
+          if m.startswith(KV_GAUGE_PREFIX) and types.get(m) == "gauge" and not m.endswith("_created")}
     busy.update(kv)
     return busy, bool(kv)
 

@@ -25,6 +25,9 @@ vllm:num_requests_running{engine="0",model_name="m"} %(running)s
 vllm:num_requests_waiting{engine="0",model_name="m"} %(waiting)s
 # TYPE vllm:pdserve_kv_reads_total counter
 vllm:pdserve_kv_reads_total{engine="0",model_name="m"} 12.0
+# HELP vllm:pdserve_kv_reads_created KV reads completed by this decode worker
+# TYPE vllm:pdserve_kv_reads_created gauge
+vllm:pdserve_kv_reads_created{engine="0",model_name="m"} 1.7959861089365299e+09
 %(extra)s"""
 
 
@@ -210,7 +213,8 @@ def test_parse_prometheus_and_busy_counts():
     sums, types = parse_prometheus(VLLM_METRICS % {"running": 2.0, "waiting": 1.0, "extra": ""})
     assert sums["vllm:num_requests_running"] == 2 and types["vllm:num_requests_waiting"] == "gauge"
     busy, has_kv = busy_counts(VLLM_METRICS % {"running": 0.0, "waiting": 0.0, "extra": ""})
-    assert busy == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0} and not has_kv  # counters ignored
+    # counters, and the "_created" timestamps prometheus_client types as gauges, are not held KV
+    assert busy == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0} and not has_kv
     with pytest.raises(ValueError, match="vLLM"):
         busy_counts("up 1\n")
 
