@@ -16,8 +16,7 @@ router's membership API (``GET/POST/DELETE /v1/pdserve/workers``):
   stops resolving, so a draining worker is not resurrected from a stale DNS answer.
 
 Members of other roles (``colocated``) are left alone. The chart runs this as a sidecar of each router pod.
-With ``--kv-events-port`` each worker is added with its ZMQ KV-event endpoint (``tcp://ADDRESS:PORT``) so the
-router's conductor indexes its prefix cache. The router's admin token is read from $PDSERVE_ADMIN_TOKEN.
+The router's admin token is read from $PDSERVE_ADMIN_TOKEN.
 """
 
 from __future__ import annotations
@@ -103,11 +102,8 @@ class DiscoveryConfig:
     absent_rounds: int = 2
     tombstone_s: float = 300.0
     timeout_s: float = 3.0
-    kv_events_port: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kv_events_port, int) or not 0 <= self.kv_events_port < 65536:
-            raise DiscoveryConfigError(f"--kv-events-port {self.kv_events_port}: a port, or 0 for none")
         parts = urlsplit(self.router)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
             raise DiscoveryConfigError(f"--router {self.router!r}: give the router's base URL like "
@@ -161,7 +157,7 @@ def resolve_addresses(host: str, port: int) -> set[str] | None:
 
 class RouterApi(Protocol):
     def list_workers(self) -> dict[str, set[str]]: ...
-    def add_worker(self, url: str, role: str, kv_events: str = "") -> None: ...
+    def add_worker(self, url: str, role: str) -> None: ...
     def remove_worker(self, url: str) -> None: ...
 
 
@@ -216,11 +212,8 @@ class HttpRouterApi:
     def list_workers(self) -> dict[str, set[str]]:
         return parse_members(self._call("GET"))
 
-    def add_worker(self, url: str, role: str, kv_events: str = "") -> None:
-        body = {"url": url, "role": role}
-        if kv_events:
-            body["kv_events"] = kv_events
-        self._call("POST", body, ok_extra=(409,))
+    def add_worker(self, url: str, role: str) -> None:
+        self._call("POST", {"url": url, "role": role}, ok_extra=(409,))
 
     def remove_worker(self, url: str) -> None:
         self._call("DELETE", {"url": url}, ok_extra=(404,))
@@ -300,10 +293,8 @@ class Reconciler:
             for url in sorted(urls):
                 if role in managed.get(url, ()) or url in self._tombstones:
                     continue
-                port = self.config.kv_events_port
-                events = worker_url(urlsplit(url).hostname or "", port, "tcp") if port else ""
                 try:
-                    self.api.add_worker(url, role, events)
+                    self.api.add_worker(url, role)
                 except RouterApiError as exc:
                     log.warning("adding %s %s failed: %s", role, url, exc)
                     continue
@@ -363,9 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tombstone", type=float, default=300.0,
                    help="seconds a worker removed by its own drain is not re-added (default 300)")
     p.add_argument("--timeout", type=float, default=3.0, help="HTTP/DNS timeout per call (default 3)")
-    p.add_argument("--kv-events-port", type=int, default=0,
-                   help="workers publish vLLM KV events (ZMQ) on this port: register tcp://ADDRESS:PORT with "
-                        "each (router --policy conductor); 0: none")
     p.add_argument("--once", action="store_true", help="reconcile once, print what changed as JSON, exit")
     p.add_argument("--log-level", default="info")
     return p
@@ -379,8 +367,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[DiscoveryConfig, ar
     if a.decode_dns:
         pools.append(PoolTarget.parse("decode", a.decode_dns))
     cfg = DiscoveryConfig(router=a.router, pools=tuple(pools), interval_s=a.interval,
-                          absent_rounds=a.absent_rounds, tombstone_s=a.tombstone, timeout_s=a.timeout,
-                          kv_events_port=a.kv_events_port)
+                          absent_rounds=a.absent_rounds, tombstone_s=a.tombstone, timeout_s=a.timeout)
     return cfg, a
 
 

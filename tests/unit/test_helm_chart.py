@@ -52,7 +52,7 @@ SCENARIOS = {
                                 "store.nodes.ssd.storageClass=local-nvme", "metrics.serviceMonitor.enabled=true",
                                 "model.source=hostPath", "model.hostPath=/mnt/models",
                                 "model.name=/models/qwen", "prefill.hugepages2Mi=1Gi")),
-    "conductor-no-discovery": ((), ("router.policy=conductor", "router.discovery.enabled=false")),
+    "conductor-no-discovery": ((), ("router.policy=conductor", "router.replicas=1", "router.discovery.enabled=false")),
     "keda-nixl-efa": ((), ("autoscaling.enabled=true", "autoscaling.provider=keda", "transfer.backend=nixl",
                            "efa.enabled=true", "model.source=pvc", "model.pvcName=models",
                            "model.name=/models/qwen")),
@@ -251,25 +251,33 @@ def test_kv_transfer_config_is_accepted_by_the_connector(scenario):
 
 
 def test_conductor_policy_wires_kv_events_from_workers_to_the_router():
-    from pdserve.discovery import config_from_args
+    from pdserve.router.__main__ import build_parser as router_parser
 
+    sc = "conductor-no-discovery"
+    router = objs(sc, "Deployment")[f"{FULL}-router"]
+    a = router_parser().parse_args(container(router, "router")["args"])
+    assert a.policy == "conductor" and a.kv_events_bind == "tcp://*:5557"
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container(router, "router")["ports"]
+    sink = objs(sc, "Service")[f"{FULL}-router-events"]["spec"]
+    assert sink["ports"][0]["port"] == 5557 and selects(sink["selector"], pod_labels(router))
     for role in ("prefill", "decode"):
-        dep = objs("conductor-no-discovery", "Deployment")[f"{FULL}-{role}"]
-        c = container(dep, "vllm")
+        c = container(objs(sc, "Deployment")[f"{FULL}-{role}"], "vllm")
         ev = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
-        # vLLM binds a wildcard endpoint (and connects to any other): the router's SUB socket dials the pod
-        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
-        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in c["ports"]
+        # vLLM connects to a named host (it binds only "*"); the topic is the worker's URL as the router knows it
+        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"tcp://{FULL}-router-events.{NAMESPACE}.svc:5557", "topic": "http://$(POD_IP):8000"}
         assert "--kv-events-config" not in container(objs("default", "Deployment")[f"{FULL}-{role}"], "vllm")["args"]
-    ports = objs("conductor-no-discovery", "NetworkPolicy")[f"{FULL}-workers"]["spec"]["ingress"][0]["ports"]
-    assert {"port": "kv-events", "protocol": "TCP"} in ports
+    # the sink port is open to the release's pods only
+    rules = objs(sc, "NetworkPolicy")[f"{FULL}-router"]["spec"]["ingress"]
+    assert rules[1] == {"ports": [{"port": "kv-events", "protocol": "TCP"}],
+                        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
+                                                                   "app.kubernetes.io/name": "pdserve"}}}]}
+    assert f"{FULL}-router-events" not in objs("default", "Service")
+    # one sink per router: the conductor with several routers is refused
     out = helm_template(sets=("router.policy=conductor",))
-    router = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
-                  and d["metadata"]["name"] == f"{FULL}-router")
-    cfg, _ = config_from_args(container(router, "discovery")["args"])
-    assert cfg.kv_events_port == 5557
-    cfg, _ = config_from_args(container(objs("default", "Deployment")[f"{FULL}-router"], "discovery")["args"])
-    assert cfg.kv_events_port == 0
+    assert out.returncode != 0 and "use router.replicas=1 with the conductor" in out.stderr
+    # a single router gets no PDB (it would block node drains)
+    assert f"{FULL}-router" not in objs(sc, "PodDisruptionBudget")
 
 
 def test_tensor_parallel_above_one_is_refused():

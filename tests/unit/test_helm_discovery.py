@@ -39,8 +39,8 @@ class FakeRouter:
             raise RouterApiError("connection refused")
         return {u: set(r) for u, r in self.members.items()}
 
-    def add_worker(self, url: str, role: str, kv_events: str = "") -> None:
-        self.calls.append(("add", url, role, kv_events))
+    def add_worker(self, url: str, role: str) -> None:
+        self.calls.append(("add", url, role))
         self.members.setdefault(url, set()).add(role)
 
     def remove_worker(self, url: str) -> None:
@@ -172,16 +172,6 @@ def test_router_restart_re_adds_everything_instead_of_tombstoning():
     res = rec.step()
     assert res.tombstoned == []
     assert sorted(res.added) == [(u("10.0.0.1"), "prefill"), (u("10.0.1.1"), "decode")]
-
-
-def test_kv_event_endpoints_are_registered_with_each_worker():
-    router = FakeRouter()
-    dns = FakeDns()
-    dns.answers = {P.host: {"10.0.0.1"}, D.host: {"fd00::7"}}
-    rec, _ = make(router, dns, kv_events_port=5557)
-    rec.step()
-    assert sorted(router.calls) == [("add", "http://10.0.0.1:8000", "prefill", "tcp://10.0.0.1:5557"),
-                                    ("add", "http://[fd00::7]:8000", "decode", "tcp://[fd00::7]:5557")]
 
 
 def test_router_down_is_reported_and_nothing_else_happens():

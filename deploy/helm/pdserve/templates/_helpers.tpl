@@ -57,6 +57,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-router-peers.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{- define "pdserve.routerEventsHost" -}}
+{{- printf "%s-router-events.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
 {{- define "pdserve.storeMaster" -}}
 {{- printf "%s-store-master.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.store.master.port) -}}
 {{- end -}}
@@ -117,6 +121,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{- define "pdserve.checkValues" -}}
+{{- if and (eq .Values.router.policy "conductor") (gt (int .Values.router.replicas) 1) -}}
+{{- fail (printf "router.policy=conductor with router.replicas=%v: each worker's vLLM publishes its KV events to one sink, so only one router would see them; use router.replicas=1 with the conductor (or least_loaded with several routers)" .Values.router.replicas) -}}
+{{- end -}}
 {{- if not (has .Values.router.policy (list "round_robin" "least_loaded" "conductor")) -}}
 {{- fail (printf "router.policy=%q: choose round_robin, least_loaded or conductor" .Values.router.policy) -}}
 {{- end -}}
