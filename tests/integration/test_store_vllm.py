@@ -12,10 +12,12 @@ the tokens really came from the pool's bytes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,13 @@ def _wait_metric(server: Server, name: str, at_least: float, timeout: float = 20
     return value
 
 
+def _by_source(server: Server, source: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    pat = rf'^vllm:prompt_tokens_by_source_total{{[^}}]*source="{source}"[^}}]*}} ([0-9.e+-]+)$'
+    return sum(float(v) for v in re.findall(pat, text, re.M))
+
+
 def test_prefix_loaded_from_pool_after_restart_equals_computed(model_dir, pool, tmp_path) -> None:
     port, client = pool
     extra = {"secret": SECRET, "pool_master": f"127.0.0.1:{port}"}
@@ -110,6 +119,8 @@ def test_prefix_loaded_from_pool_after_restart_equals_computed(model_dir, pool, 
         loaded = _tokens(second.complete(prompt, GEN))
         assert _wait_metric(second, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
         assert second.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
+        assert _by_source(second, "external_kv_transfer") == 7 * BLOCK  # vLLM's own count: loaded, not computed
+        assert _by_source(second, "local_compute") == 1000 - 7 * BLOCK
         assert loaded == computed
 
         # negative control: same keys, random bytes -> a request that misses the local cache loads garbage
