@@ -9,19 +9,25 @@ seeded) block hashes. Keys are plain Python ints in [0, 2**64): msgpack carries 
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from typing import Sequence
-
-import numpy as np
 
 SEED = b"pdserve-kv-block-v1"
 ROOT_KEY = 0  # the "previous key" of the first block
 
 
+def _le_int64(tokens: Sequence[int]) -> bytes:
+    a = array("q", tokens)  # array() from a list is ~2x faster than numpy here (router hot path)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
 def block_key(parent: int, tokens: Sequence[int]) -> int:
     """Key of one full block whose predecessor's key is ``parent`` (ROOT_KEY for the first block)."""
-    h = hashlib.blake2b(digest_size=8, key=SEED)
-    h.update(parent.to_bytes(8, "little"))
-    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8, key=SEED)
+    h.update(_le_int64(tokens))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -29,12 +35,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_K
     """Keys of every full block of ``token_ids``, chained from ``parent``."""
     if block_size <= 0:
         raise ValueError(f"block_size={block_size}: must be a positive number of tokens")
-    arr = np.asarray(token_ids, dtype="<i8")
+    n = len(token_ids) // block_size
+    buf = _le_int64(token_ids[:n * block_size])
+    step = block_size * 8
     keys: list[int] = []
-    for start in range(0, len(arr) - block_size + 1, block_size):
-        h = hashlib.blake2b(digest_size=8, key=SEED)
-        h.update(parent.to_bytes(8, "little"))
-        h.update(arr[start:start + block_size].tobytes())
+    for start in range(0, n * step, step):
+        h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8, key=SEED)
+        h.update(buf[start:start + step])
         parent = int.from_bytes(h.digest(), "little")
         keys.append(parent)
     return keys
