@@ -235,10 +235,12 @@ class Catalog:
             obj.readers = 0
         return obj.readers > 0
 
-    def get_start(self, keys: Sequence[int]) -> list[dict]:
+    def get_start(self, keys: Sequence[int], nospace: bool = False) -> list[dict]:
         """Per key: ``{"s": "mem", "r": [[node, offset], ...], "size": n}`` (leased), ``{"s": "promote",
         "node", "offset", "size"}`` (caller copies file -> arena, then :meth:`finish_promote`), ``{"s":
-        "wait"}`` (someone else is promoting it) or ``{"s": "miss"}``."""
+        "wait"}`` (someone else is promoting it) or ``{"s": "miss"}``. With ``nospace``, an SSD-only object
+        whose node has no arena room answers ``{"s": "nospace", "node", "size"}`` (the caller makes room
+        with :meth:`make_room` and asks again) instead of a miss."""
         now = self.clock()
         out: list[dict] = []
         with self.lock:
@@ -267,7 +269,10 @@ class Catalog:
                     if offset is not None:
                         placed = (r.node, offset)
                         break
-                if placed is None:  # no arena room next to any SSD copy: a miss, eviction will make room
+                if placed is None and nospace:
+                    out.append({"s": "nospace", "node": obj.replicas[0].node, "size": obj.size})
+                    continue
+                if placed is None:  # no arena room next to any SSD copy: a miss
                     self.counters["misses"] += 1
                     self.counters["promote_failures"] += 1
                     out.append({"s": "miss"})
@@ -421,11 +426,22 @@ class Catalog:
                 self._evict_ssd(node, now)
         return spills
 
-    def _evict_mem(self, node: Node, now: float) -> list[Spill]:
+    def make_room(self, node_id: str, nbytes: int) -> list[Spill]:
+        """Evict least recently used unleased objects from the node's arena until ``nbytes`` more fit (or at
+        least down to the low watermark); returns the spills to carry out, as :meth:`plan_evictions`."""
+        with self.lock:
+            node = self.nodes.get(node_id)
+            if node is None:
+                return []
+            cap = node.mem.capacity
+            return self._evict_mem(node, self.clock(), min(self.low * cap, cap - nbytes))
+
+    def _evict_mem(self, node: Node, now: float, target: float | None = None) -> list[Spill]:
         cap = node.mem.capacity
-        if node.mem.used <= self.high * cap:
-            return []
-        target = self.low * cap
+        if target is None:
+            if node.mem.used <= self.high * cap:
+                return []
+            target = self.low * cap
         planned = 0
         spills: list[Spill] = []
         for key in list(self.lru):

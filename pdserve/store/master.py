@@ -97,8 +97,10 @@ class Master:
             raise StoreError("bad_request", "sizes must be one positive byte count per key")
         res = self.catalog.put_start(keys, sizes, a.get("replicas"))
         full = [i for i, r in enumerate(res) if r["s"] == "full"]
-        if full:  # make room now (the maintenance pass may not have run yet), then try those keys once more
-            self._run_spills(self.catalog.plan_evictions())
+        if full:  # make room now (least recently used objects leave), then try those keys once more
+            need = sum(sizes[i] for i in full)
+            for node_id in list(self.catalog.nodes):
+                self._run_spills(self.catalog.make_room(node_id, need))
             for i, r in zip(full, self.catalog.put_start([keys[i] for i in full], [sizes[i] for i in full],
                                                          a.get("replicas"))):
                 res[i] = r
@@ -112,13 +114,17 @@ class Master:
         keys = _keys(a)
         out: list[dict | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        for _ in range(3):
+        for round_ in range(3):
             if not todo:
                 break
-            res = self.catalog.get_start([keys[i] for i in todo])
+            res = self.catalog.get_start([keys[i] for i in todo], nospace=round_ < 2)
             promote: dict[str, list[int]] = defaultdict(list)
             waiting: list[int] = []
+            room: dict[str, int] = defaultdict(int)
             for i, r in zip(todo, res):
+                if r["s"] == "nospace":  # an SSD object to promote, but its node's arena is full
+                    room[r["node"]] += r["size"]
+                    waiting.append(i)
                 if r["s"] == "mem":
                     out[i] = {"r": r["r"], "size": r["size"]}
                 elif r["s"] == "promote":
@@ -128,6 +134,8 @@ class Master:
                     waiting.append(i)
             for node_id, idx in promote.items():
                 self._promote(node_id, [keys[i] for i in idx], [out[i] for i in idx], out, idx)
+            for node_id, nbytes in room.items():
+                self._run_spills(self.catalog.make_room(node_id, nbytes))
             if waiting:
                 self.catalog.wait_promotions([keys[i] for i in waiting], self.config.lease_s)
             todo = waiting

@@ -153,3 +153,18 @@ def test_newer_spills_displace_older_ssd_objects() -> None:
     on_ssd = sorted(k for k, o in cat.objects.items() if o.on("a", SSD))
     assert on_ssd and min(on_ssd) > 10, f"the oldest round should have left the SSD tier: {on_ssd}"
     assert cat.counters["ssd_drops"] > 0
+
+
+def test_promotion_into_a_full_arena_makes_room_instead_of_missing() -> None:
+    cat, _ = make((("a", 1000, 1000),), high_watermark=0.95, low_watermark=0.9)
+    put(cat, *range(1, 10))  # 90%: no eviction pass would run
+    spills = cat.make_room("a", 6400 * 3)
+    for s in spills:
+        cat.finish_spill(s, ok=True)
+    assert [s.key for s in spills] == [1, 2] and cat.nodes["a"].mem.free_bytes == 6400 * 3  # 1 free + 2 spilled
+    put(cat, 10, 11, 12)  # the arena is full again; 1 and 2 are only on SSD
+    assert cat.get_start([1], nospace=True)[0] == {"s": "nospace", "node": "a", "size": 6400}
+    assert cat.counters["misses"] == 0
+    for s in cat.make_room("a", 6400):
+        cat.finish_spill(s, ok=True)
+    assert cat.get_start([1], nospace=True)[0]["s"] == "promote"
