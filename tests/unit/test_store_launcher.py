@@ -1,0 +1,45 @@
+"""`pdserve serve` plans a KV pool (master + one node) by default with the connector, and none without."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import ConfigError, LauncherConfig
+from pdserve.launcher import kv_transfer_config, make_plan, pool_commands
+from pdserve.store.cli import add_serve_flags
+
+
+def test_pool_planned_by_default_and_every_connector_points_at_it() -> None:
+    cfg = LauncherConfig(port=0, pool_mem="256MiB", pool_disk="1GiB")
+    plan = make_plan(cfg, Path("/tmp/model"))
+    assert plan.pool_port and plan.pool_port not in {w.port for w in plan.workers}
+    for w in plan.workers:
+        extra = kv_transfer_config(w)["kv_connector_extra_config"]
+        assert extra["pool_master"] == f"127.0.0.1:{plan.pool_port}"
+    (m_name, master), (n_name, node) = pool_commands(plan, "/data/ssd", cfg)
+    assert (m_name, n_name) == ("pool-master", "pool-node")
+    assert master[master.index("--port") + 1] == str(plan.pool_port)
+    assert node[node.index("--mem") + 1] == "256MiB" and node[node.index("--disk-dir") + 1] == "/data/ssd"
+
+
+def test_pool_off_and_colocated_default() -> None:
+    plan = make_plan(LauncherConfig(port=0, pool=False), Path("/tmp/model"))
+    assert plan.pool_port == 0 and pool_commands(plan, "x") == []
+    assert all("pool_master" not in w.connector_extra for w in plan.workers)
+    assert LauncherConfig(colocated=1).pool is False
+    assert LauncherConfig(colocated=1, connector=True).pool is True
+    with pytest.raises(ConfigError, match="needs the connector"):
+        LauncherConfig(colocated=1, pool=True)
+    with pytest.raises(ConfigError, match="pool_disk"):
+        LauncherConfig(pool_disk="lots")
+
+
+def test_serve_flags_map_onto_launcher_fields() -> None:
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    args = vars(p.parse_args(["--no-pool", "--pool-mem", "2GiB"]))
+    assert args == {"pool": False, "pool_mem": "2GiB"}
+    assert LauncherConfig.from_mapping(args).pool is False
