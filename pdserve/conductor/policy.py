@@ -244,9 +244,9 @@ class Conductor:
         best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
         at = now + best.ttft_s
         fitting = [d for d in decode if self._fits(d, req, now)]
-        pool = fitting or decode
-        d = min(pool, key=lambda w: (self._tpot(w, now, at, req), w.worker_id))
-        tpot = self._tpot(d, now, at, req)
+        tpots = {w.worker_id: self._tpot(w, now, at, req) for w in (fitting or decode)}
+        d = self.workers[min(tpots, key=lambda wid: (tpots[wid], wid))]
+        tpot = tpots[d.worker_id]
         disagg = Decision("disaggregated", req.request_id, best.worker.worker_id, d.worker_id, ttft_s=best.ttft_s,
                           tpot_s=tpot, cached_tokens=best.cached, fetch_tokens=best.fetched,
                           reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
