@@ -71,7 +71,8 @@ def fit(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[int, int, f
     df = WindowFit((0.0, 0.0, 0.0), window=max(8, len(decode)), min_obs=2)
     for b, ctx, s in decode:
         df.add(decode_features(b, ctx), s)
-    return Calibration([float(c) for c in pf.coefficients()], [float(c) for c in df.coefficients()],
+    return Calibration([float(c) for c in pf.coefficients(force=True)],
+                       [float(c) for c in df.coefficients(force=True)],
                        kv_bytes_per_token, bandwidth_bytes_s, handoff_s=handoff_s,
                        samples={"prefill": [list(map(float, p)) for p in prefill],
                                 "decode": [list(map(float, d)) for d in decode]})
@@ -89,10 +90,15 @@ async def _model_name(session: Any, url: str) -> str | None:
 async def measure(url: str, prompt_lengths: Sequence[int] = (64, 256, 512, 1024, 1536),
                   decode_shapes: Sequence[tuple[int, int]] = ((1, 64), (2, 64), (4, 64), (8, 64), (1, 1024), (4, 1024)),
                   decode_tokens: int = 48,
-                  repeats: int = 2, vocab: tuple[int, int] = (1000, 20000), seed: int = 0
+                  repeats: int = 2, vocab: tuple[int, int] = (1000, 20000), seed: int = 0,
+                  prefill_parallel: int = 1, background_streams: int = 0
                   ) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
     """(prefill samples, decode samples) from a live server. Prompts are random token ids (no cache hits).
-    decode_shapes: (batch, prompt tokens) pairs; two prompt lengths separate the per-sequence and per-token terms."""
+
+    decode_shapes: (batch, prompt tokens) pairs; two prompt lengths separate the per-sequence and per-token terms.
+    prefill_parallel: probes sent at once (one per prefill worker behind a round-robin router: every engine
+    busy, as under load); background_streams: long decodes kept running meanwhile (keeps PD decode workers and
+    the processes streaming their tokens busy, as under load)."""
     import aiohttp
 
     from pdserve.bench.client import stream_completion
@@ -104,13 +110,26 @@ async def measure(url: str, prompt_lengths: Sequence[int] = (64, 256, 512, 1024,
         name = await _model_name(session, url)
         base = {"model": name} if name else {}
         await stream_completion(session, url, dict(base, prompt=ids(16), max_tokens=2))  # warm-up
+        stop = asyncio.Event()
+
+        async def background() -> None:
+            while not stop.is_set():
+                await stream_completion(session, url, dict(base, prompt=ids(32), max_tokens=128, ignore_eos=True))
+
+        loops = [asyncio.create_task(background()) for _ in range(background_streams)]
+        if loops:
+            await asyncio.sleep(1.0)
         prefill = []
         for _ in range(repeats):
             for n in prompt_lengths:
-                rec = await stream_completion(session, url, dict(base, prompt=ids(n), max_tokens=1))
-                if not rec.ok:
-                    raise RuntimeError(f"calibration request failed: {rec.error}")
-                prefill.append((n, rec.ttft_s))
+                recs = await asyncio.gather(*(stream_completion(session, url, dict(base, prompt=ids(n), max_tokens=1))
+                                              for _ in range(prefill_parallel)))
+                for rec in recs:
+                    if not rec.ok:
+                        raise RuntimeError(f"calibration request failed: {rec.error}")
+                    prefill.append((n, rec.ttft_s))
+        stop.set()
+        await asyncio.gather(*loops)
         decode = []
         for b, decode_prompt in decode_shapes:
             payloads = [dict(base, prompt=ids(decode_prompt), max_tokens=decode_tokens, ignore_eos=True)
