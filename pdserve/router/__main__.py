@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, default=128, help="workers' KV block size in tokens (default 128)")
     c.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip the start-up timing of each worker (the cost model then starts from defaults)")
+    c.add_argument("--pool-master", default="", metavar="HOST:PORT",
+                   help="KV pool master: pooled prefixes count as loadable (secret in $PDSERVE_TRANSFER_SECRET)")
     c.add_argument("--load-interval-s", type=float, default=1.0, help="period of worker /metrics reads")
     return p
 
@@ -64,7 +66,9 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         ttft_slo_ms=a.ttft_slo_ms, tpot_slo_ms=a.tpot_slo_ms,
                         local_prefill_tokens=a.local_prefill_tokens, block_size=a.block_size,
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,
-                        admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint)
+                        admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint,
+                        pool_master=a.pool_master,
+                        pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from .kv_events import KVEventSink
 from .load_probe import read_worker_load
 from .membership import add_routes as add_membership_routes
 from .metrics import conductor_metrics_text
+from .pool_index import PoolIndexFollower
 from .placement import ConductorPlacement, Placement, make_placement
 from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
     parse_json, sse
@@ -61,6 +62,7 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self.events: KVEventSink | None = None
+        self.pool: PoolIndexFollower | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
 
@@ -84,6 +86,8 @@ class Router:
             if self.config.kv_events_bind:
                 self.events = KVEventSink(self.config.kv_events_bind, cp.conductor, self.config.block_size)
                 log.info("KV event sink on %s", self.events.endpoint)
+            if self.config.pool_master and self.config.policy == "conductor":
+                self.pool = PoolIndexFollower(self.config.pool_master, self.config.pool_secret, cp.conductor)
             self._tasks.append(asyncio.create_task(self._load_loop(cp)))
             if self.config.calibrate and self.config.policy == "conductor":
                 self._tasks.append(asyncio.create_task(self._calibrate(cp)))
@@ -99,6 +103,8 @@ class Router:
                 pass
         if self.events is not None:
             await self.events.close()
+        if self.pool is not None:
+            await self.pool.close()
         if self.session is not None:
             await self.session.close()
 

@@ -110,6 +110,8 @@ class RouterConfig:
     load_interval_s: float = 1.0
     admin_token: str = ""
     mode_hint: str = ""  # "colocated" | "disaggregated": lets a router start with no workers (they join later)
+    pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
+    pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -170,6 +172,12 @@ class RouterConfig:
             raise RouterConfigError("--local-prefill-tokens must be >= 0 (omit it to let the conductor learn it)")
         if self.block_size < 1:
             raise RouterConfigError(f"--block-size {self.block_size}: the workers' KV block size (vLLM CPU: 128)")
+        if self.pool_master:
+            host, _, port = self.pool_master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise RouterConfigError(f"--pool-master {self.pool_master!r}: give HOST:PORT of the KV pool master")
+            if not self.pool_secret:
+                raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
         if not self.load_interval_s > 0:
             raise RouterConfigError(f"--load-interval-s {self.load_interval_s}: must be > 0 seconds")
         if self.health_interval_s < 0:
