@@ -202,7 +202,7 @@ def main() -> int:
     prompts = build_prompts(rows, args.input_scale, args.max_input, vocab)
     ratio = reuse_ratio(prompts)
     max_len = args.max_input + args.max_tokens + 16
-    print(f"{len(prompts)} requests from trace rows {args.start}..{args.start + len(prompts) - 1}, "
+    print(f"{len(prompts)} requests chosen from trace rows >= {args.start} (see select_rows), "
           f"{sum(map(len, prompts))} prompt tokens, prefix reuse {ratio:.1%} (whole trace: 37%)", file=sys.stderr)
     res = {name: run_config(pool, model, prompts, args.max_tokens, max_len)
            for name, pool in (("no_pool", False), ("pool", True))}
