@@ -59,7 +59,8 @@ def main() -> int:
     spec = (f"trace:input_scale={args.input_scale},output_scale=0.05,max_output=16,requests={args.requests},"
             f"rate={args.rate}")
     trace = work / "trace.jsonl"
-    bench_cli.main(["trace", "--workload", spec, "--max-model-len", "2048", "--export", str(trace)])
+    if bench_cli.main(["trace", "--workload", spec, "--max-model-len", "2048", "--export", str(trace)]):
+        return 2
     block = max(1, round(512 * args.input_scale))
     settings = CompareSettings(model=model, dtype="float32" if not args.model else None, max_model_len=2048,
                                run_dir=str(work / "run"))
@@ -81,8 +82,10 @@ def main() -> int:
         out["aiperf_ttft_p50_ms"] = aiperf_metric(work / "aiperf", "time_to_first_token")
         out["aiperf_itl_p50_ms"] = aiperf_metric(work / "aiperf", "inter_token_latency")
         out["aiperf_requests"] = aiperf_metric(work / "aiperf", "request_count")
-        bench_cli.main(["run", "--url", c.router_url, "--vocab-size", "49152", "--no-progress", "--workload",
-                        spec.replace("trace:", f"trace:seed=1,name=pdserve,"), "--out", str(work / "pdserve")])
+        rc = bench_cli.main(["run", "--url", c.router_url, "--vocab-size", "49152", "--no-progress", "--workload",
+                             spec.replace("trace:", "trace:seed=1,name=pdserve,"), "--out", str(work / "pdserve")])
+        if rc:
+            return rc
         rows = json.loads((work / "pdserve" / "results.json").read_text())["workloads"]["pdserve"]
         out["pdserve_ttft_p50_ms"] = rows["ttft_p50_ms"]
         out["pdserve_itl_p50_ms"] = rows["itl_p50_ms"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -29,7 +30,9 @@ from typing import Iterable, Sequence
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+# $PDSERVE_TRACE, else the shared folder next to the checkout (../shared/traces/conversation_trace.jsonl)
+DEFAULT_TRACE = Path(os.environ.get("PDSERVE_TRACE") or
+                     Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl")
 # Token ids are drawn from [TOKEN_LOW, vocab_size): clear of the special tokens every Llama/Qwen/SmolLM2
 # tokenizer keeps at low ids.
 TOKEN_LOW = 1000
@@ -61,6 +64,7 @@ class TraceScale:
     max_output: int | None = None
     max_model_len: int | None = None
     min_output: int = 1
+    spread: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input_scale", "output_scale", "time_scale"):
@@ -147,8 +151,9 @@ def scale_rows(rows: Sequence[TraceRow], scale: TraceScale) -> list[ScaledReques
     """Apply ``scale`` to rows (in file order; arrivals start at 0)."""
     if not rows:
         return []
-    t0 = rows[0].timestamp_ms
-    span_s = (rows[-1].timestamp_ms - t0) / 1000.0
+    stamps = spread_timestamps([r.timestamp_ms for r in rows]) if scale.spread else [r.timestamp_ms for r in rows]
+    t0 = stamps[0]
+    span_s = (stamps[-1] - t0) / 1000.0
     time_factor = scale.time_scale
     if scale.rate is not None:
         if span_s <= 0:
@@ -159,7 +164,7 @@ def scale_rows(rows: Sequence[TraceRow], scale: TraceScale) -> list[ScaledReques
             time_factor = (len(rows) - 1) / scale.rate / span_s
     out: list[ScaledRequest] = []
     for i, r in enumerate(rows):
-        arrival = (r.timestamp_ms - t0) / 1000.0 * time_factor
+        arrival = (stamps[i] - t0) / 1000.0 * time_factor
         if scale.rate is not None and span_s <= 0:
             arrival = i / scale.rate
         output = max(scale.min_output, round(r.output_length * scale.output_scale))
@@ -173,6 +178,31 @@ def scale_rows(rows: Sequence[TraceRow], scale: TraceScale) -> list[ScaledReques
                 output = scale.max_model_len - 1
             inp = min(inp, scale.max_model_len - output)
         out.append(ScaledRequest(i, arrival, inp, output, r.hash_ids))
+    return out
+
+
+def spread_timestamps(stamps: Sequence[float]) -> list[float]:
+    """Rows that share a timestamp, spread evenly until the next distinct one.
+
+    Mooncake's published traces are quantized (the conversation trace to 3 s: ~10 rows per stamp); replayed
+    as is, every stamp is a burst. With ``spread`` each group of k rows at t (next stamp t2) arrives at
+    t + i * (t2 - t) / k; the last group uses the median gap between stamps. Order and span are kept."""
+    if not stamps:
+        return []
+    distinct = sorted(set(stamps))
+    gaps = [b - a for a, b in zip(distinct, distinct[1:])]
+    last_gap = float(np.median(gaps)) if gaps else 0.0
+    nxt = {a: b for a, b in zip(distinct, distinct[1:])}
+    counts: dict[float, int] = {}
+    for t in stamps:
+        counts[t] = counts.get(t, 0) + 1
+    seen: dict[float, int] = {}
+    out = []
+    for t in stamps:
+        k = seen.get(t, 0)
+        seen[t] = k + 1
+        width = nxt.get(t, t + last_gap) - t
+        out.append(t + k * width / counts[t])
     return out
 
 

@@ -160,7 +160,8 @@ def agent_workload(sessions: int = 8, turns: int = 4, rate: float = 0.5, system:
 
 # --------------------------------------------------------------------------- spec strings
 
-_TRACE_SCALE_KEYS = {"input_scale", "output_scale", "time_scale", "rate", "max_input", "max_output", "min_output"}
+_TRACE_SCALE_KEYS = {"input_scale", "output_scale", "time_scale", "rate", "max_input", "max_output", "min_output",
+                     "spread"}
 _KINDS: dict[str, Callable[..., Workload]] = {"trace": trace_workload, "poisson": synthetic_workload,
                                               "fixed": synthetic_workload, "agent": agent_workload}
 
@@ -199,6 +200,8 @@ def build_workload(spec: str, vocab_size: int = 32000, max_model_len: int | None
     params["vocab_size"] = vocab_size
     if kind == "trace":
         scale_kw = {k: params.pop(k) for k in list(params) if k in _TRACE_SCALE_KEYS}
+        if "spread" in scale_kw:
+            scale_kw["spread"] = bool(scale_kw["spread"])
         scale = TraceScale(max_model_len=max_model_len, **scale_kw)
         wl = _call(trace_workload, kind, params, scale=scale)
     else:

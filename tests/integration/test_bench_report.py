@@ -79,3 +79,15 @@ def tmp_trace(tmp_path):
     p = tmp_path / "trace.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows))
     return p
+
+
+def test_cli_run_against_plain_vllm(cluster, tmp_path, capsys):
+    """Any OpenAI-compatible URL: the decode worker's own vLLM server, no router in front (it ignores
+    pdserve_timings, so the phase columns stay empty)."""
+    url = cluster.worker_urls("decode")[0]
+    rc = cli.main(["run", "--url", url, "--vocab-size", "49152", "--no-progress",
+                   "--workload", "fixed:rate=10,requests=3,input=32,output=5,name=v"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["workloads"]["v"]
+    assert row["requests"] == 3 and row["errors"] == 0 and row["tpot_p50_ms"] > 0
+    assert "prefill_p50_ms" not in row

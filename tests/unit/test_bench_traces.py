@@ -131,3 +131,13 @@ def test_spec_strings():
     with pytest.raises(TraceError, match="kind"):
         parse_spec("zipf:rate=1")
     assert build_workload("poisson:rate=1,requests=4", overrides={"rate": 8.0}).info["rate"] == 8.0
+
+
+def test_spread_dequantizes_bursts(trace):
+    from pdserve.bench.traces import spread_timestamps
+
+    assert spread_timestamps([0, 0, 0, 3000, 3000, 9000]) == [0, 1000, 2000, 3000, 6000, 9000]
+    # the last group spreads over the median gap between stamps (3000 and 6000 -> 4500)
+    assert spread_timestamps([0, 3000, 9000, 9000]) == [0, 3000, 9000, 11250]
+    reqs = scale_rows(load_trace(trace), TraceScale(spread=True))
+    assert [r.arrival_s for r in reqs] == [0.0, 2.0, 4.0, 8.0]  # distinct stamps: unchanged
