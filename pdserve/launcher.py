@@ -341,7 +341,10 @@ def make_plan(config: LauncherConfig, model_dir: Path) -> Plan:
         model_name=served_name(config, model_dir),
         workers=tuple(workers),
         router_port=port,
-        router_argv=tuple(router_command(config, workers, model_dir, port)),
+        router_argv=tuple(router_command(config, workers, model_dir, port)
+                          # the conductor follows the pool's event log: pooled prefixes count as loadable
+                          + (["--pool-master", f"127.0.0.1:{pool_port}"]
+                             if pool_port and config.policy == "conductor" else [])),
         pool_port=pool_port,
         pool_metrics_port=pool_metrics,
     )
@@ -466,7 +469,10 @@ class Cluster:
             # the router starts now (it loads its tokenizer while workers load the model); its /health
             # answers 200 only once every worker does
             log_path = self.run_dir / "router.log"
-            self.router = spawn("router", list(self.plan.router_argv), router_env(), log_path, reaper=self._reaper)
+            renv = router_env()
+            if "--pool-master" in self.plan.router_argv:  # only to authenticate to the pool master
+                renv[SECRET_ENV] = self.secret
+            self.router = spawn("router", list(self.plan.router_argv), renv, log_path, reaper=self._reaper)
             self.router.url = self.router_url
             self.log(f"started router (pid {self.router.pid}, {self.router_url}), log {log_path}")
             self._write_manifest()

@@ -43,3 +43,12 @@ def test_serve_flags_map_onto_launcher_fields() -> None:
     args = vars(p.parse_args(["--no-pool", "--pool-mem", "2GiB"]))
     assert args == {"pool": False, "pool_mem": "2GiB"}
     assert LauncherConfig.from_mapping(args).pool is False
+
+
+def test_conductor_router_follows_the_pool() -> None:
+    plan = make_plan(LauncherConfig(port=0, policy="conductor"), Path("/tmp/model"))
+    argv = list(plan.router_argv)
+    assert argv[argv.index("--pool-master") + 1] == f"127.0.0.1:{plan.pool_port}"
+    assert "--pool-master" not in make_plan(LauncherConfig(port=0), Path("/tmp/model")).router_argv
+    assert "--pool-master" not in make_plan(LauncherConfig(port=0, policy="conductor", pool=False),
+                                            Path("/tmp/model")).router_argv
