@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "this TTFT")
     s.add_argument("--tpot-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
                    "this TPOT")
+    from .store.cli import add_serve_flags
+
+    add_serve_flags(s, d)
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
     return parser
