@@ -307,6 +307,8 @@ class Plan:
     router_argv: tuple[str, ...]
     pool_port: int = 0  # KV pool master (0: no pool)
     pool_metrics_port: int = 0
+    pool_mem: str = "1GiB"
+    pool_disk: str = "0"
 
     def describe(self, secret_placeholder: str = "<generated per launch>") -> str:
         lines = []
@@ -347,6 +349,8 @@ def make_plan(config: LauncherConfig, model_dir: Path) -> Plan:
                              if pool_port and config.policy == "conductor" else [])),
         pool_port=pool_port,
         pool_metrics_port=pool_metrics,
+        pool_mem=config.pool_mem,
+        pool_disk=config.pool_disk,
     )
 
 
@@ -355,7 +359,7 @@ def pool_commands(plan: Plan, disk_dir: str, config: LauncherConfig | None = Non
     """argv of the KV pool master and node (``pdserve store ...``); empty without a pool."""
     if not plan.pool_port:
         return []
-    mem, disk = (config.pool_mem, config.pool_disk) if config else ("<pool_mem>", "<pool_disk>")
+    mem, disk = (config.pool_mem, config.pool_disk) if config else (plan.pool_mem, plan.pool_disk)
     master = [python, "-m", "pdserve.store.cli", "master", "--port", str(plan.pool_port),
               "--metrics-port", str(plan.pool_metrics_port)]
     node = [python, "-m", "pdserve.store.cli", "node", "--master", f"127.0.0.1:{plan.pool_port}", "--mem", mem,
