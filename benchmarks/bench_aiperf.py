@@ -38,6 +38,26 @@ def aiperf_metric(artifacts: Path, name: str) -> float | None:
     return m.get("p50") if isinstance(m, dict) else None
 
 
+def hf_cache_entry(model_dir: Path, root: Path, repo: str = "pdserve/tokenizer") -> str:
+    """Lay the model folder's tokenizer out as a Hugging Face cache entry under ``root`` (use as HF_HOME) and
+    return the repo id to pass as ``--tokenizer``: AIPerf 0.13 takes a local folder for a Hub repo id and fails
+    offline, but resolves a cached repo with HF_HUB_OFFLINE=1."""
+    import shutil
+
+    rev = "0" * 40
+    entry = root / "hub" / ("models--" + repo.replace("/", "--"))
+    snap = entry / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("config.json", "special_tokens_map.json",
+                                                                         "chat_template.jinja",
+                                                                         "generation_config.json")):
+            shutil.copy(f, snap / f.name)
+    (entry / "refs").mkdir(exist_ok=True)
+    (entry / "refs" / "main").write_text(rev)
+    return repo
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--aiperf", default="/tmp/pd/aiperf-venv/bin/aiperf")
@@ -69,11 +89,11 @@ def main() -> int:
         cmd = [args.aiperf, "profile", "--model", c.model_name, "--url", c.router_url, "--endpoint-type",
                "completions", "--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
                "--fixed-schedule", "--fixed-schedule-auto-offset", "--isl-block-size", str(block),
-               "--tokenizer", str(c.model_dir), "--extra-inputs", "ignore_eos:true", "--ui-type", "none",
+               "--tokenizer", hf_cache_entry(c.model_dir, work / "hf"), "--extra-inputs", "ignore_eos:true", "--ui-type", "none",
                "--artifact-dir", str(work / "aiperf")]
         print("$ " + " ".join(cmd), file=sys.stderr)
         t0 = time.monotonic()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HOME=str(work / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         out["aiperf_rc"] = proc.returncode
         out["aiperf_wall_s"] = round(time.monotonic() - t0, 1)
