@@ -137,13 +137,19 @@ def main() -> int:
         keep = {x.strip() for x in args.only.split(",")}
         configs = [c for c in configs if c[0] in keep]
     rows = []
+    pd_cal: Calibration | None = None
     for name, launch_kw, sim_cluster, policy, rate_factor in configs:
         reqs = workload(args.rate * rate_factor, n, 11, 1536, 128, 32)
         try:
             with launch(**launch_kw) as c:
-                log(f"{name}: calibrating on {c.router_url}")
-                cal = calibrate_on(c.router_url, sim_cluster.colocated or sim_cluster.decode, kv,
-                                   pd=not sim_cluster.colocated, quick=args.quick)
+                if policy == "conductor" and pd_cal is not None:
+                    cal = pd_cal  # probes through the conductor land on P or D by its choice: reuse round-robin's
+                else:
+                    log(f"{name}: calibrating on {c.router_url}")
+                    cal = calibrate_on(c.router_url, sim_cluster.colocated or sim_cluster.decode, kv,
+                                       pd=not sim_cluster.colocated, quick=args.quick)
+                    if not sim_cluster.colocated and policy == "round_robin":
+                        pd_cal = cal
                 log(f"{name}: replaying {n} requests at {args.rate * rate_factor}/s")
                 got = asyncio.run(replay(c.router_url, reqs, 5))
         except Exception as exc:  # noqa: BLE001 - report the configuration that could not run, go on
