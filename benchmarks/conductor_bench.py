@@ -138,6 +138,149 @@ def run_sim(args) -> dict:
             "ttft_mean_ratio_vs_rr": round(co["ttft_mean_s"] / rr["ttft_mean_s"], 3)}
 
 
+# ---------------------------------------------------------------- live 2P1D
+def sample_conversations(n_requests: int, seed: int) -> list[dict]:
+    """Whole conversations (rows sharing their first two hash ids) drawn at random until ``n_requests`` rows,
+    in time order: a small slice that keeps the trace's multi-turn prefix reuse (consecutive rows share
+    little: conversations' turns are minutes apart)."""
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(tuple(r["hash_ids"][:2]), []).append(i)
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    pick: list[int] = []
+    for k in keys:
+        if len(pick) >= n_requests:
+            break
+        pick += groups[k]
+    return [rows[i] for i in sorted(pick)]
+
+
+def trace_reuse(rows: list[dict]) -> float:
+    seen: set[int] = set()
+    hit = tot = 0
+    for r in rows:
+        i = 0
+        while i < len(r["hash_ids"]) and r["hash_ids"][i] in seen:
+            i += 1
+        hit += min(i * 512, r["input_length"])
+        tot += r["input_length"]
+        seen.update(r["hash_ids"])
+    return hit / tot
+
+
+def scaled_requests(rows: list[dict], input_scale: float, duration_s: float, max_input: int, output: int,
+                    vocab: int) -> list[tuple[float, list[int], int]]:
+    """(send time s, token ids, max_tokens): equal hash ids give equal token blocks of 512 * input_scale."""
+    import numpy as np
+
+    per = max(1, round(512 * input_scale))
+    t0, t1 = rows[0]["timestamp"], rows[-1]["timestamp"]
+    out = []
+    for r in rows:
+        n = min(max_input, max(1, round(r["input_length"] * input_scale)))
+        toks: list[int] = []
+        for h in r["hash_ids"]:
+            if len(toks) >= n:
+                break
+            toks += np.random.default_rng([7, h]).integers(100, vocab, per).tolist()
+        toks = toks[:n]
+        at = (r["timestamp"] - t0) / max(1, t1 - t0) * duration_s
+        out.append((at, toks, output))
+    return out
+
+
+async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int]]) -> list[dict]:
+    import asyncio
+
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, at: float, toks: list[int], mx: int, start: float) -> dict:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        t0 = time.perf_counter()
+        first = None
+        body = {"model": model, "prompt": toks, "max_tokens": mx, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return {"ok": False, "status": resp.status}
+            async for line in resp.content:
+                if line.startswith(b"data: ") and b'"text"' in line and first is None:
+                    first = time.perf_counter()
+        return {"ok": first is not None, "ttft": (first or t0) - t0, "e2e": time.perf_counter() - t0,
+                "prompt": len(toks)}
+
+    start = time.perf_counter() + 0.5
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        return await asyncio.gather(*(one(session, at, t, mx, start) for at, t, mx in reqs))
+
+
+def _worker_counters(urls: list[str]) -> tuple[float, float]:
+    import urllib.request
+
+    hits = queries = 0.0
+    for u in urls:
+        for line in urllib.request.urlopen(u + "/metrics", timeout=30).read().decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def run_live(args) -> dict:
+    import asyncio
+
+    from pdserve.config import LauncherConfig
+    from pdserve.launcher import Cluster
+
+    rows = sample_conversations(args.requests, args.seed)
+    reuse = trace_reuse(rows)
+    results = []
+    for name, policy, extra in (("round_robin", "round_robin", ()),
+                                ("conductor", "conductor", ("--local-prefill-tokens", "0")),
+                                ("conductor+local", "conductor", ())):
+        if name not in args.configs:
+            continue
+        cfg = LauncherConfig(model=args.model, prefill=2, decode=1, port=0, max_model_len=args.max_model_len,
+                             policy=policy, router_args=extra, run_dir=str(Path(args.run_dir) / name))
+        with Cluster(cfg) as c:
+            vocab = json.loads((c.model_dir / "config.json").read_text()).get("vocab_size", 32000)
+            reqs = scaled_requests(rows, args.input_scale, args.duration, args.max_model_len - args.output - 1,
+                                   args.output, vocab)
+            if policy == "conductor":
+                time.sleep(args.settle)  # let the start-up calibration finish before the run
+            h0, q0 = _worker_counters(c.worker_urls("prefill"))
+            t0 = time.perf_counter()
+            out = asyncio.run(_send_all(c.router_url, c.model_name, reqs))
+            wall = time.perf_counter() - t0
+            h1, q1 = _worker_counters(c.worker_urls("prefill"))
+            import urllib.request
+
+            listing = json.loads(urllib.request.urlopen(c.router_url + "/v1/pdserve/workers", timeout=30).read())
+        ok = [o for o in out if o["ok"]]
+        ttft = [o["ttft"] for o in ok]
+        results.append({"config": name, "ok": len(ok), "requests": len(out), "wall_s": round(wall, 1),
+                        "prefill_hit_rate": round((h1 - h0) / max(1.0, q1 - q0), 4),
+                        "prefill_tokens_computed": int((q1 - q0) - (h1 - h0)),
+                        "ttft_mean_s": round(statistics.mean(ttft), 3), "ttft_p50_s": round(pct(ttft, 50), 3),
+                        "ttft_p99_s": round(pct(ttft, 99), 3), "decisions": listing.get("decisions")})
+    print(f"2P1D, {len(rows)} requests from whole conversations of the trace (within-slice prefix reuse "
+          f"{reuse:.2f}), lengths x{args.input_scale}, over {args.duration:.0f} s")
+    print(f"{'config':>16} {'ok':>4} {'P hit rate':>10} {'P tokens computed':>18} {'TTFT mean':>10} {'p50':>7} "
+          f"{'p99':>7}")
+    for r in results:
+        print(f"{r['config']:>16} {r['ok']:>4} {r['prefill_hit_rate']:>10} {r['prefill_tokens_computed']:>18} "
+              f"{r['ttft_mean_s']:>10} {r['ttft_p50_s']:>7} {r['ttft_p99_s']:>7}")
+    out = {"bench": "conductor_live", "trace_reuse": round(reuse, 4), "rows": results}
+    if len(results) >= 2:
+        rr, co = results[0], results[1]
+        out["ttft_mean_ratio"] = round(co["ttft_mean_s"] / rr["ttft_mean_s"], 3)
+        out["ttft_p99_ratio"] = round(co["ttft_p99_s"] / rr["ttft_p99_s"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -149,8 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workers", type=int, default=64)
     s.add_argument("--requests", type=int, default=600)
     s.add_argument("--rate", type=float, default=30.0)
+    lv = sub.add_parser("live")
+    lv.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct)")
+    lv.add_argument("--requests", type=int, default=60)
+    lv.add_argument("--seed", type=int, default=1)
+    lv.add_argument("--input-scale", type=float, default=0.125)
+    lv.add_argument("--output", type=int, default=16)
+    lv.add_argument("--duration", type=float, default=120.0, help="seconds the slice is compressed into")
+    lv.add_argument("--max-model-len", type=int, default=4096)
+    lv.add_argument("--settle", type=float, default=20.0, help="seconds for the conductor's calibration")
+    lv.add_argument("--configs", default="round_robin,conductor,conductor+local")
+    lv.add_argument("--run-dir", default=".pdserve/conductor-bench")
     args = ap.parse_args(argv)
-    out = {"decision": run_decision, "sim": run_sim}[args.what](args)
+    out = {"decision": run_decision, "sim": run_sim, "live": run_live}[args.what](args)
     print(json.dumps(out))
     return 0
 
