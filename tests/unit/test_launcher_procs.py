@@ -211,7 +211,7 @@ def _log_json(path: Path, prefix: str) -> dict:
 
 
 def test_cluster_pd_lifecycle(fake_modules, model_dir, tmp_path):
-    cfg = LauncherConfig(model=str(model_dir), prefill=1, decode=2, port=0, cores=(0, 1), kv_cache_gib=2,
+    cfg = LauncherConfig(model=str(model_dir), prefill=1, decode=2, port=0, cores=(0, 1), kv_cache_gib=2, pool=False,
                          run_dir=str(tmp_path / "run"), worker_args=("--fake-delay", "0.5"),
                          router_args=("--fake-grandchild",), stop_timeout_s=5)
     lines = []
