@@ -29,13 +29,15 @@ from pdserve.launcher import Cluster  # noqa: E402
 
 
 def aiperf_metric(artifacts: Path, name: str) -> float | None:
-    """p50 of one metric from AIPerf's profile_export_aiperf.json (ms)."""
+    """p50 (else avg) of one metric from AIPerf's profile_export_aiperf.json (ms; counts have only avg)."""
     files = glob.glob(str(artifacts / "**" / "profile_export_aiperf.json"), recursive=True)
     if not files:
         return None
     data = json.loads(Path(files[0]).read_text())
     m = data.get(name) or data.get("records", {}).get(name) or {}
-    return m.get("p50") if isinstance(m, dict) else None
+    if not isinstance(m, dict):
+        return None
+    return m.get("p50", m.get("avg"))
 
 
 def hf_cache_entry(model_dir: Path, root: Path, repo: str = "pdserve/tokenizer") -> str:
@@ -109,6 +111,7 @@ def main() -> int:
         rows = json.loads((work / "pdserve" / "results.json").read_text())["workloads"]["pdserve"]
         out["pdserve_ttft_p50_ms"] = rows["ttft_p50_ms"]
         out["pdserve_itl_p50_ms"] = rows["itl_p50_ms"]
+        out["pdserve_tpot_p50_ms"] = rows["tpot_p50_ms"]  # AIPerf's inter_token_latency is per request, like TPOT
         out["pdserve_requests"] = rows["requests"]
     out["artifacts"] = str(work)
     print(f"{'tool':<10}{'TTFT p50 ms':>14}{'ITL p50 ms':>14}")
