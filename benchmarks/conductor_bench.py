@@ -217,16 +217,12 @@ async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int
 
 
 def _worker_counters(urls: list[str]) -> tuple[float, float]:
-    import urllib.request
+    """(prefix-cache hits, queries) summed over ``urls``' vLLM counters."""
+    from pdserve.bench.prom import scrape
 
-    hits = queries = 0.0
-    for u in urls:
-        for line in urllib.request.urlopen(u + "/metrics", timeout=30).read().decode().splitlines():
-            if line.startswith("vllm:prefix_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_queries_total"):
-                queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+    got = [scrape(u, "vllm:prefix_cache_", timeout_s=30) for u in urls]
+    return (sum(g.get("vllm:prefix_cache_hits_total", 0.0) for g in got),
+            sum(g.get("vllm:prefix_cache_queries_total", 0.0) for g in got))
 
 
 def run_live(args) -> dict:

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import urllib.request
 
+from ..prom import parse
 
-def parse(text: str, prefix: str = "", labels: bool = False) -> dict[str, float]:
-    """Sum of every sample per metric name, for names starting with ``prefix``; with ``labels`` the key keeps the
-    label set (``name{a="b"}``), else labels are dropped and samples of one name are added up."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels if labels else name_labels.split("{", 1)[0]
-        if name.startswith(prefix):
-            try:
-                totals[name] = totals.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-    return totals
+__all__ = ["delta", "parse", "scrape"]
 
 
 def scrape(url: str, prefix: str = "", timeout_s: float = 5.0, labels: bool = False) -> dict[str, float]:

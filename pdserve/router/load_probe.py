@@ -7,13 +7,11 @@ counters. Only what is present is used.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import aiohttp
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+from ..prom import label_values, parse
 
 
 @dataclass
@@ -27,27 +25,14 @@ class WorkerReport:
 
 
 def parse_vllm_metrics(text: str) -> WorkerReport:
+    sums = parse(text, "vllm:")
     r = WorkerReport()
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+    for key in parse(text, "vllm:cache_config_info", labels=True):
+        lab = label_values(key)
         try:
-            v = float(value)
+            r.kv_capacity_tokens = int(float(lab.get("num_gpu_blocks", 0))) * int(float(lab.get("block_size", 0)))
         except ValueError:
-            continue
-        if name == "vllm:cache_config_info":
-            lab = dict(_LABEL.findall(labels))
-            try:
-                r.kv_capacity_tokens = int(float(lab.get("num_gpu_blocks", 0))) * int(float(lab.get("block_size", 0)))
-            except ValueError:
-                pass
-            continue
-        sums[name] = sums.get(name, 0.0) + v
+            pass
     r.waiting = int(sums.get("vllm:num_requests_waiting", 0))
     r.running = int(sums.get("vllm:num_requests_running", 0))
     r.kv_usage = sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc", 0.0))

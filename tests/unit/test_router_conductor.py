@@ -188,3 +188,23 @@ def test_ready_needs_one_healthy_worker_per_role(model_dir, tokenizer):
             st, body = await env.get("/ready")
             assert st == 503 and json.loads(body)["missing"] == ["prefill", "decode"]
     run(main())
+
+
+def test_load_probe_reads_vllm_metrics():
+    from pdserve.router.load_probe import parse_vllm_metrics
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_waiting Number of requests waiting.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="4096"} 1.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0',
+        'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9',
+    ])
+    r = parse_vllm_metrics(text)
+    assert (r.waiting, r.running, r.kv_usage, r.kv_capacity_tokens) == (3, 2, 0.25, 4096 * 128)
+    assert (r.prefix_cache_queries, r.prefix_cache_hits) == (1000.0, 640.0)
+    assert parse_vllm_metrics("garbage line\n") == parse_vllm_metrics("")
