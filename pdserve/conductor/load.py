@@ -93,8 +93,3 @@ class WorkerLoad:
         if r is not None and now - r.at <= staleness_s:
             return max(own, int(r.kv_usage * self.kv_capacity_tokens))
         return own
-
-    def waiting(self, now: float, staleness_s: float) -> int:
-        own = len(self.prefills)
-        r = self.reported
-        return max(own, r.waiting) if r is not None and now - r.at <= staleness_s else own

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from .config import ConductorConfig
@@ -75,7 +75,6 @@ class _Placed:
     decode_worker: str | None
     prefill_done_at: float | None = None
     first_decode_seen: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Conductor:
@@ -177,13 +176,14 @@ class Conductor:
     def _colocated(self, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
         now = self.clock()
         policy = self.config.policy
+        prefix = self.index.prefix_lengths(req.block_keys)  # once: every candidate's TTFT reads it
         if policy == "round_robin":
             w = self._pick_rr("colocated", ws)
         elif policy == "least_loaded":
             w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
         else:
-            w = min(ws, key=lambda w: (self._local_ttft(req, w, now)[0], w.worker_id))
-        ttft, cached = self._local_ttft(req, w, now)
+            w = min(ws, key=lambda w: (self._local_ttft(req, w, now, prefix)[0], w.worker_id))
+        ttft, cached = self._local_ttft(req, w, now, prefix)
         d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
                      req), reason=f"colocated ({policy})", cached_tokens=cached)
         if policy == "conductor":
@@ -231,8 +231,9 @@ class Conductor:
         used = d.kv_used_tokens(now, self.config.load_staleness_s)
         return used + req.prompt_tokens + req.max_tokens <= cap * (1 - self.config.kv_reserve)
 
-    def _local_ttft(self, req: PlacementRequest, w: WorkerLoad, now: float) -> tuple[float, int]:
-        cached = self._own_cached(req, w)
+    def _local_ttft(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int]
+                    ) -> tuple[float, int]:
+        cached = self._own_cached(req, w, prefix)
         # a colocated/local prefill shares steps with running decodes: roughly one decode step extra
         extra = self.cost.decode_step_s(w.running_decodes(), 1) if w.running_decodes() else 0.0
         return w.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached) + extra, cached
@@ -250,15 +251,15 @@ class Conductor:
         disagg = Decision("disaggregated", req.request_id, best.worker.worker_id, d.worker_id, ttft_s=best.ttft_s,
                           tpot_s=tpot, cached_tokens=best.cached, fetch_tokens=best.fetched,
                           reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
-        local = self._local_choice(req, d, now, best, tpot)
+        local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
         return self._reject_reason(chosen, decode, fits=bool(fitting)) or chosen
 
-    def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float
-                      ) -> Decision | None:
+    def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float,
+                      prefix: dict[str, int]) -> Decision | None:
         if not d.can_decode:
             return None
-        l_ttft, l_cached = self._local_ttft(req, d, now)
+        l_ttft, l_cached = self._local_ttft(req, d, now, prefix)
         uncached = req.prompt_tokens - l_cached
         l_prefill = self.cost.prefill_s(uncached, l_cached)
         mk = lambda why: Decision("local", req.request_id, None, d.worker_id, ttft_s=l_ttft,  # noqa: E731

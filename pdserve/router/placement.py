@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -62,7 +63,7 @@ class ConductorPlacement:
         self.conductor = conductor
         self.workers = workers
         self._ids = itertools.count()
-        self.decision_seconds: list[float] = []  # recent decision times (bounded), for the metrics
+        self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
         for w in workers.values():
             self.add(w)
 
@@ -93,8 +94,6 @@ class ConductorPlacement:
             raise unavailable(f"no healthy {e.role} worker ({detail or 'none registered'})") from None
         finally:
             self.decision_seconds.append(time.perf_counter() - t0)
-            if len(self.decision_seconds) > 4096:
-                del self.decision_seconds[:2048]
         if d.kind == "reject":
             raise too_busy(d)
         assert d.decode is not None
