@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from pdserve.procs import spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -278,25 +279,14 @@ with urllib.request.urlopen(req, timeout=10) as r:
 class NsProcess:
     def __init__(self, lab: Lab, host: str, argv: list[str], env: dict, log: Path) -> None:
         self.log_path = log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(lab.exec(host, argv), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=ROOT, start_new_session=True)
+        self.child = spawn(host, lab.exec(host, argv), env=env, log_path=log, cwd=ROOT)
+        self.proc = self.child.proc
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
-        self._log.close()
+        stop_children([self.child], timeout_s=20)
 
 
 @pytest.mark.vllm

@@ -14,8 +14,6 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port
+from pdserve.procs import free_port, spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -53,9 +51,8 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv)]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=str(ROOT))
+        self.child = spawn("vllm", cmd, env=env, log_path=log_path, cwd=ROOT)
+        self.proc = self.child.proc
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -80,17 +77,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
-        self._log.close()
+        stop_children([self.child], timeout_s=20)
 
     # ---- requests ----
     def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port
+from pdserve.procs import free_port, spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -58,9 +56,9 @@ class Proc:
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
         self.log = log
-        self.fh = open(log, "wb")
-        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        self.child = spawn(log.stem, args, cwd=ROOT, log_path=log,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+        self.p = self.child.proc
 
     def wait_healthy(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -73,17 +71,7 @@ class Proc:
         raise RuntimeError(f"{url} not healthy after {timeout_s} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGTERM)
-                self.p.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.p.wait(timeout=10)
-        self.fh.close()
+        stop_children([self.child], timeout_s=15)
 
 
 @pytest.fixture(scope="module")
