@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from pdserve.bench.prom import scrape
 from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
 
@@ -35,11 +36,7 @@ def _get(url: str) -> str:
 
 
 def _counter(url: str, name: str) -> float:
-    total = 0.0
-    for line in _get(url + "/metrics").splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return scrape(url, name).get(name, 0.0)
 
 
 def _indexed(router: str) -> dict[str, int]:
