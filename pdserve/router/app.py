@@ -27,7 +27,7 @@ from .config import kv_bytes_per_token
 from .kv_events import KVEventSink
 from .load_probe import read_worker_load
 from .membership import Membership
-from .metrics import conductor_metrics_text
+from .metrics import ConductorCollector
 from .pool_index import PoolIndexFollower
 from .placement import ConductorPlacement, Placement, make_placement
 from .registry import WorkerRegistry
@@ -66,6 +66,9 @@ class Router:
         self.calibration: dict | None = None
         self.created = int(time.time())
         self.registry.subscribe(self)
+        if self.conducted is not None:
+            self.metrics.registry.register(ConductorCollector(
+                self.conducted, lambda: self.events.batches if self.events is not None else {}))
 
     @property
     def conducted(self) -> ConductorPlacement | None:
@@ -152,7 +155,7 @@ class Router:
         for w, (ok, detail) in zip(workers, results):
             self.registry.set_health(w.url, ok, detail)
             for role in sorted(w.roles):
-                self.metrics.worker_healthy.set(1.0 if ok else 0.0, role, w.url)
+                self.metrics.worker_healthy.labels(role, w.url).set(1.0 if ok else 0.0)
             out.append({"url": w.url, "roles": sorted(w.roles), "healthy": ok, "detail": detail})
         return out
 
@@ -177,8 +180,6 @@ class Router:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = self.metrics.render()
-        if self.conducted is not None:
-            text += conductor_metrics_text(self.conducted, self.events.batches if self.events else {})
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
@@ -267,14 +268,14 @@ class Router:
             status = "client_disconnected"
             raise
         finally:
-            m.inflight.inc(amount=-1)
-            m.requests.inc(endpoint, status)
+            m.inflight.dec()
+            m.requests.labels(endpoint, status).inc()
             if t.end is None:
                 t.end = time.perf_counter()
             if done and status == "200":
                 m.observe_timings(t.mode, t.report())
-                m.prompt_tokens.inc(amount=t.prompt_tokens)
-                m.completion_tokens.inc(amount=t.tokens)
+                m.prompt_tokens.inc(t.prompt_tokens)
+                m.completion_tokens.inc(t.tokens)
 
     async def _collect(self, req: GenerationRequest, gen: Generation, builder: ResponseBuilder,
                        prompt_ids: list[int]) -> web.Response:

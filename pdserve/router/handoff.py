@@ -199,7 +199,7 @@ class Generation:
         return body
 
     def _fail(self, w: Worker, role: str, e: WorkerError) -> None:
-        self.metrics.worker_errors.inc(role, e.kind)
+        self.metrics.worker_errors.labels(role, e.kind).inc()
         if e.kind in _RETRYABLE:
             self.placement.registry.set_health(w.url, False, str(e))
 
@@ -292,7 +292,7 @@ class Generation:
             if not isinstance(ids, list) or len(ids) != 1 or not isinstance(text, str):
                 raise ValueError(f"expected one token id, got token_ids={ids!r}")
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            self.metrics.worker_errors.inc("prefill", "protocol")
+            self.metrics.worker_errors.labels("prefill", "protocol").inc()
             raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
         kvp = resp.get("kv_transfer_params")
         _transfer_stats(resp, self.t)
@@ -300,13 +300,13 @@ class Generation:
         if self.detok is not None:
             text = self.detok.step(t1)
         if finish == "stop" or self.max_tokens == 1:
-            self.metrics.handoffs.inc("skipped")
+            self.metrics.handoffs.labels("skipped").inc()
             yield Delta(text, [t1], finish or "length", stop_reason)
             return
         if finish != "length":
             raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
         yield Delta(text, [t1])
-        self.metrics.handoffs.inc("kv" if isinstance(kvp, dict) else "no_kv")
+        self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
         d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp

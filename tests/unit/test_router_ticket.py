@@ -165,7 +165,8 @@ class FakeClient:
 def generation(pl: ConductorPlacement, client: FakeClient, max_tokens: int = 4, mode: str = "disaggregated"
                ) -> Generation:
     req = parse_completion({"prompt": PROMPT, "max_tokens": max_tokens, "stream": True})
-    return Generation(req, PROMPT, max_tokens, pl, client, RouterMetrics(), Timings(arrive=0.0), mode)  # type: ignore[arg-type]
+    return Generation(req, PROMPT, max_tokens, pl, client,  # type: ignore[arg-type]
+                      RouterMetrics(), Timings(arrive=0.0), mode)
 
 
 async def drain(gen: Generation, stop_after: int | None = None) -> list[Any]:

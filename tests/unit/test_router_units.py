@@ -224,8 +224,8 @@ def test_timings_report_and_metrics_text():
     m = RouterMetrics()
     m.observe_timings("disaggregated", r)
     text = m.render()
-    assert 'pdserve_router_phase_seconds_bucket{mode="disaggregated",phase="ttft",le="0.15"} 1' in text
-    assert 'pdserve_router_phase_seconds_bucket{mode="disaggregated",phase="ttft",le="0.1"} 0' in text
+    assert 'pdserve_router_phase_seconds_bucket{le="0.15",mode="disaggregated",phase="ttft"} 1' in text
+    assert 'pdserve_router_phase_seconds_bucket{le="0.1",mode="disaggregated",phase="ttft"} 0' in text
     assert 'pdserve_router_phase_seconds_count{mode="disaggregated",phase="prefill"} 1' in text
     assert 'phase="kv_transfer"' not in text  # None: not observed
     for line in text.splitlines():
