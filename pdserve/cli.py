@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from .config import ConfigError, LauncherConfig, parse_cpu_list
 from .procs import LaunchError
+from .rules import POLICIES
 
 
 class _Stop(BaseException):
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for workers' /health (default 600)")
     s.add_argument("--router-timeout", dest="router_timeout_s", type=float, default=d,
                    help="seconds to wait for the router's /health (default 120)")
-    s.add_argument("--policy", choices=("round_robin", "least_loaded", "conductor"), default=d,
+    s.add_argument("--policy", choices=POLICIES, default=d,
                    help="router placement: round_robin (default), least_loaded, or conductor (prefix-, load- and "
                         "SLO-aware; enables the workers' KV cache events)")
     s.add_argument("--ttft-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
