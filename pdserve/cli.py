@@ -115,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .launcher import Cluster, make_plan, usage_text
+    from .launch import Cluster, make_plan, usage_text
 
     def say(msg: str) -> None:
         if not args.quiet:
@@ -127,15 +127,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pdserve: config error: {e}", file=sys.stderr)
         return 2
 
-    if args.dry_run:
-        if config.model:
-            model_dir = config.model_dir.resolve()
-        else:
-            from .config import default_model_dir
-
-            model_dir = default_model_dir()
+    if args.dry_run:  # the plan only: no model conversion, no socket (ports numbered from the base port)
+        model_dir = config.model_dir.resolve() if config.model else config.model_dir
         plan = make_plan(config, model_dir)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
+        print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "
+              "ports, and the router's --port unless 0)")
         print(plan.describe())
         return 0
 
