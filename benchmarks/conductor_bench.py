@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel, PlacementRequest  # noqa: E402
+from pdserve.bench.traces import default_trace, trace_lines  # noqa: E402
 from pdserve.conductor.cost_model import Priors  # noqa: E402
 from pdserve.hashing import block_hashes  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 BS = 128
 
 
@@ -103,7 +103,7 @@ def run_sim(args) -> dict:
     from pdserve.plan.simulator import Cluster, SimSettings, Simulation
     from pdserve.plan.traffic import load_trace
 
-    reqs = load_trace(TRACE, rate=args.rate, limit=args.requests)
+    reqs = load_trace(default_trace(), rate=args.rate, limit=args.requests)
     rows = []
     for pol in ("round_robin", "least_loaded", "conductor"):
         sim = Simulation(Cluster(prefill=args.workers // 2, decode=args.workers - args.workers // 2), gpu_like_cost(),
@@ -143,7 +143,7 @@ def sample_conversations(n_requests: int, seed: int) -> list[dict]:
     """Whole conversations (rows sharing their first two hash ids) drawn at random until ``n_requests`` rows,
     in time order: a small slice that keeps the trace's multi-turn prefix reuse (consecutive rows share
     little: conversations' turns are minutes apart)."""
-    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for _, line in trace_lines(default_trace())]
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(tuple(r["hash_ids"][:2]), []).append(i)

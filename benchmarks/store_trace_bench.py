@@ -28,22 +28,21 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from pdserve.bench.traces import default_trace, trace_lines  # noqa: E402
 from pdserve.config import LauncherConfig  # noqa: E402
 from pdserve.launcher import Cluster  # noqa: E402
 from pdserve.models import build_random_llama  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 TRACE_BLOCK = 512
 
 
 def load_rows(path: Path, start: int, n: int) -> list[dict]:
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i >= start:
-                rows.append(json.loads(line))
-            if len(rows) == n:
-                break
+    for i, (_, line) in enumerate(trace_lines(path)):
+        if i >= start:
+            rows.append(json.loads(line))
+        if len(rows) == n:
+            break
     return rows
 
 
@@ -193,7 +192,8 @@ def main() -> int:
                          "defaults; the whole trace: 37%%)")
     ap.add_argument("--max-input", type=int, default=3000)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=str(default_trace()), help="Mooncake trace, .jsonl or .jsonl.gz "
+                    "(default: $PDSERVE_TRACE or the packaged conversation trace)")
     ap.add_argument("--model-dir", default=os.environ.get("PDSERVE_BENCH_MODEL", "/tmp/pd-store/models/llama-8l"))
     args = ap.parse_args()
     n = 24 if args.quick else args.requests

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from .config import ConfigError, LauncherConfig, parse_cpu_list
 from .procs import LaunchError
+from .rules import POLICIES
 
 
 class _Stop(BaseException):
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for workers' /health (default 600)")
     s.add_argument("--router-timeout", dest="router_timeout_s", type=float, default=d,
                    help="seconds to wait for the router's /health (default 120)")
-    s.add_argument("--policy", choices=("round_robin", "least_loaded", "conductor"), default=d,
+    s.add_argument("--policy", choices=POLICIES, default=d,
                    help="router placement: round_robin (default), least_loaded, or conductor (prefix-, load- and "
                         "SLO-aware; enables the workers' KV cache events)")
     s.add_argument("--ttft-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
@@ -114,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .launcher import Cluster, make_plan, usage_text
+    from .launch import Cluster, make_plan, usage_text
 
     def say(msg: str) -> None:
         if not args.quiet:
@@ -126,15 +127,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pdserve: config error: {e}", file=sys.stderr)
         return 2
 
-    if args.dry_run:
-        if config.model:
-            model_dir = config.model_dir.resolve()
-        else:
-            from .config import default_model_dir
-
-            model_dir = default_model_dir()
+    if args.dry_run:  # the plan only: no model conversion, no socket (ports numbered from the base port)
+        model_dir = config.model_dir.resolve() if config.model else config.model_dir
         plan = make_plan(config, model_dir)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
+        print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "
+              "ports, and the router's --port unless 0)")
         print(plan.describe())
         return 0
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .rules import check_policy, check_slo, check_slo_needs_conductor
+
 ROLES = ("prefill", "decode", "colocated")
-POLICIES = ("round_robin", "least_loaded", "conductor")  # same names as pdserve.conductor.config.POLICIES
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 CONNECTOR_NAME = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.vllm.connector"
@@ -217,15 +218,10 @@ class LauncherConfig:
     pool_port: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy={self.policy!r}: choose one of {', '.join(POLICIES)} (conductor: prefix- and "
-                              "load-aware placement; the others are baselines)")
+        check_policy(self.policy, "policy", ConfigError)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
-                raise ConfigError(f"{name}={v!r}: a target in milliseconds > 0, or unset for none")
-            if v is not None and self.policy != "conductor":
-                raise ConfigError(f"{name} needs policy=conductor (only the conductor predicts and rejects)")
+            check_slo(getattr(self, name), name, "ms", ConfigError)
+            check_slo_needs_conductor(getattr(self, name), name, self.policy, ConfigError)
         for name in ("prefill", "decode", "colocated"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

@@ -20,19 +20,21 @@ the mean arrival rate over the selected rows is that many requests per second. F
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence, TextIO
 
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512
-# $PDSERVE_TRACE, else the shared folder next to the checkout (../shared/traces/conversation_trace.jsonl)
-DEFAULT_TRACE = Path(os.environ.get("PDSERVE_TRACE") or
-                     Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl")
+TRACE_ENV = "PDSERVE_TRACE"
+# Mooncake's FAST'25 "conversation" trace, shipped gzipped with the package (see data/README.md: source, licence)
+PACKAGED_TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace.jsonl.gz"
 # Token ids are drawn from [TOKEN_LOW, vocab_size): clear of the special tokens every Llama/Qwen/SmolLM2
 # tokenizer keeps at low ids.
 TOKEN_LOW = 1000
@@ -120,28 +122,50 @@ def parse_row(obj: dict, where: str = "") -> TraceRow:
     return TraceRow(ts, inp, out, ids)
 
 
-def load_trace(path: str | Path = DEFAULT_TRACE, start: int = 0, limit: int | None = None) -> list[TraceRow]:
-    """Rows ``start .. start+limit`` of a Mooncake-format JSONL trace (blank lines skipped)."""
-    p = Path(path)
+def default_trace() -> Path:
+    """The trace every test, benchmark and command uses unless given one: ``$PDSERVE_TRACE`` when set, else the
+    Mooncake conversation trace shipped in the package (:data:`PACKAGED_TRACE`)."""
+    env = os.environ.get(TRACE_ENV)
+    return Path(env).expanduser() if env else PACKAGED_TRACE
+
+
+def open_trace(path: str | Path | None = None) -> TextIO:
+    """Open a trace for reading text: plain JSONL or gzipped (``.gz``, or gzip's magic bytes); None: the default."""
+    p = default_trace() if path is None else Path(path)
     if not p.is_file():
-        raise TraceError(f"trace {p} not found: pass a Mooncake-format JSONL file "
-                         "(e.g. ../shared/traces/conversation_trace.jsonl)")
-    rows: list[TraceRow] = []
-    with p.open() as f:
-        n = 0
+        raise TraceError(f"trace {p} not found: pass a Mooncake-format JSONL file (.jsonl or .jsonl.gz), or unset "
+                         f"${TRACE_ENV} to use the packaged conversation trace")
+    with p.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return io.TextIOWrapper(gzip.open(p, "rb"), encoding="utf-8")
+    return p.open(encoding="utf-8")
+
+
+def trace_lines(path: str | Path | None = None) -> Iterator[tuple[int, str]]:
+    """(line number, stripped text) of every non-blank line of a trace file (plain or gzipped)."""
+    with open_trace(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
-            if not line:
-                continue
-            if n >= start:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceError(f"{p}:{lineno}: not JSON ({exc})") from None
-                rows.append(parse_row(obj, f"{p}:{lineno}: "))
-                if limit is not None and len(rows) >= limit:
-                    break
-            n += 1
+            if line:
+                yield lineno, line
+
+
+def load_trace(path: str | Path | None = None, start: int = 0, limit: int | None = None) -> list[TraceRow]:
+    """Rows ``start .. start+limit`` of a Mooncake-format JSONL trace, plain or gzipped (blank lines skipped);
+    ``path`` None: :func:`default_trace`."""
+    p = default_trace() if path is None else Path(path)
+    rows: list[TraceRow] = []
+    for n, (lineno, line) in enumerate(trace_lines(p)):
+        if n < start:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{p}:{lineno}: not JSON ({exc})") from None
+        rows.append(parse_row(obj, f"{p}:{lineno}: "))
+        if limit is not None and len(rows) >= limit:
+            break
     if not rows:
         raise TraceError(f"{p}: no rows from index {start}")
     return rows

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .traces import (DEFAULT_TRACE, TOKEN_LOW, TraceError, TraceScale, load_trace, prompt_ids, scale_rows,
+from .traces import (TOKEN_LOW, TraceError, TraceScale, default_trace, load_trace, prompt_ids, scale_rows,
                      trace_summary)
 
 
@@ -100,9 +100,10 @@ def _arrivals(rng: np.random.Generator, rate: float, n: int, process: str) -> li
     return [float(t) for t in np.cumsum(gaps)]
 
 
-def trace_workload(path: str = str(DEFAULT_TRACE), start: int = 0, requests: int = 100,
+def trace_workload(path: str = "", start: int = 0, requests: int = 100,
                    scale: TraceScale = TraceScale(), vocab_size: int = 32000, seed: int = 0,
                    concurrency: int | None = None, name: str = "trace") -> Workload:
+    path = path or str(default_trace())  # "" = $PDSERVE_TRACE or the packaged conversation trace
     rows = load_trace(path, start=start, limit=requests)
     scaled = scale_rows(rows, scale)
     sessions = [Session(r.index, r.arrival_s, [Turn(prompt_ids(r, scale.block_tokens, vocab_size, seed),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("round_robin", "least_loaded", "conductor")
+from ..rules import POLICIES, check_local_prefill_tokens, check_policy, check_slo
+
+__all__ = ["POLICIES", "ConductorConfig", "ConductorConfigError"]
 
 
 class ConductorConfigError(ValueError):
@@ -39,18 +41,13 @@ class ConductorConfig:
     kv_reserve: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConductorConfigError(f"policy={self.policy!r}: choose one of {', '.join(POLICIES)}")
+        check_policy(self.policy, "policy", ConductorConfigError)
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ConductorConfigError(f"block_size={self.block_size!r}: give the workers' KV block size in "
                                        "tokens (vLLM on CPU uses 128)")
         for name in ("ttft_slo_s", "tpot_slo_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ConductorConfigError(f"{name}={v!r}: give a target in seconds > 0, or None for no target")
-        if self.local_prefill_tokens is not None and self.local_prefill_tokens < 0:
-            raise ConductorConfigError(f"local_prefill_tokens={self.local_prefill_tokens}: use >= 0 (0 never runs "
-                                       "a request decode-local) or None to learn the threshold")
+            check_slo(getattr(self, name), name, "seconds", ConductorConfigError)
+        check_local_prefill_tokens(self.local_prefill_tokens, "local_prefill_tokens", ConductorConfigError)
         if self.local_stall_s < 0 or self.load_staleness_s <= 0:
             raise ConductorConfigError("local_stall_s must be >= 0 and load_staleness_s > 0 (seconds)")
         if self.min_fetch_blocks < 1:

@@ -32,21 +32,22 @@ def block_keys_from_hash_ids(hash_ids: Sequence[int], prompt_tokens: int, block_
     return tuple(keys[:n_full])
 
 
-def load_trace(path: str | Path, block_size: int = 128, time_scale: float = 1.0, length_scale: float = 1.0,
+def load_trace(path: str | Path | None, block_size: int = 128, time_scale: float = 1.0, length_scale: float = 1.0,
                rate: float | None = None, limit: int | None = None, output_scale: float | None = None
                ) -> list[Request]:
     """Mooncake trace (one JSON object per line: timestamp ms, input_length, output_length, hash_ids).
 
     ``time_scale`` stretches inter-arrival times (2 = half the rate) unless ``rate`` (req/s) is given, which
     rescales them to that mean rate. ``length_scale`` scales prompt lengths (and block keys with them);
-    ``output_scale`` output lengths (default: ``length_scale``)."""
+    ``output_scale`` output lengths (default: ``length_scale``). ``path``: plain or gzipped JSONL; None: the
+    default trace (:func:`pdserve.bench.traces.default_trace`)."""
+    from ..bench.traces import trace_lines
+
     rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if limit is not None and len(rows) >= limit:
-                    break
+    for _, line in trace_lines(path):
+        rows.append(json.loads(line))
+        if limit is not None and len(rows) >= limit:
+            break
     if not rows:
         raise ValueError(f"{path}: no requests")
     t0 = rows[0]["timestamp"] / 1e3

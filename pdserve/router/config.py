@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..rules import check_local_prefill_tokens, check_policy, check_slo
+
 # config.json keys that bound the context length, in the order vLLM consults them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "model_max_length")
@@ -157,19 +159,13 @@ class RouterConfig:
         for name in ("connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
-        from ..conductor.config import POLICIES
-
-        if self.policy not in POLICIES:
-            raise RouterConfigError(f"--policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        check_policy(self.policy, "--policy", RouterConfigError)
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
             raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
                                     "tcp://127.0.0.1:5557")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise RouterConfigError(f"--{name.replace('_', '-')} {v!r}: a target in ms > 0 (omit for none)")
-        if self.local_prefill_tokens is not None and self.local_prefill_tokens < 0:
-            raise RouterConfigError("--local-prefill-tokens must be >= 0 (omit it to let the conductor learn it)")
+            check_slo(getattr(self, name), f"--{name.replace('_', '-')}", "ms", RouterConfigError)
+        check_local_prefill_tokens(self.local_prefill_tokens, "--local-prefill-tokens", RouterConfigError)
         if self.block_size < 1:
             raise RouterConfigError(f"--block-size {self.block_size}: the workers' KV block size (vLLM CPU: 128)")
         if self.pool_master:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
-from pdserve.bench.traces import (DEFAULT_TRACE, TOKEN_LOW, TraceError, TraceRow, TraceScale, load_trace,
-                                  parse_row, prompt_ids, scale_rows, shared_prefix_len)
+from pdserve.bench.traces import (PACKAGED_TRACE, TOKEN_LOW, TRACE_ENV, TraceError, TraceRow, TraceScale,
+                                  default_trace, load_trace, parse_row, prompt_ids, scale_rows, shared_prefix_len)
+from pdserve.plan.traffic import load_trace as plan_load_trace
 from pdserve.bench.workload import agent_workload, build_workload, parse_spec, synthetic_workload
 
 ROWS = [
@@ -29,6 +31,29 @@ def test_load_and_window(trace):
     rows = load_trace(trace)
     assert rows[0] == TraceRow(1000.0, 1200, 100, (0, 1, 2))
     assert [r.input_length for r in load_trace(trace, start=1, limit=2)] == [1100, 600]
+
+
+def test_gzipped_trace_reads_like_the_plain_one(trace, tmp_path):
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(trace.read_bytes()))
+    assert load_trace(gz) == load_trace(trace)
+    assert [r.prompt_tokens for r in plan_load_trace(gz)] == [r.prompt_tokens for r in plan_load_trace(trace)]
+
+
+def test_default_trace_is_packaged_and_env_overrides_it(trace, monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert default_trace() == PACKAGED_TRACE and PACKAGED_TRACE.name.endswith(".jsonl.gz")
+    assert (PACKAGED_TRACE.parent / "README.md").is_file()  # source and licence of the shipped trace
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    assert default_trace() == trace
+    assert load_trace() == load_trace(trace)
+
+
+def test_packaged_conversation_trace_is_whole(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    rows = load_trace()
+    assert len(rows) == 12031  # Mooncake's conversation trace, every row
+    assert all(b.timestamp_ms >= a.timestamp_ms for a, b in zip(rows, rows[1:]))
 
 
 def test_bad_rows_name_the_problem(tmp_path):
@@ -88,8 +113,8 @@ def test_scale_validation():
         TraceScale(rate=-1)
 
 
-@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="shared conversation trace not present")
-def test_real_conversation_trace_shares_prefixes():
+def test_real_conversation_trace_shares_prefixes(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
     wl = build_workload("trace:input_scale=0.1,output_scale=0.1,requests=40,rate=2", vocab_size=49152,
                         max_model_len=2048)
     prompts = [s.turns[0].prompt_ids for s in wl.sessions]

@@ -5,14 +5,12 @@ conductor finds far more cached prefix than round-robin, and first tokens come s
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 
+from pdserve.bench.traces import default_trace
 from pdserve.conductor import OnlineCostModel
 from pdserve.conductor.cost_model import Priors
-
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def _cost() -> OnlineCostModel:
@@ -20,13 +18,12 @@ def _cost() -> OnlineCostModel:
                                           bandwidth_bytes_s=25e9, transfer_overhead_s=0.001, handoff_s=0.005))
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace not found at {TRACE}")
 def test_conductor_beats_round_robin_on_trace_with_64_workers():
     from pdserve.plan.results import Targets
     from pdserve.plan.simulator import Cluster, SimSettings, Simulation
     from pdserve.plan.traffic import load_trace
 
-    reqs = load_trace(TRACE, rate=12.0, limit=1000)
+    reqs = load_trace(default_trace(), rate=12.0, limit=1000)
     out = {}
     for policy in ("round_robin", "conductor"):
         sim = Simulation(Cluster(prefill=32, decode=32), _cost(),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import launcher
+from pdserve.launch import commands
 from pdserve.config import LauncherConfig
 from pdserve.procs import (LaunchError, Reaper, group_alive, http_status, pid_alive, pids_in_group, spawn,
                            stop_children, wait_dead, wait_healthy)
@@ -63,8 +64,8 @@ def fake_modules(tmp_path, monkeypatch):
     mod_dir.mkdir()
     (mod_dir / "fake_server.py").write_text(FAKE_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(mod_dir))
-    monkeypatch.setattr(launcher, "VLLM_SERVER_MODULE", "fake_server")
-    monkeypatch.setattr(launcher, "ROUTER_MODULE", "fake_server")
+    monkeypatch.setattr(commands, "VLLM_SERVER_MODULE", "fake_server")
+    monkeypatch.setattr(commands, "ROUTER_MODULE", "fake_server")
     return mod_dir
 
 
@@ -241,12 +242,14 @@ def test_cluster_pd_lifecycle(fake_modules, model_dir, tmp_path):
     assert any(line.startswith("stopped 4 process group(s)") for line in lines), lines
 
 
-def test_cluster_worker_failure_shows_log_and_cleans_up(fake_modules, model_dir, tmp_path):
+def test_cluster_worker_failure_shows_log_and_cleans_up(fake_modules, model_dir, tmp_path, monkeypatch):
+    from pdserve.launch import plan as launch_plan
+
     cfg = LauncherConfig(model=str(model_dir), colocated=2, port=0, run_dir=str(tmp_path / "run"),
                          worker_args=("--fake-delay", "30", "--fake-grandchild"), stop_timeout_s=5)
     c = launcher.Cluster(cfg)
     # make the second worker fail: give it the flag through its own (planned) args after planning
-    orig = launcher.plan_workers
+    orig = launch_plan.plan_workers
 
     def plan(*a, **k):
         ws = orig(*a, **k)
@@ -254,12 +257,9 @@ def test_cluster_worker_failure_shows_log_and_cleans_up(fake_modules, model_dir,
 
         return [ws[0], replace(ws[1], extra_args=ws[1].extra_args + ("--fake-fail",))]
 
-    launcher.plan_workers = plan
-    try:
-        with pytest.raises(LaunchError, match=r"(?s)colocated1 exited with code 3.*boom: fake failure"):
-            c.start()
-    finally:
-        launcher.plan_workers = orig
+    monkeypatch.setattr(launch_plan, "plan_workers", plan)
+    with pytest.raises(LaunchError, match=r"(?s)colocated1 exited with code 3.*boom: fake failure"):
+        c.start()
     g = int(_wait_for_line(c.workers[0].log_path, "GRANDCHILD").split()[1])
     assert wait_dead([w.pid for w in c.children()] + [g]) == []
 
@@ -290,7 +290,7 @@ def test_cluster_router_port_in_use(fake_modules, model_dir, tmp_path):
 
 CLI_WRAPPER = r'''
 import sys
-import pdserve.launcher as L
+import pdserve.launch.commands as L
 L.VLLM_SERVER_MODULE = L.ROUTER_MODULE = "fake_server"
 from pdserve.cli import main
 sys.exit(main(sys.argv[1:]))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pdserve.bench.traces import default_trace
 from pdserve.plan.cost import HardwareCostModel, Parallelism
 from pdserve.plan.hardware import accelerator, link
 from pdserve.plan.kvsize import load_model
@@ -63,7 +64,7 @@ def test_pd_moves_the_kv_and_keeps_tpot_flat_under_long_prompts(cost):
 
 
 def test_trace_prefixes_hit_the_prefix_cache(cost):
-    reqs = load_trace("/work/shared/traces/conversation_trace.jsonl", limit=200, length_scale=0.25, rate=4)
+    reqs = load_trace(default_trace(), limit=200, length_scale=0.25, rate=4)
     assert any(len(set(r.block_keys) & set(reqs[0].block_keys)) for r in reqs[1:])
     sim = Simulation(Cluster(colocated=1), cost, _settings(cost))
     sim.run(reqs)

@@ -1,0 +1,302 @@
+"""What a launch runs, as data: config + ports -> every process's argv and environment, in start order.
+
+    plan = make_plan(config, model_dir, ports=allocate_ports(config), run_dir=run_dir)   # a real launch
+    print(make_plan(config, model_dir).describe())                                     # pdserve serve --dry-run
+
+:func:`make_plan` is pure: it opens no socket and reads no environment. The ports come in as a :class:`Ports`
+(:func:`dry_run_ports` numbers them from the config's base port; :func:`pdserve.launch.cluster.allocate_ports`
+takes free ones), the KV pool is an explicit :class:`PoolPlan`, and whether a process gets the launch's
+transfer secret is a field of its :class:`ProcessSpec`, decided here from the config. The cluster
+(:mod:`pdserve.launch.cluster`) runs the specs; nothing reads a command line back.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from ..procs import assign_cores, available_cores
+from .commands import (pool_master_argv, pool_node_argv, router_command, served_name, worker_argv,
+                       worker_env)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers
+DEFAULT_BASE_PORT = 8000  # a dry run with port=0 numbers its ports from here
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every port a launch listens on. kv_events: the router's KV event sink (policy conductor, else 0);
+    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool)."""
+
+    router: int
+    workers: tuple[int, ...]
+    kv_events: int = 0
+    pool: int = 0
+    pool_metrics: int = 0
+
+    def all(self) -> tuple[int, ...]:
+        return tuple(p for p in (self.router, *self.workers, self.kv_events, self.pool, self.pool_metrics) if p)
+
+
+def wants_kv_events(config: LauncherConfig) -> bool:
+    """The workers publish KV cache events to the router only when the conductor places requests."""
+    return config.policy == "conductor"
+
+
+def kv_events_host(config: LauncherConfig) -> str:
+    """Where the router binds its KV event sink: its own address, or loopback when it listens on all."""
+    return "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+
+
+def dry_run_ports(config: LauncherConfig) -> Ports:
+    """Ports numbered from the config's base port (``port``, or 8000 when 0): router, workers, KV event sink,
+    pool metrics, pool master (``pool_port`` when set). Deterministic and socket-free: for ``--dry-run``."""
+    base = config.port or DEFAULT_BASE_PORT
+    reserved = {base, config.pool_port} - {0}
+
+    def numbers() -> Iterator[int]:
+        p = base
+        while True:
+            p += 1
+            if p not in reserved:
+                yield p
+
+    nxt = numbers()
+    workers = tuple(next(nxt) for _ in range(config.num_workers))
+    kv_events = next(nxt) if wants_kv_events(config) else 0
+    pool_metrics = pool = 0
+    if config.pool:
+        pool_metrics = next(nxt)
+        pool = config.pool_port or next(nxt)
+    return Ports(base, workers, kv_events, pool, pool_metrics)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The KV pool a launch starts: a master (metadata) and one store node on this host."""
+
+    port: int
+    metrics_port: int
+    mem: str
+    disk: str
+    disk_dir: str
+    owns_disk_dir: bool  # the launch made disk_dir (in its run folder) and removes it at stop
+
+    @property
+    def master(self) -> str:
+        return f"{POOL_HOST}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{POOL_HOST}:{self.metrics_port}"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process to start. env: the variables the launcher sets on top of its own environment; secret: the
+    process gets the launch's transfer secret in ``$PDSERVE_TRANSFER_SECRET`` (every other process has it
+    removed); url: where it answers (health or metrics; "" none); listen_port: the port to wait for before the
+    next process starts (0: do not wait)."""
+
+    name: str
+    kind: str  # "pool" | "worker" | "router"
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    secret: bool = False
+    url: str = ""
+    listen_port: int = 0
+
+    def environ(self, base: Mapping[str, str], secret: str = "") -> dict[str, str]:
+        """The full environment: ``base`` + :attr:`env`, pdserve first on PYTHONPATH, the secret or none."""
+        env = dict(base)
+        env.update(self.env)
+        env["PYTHONPATH"] = _prepend_path(str(REPO_ROOT), env.get("PYTHONPATH", ""))
+        env.pop(SECRET_ENV, None)
+        if self.secret:
+            if not secret:
+                raise ValueError(f"{self.name} needs the launch's transfer secret")
+            env[SECRET_ENV] = secret
+        return env
+
+
+def _prepend_path(entry: str, path: str) -> str:
+    parts = [p for p in path.split(os.pathsep) if p and p != entry]
+    return os.pathsep.join([entry, *parts])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a launch will run (``pdserve serve --dry-run`` prints it): processes in start order (pool master,
+    pool node, workers, router)."""
+
+    model_dir: Path
+    model_name: str
+    workers: tuple[WorkerConfig, ...]
+    ports: Ports
+    pool: PoolPlan | None
+    processes: tuple[ProcessSpec, ...]
+
+    @property
+    def router_port(self) -> int:
+        return self.ports.router
+
+    @property
+    def pool_port(self) -> int:
+        return self.pool.port if self.pool else 0
+
+    @property
+    def router(self) -> ProcessSpec:
+        return self.process("router")
+
+    @property
+    def router_argv(self) -> tuple[str, ...]:
+        return self.router.argv
+
+    def process(self, name: str) -> ProcessSpec:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no process {name!r} in this plan ({', '.join(p.name for p in self.processes)})")
+
+    def of_kind(self, kind: str) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.kind == kind]
+
+    def describe(self, secret_placeholder: str = "<generated per launch>") -> str:
+        """One line per process: ``[name] VAR=value ... argv`` (the variables the launcher sets)."""
+        lines = []
+        for p in self.processes:
+            words = [f"{k}={shlex.quote(v)}" for k, v in p.env.items() if k != "PYTHONUNBUFFERED"]
+            if p.secret:
+                words.append(f"{SECRET_ENV}={secret_placeholder}")
+            lines.append(f"[{p.name}] {' '.join([*words, shlex.join(p.argv)])}")
+        return "\n".join(lines)
+
+    def describe_ports(self) -> str:
+        p = self.ports
+        parts = [f"router {p.router}"]
+        parts += [f"{w.name} {w.port}" for w in self.workers]
+        if p.kv_events:
+            parts.append(f"kv events {p.kv_events}")
+        if self.pool:
+            parts.append(f"pool master {self.pool.port} (metrics {self.pool.metrics_port})")
+        return "ports: " + ", ".join(parts)
+
+
+def plan_workers(
+    config: LauncherConfig,
+    model_dir: str | os.PathLike,
+    ports: Sequence[int] | None = None,
+    cores: Sequence[int] | None = None,
+    kv_events_endpoint: str = "",
+    pool_master: str = "",
+) -> list[WorkerConfig]:
+    """One WorkerConfig per worker: prefill workers first, then decode (or the colocated ones).
+
+    ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
+    ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
+    kv_events_endpoint: the router's KV event sink the workers publish to; pool_master: HOST:PORT of the KV pool
+    master every connector saves to and loads from ("" none).
+    """
+    if config.colocated:
+        roles = [("colocated", i) for i in range(config.colocated)]
+    else:
+        roles = [("prefill", i) for i in range(config.prefill or 0)] + [("decode", i) for i in
+                                                                      range(config.decode or 0)]
+    pool = tuple(cores) if cores is not None else (config.cores or available_cores())
+    if config.cores_per_worker > len(pool):
+        raise ConfigError(
+            f"cores_per_worker={config.cores_per_worker} but only {len(pool)} cores available {pool}; "
+            "lower cores_per_worker"
+        )
+    bindings = assign_cores(len(roles), pool, config.cores_per_worker)
+    ports = dry_run_ports(config).workers if ports is None else tuple(ports)
+    if len(ports) != len(roles):
+        raise ValueError(f"need {len(roles)} ports, got {len(ports)}")
+    name = served_name(config, model_dir)
+    extra_config = dict(config.connector_extra)
+    if pool_master:
+        extra_config["pool_master"] = pool_master
+    role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": ()}
+    return [
+        WorkerConfig(
+            role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
+            kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype, served_model_name=name,
+            connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
+            extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
+            kv_events_endpoint=kv_events_endpoint,
+        )
+        for (role, index), port, bind in zip(roles, ports, bindings)
+    ]
+
+
+def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) -> PoolPlan | None:
+    """The KV pool (``config.pool``): its SSD tier in ``pool_disk_dir``, else in the run folder (then ours)."""
+    if not config.pool:
+        return None
+    if not ports.pool or not ports.pool_metrics:
+        raise ValueError(f"a launch with the KV pool needs its master's ports; got {ports}")
+    own = not config.pool_disk_dir
+    disk_dir = str(Path(run_dir) / "pool-ssd") if own else str(Path(config.pool_disk_dir).expanduser())
+    return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, config.pool_disk, disk_dir, own)
+
+
+def make_plan(
+    config: LauncherConfig,
+    model_dir: str | os.PathLike,
+    ports: Ports | None = None,
+    run_dir: str | os.PathLike = "<run dir>",
+    cores: Sequence[int] | None = None,
+    python: str = sys.executable,
+) -> Plan:
+    """Every process of a launch, in start order. ``ports`` default: :func:`dry_run_ports` (no socket)."""
+    model_dir = Path(model_dir)
+    ports = dry_run_ports(config) if ports is None else ports
+    if len(ports.workers) != config.num_workers:
+        raise ValueError(f"need {config.num_workers} worker ports, got {ports.workers}")
+    if wants_kv_events(config) and not ports.kv_events:
+        raise ValueError("policy=conductor needs a port for the router's KV event sink")
+    pool = plan_pool(config, ports, run_dir)
+    sink = f"tcp://{kv_events_host(config)}:{ports.kv_events}" if wants_kv_events(config) else ""
+    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "")
+    processes: list[ProcessSpec] = []
+    base_env = {"PYTHONUNBUFFERED": "1"}
+    if pool is not None:
+        processes.append(ProcessSpec("pool-master", "pool", tuple(pool_master_argv(pool.port, pool.metrics_port,
+                                                                                   python)),
+                                     base_env, secret=True, url=pool.metrics_url, listen_port=pool.port))
+        processes.append(ProcessSpec("pool-node", "pool", tuple(pool_node_argv(pool.master, pool.mem, pool.disk,
+                                                                               pool.disk_dir, python)),
+                                     base_env, secret=True))
+    for w in workers:
+        processes.append(ProcessSpec(w.name, "worker", tuple(worker_argv(w, python)), worker_env(w),
+                                     secret=w.connector, url=w.url))
+    # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
+    # master with the secret, which is the router's only use for it (it never touches KV bytes)
+    follows_pool = pool is not None and config.policy == "conductor"
+    router_argv = router_command(config, workers, model_dir, ports.router, python, kv_events_bind=sink,
+                                 pool_master=pool.master if pool is not None and follows_pool else "")
+    processes.append(ProcessSpec("router", "router", tuple(router_argv), base_env, secret=follows_pool,
+                                 url=f"http://{config.host}:{ports.router}"))
+    return Plan(model_dir, served_name(config, model_dir), tuple(workers), ports, pool, tuple(processes))
+
+
+def worker_command(worker: WorkerConfig, secret: str | None = None, base_env: Mapping[str, str] | None = None,
+                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """argv and full environment of one vLLM worker outside a plan (e.g. a worker started by hand in a test);
+    ``base_env`` default: this process's environment."""
+    spec = ProcessSpec(worker.name, "worker", tuple(worker_argv(worker, python)), worker_env(worker),
+                       secret=worker.connector)
+    return list(spec.argv), spec.environ(os.environ if base_env is None else base_env, secret or "")
+
+
+def router_env(base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment of a router started outside a plan: no transfer secret, pdserve first on PYTHONPATH."""
+    spec = ProcessSpec("router", "router", (), {"PYTHONUNBUFFERED": "1"})
+    return spec.environ(os.environ if base_env is None else base_env)

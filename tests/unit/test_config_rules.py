@@ -1,0 +1,80 @@
+"""The policy, SLO and decode-local rules live in pdserve.rules: the launcher, router and conductor configs all
+apply them, each with its own setting names and error class, and all give the same advice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve import rules
+from pdserve.conductor.config import POLICIES, ConductorConfig, ConductorConfigError
+from pdserve.config import ConfigError, LauncherConfig
+from pdserve.router.config import RouterConfig, RouterConfigError
+
+
+@pytest.fixture
+def router_dir(tmp_path) -> str:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return str(tmp_path)
+
+
+def _message(error: type[Exception], build) -> str:
+    with pytest.raises(error) as info:
+        build()
+    return str(info.value)
+
+
+def test_one_policy_list():
+    assert POLICIES is rules.POLICIES
+
+
+def test_bad_policy_same_advice_everywhere(router_dir):
+    launcher = _message(ConfigError, lambda: LauncherConfig(policy="random"))
+    router = _message(RouterConfigError, lambda: RouterConfig(model_dir=router_dir, colocated=("http://a:1",),
+                                                              policy="random"))
+    conductor = _message(ConductorConfigError, lambda: ConductorConfig(policy="random"))
+    assert launcher.startswith("policy='random'") and router.startswith("--policy='random'")
+    assert conductor.startswith("policy='random'")
+    advice = launcher.split(": ", 1)[1]
+    assert "round_robin, least_loaded, conductor" in advice
+    assert router.split(": ", 1)[1] == advice == conductor.split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("value", [0, -5, "fast", True])
+def test_bad_slo_same_advice_everywhere(router_dir, value):
+    launcher = _message(ConfigError, lambda: LauncherConfig(policy="conductor", ttft_slo_ms=value))
+    router = _message(RouterConfigError, lambda: RouterConfig(model_dir=router_dir, colocated=("http://a:1",),
+                                                              tpot_slo_ms=value))
+    conductor = _message(ConductorConfigError, lambda: ConductorConfig(ttft_slo_s=value))
+    assert launcher.startswith(f"ttft_slo_ms={value!r}: a target in ms > 0")
+    assert router.startswith(f"--tpot-slo-ms={value!r}: a target in ms > 0")
+    assert conductor.startswith(f"ttft_slo_s={value!r}: a target in seconds > 0")
+    assert all("429" in m for m in (launcher, router, conductor))
+
+
+def test_slo_needs_the_conductor_in_the_launcher():
+    with pytest.raises(ConfigError, match="needs policy=conductor"):
+        LauncherConfig(tpot_slo_ms=50)
+    assert LauncherConfig(policy="conductor", ttft_slo_ms=500, tpot_slo_ms=50.5).tpot_slo_ms == 50.5
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True])
+def test_bad_local_prefill_tokens_same_advice(router_dir, value):
+    router = _message(RouterConfigError, lambda: RouterConfig(model_dir=router_dir, colocated=("http://a:1",),
+                                                              local_prefill_tokens=value))
+    conductor = _message(ConductorConfigError, lambda: ConductorConfig(local_prefill_tokens=value))
+    assert router.startswith(f"--local-prefill-tokens={value!r}:")
+    assert router.split(": ", 1)[1] == conductor.split(": ", 1)[1]
+    assert "learn" in router
+
+
+def test_good_values_pass():
+    for p in POLICIES:
+        rules.check_policy(p)
+    rules.check_slo(None, "x")
+    rules.check_slo(0.5, "x", "seconds")
+    rules.check_local_prefill_tokens(None)
+    rules.check_local_prefill_tokens(0)
+    assert ConductorConfig(local_prefill_tokens=0, ttft_slo_s=1.0).local_prefill_tokens == 0
