@@ -29,6 +29,10 @@ class OutOfStep(TransferError):
     """The request cannot be skipped cleanly: reply with the error, then close the connection."""
 
 
+class Broken(TransferError):
+    """The reply is already under way (payload half sent): close the connection without a reply."""
+
+
 @dataclass
 class PeerContext:
     sock: socket.socket
@@ -86,6 +90,8 @@ class ControlServer:
                 raise OutOfStep("protocol", f"unknown request type {msg['t']!r}")
             handler(ctx, msg)
         except TransferError as exc:
+            if isinstance(exc, Broken):
+                raise
             wire.send_msg(ctx.sock, {"t": "err", "code": exc.code, "m": exc.message})
             if isinstance(exc, OutOfStep) or exc.code == "protocol":
                 raise
