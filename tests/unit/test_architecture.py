@@ -16,9 +16,9 @@ PKG = ROOT / "pdserve"
 # package -> (pdserve packages/modules it may import, third-party top-level modules it must not import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
     "transfer": (set(), {"vllm", "aiohttp", "zmq", "transformers"}),
-    "conductor": ({"hashing"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
+    "conductor": ({"hashing", "rules"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "store": ({"transfer"}, {"vllm", "aiohttp", "transformers"}),
-    "router": ({"conductor", "hashing", "prom", "store", "transfer"}, {"vllm", "torch"}),
+    "router": ({"conductor", "hashing", "prom", "rules", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
