@@ -84,8 +84,10 @@ class LocalBackend(Backend):
     def on_register(self, region: Region) -> None:
         if region.kind != "cuda":
             return
-        from .cuda import export_ipc
+        from .cuda import CudaMemory, export_ipc
 
+        if not isinstance(region.staged, CudaMemory):
+            return
         try:
             record = export_ipc(region.staged)  # type: ignore[arg-type]
         except (RuntimeError, TypeError) as exc:  # e.g. memory not from torch's caching allocator
