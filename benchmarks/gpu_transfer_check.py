@@ -145,7 +145,6 @@ def sync(device: Any) -> None:
 # ---- processes ----
 def engines_for(backends: list[str], device: Any, tensors: dict[str, Any]) -> dict[str, Any]:
     """One engine per optional backend plus "base" (tcp and local), each registering every region."""
-    import torch
     from pdserve.transfer import TransferConfig, TransferEngine
     engines = {}
     for name in ["base", *backends]:
