@@ -30,7 +30,7 @@ class EngineContext:
     pid: int
     regions: RegionTable
     executor: ThreadPoolExecutor
-    staging: CopierPool = field(default_factory=lambda: CopierPool(4 << 20))
+    staging: CopierPool = field(default_factory=lambda: CopierPool(1 << 20))
     _pools: dict[Any, PeerPool] = field(default_factory=dict)
     _pools_lock: threading.Lock = field(default_factory=threading.Lock)
 

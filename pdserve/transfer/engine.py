@@ -77,8 +77,16 @@ class TransferEngine:
         up to a permutation of its dims; offsets address its bytes in memory order), an mmap, a bytearray,
         or a :class:`~pdserve.transfer.staging.StagedMemory`."""
         region = self._regions.register(name, buffer)
-        for backend in self._backends.values():
-            backend.on_register(region)
+        done: list[Backend] = []
+        try:
+            for backend in self._backends.values():
+                backend.on_register(region)
+                done.append(backend)
+        except BaseException:  # a backend refused it: no half-registered region stays behind
+            for backend in done:
+                backend.on_unregister(region)
+            self._regions.unregister(name)
+            raise
         return region
 
     def unregister(self, name: str) -> None:

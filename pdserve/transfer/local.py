@@ -84,8 +84,10 @@ class LocalBackend(Backend):
     def on_register(self, region: Region) -> None:
         if region.kind != "cuda":
             return
-        from .cuda import export_ipc
+        from .cuda import CudaMemory, export_ipc
 
+        if not isinstance(region.staged, CudaMemory):
+            return
         try:
             record = export_ipc(region.staged)  # type: ignore[arg-type]
         except (RuntimeError, TypeError) as exc:  # e.g. memory not from torch's caching allocator
@@ -102,11 +104,13 @@ class LocalBackend(Backend):
     def accepts(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> bool:
         """Host memory on both sides (process_vm), or CUDA on both sides with the peer's IPC records."""
         regions = self.ctx.regions
-        kinds = {(regions.get(e.local_region).kind, peer.memory(e.peer_region)[0]) for e in entries}
-        if kinds <= {("cpu", "cpu")}:
+        peer_names = {e.peer_region for e in entries}  # per region, not per entry: batches hold thousands
+        mine = {regions.get(name).kind for name in {e.local_region for e in entries}}
+        theirs = {peer.memory(name)[0] for name in peer_names}
+        if mine <= {"cpu"} and theirs <= {"cpu"}:
             return True
         shared = peer.backends.get("local", {}).get("ipc", {})
-        return kinds == {("cuda", "cuda")} and all(e.peer_region in shared for e in entries)
+        return mine == theirs == {"cuda"} and peer_names <= set(shared)
 
     def control_address(self, peer: SegmentDescriptor) -> Address:
         return peer.backends["local"]["uds"]

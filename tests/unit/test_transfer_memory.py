@@ -131,3 +131,50 @@ def test_cuda_tensor_moves_byte_exact_over_tcp_staging():
         a.register("back", back)
         a.read(b.segment(), [("back", 0, "dst", (3 << 20) + 1, 1000)])
         assert torch.equal(back, src[5:1005])
+
+
+class FakeCudaMemory(HostMemory):
+    """Host bytes that describe themselves as cuda:1 (the host copier moves them): routing tests on CPU."""
+
+    kind = "cuda"
+    device = 1
+
+
+def fake_cuda(arr: np.ndarray) -> FakeCudaMemory:
+    return FakeCudaMemory(memoryview(arr), int(arr.ctypes.data))
+
+
+def test_device_regions_route_to_staging_over_tcp_when_no_ipc_is_offered():
+    cfg = TransferConfig(secret="s" * 16, staging_chunk_bytes=4096)
+    src = np.random.default_rng(3).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst, host_dst = np.zeros(1 << 16, np.uint8), np.zeros(100, np.uint8)
+    with TransferEngine(cfg) as owner, TransferEngine(cfg) as me:
+        owner.register("gpu", fake_cuda(src))
+        owner.register("cpu", bytearray(100))
+        me.register("gpu", fake_cuda(dst))
+        me.register("host", host_dst)
+        seg = owner.segment()
+        assert seg.regions["gpu"] == [int(src.ctypes.data), 1 << 16, "cuda", 1] and seg.memory("gpu") == ("cuda", 1)
+        from pdserve.transfer.batch import TransferEntry
+        gpu = [TransferEntry("gpu", 0, "gpu", 0, 10)]
+        assert me.choose_backend(seg, None, gpu).name == "tcp"  # no IPC records in a fake-CUDA descriptor
+        mixed = [TransferEntry("host", 0, "gpu", 0, 10)]
+        assert me.choose_backend(seg, None, mixed).name == "tcp"
+        with pytest.raises(TransferError) as err:
+            me.choose_backend(seg, "local", gpu)
+        assert err.value.code == "unavailable"
+        me.read(seg, [("gpu", 100, "gpu", 5000, 30000), ("host", 0, "gpu", 7, 100)])
+        assert dst[100:30100].tobytes() == src[5000:35000].tobytes() and not dst[:100].any() and not dst[30100:].any()
+        assert host_dst.tobytes() == src[7:107].tobytes()
+
+
+def test_mooncake_without_gpu_support_refuses_cuda_regions_and_leaves_nothing_registered():
+    pytest.importorskip("mooncake.engine")
+    from pdserve.transfer.mooncake import cuda_build
+    if cuda_build():
+        pytest.skip("this Mooncake build supports GPU memory")
+    with TransferEngine(TransferConfig(secret="s" * 16, backend="mooncake")) as eng:
+        with pytest.raises(TransferError, match="no GPU support"):
+            eng.register("gpu", fake_cuda(np.zeros(4096, np.uint8)))
+        assert "gpu" not in eng.segment().regions
+        eng.register("gpu", np.zeros(4096, np.uint8))  # the name is free again; host memory still registers
