@@ -30,9 +30,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Iterable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
+from .prom import parse, types
 
 log = logging.getLogger("pdserve.drain")
 
@@ -164,31 +165,7 @@ def deregister(config: DrainConfig, resolve: Callable[[str, int], Iterable[str]]
 
 def parse_prometheus(text: str) -> tuple[dict[str, float], dict[str, str]]:
     """Prometheus text exposition -> ({metric name: sum over its label sets}, {metric name: TYPE})."""
-    sums: dict[str, float] = {}
-    types: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            bits = line.split()
-            if len(bits) >= 4 and bits[1] == "TYPE":
-                types[bits[2]] = bits[3]
-            continue
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            rest = rest[rest.rfind("}") + 1:]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        sums[name.strip()] = sums.get(name.strip(), 0.0) + value
-    return sums, types
+    return parse(text), types(text)
 
 
 def busy_counts(text: str) -> tuple[dict[str, float], bool]:

@@ -163,15 +163,20 @@ class Conductor:
     def _baseline(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad]) -> Decision:
         now = self.clock()
         if self.config.policy == "round_robin":
-            p, d = self._pick_rr("prefill", prefill), self._pick_rr("decode", decode)
+            p = self._pick_rr("prefill", prefill)
         else:
             p = min(prefill, key=lambda w: (w.queued_prefill_tokens(), len(w.prefills), w.worker_id))
-            st = self.config.load_staleness_s
-            d = min(decode, key=lambda w: (w.running_decodes(), w.kv_used_tokens(now, st), w.worker_id))
+        d = self._baseline_decode(decode, now)
         cached = self._own_cached(req, p)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
                         tpot_s=self._tpot(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
+
+    def _baseline_decode(self, decode: list[WorkerLoad], now: float) -> WorkerLoad:
+        if self.config.policy == "round_robin":
+            return self._pick_rr("decode", decode)
+        st = self.config.load_staleness_s
+        return min(decode, key=lambda w: (w.running_decodes(), w.kv_used_tokens(now, st), w.worker_id))
 
     def _colocated(self, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
         now = self.clock()
@@ -338,6 +343,35 @@ class Conductor:
             job_d = dw.decodes[request_id]
             job_d.started_at = now
             job_d.last_progress_at = now
+
+    def replace_decode(self, request_id: str, exclude: frozenset[str] = frozenset()) -> str:
+        """Move a placed request's decode to another worker (its D failed before answering): the prefill side
+        (P, its queue, its prefill observation) is untouched; the new D is chosen the way the policy picks a
+        decode worker (round-robin ring, least loaded, or lowest predicted TPOT among those with KV room).
+        Raises :class:`NoWorker` when no live decode worker is left, KeyError for an unknown request."""
+        pl = self._placed[request_id]
+        old = self.workers.get(pl.decode_worker or "")
+        job = old.decodes.pop(request_id, None) if old is not None else None
+        skip = exclude | {pl.decode_worker or ""}
+        decode = [w for w in self.workers.values() if w.healthy and w.can_decode and w.worker_id not in skip]
+        if not decode:
+            if job is not None and old is not None:
+                old.decodes[request_id] = job  # nothing moved: finished() still releases it there
+            raise NoWorker("decode", "no live decode worker")
+        now = self.clock()
+        ctx, left = (job.context_tokens, job.remaining_tokens) if job is not None else (0, 0)
+        req = PlacementRequest(request_id, ctx, (), left)
+        if self.config.policy != "conductor":
+            d = self._baseline_decode(decode, now)
+        else:
+            fitting = [w for w in decode if self._fits(w, req, now)] or decode
+            d = min(fitting, key=lambda w: (self._tpot(w, now, now, req), w.worker_id))
+        if job is not None:
+            job.last_progress_at = now if job.started_at is not None else None
+            d.decodes[request_id] = job
+        pl.decode_worker = d.worker_id
+        pl.first_decode_seen = True  # the wait on the failed D is no hand-off time: do not observe it
+        return d.worker_id
 
     def decode_progress(self, request_id: str, tokens_done: int) -> None:
         """``tokens_done`` output tokens so far (including the first). Feeds decode-step and hand-off times."""

@@ -3,8 +3,10 @@
     python -m pdserve.router --model-dir DIR --prefill http://127.0.0.1:P --decode http://127.0.0.1:D
     python -m pdserve.router --model-dir DIR --colocated http://127.0.0.1:W1 http://127.0.0.1:W2   # baseline
 
-Modules: config (RouterConfig), protocol (OpenAI schemas), tokenizer (chat template), placement (round-robin,
-the conductor's seam), workers (HTTP clients), handoff (P -> D), metrics (Prometheus), app (aiohttp server).
+Modules: config (RouterConfig), protocol (OpenAI schemas), tokenizer (chat template), registry (the workers:
+membership, roles, health), placement (the conductor's seam) and ticket (one request's placement lifecycle),
+workers (HTTP clients), handoff (P -> D), membership (the /v1/pdserve/workers API), metrics (Prometheus), app
+(aiohttp server).
 """
 
 from .config import RouterConfig, RouterConfigError

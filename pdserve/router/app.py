@@ -26,10 +26,11 @@ from .calibration import calibrate
 from .config import kv_bytes_per_token
 from .kv_events import KVEventSink
 from .load_probe import read_worker_load
-from .membership import add_routes as add_membership_routes
-from .metrics import conductor_metrics_text
+from .membership import Membership
+from .metrics import ConductorCollector
 from .pool_index import PoolIndexFollower
 from .placement import ConductorPlacement, Placement, make_placement
+from .registry import WorkerRegistry
 from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
     parse_json, sse
 from .tokenizer import PromptTokenizer
@@ -50,14 +51,12 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or PromptTokenizer(config.model_dir)
         self.metrics = RouterMetrics()
-        self.workers: dict[str, Worker] = {}
-        for role, url in config.all_workers():
-            self.workers.setdefault(url, Worker(url)).roles.add(role)
-        self.placement: Placement = placement or make_placement(self.workers, ConductorConfig(
+        self.placement: Placement = placement or make_placement(WorkerRegistry(config.all_workers()), ConductorConfig(
             policy=config.policy, block_size=config.block_size,
             ttft_slo_s=None if config.ttft_slo_ms is None else config.ttft_slo_ms / 1000.0,
             tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1000.0,
             local_prefill_tokens=config.local_prefill_tokens), kv_bytes_per_token(config.model_dir))
+        self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
         self.session: aiohttp.ClientSession | None = None
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -66,12 +65,23 @@ class Router:
         self.pool: PoolIndexFollower | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
+        self.registry.subscribe(self)
+        if self.conducted is not None:
+            self.metrics.registry.register(ConductorCollector(
+                self.conducted, lambda: self.events.batches if self.events is not None else {}))
 
     @property
     def conducted(self) -> ConductorPlacement | None:
         return self.placement if isinstance(self.placement, ConductorPlacement) else None
 
-    def forget_events(self, url: str) -> None:
+    # ---- RegistryListener: a removed worker's KV event stream is forgotten ----
+    def worker_added(self, worker: Worker) -> None:
+        pass
+
+    def health_changed(self, worker: Worker) -> None:
+        pass
+
+    def worker_removed(self, url: str) -> None:
         if self.events is not None:
             self.events.forget(url)
 
@@ -113,7 +123,7 @@ class Router:
         """Read every worker's /metrics (queue, running, KV usage and capacity) into the conductor."""
         assert self.session is not None
         while True:
-            workers = list(self.workers.values())
+            workers = list(self.registry)
             reports = await asyncio.gather(*(read_worker_load(self.session, w.url, self.config.health_timeout_s)
                                              for w in workers))
             for w, r in zip(workers, reports):
@@ -124,8 +134,8 @@ class Router:
     async def _calibrate(self, cp: ConductorPlacement) -> None:
         assert self.client is not None
         try:
-            self.calibration = await calibrate(self.client, cp.conductor, self.workers, self.tokenizer.vocab_size,
-                                               self.config.max_model_len)
+            self.calibration = await calibrate(self.client, cp.conductor, list(self.registry),
+                                               self.tokenizer.vocab_size, self.config.max_model_len)
         except Exception:
             log.exception("start-up calibration failed; the cost model keeps its defaults")
 
@@ -139,16 +149,13 @@ class Router:
 
     async def probe(self) -> list[dict[str, Any]]:
         assert self.client is not None
-        workers = list(self.workers.values())
+        workers = list(self.registry)
         results = await asyncio.gather(*(self.client.health(w.url, self.config.health_timeout_s) for w in workers))
         out = []
         for w, (ok, detail) in zip(workers, results):
-            if ok != w.healthy:
-                log.warning("worker %s is now %s (%s)", w.url, "healthy" if ok else "unhealthy", detail)
-            w.healthy = ok
-            w.last_error = "" if ok else detail
+            self.registry.set_health(w.url, ok, detail)
             for role in sorted(w.roles):
-                self.metrics.worker_healthy.set(1.0 if ok else 0.0, role, w.url)
+                self.metrics.worker_healthy.labels(role, w.url).set(1.0 if ok else 0.0)
             out.append({"url": w.url, "roles": sorted(w.roles), "healthy": ok, "detail": detail})
         return out
 
@@ -162,19 +169,17 @@ class Router:
     async def ready(self, request: web.Request) -> web.Response:
         """200 when a request could be placed now (a healthy worker for each role it needs), from the last
         probes; unlike /health, one dead worker of several does not make the router unready."""
-        healthy = [w for w in self.workers.values() if w.healthy]
+        healthy = self.registry.healthy()
         need = (("colocated",),) if self.config.mode == "colocated" else (("prefill",), ("decode",))
         missing = [r[0] for r in need if not any(set(r) & w.roles for w in healthy)]
         body = {"status": "ready" if not missing else "not ready", "mode": self.config.mode,
-                "healthy_workers": len(healthy), "workers": len(self.workers)}
+                "healthy_workers": len(healthy), "workers": len(self.registry)}
         if missing:
             body["missing"] = missing
         return web.json_response(body, status=200 if not missing else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = self.metrics.render()
-        if self.conducted is not None:
-            text += conductor_metrics_text(self.conducted, self.events.batches if self.events else {})
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
@@ -263,14 +268,14 @@ class Router:
             status = "client_disconnected"
             raise
         finally:
-            m.inflight.inc(amount=-1)
-            m.requests.inc(endpoint, status)
+            m.inflight.dec()
+            m.requests.labels(endpoint, status).inc()
             if t.end is None:
                 t.end = time.perf_counter()
             if done and status == "200":
                 m.observe_timings(t.mode, t.report())
-                m.prompt_tokens.inc(amount=t.prompt_tokens)
-                m.completion_tokens.inc(amount=t.tokens)
+                m.prompt_tokens.inc(t.prompt_tokens)
+                m.completion_tokens.inc(t.tokens)
 
     async def _collect(self, req: GenerationRequest, gen: Generation, builder: ResponseBuilder,
                        prompt_ids: list[int]) -> web.Response:
@@ -376,7 +381,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
-    add_membership_routes(app, router)
+    Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
     return app
 
 

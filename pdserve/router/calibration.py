@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Sequence
 
 from ..conductor import Conductor
 from .workers import Wait, Worker, WorkerClient, WorkerError
@@ -23,20 +24,20 @@ def calibration_lengths(max_model_len: int) -> list[int]:
     return sorted({min(n, cap) for n in (32, 256, 1024)})
 
 
-async def calibrate(client: WorkerClient, conductor: Conductor, workers: dict[str, Worker], vocab_size: int,
+async def calibrate(client: WorkerClient, conductor: Conductor, workers: Sequence[Worker], vocab_size: int,
                     max_model_len: int, wait_healthy_s: float = 900.0, repeats: int = 2) -> dict:
     """Returns what was measured ({"prefill": [(url, tokens, s)], "decode": [(url, step_s)]})."""
     rng = random.Random(0x5EED)
     hi = max(2, min(vocab_size, 32000))
     deadline = time.monotonic() + wait_healthy_s
     while time.monotonic() < deadline:
-        ok = await asyncio.gather(*(client.health(w.url, 2.0) for w in workers.values()))
+        ok = await asyncio.gather(*(client.health(w.url, 2.0) for w in workers))
         if ok and all(o for o, _ in ok):
             break
         await asyncio.sleep(1.0)
     out: dict = {"prefill": [], "decode": []}
     cost = conductor.cost
-    for w in list(workers.values()):
+    for w in list(workers):
         role = conductor.workers.get(w.url)
         if role is None:
             continue

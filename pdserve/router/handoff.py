@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator
 
 from .errors import RouterError, from_worker, upstream_failed
 from .metrics import RouterMetrics
-from .placement import Choice, Placement
+from .placement import Placement
 from .protocol import GenerationRequest
+from .ticket import PlacementTicket
 from .tokenizer import IncrementalDetokenizer
 from .workers import Wait, Worker, WorkerClient, WorkerError
 
@@ -177,7 +178,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
-        self.choice: Choice | None = None  # the placement in force (closed with placement.finished)
+        self.ticket: PlacementTicket | None = None  # the placement in force; _raw closes it
 
     # ---- worker bodies ----
     def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -198,10 +199,9 @@ class Generation:
         return body
 
     def _fail(self, w: Worker, role: str, e: WorkerError) -> None:
-        self.metrics.worker_errors.inc(role, e.kind)
+        self.metrics.worker_errors.labels(role, e.kind).inc()
         if e.kind in _RETRYABLE:
-            w.healthy = False
-            w.last_error = str(e)
+            self.placement.registry.set_health(w.url, False, str(e))
 
     @staticmethod
     def _as_router_error(e: WorkerError) -> RouterError:
@@ -223,8 +223,8 @@ class Generation:
                     if self.t.first_token is None:
                         self.t.first_token = now
                     self.t.last_token = now
-                    if self.choice is not None:
-                        self.placement.progress(self.choice, self.t.tokens)
+                    if self.ticket is not None:
+                        self.ticket.progress(self.t.tokens)
                 if hit is not None:
                     self.finish_reason, self.stop_reason = "stop", hit
                     yield Delta(text, raw.token_ids, "stop", hit)
@@ -237,12 +237,15 @@ class Generation:
         raise upstream_failed("worker stream ended without a finish_reason")
 
     async def _raw(self) -> AsyncIterator[Delta]:
+        """Place the request and run it; a worker that never accepted it (P, or a whole-request worker) is
+        excluded and the request placed again on a fresh ticket. Each ticket is closed here, exactly once."""
         exclude: set[str] = set()
         while True:
-            choice = self._choose(exclude)
+            ticket = self.ticket = self.placement.choose(self.prompt_ids, frozenset(exclude), self.req.request_id,
+                                                         self.max_tokens)
             try:
-                gen = self._one_worker(choice.decode) if self.colocated or choice.prefill is None \
-                    else self._pd(choice, exclude)
+                gen = self._one_worker(ticket) if self.colocated or ticket.prefill is None \
+                    else self._pd(ticket, exclude)
                 async with aclosing(gen) as deltas:
                     async for d in deltas:
                         yield d
@@ -250,28 +253,19 @@ class Generation:
             except _Retry as r:
                 exclude.add(r.url)
             finally:
-                self._release()
+                ticket.close()
 
-    def _choose(self, exclude: set[str]) -> Choice:
-        self._release()
-        self.choice = self.placement.choose(self.prompt_ids, frozenset(exclude), self.req.request_id,
-                                            self.max_tokens)
-        return self.choice
-
-    def _release(self) -> None:
-        if self.choice is not None:
-            self.placement.finished(self.choice)
-            self.choice = None
-
-    async def _one_worker(self, w: Worker) -> AsyncIterator[Delta]:
+    async def _one_worker(self, ticket: PlacementTicket) -> AsyncIterator[Delta]:
+        w = ticket.decode
         self.t.decode_worker = w.url
         body = self._body(self.prompt_ids, self.max_tokens, True)
-        async with aclosing(self._decode_stream(w, body, "colocated" if self.colocated else "decode")) as deltas:
+        async with aclosing(self._decode_stream(ticket, w, body, "colocated" if self.colocated else "decode")
+                            ) as deltas:
             async for d in deltas:
                 yield d
 
-    async def _pd(self, choice: Choice, exclude: set[str]) -> AsyncIterator[Delta]:
-        p = choice.prefill
+    async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncIterator[Delta]:
+        p = ticket.prefill
         assert p is not None
         self.t.prefill_worker = p.url
         body = self._body(self.prompt_ids, 1, False)
@@ -288,8 +282,7 @@ class Generation:
                 raise _Retry(p.url) from None
             raise self._as_router_error(e) from None
         self.t.p_done = time.perf_counter()
-        if self.choice is not None:
-            self.placement.prefill_done(self.choice)
+        ticket.prefill_done()
         try:
             c0 = resp["choices"][0]
             ids = c0.get("token_ids")
@@ -299,7 +292,7 @@ class Generation:
             if not isinstance(ids, list) or len(ids) != 1 or not isinstance(text, str):
                 raise ValueError(f"expected one token id, got token_ids={ids!r}")
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            self.metrics.worker_errors.inc("prefill", "protocol")
+            self.metrics.worker_errors.labels("prefill", "protocol").inc()
             raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
         kvp = resp.get("kv_transfer_params")
         _transfer_stats(resp, self.t)
@@ -307,33 +300,31 @@ class Generation:
         if self.detok is not None:
             text = self.detok.step(t1)
         if finish == "stop" or self.max_tokens == 1:
-            self.metrics.handoffs.inc("skipped")
+            self.metrics.handoffs.labels("skipped").inc()
             yield Delta(text, [t1], finish or "length", stop_reason)
             return
         if finish != "length":
             raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
         yield Delta(text, [t1])
-        self.metrics.handoffs.inc("kv" if isinstance(kvp, dict) else "no_kv")
+        self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
         d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp
-        d = choice.decode
         tries: set[str] = set()
         while True:
+            d = ticket.decode
             self.t.decode_worker = d.url
             try:
-                async with aclosing(self._decode_stream(d, d_body, "decode", after_first=True)) as deltas:
+                async with aclosing(self._decode_stream(ticket, d, d_body, "decode", after_first=True)) as deltas:
                     async for delta in deltas:
                         yield delta
                 return
-            except _Retry as r:  # D unreachable: P's blocks are still leased, try another D
+            except _Retry as r:  # D unreachable: P's blocks are still leased, move only the decode
                 tries.add(r.url)
-                d = self._choose(exclude | tries).decode
-                assert self.choice is not None
-                self.placement.prefill_done(self.choice)
+                ticket.replace_decode(frozenset(exclude | tries))
 
-    async def _decode_stream(self, w: Worker, body: dict, role: str, after_first: bool = False
-                             ) -> AsyncIterator[Delta]:
+    async def _decode_stream(self, ticket: PlacementTicket, w: Worker, body: dict, role: str,
+                             after_first: bool = False) -> AsyncIterator[Delta]:
         now = time.perf_counter()
         if self.t.dispatch is None:
             self.t.dispatch = now
@@ -356,8 +347,8 @@ class Generation:
                     if not started and (ids or text):
                         started = True
                         self.t.d_first = time.perf_counter()
-                        if not after_first and self.choice is not None:
-                            self.placement.prefill_done(self.choice)  # whole request here: prompt computed
+                        if not after_first:
+                            ticket.prefill_done()  # whole request here: prompt computed
                     delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"))
                     if delta.finish_reason is None:
                         yield delta

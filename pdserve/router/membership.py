@@ -12,22 +12,20 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from aiohttp import web
 
-from .config import RouterConfigError, _check_url
+from .config import RouterConfig, RouterConfigError, _check_url
 from .errors import RouterError, bad_request, not_found
-from .workers import Worker
-
-if TYPE_CHECKING:
-    from .app import Router
+from .placement import Placement
+from .registry import WorkerRegistry
 
 PATH = "/v1/pdserve/workers"
 
 
-def _authorize(router: "Router", request: web.Request) -> None:
-    token = router.config.admin_token
+def _authorize(config: RouterConfig, request: web.Request) -> None:
+    token = config.admin_token
     if token:
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
@@ -56,68 +54,65 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _listing(router: "Router") -> dict[str, Any]:
-    cp = router.conducted
-    snap = {s["worker"]: s for s in cp.conductor.snapshot()} if cp is not None else {}
-    workers = []
-    for w in router.workers.values():
-        item: dict[str, Any] = {"url": w.url, "roles": sorted(w.roles), "healthy": w.healthy,
-                                "last_error": w.last_error or None}
-        item.update({k: v for k, v in snap.get(w.url, {}).items() if k not in ("worker", "role", "healthy")})
-        workers.append(item)
-    out: dict[str, Any] = {"policy": router.config.policy, "mode": router.config.mode, "workers": workers}
-    if cp is not None:
-        describe = getattr(cp.conductor.cost, "describe", None)
-        if describe is not None:
-            out["cost_model"] = describe()
-        out["decisions"] = dict(cp.conductor.counts)
-        out["indexed_blocks"] = len(cp.conductor.index)
-    if router.calibration is not None:
-        out["calibration"] = router.calibration
-    return out
+class Membership:
+    """The membership API over the app's registry; the conductor follows the registry by itself."""
 
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, placement: Placement,
+                 calibration: Callable[[], dict | None] = lambda: None) -> None:
+        self.config = config
+        self.registry = registry
+        self.placement = placement
+        self.calibration = calibration
 
-def add_routes(app: web.Application, router: "Router") -> None:
-    async def list_workers(request: web.Request) -> web.Response:
-        _authorize(router, request)
-        return web.json_response(_listing(router))
+    def listing(self) -> dict[str, Any]:
+        conductor = getattr(self.placement, "conductor", None)
+        snap = {s["worker"]: s for s in conductor.snapshot()} if conductor is not None else {}
+        workers = []
+        for w in self.registry:
+            item: dict[str, Any] = {"url": w.url, "roles": sorted(w.roles), "healthy": w.healthy,
+                                    "last_error": w.last_error or None}
+            item.update({k: v for k, v in snap.get(w.url, {}).items() if k not in ("worker", "role", "healthy")})
+            workers.append(item)
+        out: dict[str, Any] = {"policy": self.config.policy, "mode": self.config.mode, "workers": workers}
+        if conductor is not None:
+            describe = getattr(conductor.cost, "describe", None)
+            if describe is not None:
+                out["cost_model"] = describe()
+            out["decisions"] = dict(conductor.counts)
+            out["indexed_blocks"] = len(conductor.index)
+        calibration = self.calibration()
+        if calibration is not None:
+            out["calibration"] = calibration
+        return out
 
-    async def add_worker(request: web.Request) -> web.Response:
-        _authorize(router, request)
+    async def list_workers(self, request: web.Request) -> web.Response:
+        _authorize(self.config, request)
+        return web.json_response(self.listing())
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        _authorize(self.config, request)
         body = await _body(request)
         role = body.get("role")
-        allowed = ("colocated",) if router.config.mode == "colocated" else ("prefill", "decode")
+        allowed = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
         if role not in allowed:
-            raise bad_request(f"role must be one of {', '.join(allowed)} (this router is {router.config.mode})",
+            raise bad_request(f"role must be one of {', '.join(allowed)} (this router is {self.config.mode})",
                               "role")
         try:
             url = _check_url("url", str(body.get("url") or ""))
         except RouterConfigError as e:
             raise bad_request(str(e), "url") from None
-        cp = router.conducted
-        w = router.workers.get(url) or Worker(url)
-        w.roles.add(role)
-        w.healthy, w.last_error = True, ""
-        if cp is not None:
-            cp.add(w)
-        else:
-            router.workers[url] = w
+        w = self.registry.add(url, role)
         return web.json_response({"added": url, "roles": sorted(w.roles)}, status=201)
 
-    async def remove_worker(request: web.Request) -> web.Response:
-        _authorize(router, request)
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        _authorize(self.config, request)
         body = await _body(request)
         url = str(body.get("url") or "").rstrip("/")
-        if url not in router.workers:
+        if self.registry.remove(url) is None:
             raise not_found(f"no worker {url!r} is registered (GET {PATH} lists them)", "url")
-        cp = router.conducted
-        if cp is not None:
-            cp.remove(url)
-        else:
-            router.workers.pop(url, None)
-        router.forget_events(url)
         return web.json_response({"removed": url})
 
-    app.router.add_get(PATH, list_workers)
-    app.router.add_post(PATH, add_worker)
-    app.router.add_delete(PATH, remove_worker)
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(PATH, self.list_workers)
+        app.router.add_post(PATH, self.add_worker)
+        app.router.add_delete(PATH, self.remove_worker)

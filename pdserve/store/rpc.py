@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from pdserve.transfer import wire
 from pdserve.transfer.errors import TransferError
+from pdserve.transfer.listener import ThreadedListener
 
 log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Any]
@@ -37,24 +38,10 @@ class RpcServer:
         self.secret = secret
         self.handlers = handlers
         self.name = name
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        sock = socket.create_server((host, port), reuse_port=False)
         self.host = host
-        self.port = self._sock.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name=f"{self.name}-conn", daemon=True).start()
+        self.port = sock.getsockname()[1]
+        self._listener = ThreadedListener([sock], self._serve, name)
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -62,17 +49,11 @@ class RpcServer:
             sock.settimeout(10.0)
             wire.server_handshake(sock, self.secret)
             sock.settimeout(None)
-            while not self._closed:
+            while not self._listener.closed:
                 msg = wire.recv_msg(sock)
                 wire.send_msg(sock, self._dispatch(msg))
         except (OSError, TransferError) as exc:
             log.debug("%s: connection closed: %s", self.name, exc)
-        except Exception:
-            log.exception("%s: connection handler crashed; closing that connection", self.name)
-        finally:
-            with self._lock:
-                self._conns.discard(sock)
-            sock.close()
 
     def _dispatch(self, msg: dict[str, Any]) -> dict[str, Any]:
         method = msg.get("m")
@@ -91,18 +72,7 @@ class RpcServer:
             return {"t": "err", "code": "internal", "m": f"{method}: {type(exc).__name__}: {exc}"}
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        with self._lock:
-            conns = list(self._conns)
-        for sock in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._listener.close()
 
 
 class RpcClient:

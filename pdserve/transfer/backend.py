@@ -17,6 +17,7 @@ from .descriptor import SegmentDescriptor
 from .errors import TransferError
 from .regions import Region, RegionTable
 from .server import Handler
+from .staging import CopierPool
 
 
 @dataclass
@@ -29,6 +30,7 @@ class EngineContext:
     pid: int
     regions: RegionTable
     executor: ThreadPoolExecutor
+    staging: CopierPool = field(default_factory=lambda: CopierPool(4 << 20))
     _pools: dict[Any, PeerPool] = field(default_factory=dict)
     _pools_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -45,6 +47,7 @@ class EngineContext:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.close()
+        self.staging.close()
 
 
 class Backend(ABC):
@@ -71,6 +74,10 @@ class Backend(ABC):
     @abstractmethod
     def supports(self, peer: SegmentDescriptor) -> bool:
         """True when this backend can reach ``peer``."""
+
+    def accepts(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> bool:
+        """True when this backend can move these entries' memory kinds (checked by ``auto``)."""
+        return True
 
     @abstractmethod
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:

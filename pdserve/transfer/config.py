@@ -27,6 +27,8 @@ class TransferConfig:
     slice_bytes: a batch is cut into frames of at most this many bytes, the unit of striping (TCP).
     local_slice_bytes: the same for the same-host path, where each frame is one owner-side copy request
     (larger frames: fewer requests; measured best at 16 MiB on 2 cores).
+    staging_chunk_bytes: device memory (CUDA) crosses sockets through two pinned host buffers of this
+    size: one is copied while the other is sent.
     """
 
     secret: str = ""
@@ -37,6 +39,7 @@ class TransferConfig:
     streams: int = 4
     slice_bytes: int = 4 << 20
     local_slice_bytes: int = 16 << 20
+    staging_chunk_bytes: int = 4 << 20
     connect_timeout_s: float = 5.0
     default_deadline_s: float = 30.0
     socket_buffer_bytes: int = 4 << 20
@@ -60,7 +63,7 @@ class TransferConfig:
             raise TransferError("config", f"port {self.port} out of range 0-65535 (0 picks a free port)")
         if not 1 <= self.streams <= 64:
             raise TransferError("config", f"streams={self.streams}: use 1 to 64 parallel connections per peer")
-        for name in ("slice_bytes", "local_slice_bytes"):
+        for name in ("slice_bytes", "local_slice_bytes", "staging_chunk_bytes"):
             if getattr(self, name) < 4096:
                 raise TransferError("config", f"{name}={getattr(self, name)}: use at least 4096 bytes")
         if not 1 <= self.max_iov <= 1024:

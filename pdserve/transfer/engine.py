@@ -22,6 +22,7 @@ from .errors import TransferError
 from .local import LocalBackend
 from .regions import Region, RegionTable
 from .server import ControlServer, PeerContext
+from .staging import CopierPool
 from . import wire
 from .tcp import TcpBackend
 
@@ -56,7 +57,7 @@ class TransferEngine:
         # batches run on their own pool: they wait on lanes, which run on self._executor
         self._batch_runner = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdserve-te-batch")
         self.ctx = EngineContext(self.config, self.engine_id, host_identity(), os.getpid(),
-                                 self._regions, self._executor)
+                                 self._regions, self._executor, CopierPool(self.config.staging_chunk_bytes))
         self._backends: dict[str, Backend] = {"tcp": TcpBackend(self.ctx), "local": LocalBackend(self.ctx)}
         if self.config.backend in ("mooncake", "nixl"):
             self._backends[self.config.backend] = _optional_backend(self.config.backend)(self.ctx)
@@ -72,7 +73,9 @@ class TransferEngine:
 
     # ---- memory ----
     def register(self, name: str, buffer: Any) -> Region:
-        """Expose ``buffer`` (numpy array, CPU tensor, mmap, bytearray) to peers as region ``name``."""
+        """Expose ``buffer`` to peers as region ``name``: a numpy array, a CPU or CUDA tensor (dense: contiguous
+        up to a permutation of its dims; offsets address its bytes in memory order), an mmap, a bytearray,
+        or a :class:`~pdserve.transfer.staging.StagedMemory`."""
         region = self._regions.register(name, buffer)
         for backend in self._backends.values():
             backend.on_register(region)
@@ -136,22 +139,24 @@ class TransferEngine:
                 peer.check(e.peer_region, e.peer_offset, e.length)
         return out
 
-    def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None) -> Backend:
+    def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None,
+                       entries: list[TransferEntry] | None = None) -> Backend:
         name = requested or self.config.backend
         if name == "auto":
             local = self._backends["local"]
-            return local if local.supports(peer) else self._backends["tcp"]
+            usable = local.supports(peer) and (entries is None or local.accepts(peer, entries))
+            return local if usable else self._backends["tcp"]
         backend = self._backends.get(name)
         if backend is None:
             raise TransferError("config", f"backend {name!r} not enabled in this engine's config")
-        if not backend.supports(peer):
+        if not backend.supports(peer) or (entries is not None and not backend.accepts(peer, entries)):
             raise TransferError("unavailable", f"backend {name!r} cannot reach peer {peer.engine_id}")
         return backend
 
     def _execute(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op,
                  entries: list[TransferEntry], notify: Any, requested: str | None) -> None:
         try:
-            backend = self.choose_backend(peer, requested)
+            backend = self.choose_backend(peer, requested, entries)
             if entries:
                 backend.run(handle, peer, op, entries)
             if notify is not None:

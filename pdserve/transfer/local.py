@@ -1,6 +1,11 @@
 """Same-host data path: the memory owner copies directly between its registered range and the
 initiator's, with process_vm_readv/writev (one copy end to end, no staging, no socket payload).
 
+CUDA regions on both sides move by CUDA IPC instead: the owner exports each CUDA region's IPC handle in
+its descriptor, the initiator opens it once and copies device to device itself; the owner only gets the
+notification. A batch mixing host and CUDA memory is not this backend's (``auto`` sends it over tcp,
+which stages device memory through host buffers).
+
 Requests travel on an abstract Unix socket, so the owner learns the initiator's pid from the
 kernel (SO_PEERCRED) rather than trusting a claim; the owner bounds-checks its own ranges and the
 initiator checks its own before asking.
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import logging
 import threading
 from typing import Any
 
@@ -21,7 +27,10 @@ from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
 from .errors import TransferError
+from .regions import Region
 from .server import Handler, PeerContext
+
+log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 32
 _MIN_LANE_BYTES = 4 << 20  # below this a second parallel copy costs more than it saves
@@ -62,9 +71,42 @@ class LocalBackend(Backend):
         self._verdicts: dict[str, bool] = {}
         self._lock = threading.Lock()
         self.uds_name: str | None = None  # set by the engine once its server listens
+        self._ipc: dict[str, list[Any]] = {}  # our CUDA regions' IPC records, by region name
+        self._opened: Any = None  # peers' CUDA regions opened through IPC (cuda.IpcCache), made on first use
 
     def describe(self) -> dict[str, Any] | None:
-        return {"uds": self.uds_name} if self.uds_name else None
+        if not self.uds_name:
+            return None
+        with self._lock:
+            ipc = dict(self._ipc)
+        return {"uds": self.uds_name, "ipc": ipc} if ipc else {"uds": self.uds_name}
+
+    def on_register(self, region: Region) -> None:
+        if region.kind != "cuda":
+            return
+        from .cuda import export_ipc
+
+        try:
+            record = export_ipc(region.staged)  # type: ignore[arg-type]
+        except (RuntimeError, TypeError) as exc:  # e.g. memory not from torch's caching allocator
+            log.info("region %r cannot be shared by CUDA IPC (%s); same-host peers stage it over tcp",
+                     region.name, exc)
+            return
+        with self._lock:
+            self._ipc[region.name] = record
+
+    def on_unregister(self, region: Region) -> None:
+        with self._lock:
+            self._ipc.pop(region.name, None)
+
+    def accepts(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> bool:
+        """Host memory on both sides (process_vm), or CUDA on both sides with the peer's IPC records."""
+        regions = self.ctx.regions
+        kinds = {(regions.get(e.local_region).kind, peer.memory(e.peer_region)[0]) for e in entries}
+        if kinds <= {("cpu", "cpu")}:
+            return True
+        shared = peer.backends.get("local", {}).get("ipc", {})
+        return kinds == {("cuda", "cuda")} and all(e.peer_region in shared for e in entries)
 
     def control_address(self, peer: SegmentDescriptor) -> Address:
         return peer.backends["local"]["uds"]
@@ -90,6 +132,10 @@ class LocalBackend(Backend):
         return reply.get("data") == self._probe_token.raw
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
+        if not self.accepts(peer, entries):
+            raise TransferError("unavailable", "same-host path moves host<->host or CUDA<->CUDA (via IPC) only")
+        if self.ctx.regions.get(entries[0].local_region).kind == "cuda":
+            return self._run_ipc(handle, peer, op, entries)
         frames = split_into_frames(entries, self.ctx.config.local_slice_bytes)
         lanes = stripe(frames, self._lane_count(entries))
         kind = "lw" if op is Op.WRITE else "lr"
@@ -105,6 +151,26 @@ class LocalBackend(Backend):
                 wire.raise_if_error(wire.recv_msg(conn.sock))
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
+
+    def _run_ipc(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
+        from .cuda import IpcCache, device_copy
+
+        with self._lock:
+            if self._opened is None:
+                self._opened = IpcCache()
+            opened = self._opened
+        records = peer.backends["local"]["ipc"]
+        by_device: dict[int, list[tuple[Any, Any]]] = {}
+        for e in entries:
+            mine = self.ctx.regions.get(e.local_region)
+            theirs = opened.get(peer.engine_id, e.peer_region, records[e.peer_region],
+                                peer.region_length(e.peer_region))
+            local = mine.staged.flat[e.local_offset : e.local_offset + e.length]  # type: ignore[union-attr]
+            remote = theirs[e.peer_offset : e.peer_offset + e.length]
+            pair = (remote, local) if op is Op.WRITE else (local, remote)
+            by_device.setdefault(mine.device, []).append(pair)
+        for device, pairs in by_device.items():
+            device_copy(pairs, device, handle.remaining)
 
     def _lane_count(self, entries: list[TransferEntry]) -> int:
         """No more parallel copies than cores to run them, and none for small batches, where a
@@ -127,6 +193,8 @@ class LocalBackend(Backend):
         pid = self._require_pid(ctx)
         names, cols = _parse_copy_request(msg)
         regions = [self.ctx.regions.get(name) for name in names]
+        if any(r.kind != "cpu" for r in regions):
+            raise TransferError("unavailable", "device memory cannot be copied with process_vm_readv/writev")
         index, offset, length, theirs = cols.T
         limit = np.array([r.length for r in regions], dtype=np.uint64)[index]
         bad = np.flatnonzero((offset > limit) | (length > limit - np.minimum(offset, limit)))

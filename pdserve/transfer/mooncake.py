@@ -5,10 +5,14 @@ CUDA build on GPU hosts. Runs Mooncake in P2P-handshake mode (no metadata server
 registered with Mooncake as well; notifications still travel on pdserve's authenticated control
 connection. Mooncake cannot cancel a transfer in flight: a batch past its deadline is reported
 failed at the deadline while Mooncake finishes (or fails) the copy in the background.
+
+CUDA regions are registered with their location (``cuda:N``), which Mooncake's CUDA builds
+(mooncake-transfer-engine, -cuda13) use for GPUDirect RDMA; the non-CUDA build refuses them here.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,6 +26,29 @@ from .regions import Region
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
 MAX_BATCH_ENTRIES = 1024  # Mooncake TE 0.3.13 fails a 4096-entry batch outright (2048 still passes)
+
+
+NON_CUDA_DIST = "mooncake-transfer-engine-non-cuda"
+
+
+def cuda_build() -> bool:
+    """False when the installed Mooncake TE is the build without CUDA (it cannot register GPU memory)."""
+    try:
+        importlib.metadata.distribution(NON_CUDA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return False
+
+
+def location(region: Region) -> str:
+    """Mooncake's memory location for a region: ``*`` (any NUMA node) for host memory, ``cuda:N`` for GPU."""
+    if region.kind == "cpu":
+        return "*"
+    if region.kind == "cuda" and cuda_build():
+        return f"cuda:{region.device}"
+    raise TransferError("config", f"region {region.name!r} is on {region.kind}:{region.device} but the installed "
+                        f"Mooncake TE ({NON_CUDA_DIST}) has no GPU support: install "
+                        "mooncake-transfer-engine-cuda13 (or -transfer-engine), or use backend 'tcp'/'nixl'")
 
 
 class MooncakeBackend(Backend):
@@ -48,7 +75,7 @@ class MooncakeBackend(Backend):
         return {"session": self.session}
 
     def on_register(self, region: Region) -> None:
-        if region.length and self._te.register_memory(region.addr, region.length) != 0:
+        if region.length and self._te.register_memory(region.addr, region.length, location(region)) != 0:
             raise TransferError("config", f"Mooncake TE refused to register region {region.name!r}")
 
     def on_unregister(self, region: Region) -> None:

@@ -6,6 +6,9 @@ polling their state, and a 1 ms progress tick serves transfers targeting this pr
 metadata changed (it registered more memory) is re-added. Notifications travel on pdserve's control
 connection, like every backend's. NIXL tends to crash at interpreter exit: processes using this
 backend should end with ``os._exit``.
+
+CUDA regions are registered as NIXL ``VRAM`` with their device index, so UCX can take cuda_ipc (same host)
+or GPUDirect RDMA; a batch whose entries mix memory kinds becomes one NIXL transfer per (local, peer) kind.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .regions import Region
 INSTALL_HINT = "pip install --no-deps nixl-cu13 nixl (CPU hosts) or pip install nixl"
 _POLL_S = 50e-6
 _PROGRESS_S = 1e-3
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 
 
 class NixlBackend(Backend):
@@ -59,7 +63,7 @@ class NixlBackend(Backend):
     def on_register(self, region: Region) -> None:
         with self._lock:
             self._registrations[region.name] = self._agent.register_memory(
-                [(region.addr, region.length, 0, "")], "DRAM")
+                [(region.addr, region.length, region.device, "")], _MEM_TYPES[region.kind])
 
     def on_unregister(self, region: Region) -> None:
         with self._lock:
@@ -80,27 +84,45 @@ class NixlBackend(Backend):
             self._peers[peer.engine_id] = digest
         return peer.engine_id
 
+    def _groups(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> dict[tuple[str, str], tuple[list, list]]:
+        """Entries as NIXL (address, length, device) descriptors, one pair of lists per (local, peer) kind."""
+        groups: dict[tuple[str, str], tuple[list, list]] = {}
+        for e in entries:
+            mine = self.ctx.regions.get(e.local_region)
+            kind, device = peer.memory(e.peer_region)
+            local, remote = groups.setdefault((mine.kind, kind), ([], []))
+            local.append((mine.addr + e.local_offset, e.length, mine.device))
+            remote.append((peer.regions[e.peer_region][0] + e.peer_offset, e.length, device))
+        return groups
+
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        regions = self.ctx.regions
-        local = [(regions.get(e.local_region).addr + e.local_offset, e.length, 0) for e in entries]
-        remote = [(peer.regions[e.peer_region][0] + e.peer_offset, e.length, 0) for e in entries]
-        with self._lock:
-            name = self._remote_agent(peer)
-            xfer = self._agent.initialize_xfer(op.value.upper(), self._agent.get_xfer_descs(local, "DRAM"),
-                                               self._agent.get_xfer_descs(remote, "DRAM"), name, b"")
-            state = self._agent.transfer(xfer)
+        xfers: list[Any] = []
+        states: list[str] = []
         try:
-            while state == "PROC":
-                if not handle.active or time.monotonic() > handle.deadline:
-                    handle.remaining()  # raises the deadline / abort error
-                time.sleep(_POLL_S)
-                with self._lock:
-                    state = self._agent.check_xfer_state(xfer)
-            if state != "DONE":
-                raise TransferError("peer", f"batch {handle.batch_id}: NIXL transfer ended in state {state}")
+            with self._lock:
+                name = self._remote_agent(peer)
+                for (mine, theirs), (local, remote) in self._groups(peer, entries).items():
+                    xfer = self._agent.initialize_xfer(
+                        op.value.upper(), self._agent.get_xfer_descs(local, _MEM_TYPES[mine]),
+                        self._agent.get_xfer_descs(remote, _MEM_TYPES[theirs]), name, b"")
+                    xfers.append(xfer)
+                    states.append(self._agent.transfer(xfer))
+            for xfer, state in zip(xfers, states):
+                self._wait(handle, xfer, state)
         finally:
             with self._lock:
-                try:
-                    self._agent.release_xfer_handle(xfer)  # also cancels one still in flight
-                except Exception:  # NIXL refuses to release some states; the agent cleans up at exit
-                    pass
+                for xfer in xfers:
+                    try:
+                        self._agent.release_xfer_handle(xfer)  # also cancels one still in flight
+                    except Exception:  # NIXL refuses to release some states; the agent cleans up at exit
+                        pass
+
+    def _wait(self, handle: BatchHandle, xfer: Any, state: str) -> None:
+        while state == "PROC":
+            if not handle.active or time.monotonic() > handle.deadline:
+                handle.remaining()  # raises the deadline / abort error
+            time.sleep(_POLL_S)
+            with self._lock:
+                state = self._agent.check_xfer_state(xfer)
+        if state != "DONE":
+            raise TransferError("peer", f"batch {handle.batch_id}: NIXL transfer ended in state {state}")

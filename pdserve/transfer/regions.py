@@ -1,4 +1,9 @@
-"""Registered memory regions: the only bytes a peer may read or write."""
+"""Registered memory regions: the only bytes a peer may read or write.
+
+Host memory (numpy, CPU tensors, mmap, bytearray) is addressed directly through a flat byte view. CUDA
+tensors, and any :class:`~pdserve.transfer.staging.StagedMemory`, have no host view: backends move them
+through staging buffers (tcp), CUDA IPC (same host) or their own GPU path (NIXL, Mooncake).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TransferError
+from .staging import StagedMemory
 
 
 @dataclass(frozen=True)
@@ -17,14 +23,40 @@ class Region:
     """A named, registered, writable byte range of this process."""
 
     name: str
-    view: memoryview  # flat, format "B", writable
+    view: memoryview | None  # flat, format "B", writable; None for memory the CPU cannot address
     addr: int
     length: int
     owner: Any  # keeps the underlying buffer alive
+    staged: StagedMemory | None = None  # set for device memory: what moves it through host buffers
+
+    @property
+    def kind(self) -> str:
+        return self.staged.kind if self.staged is not None else "cpu"
+
+    @property
+    def device(self) -> int:
+        return self.staged.device if self.staged is not None else 0
 
     def slice(self, offset: int, length: int) -> memoryview:
         check_range(self.name, self.length, offset, length)
+        if self.view is None:
+            raise TransferError("config", f"region {self.name!r} is {self.kind}:{self.device} memory, "
+                                          "which has no host view; it moves through staging")
         return self.view[offset : offset + length]
+
+    def part(self, offset: int, length: int) -> memoryview | tuple[StagedMemory, int, int]:
+        """The bytes [offset, offset+length) as a host view, or as a piece to stage when staged."""
+        check_range(self.name, self.length, offset, length)
+        if self.staged is not None:
+            return (self.staged, offset, length)
+        return self.view[offset : offset + length]  # type: ignore[index]
+
+    def describe(self) -> list[Any]:
+        """The descriptor entry: [address, length] for host memory (the wire CPU peers always spoke),
+        [address, length, kind, device index] otherwise."""
+        if self.kind == "cpu":
+            return [self.addr, self.length]
+        return [self.addr, self.length, self.kind, self.device]
 
 
 def check_range(name: str, region_length: int, offset: int, length: int) -> None:
@@ -38,22 +70,56 @@ def check_range(name: str, region_length: int, offset: int, length: int) -> None
         )
 
 
-def _torch_view(tensor: Any) -> tuple[memoryview, int]:
-    if tensor.device.type != "cpu":
-        raise TransferError("config", f"tensor on {tensor.device}: the CPU backends register CPU tensors only")
-    if not tensor.is_contiguous():
-        raise TransferError("config", "tensor is not contiguous: register tensor.contiguous() or its storage")
-    nbytes = tensor.numel() * tensor.element_size()
+def dense_nbytes(tensor: Any) -> int | None:
+    """Bytes spanned by a tensor whose elements tile one gap-free block in some dimension order
+    (contiguous, or a permutation of contiguous dims such as vLLM's HND KV view); None otherwise."""
+    dims = sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz != 1)
+    expect = 1
+    for stride, size in dims:
+        if stride != expect:
+            return None
+        expect *= size
+    return tensor.numel() * tensor.element_size()
+
+
+def _dense_or_refuse(tensor: Any) -> int:
+    nbytes = dense_nbytes(tensor)
+    if nbytes is None:
+        raise TransferError("config", "tensor is not contiguous (its elements leave gaps or overlap): register "
+                                      "tensor.contiguous(), the base tensor, or its storage")
+    return nbytes
+
+
+def byte_tensor(tensor: Any) -> Any:
+    """A flat uint8 tensor over a dense tensor's bytes (same device, same memory, no copy), starting at
+    its lowest address: physical order, so offsets are what block tables and strides compute."""
+    import torch
+
+    nbytes = _dense_or_refuse(tensor)
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (nbytes,))
+
+
+def host_view(tensor: Any) -> memoryview:
+    """A flat writable memoryview over a dense CPU tensor's bytes (no copy)."""
+    nbytes = _dense_or_refuse(tensor)
     addr = tensor.data_ptr()
     raw = (ctypes.c_ubyte * nbytes).from_address(addr) if nbytes else bytearray()
-    return memoryview(raw).cast("B"), addr
+    return memoryview(raw).cast("B")
+
+
+def _torch_view(tensor: Any) -> tuple[memoryview, int]:
+    if tensor.device.type != "cpu":
+        raise TransferError("config", f"tensor on {tensor.device}: register it as a region (device "
+                                      "memory has no host byte view)")
+    return host_view(tensor), tensor.data_ptr()
 
 
 def as_byte_view(obj: Any) -> tuple[memoryview, int]:
     """A flat writable byte view of ``obj`` and its address.
 
     Accepts numpy arrays, CPU torch tensors, mmap objects, bytearrays and writable memoryviews;
-    all must be C-contiguous.
+    arrays must be C-contiguous, tensors dense (contiguous up to a permutation of dims).
     """
     if type(obj).__module__.startswith("torch"):
         return _torch_view(obj)
@@ -69,6 +135,20 @@ def as_byte_view(obj: Any) -> tuple[memoryview, int]:
     return memoryview(flat).cast("B"), int(flat.ctypes.data)
 
 
+def _make_region(name: str, obj: Any) -> Region:
+    if isinstance(obj, StagedMemory):
+        return Region(name=name, view=None, addr=obj.addr, length=obj.length, owner=obj, staged=obj)
+    if type(obj).__module__.startswith("torch") and obj.device.type == "cuda":
+        from .cuda import CudaMemory
+
+        memory = CudaMemory(obj)
+        return Region(name=name, view=None, addr=memory.addr, length=memory.length, owner=obj, staged=memory)
+    if type(obj).__module__.startswith("torch") and obj.device.type != "cpu":
+        raise TransferError("config", f"tensor on {obj.device}: register CPU or CUDA memory")
+    view, addr = as_byte_view(obj)
+    return Region(name=name, view=view, addr=addr, length=view.nbytes, owner=obj)
+
+
 class RegionTable:
     """Thread-safe name -> Region map with bounds-checked lookups."""
 
@@ -79,8 +159,7 @@ class RegionTable:
     def register(self, name: str, obj: Any) -> Region:
         if not isinstance(name, str) or not name:
             raise TransferError("config", "region name must be a non-empty string")
-        view, addr = as_byte_view(obj)
-        region = Region(name=name, view=view, addr=addr, length=view.nbytes, owner=obj)
+        region = _make_region(name, obj)
         with self._lock:
             if name in self._regions:
                 raise TransferError("config", f"region {name!r} already registered; unregister it first")
@@ -102,4 +181,4 @@ class RegionTable:
 
     def describe(self) -> dict[str, list[int]]:
         with self._lock:
-            return {n: [r.addr, r.length] for n, r in self._regions.items()}
+            return {n: r.describe() for n, r in self._regions.items()}

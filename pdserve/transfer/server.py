@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,12 +20,17 @@ from . import wire
 from .config import TransferConfig
 from .connection import tune
 from .errors import TransferError
+from .listener import ThreadedListener
 
 log = logging.getLogger(__name__)
 
 
 class OutOfStep(TransferError):
     """The request cannot be skipped cleanly: reply with the error, then close the connection."""
+
+
+class Broken(TransferError):
+    """The reply is already under way (payload half sent): close the connection without a reply."""
 
 
 @dataclass
@@ -36,6 +40,17 @@ class PeerContext:
 
 
 Handler = Callable[[PeerContext, dict[str, Any]], None]
+
+
+def _listen_unix(name: str) -> socket.socket | None:
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + name)
+        sock.listen(128)
+    except OSError as exc:
+        log.info("same-host socket unavailable (%s); peers will use TCP", exc)
+        return None
+    return sock
 
 
 def _peer_pid(sock: socket.socket) -> int | None:
@@ -49,36 +64,11 @@ class ControlServer:
     def __init__(self, config: TransferConfig, handlers: dict[str, Handler], uds_name: str) -> None:
         self.config = config
         self.handlers = handlers
-        self._listeners = [socket.create_server((config.host, config.port))]
-        self.port = self._listeners[0].getsockname()[1]
-        self.uds_name = self._listen_unix(uds_name)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        for listener in self._listeners:
-            threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-te-accept",
-                             daemon=True).start()
-
-    def _listen_unix(self, name: str) -> str | None:
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind("\0" + name)
-            sock.listen(128)
-        except OSError as exc:
-            log.info("same-host socket unavailable (%s); peers will use TCP", exc)
-            return None
-        self._listeners.append(sock)
-        return name
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self._closed:
-            try:
-                sock, _ = listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="pdserve-te-conn", daemon=True).start()
+        listeners = [socket.create_server((config.host, config.port))]
+        self.port = listeners[0].getsockname()[1]
+        unix = _listen_unix(uds_name)
+        self.uds_name = uds_name if unix is not None else None
+        self._listener = ThreadedListener(listeners + ([unix] if unix else []), self._serve, "pdserve-te")
 
     def _serve(self, sock: socket.socket) -> None:
         try:
@@ -87,16 +77,10 @@ class ControlServer:
             wire.server_handshake(sock, self.config.secret)
             sock.settimeout(None)
             ctx = PeerContext(sock, _peer_pid(sock))
-            while not self._closed:
+            while not self._listener.closed:
                 self._serve_one(ctx)
         except (OSError, TransferError) as exc:
             log.debug("engine connection closed: %s", exc)
-        except Exception:  # a bug must not take the process (or other peers) down
-            log.exception("engine connection handler crashed; closing that connection")
-        finally:
-            with self._lock:
-                self._conns.discard(sock)
-            sock.close()
 
     def _serve_one(self, ctx: PeerContext) -> None:
         try:
@@ -106,21 +90,11 @@ class ControlServer:
                 raise OutOfStep("protocol", f"unknown request type {msg['t']!r}")
             handler(ctx, msg)
         except TransferError as exc:
+            if isinstance(exc, Broken):
+                raise
             wire.send_msg(ctx.sock, {"t": "err", "code": exc.code, "m": exc.message})
             if isinstance(exc, OutOfStep) or exc.code == "protocol":
                 raise
 
     def close(self) -> None:
-        self._closed = True
-        for listener in self._listeners:
-            try:
-                listener.close()
-            except OSError:
-                pass
-        with self._lock:
-            conns = list(self._conns)
-        for sock in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._listener.close()

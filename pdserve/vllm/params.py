@@ -1,4 +1,4 @@
-"""Configuration, ``kv_transfer_params`` schema and the pure logic of the pdserve KV connector.
+"""Configuration, ``kv_transfer_params`` schema and block planning of the pdserve KV connector.
 
 Nothing here imports vLLM or torch: the connector (``pdserve.vllm.connector``) wires these pieces
 into vLLM's scheduler and worker hooks, and unit tests drive them directly.
@@ -9,7 +9,7 @@ Request path (see /tmp/pd/CONTRACT.md):
   KV blocks and answers :class:`RemoteParams` (``do_remote_prefill`` + where the blocks are);
 * decode worker D gets those params back unchanged, READs the blocks it lacks from P's registered
   KV cache with one transfer batch whose notification (``remote_request_id``) tells P to free them;
-  P frees them anyway when the lease runs out.
+  P frees them anyway when the lease runs out (``pdserve.vllm.release``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
@@ -286,55 +285,6 @@ def build_entries(layers: Iterable[LayerGeometry], plan: BlockPlan) -> list[tupl
             entries.append((layer.name, lb * layer.block_stride, layer.name, rb * layer.block_stride,
                             layer.block_bytes))
     return entries
-
-
-@dataclass
-class SendLeases:
-    """P-side bookkeeping of finished prefills whose blocks wait for a decode read.
-
-    Every request added is released exactly once: on its notification or at its deadline,
-    whichever comes first. Notifications that arrive before the request is known are kept (for
-    ``early_ttl_s``) and applied when it arrives; a notification for a released request is ignored.
-    """
-
-    early_ttl_s: float = 600.0
-    leases: dict[str, float] = field(default_factory=dict)  # req_id -> deadline (time.time())
-    early: dict[str, float] = field(default_factory=dict)  # req_id -> arrival time
-    released_notified: int = 0
-    released_expired: int = 0
-
-    def add(self, req_id: str, deadline: float) -> None:
-        if req_id in self.leases:
-            return
-        self.leases[req_id] = deadline
-
-    def notify(self, req_id: str, now: float | None = None) -> None:
-        if req_id not in self.leases:
-            self.early[req_id] = time.time() if now is None else now
-            return
-        self.early.pop(req_id, None)
-        self.leases[req_id] = -1.0  # released at the next collect()
-
-    def collect(self, now: float | None = None) -> tuple[set[str], set[str]]:
-        """Return (notified, expired) request ids released now; forget them."""
-        now = time.time() if now is None else now
-        notified: set[str] = set()
-        expired: set[str] = set()
-        for req_id, deadline in list(self.leases.items()):
-            if deadline < 0 or req_id in self.early:
-                notified.add(req_id)
-            elif now >= deadline:
-                expired.add(req_id)
-            else:
-                continue
-            del self.leases[req_id]
-            self.early.pop(req_id, None)
-        for req_id, seen in list(self.early.items()):
-            if now - seen > self.early_ttl_s:
-                del self.early[req_id]
-        self.released_notified += len(notified)
-        self.released_expired += len(expired)
-        return notified, expired
 
 
 def layout_signature(dtype: str, layers: Sequence[LayerGeometry], block_size: int) -> str:

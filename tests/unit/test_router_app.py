@@ -709,7 +709,7 @@ def test_health_models_metrics(model_dir, tokenizer):
             assert 'pdserve_router_requests_total{endpoint="completions",status="200"} 1' in text
             for phase in ("queue", "prefill", "handoff", "ttft", "tpot", "e2e", "router_overhead"):
                 assert f'pdserve_router_phase_seconds_count{{mode="disaggregated",phase="{phase}"}} 1' in text
-            assert 'pdserve_router_phase_seconds_bucket{mode="disaggregated",phase="ttft",le="+Inf"} 1' in text
+            assert 'pdserve_router_phase_seconds_bucket{le="+Inf",mode="disaggregated",phase="ttft"} 1' in text
             assert "pdserve_router_completion_tokens_total 3" in text
             assert "# TYPE pdserve_router_phase_seconds histogram" in text
     run(main())

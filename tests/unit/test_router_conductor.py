@@ -117,8 +117,8 @@ def test_decode_local_for_short_prompts(model_dir, tokenizer):
             assert st == 200 and len(p.requests) == 1  # 20 uncached tokens > 8: disaggregated
             _, metrics = await env.get("/metrics")
             assert 'pdserve_conductor_decisions_total{kind="local"} 1' in metrics
-            assert f'pdserve_worker_queued_prefill_tokens{{worker="{p.url}",role="prefill"}} 0' in metrics
-            assert f'pdserve_worker_running_requests{{worker="{d.url}",role="decode"}} 0' in metrics
+            assert f'pdserve_worker_queued_prefill_tokens{{role="prefill",worker="{p.url}"}} 0' in metrics
+            assert f'pdserve_worker_running_requests{{role="decode",worker="{d.url}"}} 0' in metrics
     run(main())
 
 

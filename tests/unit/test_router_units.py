@@ -200,7 +200,7 @@ def test_round_robin_skips_unhealthy_and_excluded():
     picks = [rr.choose([1]) for _ in range(6)]
     assert [c.prefill.url for c in picks] == ["http://p0", "http://p1"] * 3
     assert [c.decode.url for c in picks] == ["http://d0", "http://d1", "http://d2"] * 2
-    ps[0].healthy = False
+    rr.registry.set_health("http://p0", False, "probe failed")  # the registry tells the conductor at once
     assert {rr.choose([1]).prefill.url for _ in range(4)} == {"http://p1"}
     with pytest.raises(RouterError) as e:
         rr.choose([1], frozenset({"http://p1"}))
@@ -224,8 +224,8 @@ def test_timings_report_and_metrics_text():
     m = RouterMetrics()
     m.observe_timings("disaggregated", r)
     text = m.render()
-    assert 'pdserve_router_phase_seconds_bucket{mode="disaggregated",phase="ttft",le="0.15"} 1' in text
-    assert 'pdserve_router_phase_seconds_bucket{mode="disaggregated",phase="ttft",le="0.1"} 0' in text
+    assert 'pdserve_router_phase_seconds_bucket{le="0.15",mode="disaggregated",phase="ttft"} 1' in text
+    assert 'pdserve_router_phase_seconds_bucket{le="0.1",mode="disaggregated",phase="ttft"} 0' in text
     assert 'pdserve_router_phase_seconds_count{mode="disaggregated",phase="prefill"} 1' in text
     assert 'phase="kv_transfer"' not in text  # None: not observed
     for line in text.splitlines():

@@ -1,11 +1,11 @@
-"""The connector's pool pieces without vLLM: object layout, partial loads, the send gate, config keys."""
+"""The connector's pool pieces without vLLM: object layout, partial loads, config keys (the send gate: test_vllm_release.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.vllm.params import ConfigError, ConnectorConfig, LayerGeometry
-from pdserve.vllm.pool import SendGate, loaded_prefix, pool_items
+from pdserve.vllm.pool import loaded_prefix, pool_items
 
 SECRET = "unit-test-secret-0123"
 
@@ -20,26 +20,6 @@ def test_loaded_prefix_stops_at_first_gap() -> None:
     assert loaded_prefix([True, True, False, True]) == 2
     assert loaded_prefix([True] * 3) == 3
     assert loaded_prefix([False, True]) == 0
-
-
-def test_gate_waits_for_both_the_decode_lease_and_the_save() -> None:
-    gate = SendGate()
-    leased = {"p"}
-    gate.start_save("p")
-    gate.start_save("q")
-    # the decode read arrives first: P's blocks stay until the save ends
-    assert gate.release({"p"}, set(), lambda r: False) == set()
-    assert gate.release(set(), {"p"}, lambda r: r in leased) == {"p"}
-    # a save-only request is released when its save ends
-    assert gate.release(set(), {"q"}, lambda r: False) == {"q"}
-    # save ends first while the lease is held: the lease's release frees it
-    gate.start_save("r")
-    assert gate.release(set(), {"r"}, lambda r: True) == set()
-    assert gate.release({"r"}, set(), lambda r: False) == {"r"}
-    # both in the same step
-    gate.start_save("s")
-    assert gate.release({"s"}, {"s"}, lambda r: False) == {"s"}
-    assert not gate.saving and not gate.waiting_for_save
 
 
 def test_pool_config_keys() -> None:

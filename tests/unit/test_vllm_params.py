@@ -1,4 +1,4 @@
-"""pdserve.vllm.params: connector config, kv_transfer_params schema, block planning, leases.
+"""pdserve.vllm.params: connector config, kv_transfer_params schema, block planning.
 
 Pure Python: no vLLM, no torch.
 """
@@ -13,7 +13,6 @@ from pdserve.vllm.params import (
     ConnectorConfig,
     LayerGeometry,
     RemoteParams,
-    SendLeases,
     build_entries,
     layout_signature,
     plan_blocks,
@@ -115,27 +114,3 @@ def test_layout_signature():
     assert layout_signature("float32", a, 128) == layout_signature("float32", list(reversed(a)), 128)
     assert layout_signature("float32", a, 128) != layout_signature("bfloat16", a, 128)
     assert layout_signature("float32", a, 128) != layout_signature("float32", a[:1], 128)
-
-
-def test_leases_release_exactly_once():
-    leases = SendLeases()
-    leases.add("a", deadline=100.0)
-    leases.add("b", deadline=100.0)
-    assert leases.collect(now=50.0) == (set(), set())
-    leases.notify("a", now=51.0)
-    assert leases.collect(now=52.0) == ({"a"}, set())
-    leases.notify("a", now=53.0)  # late duplicate: remembered as early, never released again
-    assert leases.collect(now=101.0) == (set(), {"b"})
-    assert leases.collect(now=102.0) == (set(), set())
-    assert leases.released_notified == 1 and leases.released_expired == 1
-
-
-def test_leases_early_notification_applies_when_lease_arrives():
-    leases = SendLeases(early_ttl_s=10.0)
-    leases.notify("x", now=1.0)  # D read before P's worker learned of the request
-    assert leases.collect(now=1.5) == (set(), set())
-    leases.add("x", deadline=100.0)
-    assert leases.collect(now=2.0) == ({"x"}, set())
-    leases.notify("y", now=3.0)
-    leases.collect(now=20.0)  # stale early note dropped
-    assert "y" not in leases.early

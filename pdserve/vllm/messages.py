@@ -1,0 +1,98 @@
+"""What crosses between the connector's two halves (scheduler process <-> worker process).
+
+vLLM carries these objects; pdserve never puts them on its own wire. Nothing here imports vLLM: the facade
+(:mod:`pdserve.vllm.connector`) registers :class:`PdserveMeta`, :class:`PdserveWorkerMeta` and
+:class:`PdserveHandshake` as virtual subclasses of vLLM's ``KVConnectorMetadata``,
+``KVConnectorWorkerMetadata`` and ``KVConnectorHandshakeMetadata`` (those are empty marker ABCs), so the
+scheduler half builds and reads them without importing vLLM.
+
+* scheduler -> worker, every step (``build_connector_meta`` -> ``start_load_kv``): :class:`PdserveMeta`;
+* worker -> scheduler, every step (``build_connector_worker_meta`` -> ``update_connector_output``):
+  :class:`PdserveWorkerMeta`, beside vLLM's own finished_sending / finished_recving / failed_recving sets;
+* worker -> scheduler, once at start-up (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``):
+  :class:`PdserveHandshake`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.vllm.params import BlockPlan, RemoteParams
+
+# PdserveWorkerMeta.released values: why a P lease ended.
+NOTIFIED = "notified"  # D's READ batch notification (or D's release-without-read) arrived
+LEASE = "lease"  # the lease deadline passed first
+
+
+@dataclass
+class RecvJob:
+    """D-side: read ``plan`` from P and report the request finished/failed receiving.
+
+    ``load`` False: vLLM expects nothing (local prefix hit covers the prompt, or the request ended
+    before it was scheduled); only notify P so it frees its blocks now. ``error``: the scheduler
+    could not plan the read; the worker reports the load failed so vLLM recomputes.
+    """
+
+    req_id: str
+    remote: RemoteParams
+    plan: BlockPlan
+    load: bool = True
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PoolJob:
+    """Scheduler -> worker: save ``block_ids`` to the pool under ``keys`` (save=True) or load them."""
+
+    req_id: str
+    keys: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    save: bool
+    error: str = ""  # the scheduler could not plan it: the worker reports the load failed
+
+
+@dataclass
+class PdserveMeta:
+    """Scheduler -> worker, once per step."""
+
+    recv: list[RecvJob] = field(default_factory=list)
+    send: dict[str, float] = field(default_factory=dict)  # P request id -> lease deadline (time.time())
+    pool: list[PoolJob] = field(default_factory=list)  # KV pool saves and loads
+
+
+@dataclass
+class PdserveWorkerMeta:
+    """Worker -> scheduler: per-request READ results (for D's kv_transfer_params) and outcomes."""
+
+    reads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    released: dict[str, str] = field(default_factory=dict)  # P request id -> NOTIFIED | LEASE (lease ended)
+    pool: dict[str, str] = field(default_factory=dict)  # request id -> "saved" | "loaded" | "load_failed" ...
+
+    def is_empty(self) -> bool:
+        return not self.reads and not self.released and not self.pool
+
+    def aggregate(self, other: "PdserveWorkerMeta") -> "PdserveWorkerMeta":
+        """vLLM merges the metas of every rank of one step with this."""
+        assert isinstance(other, PdserveWorkerMeta)
+        merged = PdserveWorkerMeta(dict(self.reads), dict(self.released), {**self.pool, **other.pool})
+        for req_id, stats in other.reads.items():  # tensor parallel: every rank reads its shard
+            if req_id in merged.reads:
+                mine = merged.reads[req_id]
+                mine = {**mine, "bytes": mine["bytes"] + stats["bytes"], "ms": max(mine["ms"], stats["ms"]),
+                        "ok": mine["ok"] and stats["ok"]}
+                merged.reads[req_id] = mine
+            else:
+                merged.reads[req_id] = stats
+        merged.released.update(other.released)
+        return merged
+
+
+@dataclass
+class PdserveHandshake:
+    """Worker -> scheduler at start-up: the worker's transfer engine and KV layout."""
+
+    engine_id: str
+    host: str
+    port: int
+    layout: str

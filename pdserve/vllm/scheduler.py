@@ -1,0 +1,299 @@
+"""The connector's scheduler half: decides per request what to lease (P), read (D) or load/save (KV pool),
+and hands the plans to the worker half in :class:`PdserveMeta` every step.
+
+No vLLM import: vLLM's Request, KVCacheBlocks, SchedulerOutput and KVConnectorOutput are duck-typed (the
+attributes used are named where they are used), so unit tests drive this with small fakes.
+
+P (request has ``do_remote_decode``): ``request_finished`` keeps the blocks (delay_free=True), returns where
+they are, and tells its worker the lease deadline; the worker's :class:`~pdserve.vllm.release.ReleaseLedger`
+reports them ``finished_sending`` later.
+
+D (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` claims the prompt tokens its prefix cache
+lacks as an async load; ``update_state_after_alloc`` pairs D's new blocks with P's block ids into a
+:class:`RecvJob`.
+
+KV pool: ``get_num_new_matched_tokens`` asks the pool master how many full blocks after the local hit are
+pooled and ``update_state_after_alloc`` plans their load; ``request_finished`` plans a save of a finished
+request's full blocks (holding them, delay_free, until written).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from pdserve.hashing import block_hashes
+from pdserve.store import ClientConfig, StoreClient, StoreError
+from pdserve.vllm.logs import connector_log
+from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
+from pdserve.vllm.params import TEST_FAULTS, BlockPlan, ConnectorConfig, RemoteParams, plan_blocks, prompt_hash
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = connector_log()
+
+# RequestStatus names of a request that ran to its end (not aborted, not failed): only these hand off KV.
+COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+MAX_READ_STATS = 10000  # D reads whose stats wait for their request to finish (aborted ones never do)
+
+
+class PoolLookup(Protocol):
+    def prefix(self, keys: Sequence[int]) -> int: ...
+
+
+def completed(request: "Request") -> bool:
+    return getattr(request.status, "name", None) in COMPLETED
+
+
+def pool_client(config: ConnectorConfig) -> StoreClient | None:
+    addr = config.pool_address
+    if addr is None:
+        return None
+    log.info("scheduler: KV pool master %s:%d (save %s, load %s)", addr[0], addr[1], config.pool_save,
+             config.pool_load)
+    return StoreClient(ClientConfig(addr[0], addr[1], secret=config.secret, timeout_s=config.pool_timeout_s))
+
+
+class SchedulerSide:
+    """One per vLLM engine, in the scheduler process. ``pool``: the KV pool master client (None = no pool)."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int, pool: PoolLookup | None = None) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.handshake: PdserveHandshake | None = None
+        self._matched: dict[str, int] = {}  # D request -> local hit tokens seen by get_num_new_matched
+        self._recv: list[RecvJob] = []
+        self._send: dict[str, float] = {}
+        # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
+        self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.held = 0  # P requests whose lease has not ended (for pacing idle steps)
+        self.reading = 0  # D reads and pool loads in flight
+        self.pool = pool
+        # KV pool: request -> (block-aligned local hit, pooled keys after it) seen by get_num_new_matched
+        self._pool_hits: dict[str, tuple[int, list[int]]] = {}
+        self._pool_jobs: list[PoolJob] = []
+        self._pool_saving: set[str] = set()
+        self._pool_down_until = 0.0
+        self.pool_outcomes: dict[str, int] = {}
+
+    def set_handshake(self, metadata: dict[int, Any]) -> None:
+        rank0 = metadata.get(0) or next(iter(metadata.values()), None)
+        if not isinstance(rank0, PdserveHandshake):
+            raise ValueError(f"PdserveConnector expected PdserveHandshake from the workers, got {rank0!r}")
+        self.handshake = rank0
+        log.info("scheduler: transfer engine %s at %s:%d, KV layout %s", rank0.engine_id, rank0.host,
+                 rank0.port, rank0.layout)
+
+    # ---- KV pool ----
+    def _pool_usable(self) -> bool:
+        return self.pool is not None and time.monotonic() >= self._pool_down_until
+
+    def _pool_failed(self, what: str, exc: Exception) -> None:
+        self._pool_down_until = time.monotonic() + self.config.pool_backoff_s
+        log.warning("KV pool %s failed (%s); not using the pool for %.0f s", what, exc, self.config.pool_backoff_s)
+
+    def _pool_match(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
+        self._pool_hits.pop(request.request_id, None)
+        if not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size:
+            return 0, False
+        keys = block_hashes(request.prompt_token_ids or [], self.block_size)
+        first = num_computed_tokens // self.block_size
+        if first >= len(keys):
+            return 0, False
+        try:
+            n = self.pool.prefix(keys[first:])  # type: ignore[union-attr]
+        except StoreError as exc:
+            self._pool_failed("lookup", exc)
+            return 0, False
+        if n < self.config.pool_min_blocks:
+            return 0, False
+        self._pool_hits[request.request_id] = (num_computed_tokens, keys[first:first + n])
+        return n * self.block_size, True
+
+    def _pool_plan_load(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        hit, keys = self._pool_hits.pop(request.request_id)
+        if num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self.block_size
+        first = hit // self.block_size
+        local = blocks.get_block_ids()[0][first:first + n]
+        self.reading += 1
+        if num_external_tokens % self.block_size or len(local) != n or n > len(keys):
+            log.error("request %s: cannot plan a pool load of %d tokens into %d blocks", request.request_id,
+                      num_external_tokens, len(local))
+            self._pool_jobs.append(PoolJob(request.request_id, (), tuple(local), False, error="plan"))
+            return
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False))
+
+    def _pool_plan_save(self, request: "Request", block_ids: list[int]) -> bool:
+        """Queue a save of the request's full computed blocks; True when its blocks must stay held."""
+        if not self.config.pool_save or not self._pool_usable():
+            return False
+        if not completed(request):
+            return False  # aborted or failed: do not pool what may be partial
+        tokens = list(request.all_token_ids[:request.num_computed_tokens])
+        keys = block_hashes(tokens, self.block_size)
+        if not keys or len(block_ids) < len(keys):
+            return False
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True))
+        self._pool_saving.add(request.request_id)
+        return True
+
+    # ---- D ----
+    def _remote(self, request: "Request") -> RemoteParams | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemoteParams.parse(params, self.block_size)
+        except ValueError as exc:
+            log.warning("request %s: ignoring kv_transfer_params (%s); it will be computed locally",
+                        request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+
+    def _loadable_tokens(self, request: "Request", remote: RemoteParams) -> int:
+        """Prompt tokens D may take from P: 0 when the prefix or the layout differs or the lease is
+        (nearly) over."""
+        n = min(remote.num_tokens, request.num_prompt_tokens)
+        if remote.prompt_hash and remote.prompt_hash != prompt_hash(request.prompt_token_ids or [], n):
+            log.warning("request %s: prompt differs from the one P prefilled; computing locally",
+                        request.request_id)
+            return 0
+        if self.handshake and remote.layout and remote.layout != self.handshake.layout:
+            log.warning("request %s: P's KV layout %s differs from ours %s (same model, dtype and block "
+                        "size on both?); computing locally", request.request_id, remote.layout,
+                        self.handshake.layout)
+            return 0
+        if remote.lease_deadline and time.time() > remote.lease_deadline - self.config.clock_margin_s:
+            log.warning("request %s: P's lease on the blocks has run out; computing locally", request.request_id)
+            return 0
+        return n
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        remote = self._remote(request)
+        if remote is None:
+            return self._pool_match(request, num_computed_tokens) if self.pool is not None else (0, False)
+        count = self._loadable_tokens(request, remote) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            if request.request_id in self._pool_hits:
+                self._pool_plan_load(request, blocks, num_external_tokens)
+            return
+        remote = self._remote(request)
+        params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
+        if remote is None:
+            return
+        hit = self._matched.pop(request.request_id, None)
+        if remote.test_fault and remote.test_fault not in TEST_FAULTS:
+            log.warning("unknown pdserve_test_fault %r ignored", remote.test_fault)
+        if num_external_tokens <= 0:
+            self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
+            return
+        try:
+            local_ids = blocks.get_block_ids()[0]
+            if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
+                hit = 0
+                for block in blocks.blocks[0]:
+                    if block.block_hash is None:
+                        break
+                    hit += self.block_size
+            plan = plan_blocks(local_ids, hit, num_external_tokens, remote.block_ids, self.block_size)
+            self._recv.append(RecvJob(request.request_id, remote, plan))
+        except Exception as exc:  # never strand a request in WAITING_FOR_REMOTE_KVS
+            log.exception("request %s: cannot plan the KV read", request.request_id)
+            self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), error=repr(exc)))
+
+    # ---- P ----
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pool_hits.pop(request.request_id, None)
+        delay, out = self._hand_off(request, block_ids)
+        if self.pool is not None and self._pool_plan_save(request, block_ids):
+            delay = True  # the worker reports finished_sending once the save (and any decode read) is done
+        return delay, out
+
+    def _hand_off(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks."""
+        params = request.kv_transfer_params
+        self._matched.pop(request.request_id, None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Never scheduled (e.g. aborted while queued): tell P to free its blocks now.
+            remote = self._remote(request)
+            params["do_remote_prefill"] = False
+            if remote is not None:
+                self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
+            return False, None
+        reads = self._reads.pop(request.request_id, None)
+        if not params.get("do_remote_decode"):
+            return False, ({"pdserve": reads} if reads else None)
+        if not completed(request):
+            return False, None  # aborted or errored prefill: nothing to hand off, free now
+        if self.handshake is None:
+            log.error("request %s asked for remote decode but no worker published its transfer engine; "
+                      "freeing its blocks", request.request_id)
+            return False, None
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        nblocks = -(-num_tokens // self.block_size)
+        if num_tokens <= 0 or len(block_ids) < nblocks:
+            return False, None
+        deadline = time.time() + self._lease_s(params)
+        self._send[request.request_id] = deadline
+        self.held += 1
+        hs = self.handshake
+        remote = RemoteParams(hs.engine_id, hs.host, hs.port, tuple(block_ids[:nblocks]), num_tokens,
+                              request.request_id, hs.layout,
+                              prompt_hash(request.prompt_token_ids or [], num_tokens), deadline)
+        return True, remote.to_params()
+
+    def _lease_s(self, params: dict[str, Any]) -> float:
+        """The configured lease, or the request's ``lease_s`` override (router/tests), bounded."""
+        if params.get("lease_s") is not None:
+            try:
+                return min(max(float(params["lease_s"]), 0.1), 3600.0)
+            except (TypeError, ValueError):
+                pass
+        return self.config.lease_s
+
+    # ---- per step ----
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput | None" = None) -> PdserveMeta:
+        if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
+                and not self._recv and not self._send and not self._pool_jobs
+                and (self.held > 0 or self._pool_saving) and self.reading == 0
+                and self.config.idle_wait_ms > 0):
+            # vLLM keeps stepping while P holds blocks for a decode, even with nothing to run: an
+            # empty-step loop that busy-spins the engine, worker and API processes (~1.5 cores here)
+            # for up to a lease. Pace those steps; a request arriving meanwhile waits at most this.
+            time.sleep(self.config.idle_wait_ms / 1e3)
+        self.reading += sum(1 for job in self._recv if job.load)
+        meta = PdserveMeta(self._recv, self._send, self._pool_jobs)
+        self._recv, self._send, self._pool_jobs = [], {}, []
+        return meta
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, PdserveWorkerMeta):
+            return
+        self._reads.update(meta.reads)
+        while len(self._reads) > MAX_READ_STATS:
+            self._reads.popitem(last=False)
+        loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
+        self.reading = max(0, self.reading - len(meta.reads) - loads_done)
+        for req_id, outcome in meta.pool.items():
+            if outcome.startswith("save"):
+                self._pool_saving.discard(req_id)
+            self.pool_outcomes[outcome] = self.pool_outcomes.get(outcome, 0) + 1
+        self.held -= len(meta.released)  # leases that ended (the worker counts them, by reason)

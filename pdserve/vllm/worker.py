@@ -1,0 +1,344 @@
+"""The connector's worker half: registers the KV cache with the transfer engine, runs the scheduler's
+plans (D's reads from P, KV pool loads and saves) off the model's thread, and reports their results.
+
+P's held blocks are the :class:`~pdserve.vllm.release.ReleaseLedger`'s: this module feeds it the leases and
+pool saves from :class:`PdserveMeta`, D's READ notifications from the transfer engine and the ended saves,
+and reports what it releases as ``finished_sending``.
+
+D's read: one transfer batch, one entry per layer per block, with notify=remote_request_id (which ends P's
+lease), then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from pdserve.store import ClientConfig, StoreClient, StoreError
+from pdserve.transfer import TransferConfig, TransferEngine, TransferError
+from pdserve.vllm.logs import connector_log
+from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
+from pdserve.vllm.metrics import PdserveStats
+from pdserve.vllm.params import ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_signature
+from pdserve.vllm.pool import loaded_prefix, pool_items
+from pdserve.vllm.release import Released, ReleaseLedger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = connector_log()
+
+
+def _span_view(addr: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 array over raw memory we keep alive elsewhere (the KV cache tensor)."""
+    return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=np.uint8)
+
+
+class WorkerSide:
+    """One per vLLM worker process: owns the transfer engine, the registered KV cache and the held blocks."""
+
+    def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.block_size = vllm_config.cache_config.block_size
+        rank = 0
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            rank = get_tensor_model_parallel_rank()
+        except Exception:
+            pass
+        self.rank = rank
+        tconf = TransferConfig(secret=config.secret, host=config.transfer_host,
+                               advertise_host=config.advertise_host, port=config.port_for_rank(rank),
+                               backend=config.backend, streams=config.streams,
+                               default_deadline_s=config.transfer_deadline_s)
+        self.engine = TransferEngine(tconf)
+        self.layers: list[LayerGeometry] = []
+        self.layout = ""
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._peers: dict[tuple[str, int], Any] = {}
+        self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
+        self.engine.on_notify(self._on_notify)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, RecvJob] = {}
+        self._done: list[tuple[RecvJob, bool, dict[str, Any]]] = []
+        self._invalid: set[int] = set()
+        self._meta = PdserveWorkerMeta()
+        self.stats = PdserveStats()  # since the last get_kv_connector_stats
+        self.pool: StoreClient | None = None
+        if config.pool_address is not None:
+            host, port = config.pool_address
+            self.pool = StoreClient(ClientConfig(host, port, secret=config.secret,
+                                                 timeout_s=max(config.pool_timeout_s, 2.0),
+                                                 transfer_deadline_s=min(config.transfer_deadline_s, 4.0)),
+                                    self.engine)
+        self._pool_done: list[tuple[PoolJob, int, dict[str, Any]]] = []  # (job, blocks that made it, stats)
+        seg = self.engine.segment()
+        log.info("worker rank %d: transfer engine %s listening on %s:%d (backend %s)", rank,
+                 self.engine.engine_id, seg.host, seg.port, config.backend)
+
+    # ---- start-up ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        seen: dict[int, str] = {}
+        dtype = ""
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            if t.device.type != "cpu":
+                raise RuntimeError(f"PdserveConnector: layer {name} KV cache is on {t.device}; this build "
+                                   "moves CPU KV caches only")
+            if t.data_ptr() in seen:  # cross-layer KV sharing: transfer the owner once
+                continue
+            seen[t.data_ptr()] = name
+            # [num_kernel_blocks, ...] with each kernel block's interior contiguous (CPU: [B, H, N, 2*D]).
+            elem = t.element_size()
+            if t.dim() < 2 or not t[0].is_contiguous():
+                raise RuntimeError(f"PdserveConnector: layer {name} KV cache {tuple(t.shape)} strides "
+                                   f"{t.stride()} has non-contiguous blocks; unsupported KV layout")
+            kernel_blocks = t.shape[0]
+            kernel_bytes = t[0].numel() * elem
+            kernel_stride = t.stride(0) * elem
+            kernel_block_size = t.shape[2] if t.dim() == 4 else self.block_size
+            ratio = max(1, self.block_size // kernel_block_size)
+            if ratio > 1 and kernel_stride != kernel_bytes:
+                raise RuntimeError(f"PdserveConnector: layer {name}: a {self.block_size}-token block spans "
+                                   f"{ratio} non-adjacent kernel blocks; unsupported KV layout")
+            span = (kernel_blocks - 1) * kernel_stride + kernel_bytes
+            self.engine.register(name, _span_view(t.data_ptr(), span))
+            self._tensors[name] = t  # keep alive; zeroing in tests
+            self.layers.append(LayerGeometry(name, kernel_stride * ratio, kernel_bytes * ratio))
+            dtype = str(t.dtype).replace("torch.", "")
+        self.layout = layout_signature(dtype, self.layers, self.block_size)
+        first = kv_caches[self.layers[0].name] if self.layers else None
+        log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s, %d B per block, "
+                 "layout %s", len(self.layers), dtype, tuple(first.shape) if first is not None else None,
+                 first.stride() if first is not None else None,
+                 self.layers[0].block_bytes if self.layers else 0, self.layout)
+
+    def handshake(self) -> PdserveHandshake:
+        seg = self.engine.segment()
+        return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout)
+
+    # ---- per step ----
+    def start(self, meta: PdserveMeta) -> None:
+        for req_id, deadline in meta.send.items():
+            self._ledger.lease(req_id, deadline)
+        for pjob in meta.pool:
+            if pjob.save:
+                self._ledger.saving(pjob.req_id)
+            threading.Thread(target=self._pool_run, args=(pjob,), name=f"pdserve-pool-{pjob.req_id[:24]}",
+                             daemon=True).start()
+        for job in meta.recv:
+            if job.load:
+                with self._lock:
+                    self._inflight[job.req_id] = job
+            threading.Thread(target=self._run, args=(job,), name=f"pdserve-read-{job.req_id[:24]}",
+                             daemon=True).start()
+
+    def _peer(self, remote: RemoteParams) -> Any:
+        key = (remote.host, remote.port)
+        seg = self._peers.get(key)
+        if seg is None or seg.engine_id != remote.engine_id:
+            seg = self.engine.fetch_segment(remote.host, remote.port)
+            if seg.engine_id != remote.engine_id:
+                raise TransferError("peer", f"{remote.host}:{remote.port} is engine {seg.engine_id}, not "
+                                            f"{remote.engine_id} (P restarted?)")
+            self._peers[key] = seg
+        return seg
+
+    def _run(self, job: RecvJob) -> None:
+        remote, plan = job.remote, job.plan
+        t0 = time.perf_counter()
+        stats: dict[str, Any] = {"bytes": 0, "ms": 0.0, "blocks": len(plan), "ok": False}
+        ok = False
+        if not job.load:  # nothing to read: only release P's blocks
+            try:
+                self.engine.submit(self._peer(remote), [], "read", notify=remote.request_id,
+                                   deadline_s=self.config.transfer_deadline_s).result()
+                log.info("request %s: released P's blocks of %s without reading (local prefix hit or "
+                         "abort)", job.req_id, remote.request_id)
+            except Exception as exc:
+                log.warning("request %s: could not tell P to free %s (%s); its lease will", job.req_id,
+                            remote.request_id, exc)
+            return
+        try:
+            if job.error:
+                raise TransferError("plan", job.error)
+            peer = self._peer(remote)
+            if remote.layout and remote.layout != self.layout:
+                raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout}")
+            deadline_s = self.config.transfer_deadline_s
+            if remote.lease_deadline:
+                deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
+                if deadline_s <= 0:
+                    raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
+            if remote.test_fault == "fail" and self.config.allow_test_faults:
+                raise TransferError("test", "pdserve_test_fault=fail")
+            entries = build_entries(self.layers, plan)
+            handle = self.engine.submit(peer, entries, "read", notify=remote.request_id, deadline_s=deadline_s)
+            handle.result()
+            stats["bytes"] = handle.total_bytes
+            if remote.test_fault == "zero" and self.config.allow_test_faults:
+                self._zero_blocks(plan.local)
+                log.warning("request %s: pdserve_test_fault=zero: zeroed %d received blocks", job.req_id,
+                            len(plan))
+            ok = True
+        except Exception as exc:  # every failure ends in a recompute, never in partial KV
+            stats["error"] = f"{type(exc).__name__}: {exc}"
+            log.warning("request %s: KV read from %s:%s failed (%s); vLLM will recompute the prompt",
+                        job.req_id, remote.host, remote.port, stats["error"])
+            self._release_remote(remote)
+        finally:
+            stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            stats["ok"] = ok
+            with self._lock:
+                self._done.append((job, ok, stats))
+        if ok:
+            log.info("request %s: read %d blocks (%d B) from %s in %.2f ms (%.2f GB/s)", job.req_id, len(plan),
+                     stats["bytes"], remote.request_id, stats["ms"], stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
+
+    def _pool_run(self, job: PoolJob) -> None:
+        """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
+        t0 = time.perf_counter()
+        block_bytes = sum(g.block_bytes for g in self.layers)
+        stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
+        good = 0
+        try:
+            if self.pool is None or job.error:
+                raise StoreError("plan", job.error or "no pool configured on this worker")
+            items = pool_items(self.layers, job.keys, job.block_ids)
+            if job.save:
+                statuses = self.pool.put(items)
+                stored = statuses.count("stored")
+                good = stored + statuses.count("exists")
+                stats.update(stored=stored, bytes=stored * block_bytes,
+                             full=statuses.count("full"), failed=statuses.count("failed"))
+            else:
+                good = loaded_prefix(self.pool.get_into(items))
+                stats["bytes"] = good * block_bytes
+        except Exception as exc:  # the pool is a cache: a failure costs a recompute, never a wrong token
+            stats["error"] = f"{type(exc).__name__}: {exc}"
+            log.warning("request %s: KV pool %s failed: %s", job.req_id, "save" if job.save else "load",
+                        stats["error"])
+        stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        with self._lock:
+            self._pool_done.append((job, good, stats))
+        if not job.save and good:
+            log.info("request %s: loaded %d of %d blocks (%d B) from the KV pool in %.2f ms", job.req_id, good,
+                     len(job.block_ids), stats["bytes"], stats["ms"])
+
+    def _pool_results(self, recving: set[str], failed: set[str]) -> None:
+        """Account finished pool jobs: loads into ``recving``/``failed``, ended saves to the ledger."""
+        with self._lock:
+            done, self._pool_done = self._pool_done, []
+        for job, good, stats in done:
+            data = self.stats.data
+            if job.save:
+                self._ledger.save_done(job.req_id)
+                ok = "error" not in stats
+                self._meta.pool[job.req_id] = "saved" if ok else "save_failed"
+                data["pool_saves"] += 1
+                data["pool_save_failures"] += 0 if ok else 1
+                data["pool_saved_blocks"] += stats.get("stored", 0)
+                data["pool_save_bytes"] += stats["bytes"]
+                continue
+            recving.add(job.req_id)
+            data["pool_loads"] += 1
+            data["pool_loaded_tokens"] += good * self.block_size
+            data["pool_load_bytes"] += stats["bytes"]
+            if good < len(job.block_ids):  # the rest is recomputed: vLLM keeps the valid prefix
+                failed.add(job.req_id)
+                self._invalid.update(job.block_ids[good:])
+                data["pool_load_failures"] += 1
+                self._meta.pool[job.req_id] = "load_partial" if good else "load_failed"
+            else:
+                self._meta.pool[job.req_id] = "loaded"
+
+    def _release_remote(self, remote: RemoteParams) -> None:
+        """Best effort: tell P to free the blocks now rather than at the lease's end."""
+        try:
+            peer = self._peer(remote)
+            self.engine.submit(peer, [], "read", notify=remote.request_id, deadline_s=2.0)
+        except Exception:
+            pass
+
+    def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
+        for layer in self.layers:
+            base = self._tensors[layer.name].data_ptr()
+            for b in block_ids:
+                ctypes.memset(base + b * layer.block_stride, 0, layer.block_bytes)
+
+    def _on_notify(self, note: Any) -> None:
+        msg = note.message
+        self._ledger.notify(msg.decode() if isinstance(msg, bytes) else str(msg))
+
+    def results(self) -> KVConnectorTransferResults:
+        recving: set[str] = set()
+        failed: set[str] = set()
+        self._pool_results(recving, failed)
+        released = self._ledger.step()
+        self._account_releases(released)
+        self._read_results(recving, failed)
+        return KVConnectorTransferResults(finished_sending=released.finished_sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def _account_releases(self, released: Released) -> None:
+        for req_id, reason in released.lease_ends.items():
+            if reason == LEASE:
+                log.warning("P request %s: no decode read its KV blocks within the lease; freeing them", req_id)
+            else:
+                log.info("P request %s: decode read its KV blocks; freeing them", req_id)
+        self._meta.released.update(released.lease_ends)
+        counts = self._ledger.take_counts()
+        self.stats.data["released_notified"] += counts[NOTIFIED]
+        self.stats.data["released_lease"] += counts[LEASE]
+
+    def _read_results(self, recving: set[str], failed: set[str]) -> None:
+        """Account finished D reads: into ``recving``, failed ones also into ``failed`` + invalid blocks."""
+        data = self.stats.data
+        with self._lock:
+            done, self._done = self._done, []
+            for job, ok, stats in done:
+                self._inflight.pop(job.req_id, None)
+                recving.add(job.req_id)
+                self._meta.reads[job.req_id] = stats
+                if ok:
+                    data["reads"] += 1
+                    data["read_bytes"] += stats["bytes"]
+                    data["read_seconds"].append(stats["ms"] / 1e3)
+                else:
+                    failed.add(job.req_id)
+                    self._invalid.update(job.plan.local)
+                    data["read_failures"] += 1
+
+    def take_stats(self) -> PdserveStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, PdserveStats()
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        with self._lock:
+            out, self._invalid = self._invalid, set()
+        return out
+
+    def take_worker_meta(self) -> PdserveWorkerMeta | None:
+        meta = self._meta
+        if meta.is_empty():
+            return None
+        self._meta = PdserveWorkerMeta()
+        return meta
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        try:
+            self.engine.close()
+        except Exception:
+            pass

@@ -1,0 +1,88 @@
+"""The dependency rules of docs/architecture.md, checked on the source: each package imports only what it may.
+
+Imports are read with ``ast`` (module level and inside functions alike), so a lazy import counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "pdserve"
+
+# package -> (pdserve packages/modules it may import, third-party top-level modules it must not import)
+RULES: dict[str, tuple[set[str], set[str]]] = {
+    "transfer": (set(), {"vllm", "aiohttp", "zmq", "transformers"}),
+    "conductor": ({"hashing", "rules"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
+    "store": ({"transfer"}, {"vllm", "aiohttp", "transformers"}),
+    "router": ({"conductor", "hashing", "prom", "rules", "store", "transfer"}, {"vllm", "torch"}),
+    # plan/measure.py times the transfer engine to calibrate the planner's network model
+    "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer"}, {"vllm"}),
+    "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names this file imports, relative imports resolved against its package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level]
+                mod = ".".join(base + ((node.module,) if node.module else ()))
+                if node.module:
+                    names.add(mod)
+                else:  # `from .. import x`: x may itself be a module
+                    names.update(f"{mod}.{a.name}" for a in node.names)
+            elif node.module:
+                names.add(node.module)
+    return names
+
+
+def _violations(package: str, files: list[Path] | None = None) -> list[str]:
+    allowed, banned = RULES[package]
+    bad: list[str] = []
+    for path in files if files is not None else sorted((PKG / package).rglob("*.py")):
+        for name in _imports(path):
+            top, _, rest = name.partition(".")
+            where = path.relative_to(ROOT)
+            if top in banned:
+                bad.append(f"{where}: imports {name}")
+            elif top == "pdserve" and rest:
+                sub = rest.split(".")[0]
+                if sub != package and sub not in allowed:
+                    bad.append(f"{where}: imports {name} (pdserve.{package} may import only {sorted(allowed)})")
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_package_imports_follow_the_rules(package: str) -> None:
+    assert _violations(package) == []
+
+
+def test_only_the_vllm_package_imports_vllm() -> None:
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sorted(PKG.rglob("*.py"))
+        if p.parent.name != "vllm" and any(n == "vllm" or n.startswith("vllm.") for n in _imports(p))
+    ]
+    assert offenders == []
+
+
+def test_the_checker_sees_banned_imports() -> None:
+    """Negative control: a relative, a lazy and a third-party import that break the rules are all reported."""
+    probe = PKG / "conductor" / "_architecture_probe.py"
+    probe.write_text("from ..router import app\n\ndef f():\n    import aiohttp\n    from pdserve.vllm import params\n")
+    try:
+        bad = _violations("conductor", [probe])
+    finally:
+        probe.unlink()
+    assert [b.split(": imports ")[1].split(" ")[0] for b in sorted(bad)] == [
+        "aiohttp", "pdserve.router", "pdserve.vllm"]
