@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -55,7 +55,7 @@ def _mooncake_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
     te.register_memory(src.ctypes.data, src.nbytes)
     out = {}
     for size in sizes:
-        def once() -> None:
+        def once(size: int = size) -> None:
             if te.transfer_sync_write(session, src.ctypes.data, raddr, size) != 0:
                 raise RuntimeError("Mooncake write failed")
         out[size] = median_gbps(size, once, reps)
@@ -88,7 +88,7 @@ def _nixl_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
     agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
     out = {}
     for size in sizes:
-        def once() -> None:
+        def once(size: int = size) -> None:
             local = agent.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM")
             peer = agent.get_xfer_descs([(raddr, size, 0)], "DRAM")
             handle = agent.initialize_xfer("WRITE", local, peer, remote, b"")

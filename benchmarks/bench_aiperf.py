@@ -91,7 +91,8 @@ def main() -> int:
         cmd = [args.aiperf, "profile", "--model", c.model_name, "--url", c.router_url, "--endpoint-type",
                "completions", "--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
                "--fixed-schedule", "--fixed-schedule-auto-offset", "--isl-block-size", str(block),
-               "--tokenizer", hf_cache_entry(c.model_dir, work / "hf"), "--extra-inputs", "ignore_eos:true", "--ui-type", "none",
+               "--tokenizer", hf_cache_entry(c.model_dir, work / "hf"), "--extra-inputs", "ignore_eos:true",
+               "--ui-type", "none",
                "--artifact-dir", str(work / "aiperf")]
         print("$ " + " ".join(cmd), file=sys.stderr)
         t0 = time.monotonic()

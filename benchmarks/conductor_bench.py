@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel, PlacementRequest  # noqa: E402
 from pdserve.bench.traces import default_trace, trace_lines  # noqa: E402
+from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel, PlacementRequest  # noqa: E402
 from pdserve.conductor.cost_model import Priors  # noqa: E402
 from pdserve.hashing import block_hashes  # noqa: E402
 

@@ -35,7 +35,8 @@ from pdserve.plan.calibrate import Calibration, fit, measure  # noqa: E402
 from pdserve.plan.kvsize import load_model  # noqa: E402
 from pdserve.plan.measure import transfer_bytes_s  # noqa: E402
 from pdserve.plan.results import Targets, percentiles  # noqa: E402
-from pdserve.plan.simulator import Cluster as SimCluster, SimSettings, simulate  # noqa: E402
+from pdserve.plan.simulator import Cluster as SimCluster  # noqa: E402
+from pdserve.plan.simulator import SimSettings, simulate
 from pdserve.plan.traffic import Request  # noqa: E402
 
 KV_GIB = 1

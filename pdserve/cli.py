@@ -14,7 +14,8 @@ import shlex
 import signal
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .config import ConfigError, LauncherConfig, parse_cpu_list
 from .procs import LaunchError
@@ -136,7 +137,7 @@ def serve(args: argparse.Namespace) -> int:
         print(plan.describe())
         return 0
 
-    stopping = {"sig": None}
+    stopping: dict[str, int | None] = {"sig": None}
 
     def on_signal(signum, frame):  # noqa: ARG001
         if stopping["sig"] is not None:
@@ -158,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
             code = _supervise(cluster, say)
         except (_Stop, KeyboardInterrupt):
             stopping["sig"] = stopping["sig"] or signal.SIGINT
-            say(f"got {signal.Signals(stopping['sig']).name}: stopping workers and router")
+            say(f"got {signal.Signals(stopping['sig'] or signal.SIGINT).name}: stopping workers and router")
         except LaunchError as e:
             stopping["sig"] = signal.SIGTERM
             print(f"pdserve: {e}", file=sys.stderr)

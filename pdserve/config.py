@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .rules import check_policy, check_slo, check_slo_needs_conductor
 
@@ -237,7 +238,7 @@ class LauncherConfig:
         else:
             object.__setattr__(self, "prefill", 1 if self.prefill is None else self.prefill)
             object.__setattr__(self, "decode", 1 if self.decode is None else self.decode)
-            if self.prefill < 1 or self.decode < 1:
+            if not self.prefill or not self.decode or self.prefill < 1 or self.decode < 1:
                 raise ConfigError(
                     f"prefill={self.prefill}, decode={self.decode}: disaggregated serving needs at least one of each; "
                     "for plain workers use --colocated K instead"
@@ -292,7 +293,7 @@ class LauncherConfig:
 
     @property
     def num_workers(self) -> int:
-        return self.colocated or (self.prefill + self.decode)
+        return self.colocated or ((self.prefill or 0) + (self.decode or 0))
 
     @property
     def model_dir(self) -> Path:
@@ -305,7 +306,7 @@ class LauncherConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> "LauncherConfig":
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> LauncherConfig:
         """Build from a plain mapping (a parsed YAML file); unknown keys are errors with a suggestion."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source}: expected a mapping of settings at top level, got {type(data).__name__}")
@@ -334,7 +335,7 @@ class LauncherConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "LauncherConfig":
+    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> LauncherConfig:
         """Read a YAML file (see ``deploy/pdserve.example.yaml``); ``overrides`` (e.g. from flags) win."""
         try:
             import yaml
@@ -359,11 +360,11 @@ class LauncherConfig:
             merged.pop("colocated", None)
         return cls.from_mapping(merged, source=str(p))
 
-    def with_overrides(self, **overrides: Any) -> "LauncherConfig":
+    def with_overrides(self, **overrides: Any) -> LauncherConfig:
         return replace(self, **overrides)
 
 
-def _check_pool(cfg: "LauncherConfig") -> None:
+def _check_pool(cfg: LauncherConfig) -> None:
     """KV pool settings (pdserve.store): on by default with the connector, sizes parse, a port."""
     from .store.config import StoreConfigError, parse_size
 
@@ -389,7 +390,8 @@ def _check_pool(cfg: "LauncherConfig") -> None:
 def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:
     """Let the connector's own parser judge ``kv_connector_extra_config`` now, not 30 s into a worker start."""
     try:
-        from pdserve.vllm.params import ConfigError as ConnectorConfigError, ConnectorConfig
+        from pdserve.vllm.params import ConfigError as ConnectorConfigError
+        from pdserve.vllm.params import ConnectorConfig
     except ImportError:  # pragma: no cover - the connector package ships with pdserve
         return
     try:

@@ -33,8 +33,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Protocol
 from urllib.parse import urlsplit
 
 log = logging.getLogger("pdserve.discovery")
@@ -75,7 +76,7 @@ class PoolTarget:
     port: int
 
     @classmethod
-    def parse(cls, role: str, spec: str) -> "PoolTarget":
+    def parse(cls, role: str, spec: str) -> PoolTarget:
         host, sep, port = spec.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise DiscoveryConfigError(f"--{role}-dns {spec!r}: give NAME:PORT, e.g. "
@@ -149,7 +150,7 @@ def resolve_addresses(host: str, port: int) -> set[str] | None:
     except OSError as exc:
         log.warning("resolving %s failed (%s); keeping the current members this round", host, exc)
         return None
-    return {info[4][0] for info in infos}
+    return {str(info[4][0]) for info in infos}
 
 
 # ------------------------------------------------------------------------------------ router API
@@ -204,7 +205,8 @@ class HttpRouterApi:
             if exc.code in (404, 405) and method == "GET":
                 raise RouterApiError(f"{self.base_url}{WORKERS_PATH} answers {exc.code}: this router has no "
                                      "membership API (update pdserve on the router image)") from None
-            raise RouterApiError(f"{method} {self.base_url}{WORKERS_PATH} {body or ''} -> {exc.code}: {detail}") from None
+            raise RouterApiError(
+                f"{method} {self.base_url}{WORKERS_PATH} {body or ''} -> {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise RouterApiError(f"{method} {self.base_url}{WORKERS_PATH}: {exc}") from None
         return json.loads(raw) if raw.strip() else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 SEED = b"pdserve-kv-block-v1"
 ROOT_KEY = 0  # the "previous key" of the first block

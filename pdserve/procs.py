@@ -24,9 +24,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -136,6 +136,11 @@ class Child:
         return self.proc.pid
 
     @property
+    def startup_s(self) -> float:
+        """Seconds from start to healthy (0.0 while not ready)."""
+        return 0.0 if self.ready_at is None else self.ready_at - self.started_at
+
+    @property
     def pgid(self) -> int:
         return self.proc.pid  # start_new_session: the child leads its own group
 
@@ -166,7 +171,7 @@ def spawn(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
     cwd: str | os.PathLike | None = None,
-    reaper: "Reaper | None" = None,
+    reaper: Reaper | None = None,
 ) -> Child:
     """Start ``argv`` in its own process group with PDEATHSIG=SIGKILL (from the main thread), stdout+stderr
     to ``log_path``, its group registered with ``reaper``."""
@@ -187,7 +192,7 @@ def spawn(
             close_fds=True,
         )
     finally:
-        if log_path:
+        if not isinstance(out, int):
             out.close()
     child = Child(name=name, proc=proc, log_path=log_path, argv=list(argv))
     if reaper is not None:
@@ -218,7 +223,7 @@ def group_alive(pgid: int) -> bool:
     return bool(pids_in_group(pgid)) if os.path.isdir("/proc") else True
 
 
-def stop_children(children: Sequence[Child], timeout_s: float = 20.0, reaper: "Reaper | None" = None) -> list[str]:
+def stop_children(children: Sequence[Child], timeout_s: float = 20.0, reaper: Reaper | None = None) -> list[str]:
     """SIGTERM every child's group, wait up to ``timeout_s`` for all, then SIGKILL what is left and reap.
     Returns the names of the children that needed SIGKILL."""
     live = [c for c in children if c.alive() or group_alive(c.pgid)]

@@ -183,9 +183,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from .compare import plan_workloads
-    from .workload import build_workload
-
     from .traces import TraceScale, export_mooncake, load_trace, scale_rows
+    from .workload import build_workload
 
     rows = {}
     exported = False

@@ -22,9 +22,10 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import ConfigError, LauncherConfig
 from .metrics import SLO, counter_phases, phase_summary, summarize
@@ -71,7 +72,8 @@ def plan_workloads(specs: list[str], rates: list[float] | None = None) -> list[W
     plans: list[WorkloadPlan] = []
     for spec in specs:
         kind, params = parse_spec(spec)
-        for rate in rates or [None]:
+        rate_list: list[float | None] = list(rates) if rates else [None]
+        for rate in rate_list:
             ov: dict[str, Any] = {}
             label = params.get("name", spec)
             if rate is not None:
@@ -188,8 +190,11 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
             slug = re.sub(r"[^A-Za-z0-9_.@-]+", "_", label)
             (raw / f"{name}__{slug}.json").write_text(json.dumps(result.to_dict()))
 
+        def log_line(s: str, n: str = name) -> None:
+            log(f"[{n}] {s}")
+
         try:
-            with Cluster(cfg, log=lambda s, n=name: log(f"[{n}] {s}")) as cluster:
+            with Cluster(cfg, log=log_line) as cluster:
                 startup = time.monotonic() - t_start
                 per_wl = run_on_cluster(cluster, plans, slo, dict(opts or {}), on_result=save,
                                         max_model_len=settings.max_model_len)

@@ -13,8 +13,9 @@ Definitions (the same as vLLM's and SGLang's serving benchmarks):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,9 @@ class RequestRecord:
 
     def to_dict(self, t0: float = 0.0) -> dict[str, Any]:
         """JSON-ready, times relative to ``t0`` (the run's start)."""
-        rel = (lambda t: None if t is None else round(t - t0, 6))
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - t0, 6)
+
         return {"ok": self.ok, "session": self.session, "turn": self.turn, "scheduled_s": self.scheduled_s,
                 "start_s": rel(self.start), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
                 "e2e_s": self.latency_s, "end_s": rel(self.end), "prompt_tokens": self.prompt_tokens,
@@ -129,7 +132,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: SLO | None = Non
     """TTFT, TPOT, ITL, E2E mean/p50/p90/p99 in ms; throughput; goodput (when ``slo`` is given); errors."""
     ok = [r for r in records if r.ok]
     out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
-    series = {
+    series: dict[str, list[float | None]] = {
         "ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok],
         "itl": [x for r in ok for x in r.itls_s], "e2e": [r.latency_s for r in ok],
     }

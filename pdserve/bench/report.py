@@ -69,10 +69,10 @@ def verdict(results: dict[str, Any], label: str) -> dict[str, Any]:
                    goodput_ratio=ratio(w.get("goodput_req_per_s"), s.get("goodput_req_per_s")),
                    tpot_p99_ratio=ratio(w.get("tpot_p99_ms"), s.get("tpot_p99_ms")),
                    ttft_p50_ratio=ratio(w.get("ttft_p50_ms"), s.get("ttft_p50_ms")))
-    base = order[0]
-    out["vs_baseline"] = {c: {"goodput_ratio": ratio(rows[c].get("goodput_req_per_s"), rows[base].get("goodput_req_per_s")),
-                              "tpot_p99_ratio": ratio(rows[c].get("tpot_p99_ms"), rows[base].get("tpot_p99_ms")),
-                              "ttft_p50_ratio": ratio(rows[c].get("ttft_p50_ms"), rows[base].get("ttft_p50_ms"))}
+    b = rows[order[0]]
+    out["vs_baseline"] = {c: {"goodput_ratio": ratio(rows[c].get("goodput_req_per_s"), b.get("goodput_req_per_s")),
+                              "tpot_p99_ratio": ratio(rows[c].get("tpot_p99_ms"), b.get("tpot_p99_ms")),
+                              "ttft_p50_ratio": ratio(rows[c].get("ttft_p50_ms"), b.get("ttft_p50_ms"))}
                           for c in order[1:] if c in rows}
     return out
 
@@ -155,8 +155,9 @@ def markdown(results: dict[str, Any], verdicts: list[dict[str, Any]], crossovers
                      f"{_fmt(t) if t is not None else 'no rate measured'}).")
     lines.append("")
     for label in results["workloads"]:
-        info = next((results["configs"][c]["workloads"][label].get("workload_info") for c in results["order"]
-                     if label in results["configs"][c]["workloads"]), {}) or {}
+        infos = (results["configs"][c]["workloads"][label].get("workload_info") for c in results["order"]
+                 if label in results["configs"][c]["workloads"])
+        info: dict[str, Any] = next(infos, {}) or {}
         desc = ", ".join(f"{k}={_fmt(info[k])}" for k in ("requests", "input_mean", "output_mean", "rate", "span_s")
                          if k in info and not isinstance(info[k], dict))
         lines += [f"## {label}", "", f"Workload: `{info.get('spec', label)}` ({desc}).", ""]

@@ -25,9 +25,10 @@ import io
 import json
 import math
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence, TextIO
+from typing import TextIO
 
 import numpy as np
 

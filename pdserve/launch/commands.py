@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, LauncherConfig, WorkerConfig
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
 from ..procs import assign_cores, available_cores
-from .commands import (pool_master_argv, pool_node_argv, router_command, served_name, worker_argv,
-                       worker_env)
+from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers

@@ -10,9 +10,10 @@ import asyncio
 import json
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.conductor.cost_model import WindowFit, decode_features, prefill_features
 
@@ -33,10 +34,10 @@ class Calibration:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
+    def load(cls, path: str | Path) -> Calibration:
         return cls(**json.loads(Path(path).read_text()))
 
-    def cost_model(self) -> "FittedCostModel":
+    def cost_model(self) -> FittedCostModel:
         return FittedCostModel(self)
 
 
@@ -125,7 +126,7 @@ async def measure(url: str, prompt_lengths: Sequence[int] = (64, 256, 512, 1024,
                 recs = await asyncio.gather(*(stream_completion(session, url, dict(base, prompt=ids(n), max_tokens=1))
                                               for _ in range(prefill_parallel)))
                 for rec in recs:
-                    if not rec.ok:
+                    if not rec.ok or rec.ttft_s is None:
                         raise RuntimeError(f"calibration request failed: {rec.error}")
                     prefill.append((n, rec.ttft_s))
         stop.set()

@@ -77,11 +77,11 @@ def load_catalogue(path: Path | None = None) -> Catalogue:
             mfu=_positive(name, "mfu", a.get("mfu")), mbu=_positive(name, "mbu", a.get("mbu")),
             step_overhead_s=float(a.get("step_overhead_ms", 0.0)) / 1e3)
     links = {}
-    for name, l in raw["links"].items():
-        links[name] = Link(name=name, bytes_s=_positive(name, "gbps", l.get("gbps")) * 1e9 / 8,
-                           gpus=int(_positive(name, "gpus", l.get("gpus"))),
-                           efficiency=_positive(name, "efficiency", l.get("efficiency")),
-                           overhead_s=float(l.get("overhead_ms", 0.0)) / 1e3)
+    for name, spec in raw["links"].items():
+        links[name] = Link(name=name, bytes_s=_positive(name, "gbps", spec.get("gbps")) * 1e9 / 8,
+                           gpus=int(_positive(name, "gpus", spec.get("gpus"))),
+                           efficiency=_positive(name, "efficiency", spec.get("efficiency")),
+                           overhead_s=float(spec.get("overhead_ms", 0.0)) / 1e3)
     return Catalogue(accs, links, float(raw.get("handoff_ms", 0.0)) / 1e3)
 
 

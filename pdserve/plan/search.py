@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pdserve.conductor.cost_model import CostModel
 
@@ -84,8 +85,9 @@ def reason(ranked: Sequence[dict[str, Any]], requests: Sequence[Request]) -> str
                 f"TPOT p99 {ratio:.1f}x ({_ms(to)} -> {_ms(t)}) for {g:.2f} vs {go:.2f} req/s goodput "
                 f"({other['config']})")
     xfer = other.get("transfer", {}).get("mean_s")
+    skipped = "" if xfer is None else f" and a {_ms(xfer)} KV transfer"
     return (f"prompts are short enough ({size} tokens p90) that prefills barely stall decodes: {best['config']} "
-            f"keeps every device on both phases and skips the hand-off{'' if xfer is None else ' and a ' + _ms(xfer) + ' KV transfer'}"
+            f"keeps every device on both phases and skips the hand-off{skipped}"
             f", {g:.2f} vs {go:.2f} req/s goodput for the best split ({other['config']}: TPOT p99 {_ms(to)}, "
             f"colocated {_ms(t)})")
 

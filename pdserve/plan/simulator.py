@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.conductor.config import ConductorConfig
 from pdserve.conductor.cost_model import CostModel
@@ -118,7 +119,7 @@ class Simulation:
             return
         job.kind = d.kind
         job.decode_worker = d.decode or ""
-        job.prefill_worker = d.prefill if d.kind == "disaggregated" else job.decode_worker
+        job.prefill_worker = (d.prefill or "") if d.kind == "disaggregated" else job.decode_worker
         w = self.workers[job.prefill_worker]
         w.waiting.append(job)
         self._kick(w)

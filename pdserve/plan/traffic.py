@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces hash prompts in 512-token blocks
 
@@ -73,7 +73,7 @@ class LengthMix:
     jitter: float = 0.0
 
     @classmethod
-    def parse(cls, text: str, jitter: float = 0.0) -> "LengthMix":
+    def parse(cls, text: str, jitter: float = 0.0) -> LengthMix:
         """``"0.25:1536:64,0.75:100:64"`` (weight:prompt:output) or ``"2048:64"`` (one shape)."""
         entries = []
         for part in text.split(","):

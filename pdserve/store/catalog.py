@@ -16,8 +16,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from .tiers import ArenaAllocator
 
@@ -294,7 +295,7 @@ class Catalog:
             good = ok and obj is not None and obj.promoting == node_id and node is not None
             if obj is not None and obj.promoting == node_id:
                 obj.promoting = ""
-            if good:
+            if good and obj is not None and node is not None:  # (good implies both; said again for the checker)
                 obj.replicas.append(Replica(node_id, MEM, offset))
                 node.log("add", key, MEM, offset, obj.size)
                 self.lru.move_to_end(key)

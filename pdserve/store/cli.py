@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from .config import MasterConfig, NodeConfig, StoreConfigError, parse_address, parse_size
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.transfer import SegmentDescriptor, TransferEngine, TransferError
 

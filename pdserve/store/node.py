@@ -31,7 +31,7 @@ class StoreNode:
         self.config = config
         self.node_id = config.node_id
         self.arena = np.zeros(int(config.mem_bytes), dtype=np.uint8)  # pages committed on first write
-        self._view = memoryview(self.arena)
+        self._view = self.arena.data  # a memoryview of the arena's bytes
         self.engine = TransferEngine(TransferConfig(secret=config.secret, host=config.host,
                                                     advertise_host=config.advertise_host,
                                                     port=config.transfer_port, backend=config.transfer_backend))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ALIGN = 64  # object starts are cache-line aligned; sizes are rounded up to this
 

@@ -7,10 +7,22 @@ import json
 
 import pytest
 
-from pdserve.bench.traces import (PACKAGED_TRACE, TOKEN_LOW, TRACE_ENV, TraceError, TraceRow, TraceScale,
-                                  default_trace, load_trace, parse_row, prompt_ids, scale_rows, shared_prefix_len)
-from pdserve.plan.traffic import load_trace as plan_load_trace
+from pdserve.bench.traces import (
+    PACKAGED_TRACE,
+    TOKEN_LOW,
+    TRACE_ENV,
+    TraceError,
+    TraceRow,
+    TraceScale,
+    default_trace,
+    load_trace,
+    parse_row,
+    prompt_ids,
+    scale_rows,
+    shared_prefix_len,
+)
 from pdserve.bench.workload import agent_workload, build_workload, parse_spec, synthetic_workload
+from pdserve.plan.traffic import load_trace as plan_load_trace
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1200, "output_length": 100, "hash_ids": [0, 1, 2]},

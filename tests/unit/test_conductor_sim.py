@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import statistics
 
-import pytest
-
 from pdserve.bench.traces import default_trace
 from pdserve.conductor import OnlineCostModel
 from pdserve.conductor.cost_model import Priors

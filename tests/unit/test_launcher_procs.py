@@ -15,10 +15,20 @@ from pathlib import Path
 import pytest
 
 from pdserve import launcher
-from pdserve.launch import commands
 from pdserve.config import LauncherConfig
-from pdserve.procs import (LaunchError, Reaper, group_alive, http_status, pid_alive, pids_in_group, spawn,
-                           stop_children, wait_dead, wait_healthy)
+from pdserve.launch import commands
+from pdserve.procs import (
+    LaunchError,
+    Reaper,
+    group_alive,
+    http_status,
+    pid_alive,
+    pids_in_group,
+    spawn,
+    stop_children,
+    wait_dead,
+    wait_healthy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

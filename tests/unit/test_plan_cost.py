@@ -10,8 +10,8 @@ from pdserve.plan.kvsize import load_model
 
 def _cost(name="llama-3-70b", acc="H200", net="efa-p5en", tp=None):
     m = load_model(name)
-    a, l = accelerator(acc), link(net)
-    return HardwareCostModel(m, a, l, Parallelism(tp, tp) if tp else min_parallel(m, a, l))
+    a, net_link = accelerator(acc), link(net)
+    return HardwareCostModel(m, a, net_link, Parallelism(tp, tp) if tp else min_parallel(m, a, net_link))
 
 
 def test_implements_the_conductor_protocol():
