@@ -56,6 +56,7 @@ def optional_backends() -> dict[str, str | None]:
         out["nixl"] = f"nixl not importable: {exc}"
     try:
         import mooncake.engine  # noqa: F401
+
         from pdserve.transfer.mooncake import cuda_build
         out["mooncake"] = None if cuda_build() else "installed Mooncake TE is the non-CUDA build"
     except Exception as exc:
@@ -225,15 +226,18 @@ def check_backend(backend: str, eng: Any, peer: dict, owner: Any, local: dict[st
 
 def bandwidth(backend: str, eng: Any, peer: dict, reps: int) -> dict[str, float]:
     import random
+
     from anchors import median_gbps
+
     from pdserve.transfer import Op
     out = {}
     for size, label in ((16 * MiB, "16MiB"), (256 * MiB, "256MiB")):
         entries = [("bw", 0, "bw", 0, size)]
-        out[label] = median_gbps(size, lambda: eng.submit(peer, entries, Op.READ, backend=backend).result(), reps)
+        out[label] = median_gbps(size, lambda e=entries: eng.submit(peer, e, Op.READ, backend=backend).result(), reps)
     order = random.Random(0).sample(range(BW_BYTES // SCATTER), BW_BYTES // SCATTER)
     entries = [("bw", i * SCATTER, "bw", j * SCATTER, SCATTER) for i, j in enumerate(order)]
-    out["4096x64KiB"] = median_gbps(BW_BYTES, lambda: eng.submit(peer, entries, Op.READ, backend=backend).result(), reps)
+    out["4096x64KiB"] = median_gbps(
+        BW_BYTES, lambda: eng.submit(peer, entries, Op.READ, backend=backend).result(), reps)
     return out
 
 
@@ -252,7 +256,8 @@ def torch_anchors(device: Any, reps: int) -> dict[str, float]:
         pinned.copy_(src, non_blocking=True)
         torch.cuda.synchronize(device)
 
-    return {"torch_d2d_256MiB": median_gbps(BW_BYTES, d2d, reps), "torch_d2h_pinned_256MiB": median_gbps(BW_BYTES, d2h, reps)}
+    return {"torch_d2d_256MiB": median_gbps(BW_BYTES, d2d, reps),
+            "torch_d2h_pinned_256MiB": median_gbps(BW_BYTES, d2h, reps)}
 
 
 def run(args: argparse.Namespace, gpu: str) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def bench_engine(backend: str, peer: dict, engine: TransferEngine, sizes: list[i
     for size in sizes:
         entries = [("src", 0, "dst", 0, size)]
         out[f"{size // MiB}MiB"] = median_gbps(
-            size, lambda: engine.submit(peer, entries, backend=backend).result(), reps)
+            size, lambda e=entries: engine.submit(peer, e, backend=backend).result(), reps)
     entries = scatter_entries(scatter_total)
     out["scatter"] = median_gbps(scatter_total, lambda: engine.submit(peer, entries, backend=backend).result(), reps)
     return out

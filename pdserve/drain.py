@@ -28,8 +28,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
 from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
@@ -115,9 +115,11 @@ def router_targets(router_url: str, resolve: Callable[[str, int], Iterable[str]]
     """Every address behind ``router_url``'s host, as base URLs (the name itself when it does not resolve)."""
     parts = urlsplit(router_url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
+    if not parts.hostname:
+        return [router_url]
     try:
         if resolve is None:
-            addrs = sorted({i[4][0] for i in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)})
+            addrs = sorted({str(i[4][0]) for i in socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)})
         else:
             addrs = sorted(set(resolve(parts.hostname, port)))
     except OSError as exc:
@@ -194,7 +196,8 @@ def drain(config: DrainConfig, clock: Callable[[], float] = time.monotonic,
         log.warning("deregistering from %s", e)
     log.info("deregistered %s from %d router(s)", config.self_url, len(done))
 
-    quiet, last, has_kv_gauge, idle = 0, {}, False, False
+    last: dict[str, float] = {}
+    quiet, has_kv_gauge, idle = 0, False, False
     while True:
         try:
             status, body = _http("GET", config.metrics_url, None, config.http_timeout_s)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample

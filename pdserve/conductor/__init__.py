@@ -10,7 +10,7 @@ simulator in :mod:`pdserve.plan` drives the same code with simulated workers.
 - :mod:`.policy`     the decision: (P, D), decode-local, or reject with Retry-After
 """
 
-from .config import ConductorConfig, ConductorConfigError, POLICIES
+from .config import POLICIES, ConductorConfig, ConductorConfigError
 from .cost_model import CostModel, OnlineCostModel
 from .index import PrefixIndex
 from .policy import Conductor, Decision, PlacementRequest

@@ -12,8 +12,9 @@ entries are dropped and rebuilt from later events (an under-estimate of its cach
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol
+from typing import Any, Protocol
 
 import msgpack
 
@@ -31,7 +32,7 @@ class IndexUpdate:
     skipped: int = 0  # blocks that could not be keyed (unknown parent, other block size, extra keys)
     ops: list[tuple[str, list[int]]] = field(default_factory=list)
 
-    def apply_to(self, holder: str, index: "IndexLike") -> None:
+    def apply_to(self, holder: str, index: IndexLike) -> None:
         for op, keys in self.ops:
             if op == "stored":
                 index.blocks_stored(holder, keys)

@@ -8,7 +8,7 @@ blocks x holders of the first block.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class PrefixIndex:

@@ -79,7 +79,7 @@ class WorkerLoad:
     def decode_batch_at(self, t: float, now: float, step_s: float) -> tuple[int, int]:
         """(batch, total context) of the decodes predicted to still run at time ``t``; decodes still waiting
         for their prefill count as running then."""
-        batch = ctx = 0
+        batch, ctx = 0, 0.0
         for j in self.decodes.values():
             if j.started_at is None or now + j.remaining_tokens * step_s > t:
                 batch += 1

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from .config import ConductorConfig
 from .cost_model import CostModel
@@ -335,7 +335,8 @@ class Conductor:
                 began = max(job.enqueued_at, w.last_prefill_end)
                 observe = getattr(self.cost, "observe_prefill", None)
                 if observe is not None and now > began:
-                    new = job.new_tokens if cached_tokens is None else job.new_tokens + job.cached_tokens - cached_tokens
+                    new = job.new_tokens if cached_tokens is None \
+                        else job.new_tokens + job.cached_tokens - cached_tokens
                     observe(new, job.cached_tokens if cached_tokens is None else cached_tokens, now - began)
             w.last_prefill_end = max(w.last_prefill_end, now)
         dw = self.workers.get(pl.decode_worker or "")
@@ -380,7 +381,7 @@ class Conductor:
             return
         w = self.workers.get(pl.decode_worker or "")
         job = w.decodes.get(request_id) if w is not None else None
-        if job is None or job.started_at is None or tokens_done <= job.tokens_done:
+        if w is None or job is None or job.started_at is None or tokens_done <= job.tokens_done:
             return
         now = self.clock()
         delta = tokens_done - job.tokens_done

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pdserve.transfer import wire
 from pdserve.transfer.errors import TransferError

@@ -5,10 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .batch import BatchHandle, Op, TransferEntry
 from .config import TransferConfig

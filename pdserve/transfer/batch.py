@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from .errors import TransferError
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Tuple, Union
+from typing import Any
 
 from . import wire
 from .config import TransferConfig
 from .errors import TransferError
 
-
-Address = Union[Tuple[str, int], str]  # (host, port) over TCP, or an abstract Unix socket name
+Address = tuple[str, int] | str  # (host, port) over TCP, or an abstract Unix socket name
 
 
 def _connect(address: Address, timeout: float) -> socket.socket:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import TransferError
 from .regions import byte_tensor, host_view
@@ -36,7 +37,7 @@ class CudaMemory(StagedMemory):
         self.addr = int(self.flat.data_ptr())
         self.length = int(self.flat.numel())
 
-    def new_copier(self, chunk_bytes: int, buffers: int) -> "CudaCopier":
+    def new_copier(self, chunk_bytes: int, buffers: int) -> CudaCopier:
         return CudaCopier(self.device, chunk_bytes, buffers)
 
 

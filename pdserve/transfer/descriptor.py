@@ -52,7 +52,7 @@ class SegmentDescriptor:
         }
 
     @classmethod
-    def from_wire(cls, data: Any) -> "SegmentDescriptor":
+    def from_wire(cls, data: Any) -> SegmentDescriptor:
         try:
             desc = cls(
                 engine_id=str(data["engine_id"]), host=str(data["host"]), port=int(data["port"]),

@@ -11,9 +11,11 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple
 
+from . import wire
 from .backend import Backend, EngineContext, batch_connection
 from .batch import BatchHandle, Op, TransferEntry, merge_contiguous
 from .config import TransferConfig
@@ -21,14 +23,13 @@ from .descriptor import SegmentDescriptor, host_identity
 from .errors import TransferError
 from .local import LocalBackend
 from .regions import Region, RegionTable
-from .server import ControlServer, PeerContext
+from .server import ControlServer, Handler, PeerContext
 from .staging import CopierPool
-from . import wire
 from .tcp import TcpBackend
 
 log = logging.getLogger(__name__)
-EntryLike = Union[TransferEntry, Sequence[Any]]
-PeerLike = Union[SegmentDescriptor, dict]
+EntryLike = TransferEntry | Sequence[Any]
+PeerLike = SegmentDescriptor | dict
 
 
 class Notification(NamedTuple):
@@ -61,7 +62,7 @@ class TransferEngine:
         self._backends: dict[str, Backend] = {"tcp": TcpBackend(self.ctx), "local": LocalBackend(self.ctx)}
         if self.config.backend in ("mooncake", "nixl"):
             self._backends[self.config.backend] = _optional_backend(self.config.backend)(self.ctx)
-        handlers = {"n": self._serve_notify, "seg": self._serve_segment}
+        handlers: dict[str, Handler] = {"n": self._serve_notify, "seg": self._serve_segment}
         for backend in self._backends.values():
             handlers.update(backend.server_handlers())
         self._server = ControlServer(self.config, handlers, f"pdserve-te-{self.engine_id}")
@@ -219,7 +220,7 @@ class TransferEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._batch_runner.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 ConnectionHandler = Callable[[socket.socket], None]

@@ -14,8 +14,8 @@ initiator checks its own before asking.
 from __future__ import annotations
 
 import ctypes
-import os
 import logging
+import os
 import threading
 from typing import Any
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -98,7 +97,8 @@ class MooncakeBackend(Backend):
             try:
                 rc = future.result(timeout=handle.remaining())
             except FutureTimeout as exc:
-                raise TransferError("deadline", f"batch {handle.batch_id}: Mooncake transfer missed its deadline") from exc
+                raise TransferError("deadline",
+                                    f"batch {handle.batch_id}: Mooncake transfer missed its deadline") from exc
             if rc != 0:
                 raise TransferError("peer", f"batch {handle.batch_id}: Mooncake TE returned {rc} "
                                     "(peer unreachable or range outside its registered memory)")

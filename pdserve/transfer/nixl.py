@@ -2,7 +2,8 @@
 
 Optional install: ``pip install nixl`` (here ``pip install --no-deps nixl-cu13 nixl``). The agent runs
 without a progress thread (NIXL's default one busy-polls a whole core); transfers are driven by
-polling their state, and a 1 ms progress tick serves transfers targeting this process. Peers exchange NIXL agent metadata through the segment descriptor; a peer whose
+polling their state, and a 1 ms progress tick serves transfers targeting this process. Peers exchange NIXL
+agent metadata through the segment descriptor; a peer whose
 metadata changed (it registered more memory) is re-added. Notifications travel on pdserve's control
 connection, like every backend's. NIXL tends to crash at interpreter exit: processes using this
 backend should end with ``os._exit``.
@@ -84,7 +85,8 @@ class NixlBackend(Backend):
             self._peers[peer.engine_id] = digest
         return peer.engine_id
 
-    def _groups(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> dict[tuple[str, str], tuple[list, list]]:
+    def _groups(self, peer: SegmentDescriptor, entries: list[TransferEntry]
+                ) -> dict[tuple[str, str], tuple[list, list]]:
         """Entries as NIXL (address, length, device) descriptors, one pair of lists per (local, peer) kind."""
         groups: dict[tuple[str, str], tuple[list, list]] = {}
         for e in entries:

@@ -132,7 +132,7 @@ def as_byte_view(obj: Any) -> tuple[memoryview, int]:
     if not arr.flags.writeable:
         raise TransferError("config", "buffer is read-only: register a writable buffer")
     flat = arr.reshape(-1).view(np.uint8)
-    return memoryview(flat).cast("B"), int(flat.ctypes.data)
+    return flat.data.cast("B"), int(flat.ctypes.data)
 
 
 def _make_region(name: str, obj: Any) -> Region:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from . import wire
 from .config import TransferConfig

@@ -13,8 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any
 
 from .errors import TransferError
 
@@ -35,12 +36,12 @@ class StagedMemory(ABC):
         return (self.kind, self.device, type(self))
 
     @abstractmethod
-    def new_copier(self, chunk_bytes: int, buffers: int) -> "Copier":
+    def new_copier(self, chunk_bytes: int, buffers: int) -> Copier:
         """A copier for this memory's device with ``buffers`` host buffers of ``chunk_bytes`` each."""
 
 
 Piece = tuple[StagedMemory, int, int]  # (memory, offset, length)
-Part = Union[memoryview, Piece]  # a host view sent/received as is, or a piece that needs staging
+Part = memoryview | Piece  # a host view sent/received as is, or a piece that needs staging
 
 
 class Copier(ABC):
@@ -131,7 +132,7 @@ def runs(parts: Sequence[Part]) -> list[tuple[bool, list[Any]]]:
     out: list[tuple[bool, list[Any]]] = []
     for part in parts:
         host = isinstance(part, memoryview)
-        key = None if host else part[0].device_key
+        key = None if isinstance(part, memoryview) else part[0].device_key
         if out and out[-1][0] == host and (host or out[-1][1][0][0].device_key == key):
             out[-1][1].append(part)
         else:
@@ -139,7 +140,7 @@ def runs(parts: Sequence[Part]) -> list[tuple[bool, list[Any]]]:
     return out
 
 
-def send_parts(parts: Sequence[Part], pool: "CopierPool", send: Callable[[list[memoryview]], None],
+def send_parts(parts: Sequence[Part], pool: CopierPool, send: Callable[[list[memoryview]], None],
                remaining: Remaining) -> None:
     """Send parts in order: host views as they are, staged pieces through a borrowed copier."""
     for host, run in runs(parts):
@@ -150,7 +151,7 @@ def send_parts(parts: Sequence[Part], pool: "CopierPool", send: Callable[[list[m
                 send_staged(run, copier, lambda v: send([v]), remaining)
 
 
-def recv_parts(parts: Sequence[Part], pool: "CopierPool", recv: Callable[[list[memoryview]], None],
+def recv_parts(parts: Sequence[Part], pool: CopierPool, recv: Callable[[list[memoryview]], None],
                remaining: Remaining) -> None:
     """Receive into parts in order: host views directly, staged pieces through a borrowed copier."""
     for host, run in runs(parts):
@@ -208,7 +209,7 @@ class HostMemory(StagedMemory):
         self.addr = addr
         self.length = view.nbytes
 
-    def new_copier(self, chunk_bytes: int, buffers: int) -> "HostCopier":
+    def new_copier(self, chunk_bytes: int, buffers: int) -> HostCopier:
         return HostCopier(chunk_bytes, buffers)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import wire
-from .backend import Backend, run_lanes, parse_entries
+from .backend import Backend, parse_entries, run_lanes
 from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Connection
 from .descriptor import SegmentDescriptor

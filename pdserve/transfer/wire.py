@@ -11,7 +11,8 @@ import hmac
 import os
 import socket
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 

@@ -91,7 +91,9 @@ def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
             break
     stream.close()
     deadline = time.monotonic() + 20  # well inside P's 30 s lease: freeing must come from the hand-off
-    usage = lambda: (_metric(p_url, "vllm:kv_cache_usage_perc"), _metric(d_url, "vllm:kv_cache_usage_perc"))
+    def usage() -> tuple[float, float]:
+        return _metric(p_url, "vllm:kv_cache_usage_perc"), _metric(d_url, "vllm:kv_cache_usage_perc")
+
     while usage() != (0.0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert usage() == (0.0, 0.0), "KV blocks still held after the client left"

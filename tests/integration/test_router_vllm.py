@@ -113,7 +113,7 @@ def stack(model_dir, tmp_path_factory):
             p.stop()
 
 
-def _client(url: str) -> "openai.OpenAI":
+def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -278,7 +278,7 @@ def test_timings_and_router_overhead(stack, mode):
         assert tm["completion_tokens"] == 32
         s_overhead.append(tm["router_overhead_ms"])
     _, metrics = _get(stack[mode] + "/metrics")
-    assert 'pdserve_router_phase_seconds_count{mode="%s",phase="e2e"}' % tm["mode"] in metrics
+    assert f'pdserve_router_phase_seconds_count{{mode="{tm["mode"]}",phase="e2e"}}' in metrics
     print(f"\nrouter overhead per request ({mode}, 16 tokens, non-stream): median {statistics.median(overhead):.2f} "
           f"ms, e2e median {statistics.median(e2e):.1f} ms; streamed 32 tokens: median {statistics.median(s_overhead):.2f} ms")
 

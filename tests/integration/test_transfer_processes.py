@@ -11,8 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.transfer import BatchStatus, Op, SegmentDescriptor, TransferConfig, TransferEngine, TransferError
-from pdserve.transfer import wire
+from pdserve.transfer import BatchStatus, Op, SegmentDescriptor, TransferConfig, TransferEngine, TransferError, wire
 from pdserve.transfer.connection import Connection
 
 from .conftest import SECRET

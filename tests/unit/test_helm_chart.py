@@ -17,7 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -68,7 +68,7 @@ def helm_template(values: tuple = (), sets: tuple = ()) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-@lru_cache(maxsize=None)
+@cache
 def render(name: str) -> tuple[dict, ...]:
     values, sets = SCENARIOS[name]
     out = helm_template(values, sets)
@@ -184,7 +184,7 @@ def test_efa_is_requested_only_when_enabled():
         assert "vpc.amazonaws.com/efa" not in json.dumps(render(scenario)), scenario
         assert all("IPC_LOCK" not in json.dumps(r) for r in render(scenario))
     for scenario, n in (("eks-efa", 4), ("keda-nixl-efa", 1)):
-        for role, res in worker_resources(scenario).items():
+        for res in worker_resources(scenario).values():
             assert res["requests"]["vpc.amazonaws.com/efa"] == n and res["limits"]["vpc.amazonaws.com/efa"] == n
         # nothing but the two worker pools asks for EFA
         for o in render(scenario):

@@ -155,7 +155,7 @@ def test_connector_kv_gauges_must_reach_zero_and_replace_the_blind_hold(servers)
 
     def metrics(method, path, body, headers=None):
         held["n"] = max(0, held["n"] - 1)
-        extra = "# TYPE vllm:pdserve_kv_leases_held gauge\nvllm:pdserve_kv_leases_held{engine=\"0\"} %d\n" % held["n"]
+        extra = f"# TYPE vllm:pdserve_kv_leases_held gauge\nvllm:pdserve_kv_leases_held{{engine=\"0\"}} {held['n']}\n"
         return 200, (VLLM_METRICS % {"running": 0.0, "waiting": 0.0, "extra": extra}).encode()
 
     w = Server(metrics)

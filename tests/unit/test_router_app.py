@@ -25,7 +25,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% end
 
 def write_tiny_model(d: Path) -> Path:
     """A word-level tokenizer (whitespace split) with a chat template, and a config.json with a 64-token context."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -191,7 +191,7 @@ class FakeWorker:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
@@ -217,7 +217,7 @@ class Env:
         self.prefill, self.decode, self.colocated = list(prefill), list(decode), list(colocated)
         self.model_dir, self.tokenizer, self.cfg = model_dir, tokenizer, cfg
 
-    async def __aenter__(self) -> "Env":
+    async def __aenter__(self) -> Env:
         for w in self.prefill + self.decode + self.colocated:
             if not w.url:
                 await w.start()

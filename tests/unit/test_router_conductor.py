@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import msgpack
-import pytest
 import zmq
 
 from pdserve.procs import free_port

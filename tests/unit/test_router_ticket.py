@@ -4,8 +4,9 @@ close exactly once), alone and driven by the hand-off on its success and error p
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 

@@ -11,8 +11,17 @@ import pytest
 
 from pdserve.transfer import TransferError
 from pdserve.transfer.batch import BatchHandle, Op
-from pdserve.transfer.staging import (CopierPool, HostCopier, HostMemory, plan_chunks, recv_parts, recv_staged,
-                                      runs, send_parts, send_staged)
+from pdserve.transfer.staging import (
+    CopierPool,
+    HostCopier,
+    HostMemory,
+    plan_chunks,
+    recv_parts,
+    recv_staged,
+    runs,
+    send_parts,
+    send_staged,
+)
 
 KiB = 1 << 10
 

@@ -16,7 +16,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 NB, BS, H, D = 6, 16, 4, 8  # blocks, block size, kv heads, head dim
 
 
-def filled(*shape: int) -> "torch.Tensor":
+def filled(*shape: int) -> torch.Tensor:
     return torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape).to(torch.bfloat16)
 
 

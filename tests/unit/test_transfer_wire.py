@@ -3,8 +3,7 @@ import threading
 
 import pytest
 
-from pdserve.transfer import TransferConfig, TransferError
-from pdserve.transfer import wire
+from pdserve.transfer import TransferConfig, TransferError, wire
 
 
 def _pair():
