@@ -1,5 +1,6 @@
 """The master's metadata: objects (key -> size, replicas, lease, last use), nodes (arena allocator, SSD
-bytes, liveness, a journal of changes for the node) and the eviction policy. Pure Python, no sockets: the
+bytes, liveness, a journal of changes for the node); the records are in :mod:`.records` and the eviction
+policy in :mod:`.eviction`. Pure Python, no sockets: the
 master server (:mod:`pdserve.store.master`) drives it and carries out the data moves it plans; unit tests
 drive it directly with a fake clock.
 
@@ -17,70 +18,14 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from .eviction import Eviction
+from .records import MEM, METRIC_COUNTERS, SSD, Node, Obj, Replica
 from .tiers import ArenaAllocator
 
-MEM, SSD = "mem", "ssd"
-METRIC_COUNTERS = ("hits", "misses", "hits_mem", "hits_ssd", "get_bytes_mem", "get_bytes_ssd", "puts",
-                   "put_bytes", "put_exists", "put_full", "evictions", "spills", "spill_failures", "promotes",
-                   "promote_failures", "mem_drops", "ssd_drops", "lease_waits", "removed", "nodes_dropped",
-                   "stale_puts")
 
-
-@dataclass
-class Replica:
-    node: str
-    tier: str  # MEM or SSD
-    offset: int = -1  # arena offset (MEM only)
-
-
-@dataclass
-class Obj:
-    key: int
-    size: int
-    replicas: list[Replica]
-    created: float
-    committed: bool = False
-    readers: int = 0
-    lease_until: float = 0.0
-    busy: bool = False  # a spill is copying it (do not plan another move)
-    promoting: str = ""  # node copying it file -> arena
-    doomed: bool = False  # removal asked while leased: removed when the lease ends
-
-    def on(self, node: str, tier: str) -> Replica | None:
-        return next((r for r in self.replicas if r.node == node and r.tier == tier), None)
-
-
-@dataclass
-class Node:
-    node_id: str
-    rpc: tuple[str, int]
-    segment: dict[str, Any]
-    mem: ArenaAllocator
-    ssd_capacity: int
-    last_seen: float
-    ssd_used: int = 0
-    journal: deque = field(default_factory=deque)  # (seq, op, key, tier, offset, size) for the node's catalog
-    seq: int = 0
-
-    def log(self, op: str, key: int, tier: str, offset: int = -1, size: int = 0) -> None:
-        self.seq += 1
-        self.journal.append((self.seq, op, key, tier, offset, size))
-
-
-@dataclass(frozen=True)
-class Spill:
-    """Planned move: copy ``key`` from ``node``'s arena at ``offset`` to its SSD tier."""
-
-    key: int
-    node: str
-    offset: int
-    size: int
-
-
-class Catalog:
+class Catalog(Eviction):
     def __init__(self, replicas: int = 1, high_watermark: float = 0.9, low_watermark: float = 0.75,
                  lease_s: float = 5.0, node_timeout_s: float = 3.0, put_timeout_s: float = 30.0,
                  events_kept: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
@@ -413,114 +358,6 @@ class Catalog:
     def _event(self, kind: str, key: int) -> None:
         self.event_seq += 1
         self.events.append((self.event_seq, kind, key))
-
-    def plan_evictions(self) -> list[Spill]:
-        """Bring every node's tiers from above ``high`` down to ``low``: least recently used unleased objects
-        first. Host-memory copies whose SSD copy exists (or that cannot spill) are dropped here; the returned
-        spills are for the caller to carry out (node copies arena -> file) and report with
-        :meth:`finish_spill`. SSD copies over the SSD bound are deleted here."""
-        now = self.clock()
-        spills: list[Spill] = []
-        with self.lock:
-            for node in list(self.nodes.values()):
-                spills += self._evict_mem(node, now)
-                self._evict_ssd(node, now)
-        return spills
-
-    def make_room(self, node_id: str, nbytes: int) -> list[Spill]:
-        """Evict least recently used unleased objects from the node's arena until ``nbytes`` more fit (or at
-        least down to the low watermark); returns the spills to carry out, as :meth:`plan_evictions`."""
-        with self.lock:
-            node = self.nodes.get(node_id)
-            if node is None:
-                return []
-            cap = node.mem.capacity
-            return self._evict_mem(node, self.clock(), min(self.low * cap, cap - nbytes))
-
-    def _evict_mem(self, node: Node, now: float, target: float | None = None) -> list[Spill]:
-        cap = node.mem.capacity
-        if target is None:
-            if node.mem.used <= self.high * cap:
-                return []
-            target = self.low * cap
-        planned = 0
-        spills: list[Spill] = []
-        for key in list(self.lru):
-            if node.mem.used - planned <= target:
-                break
-            obj = self.objects[key]
-            rep = obj.on(node.node_id, MEM)
-            if rep is None or obj.busy or obj.promoting:
-                continue
-            if self._leased(obj, now):
-                self.counters["lease_waits"] += 1
-                continue
-            if obj.on(node.node_id, SSD) is None and node.ssd_capacity and \
-                    node.ssd_used + obj.size <= node.ssd_capacity:
-                obj.busy = True
-                node.ssd_used += obj.size  # reserved until the spill ends
-                planned += obj.size
-                spills.append(Spill(key, node.node_id, rep.offset, obj.size))
-                continue
-            self._drop_replica(obj, rep)
-        return spills
-
-    def _evict_ssd(self, node: Node, now: float) -> None:
-        cap = node.ssd_capacity
-        if not cap or node.ssd_used <= self.high * cap:
-            return
-        target = self.low * cap
-        for key in list(self.lru):
-            if node.ssd_used <= target:
-                break
-            obj = self.objects[key]
-            rep = obj.on(node.node_id, SSD)
-            if rep is None or obj.busy or obj.promoting:
-                continue
-            if self._leased(obj, now):
-                self.counters["lease_waits"] += 1
-                continue
-            self._drop_replica(obj, rep)
-
-    def _drop_replica(self, obj: Obj, rep: Replica) -> None:
-        node = self.nodes[rep.node]
-        obj.replicas.remove(rep)
-        if rep.tier == MEM:
-            node.mem.free(rep.offset, obj.size)
-            self.counters["mem_drops"] += 1
-        else:
-            node.ssd_used -= obj.size
-            self.counters["ssd_drops"] += 1
-        node.log("del", obj.key, rep.tier)
-        if not obj.replicas:
-            self.objects.pop(obj.key, None)
-            self.lru.pop(obj.key, None)
-            self.counters["evictions"] += 1
-            self._event("removed", obj.key)
-
-    def finish_spill(self, spill: Spill, ok: bool) -> None:
-        with self.lock:
-            node = self.nodes.get(spill.node)
-            obj = self.objects.get(spill.key)
-            if obj is not None:
-                obj.busy = False
-            if node is None:
-                return
-            if obj is None or not ok:
-                node.ssd_used -= spill.size  # give back the reservation
-                if not ok:
-                    self.counters["spill_failures"] += 1
-                if obj is not None and not ok and not obj.doomed:
-                    rep = obj.on(node.node_id, MEM)
-                    if rep is not None and not self._leased(obj, self.clock()):
-                        self._drop_replica(obj, rep)
-                return
-            obj.replicas.append(Replica(node.node_id, SSD))
-            node.log("add", obj.key, SSD, -1, obj.size)
-            self.counters["spills"] += 1
-            rep = obj.on(node.node_id, MEM)
-            if rep is not None and not self._leased(obj, self.clock()):
-                self._drop_replica(obj, rep)  # leased meanwhile: the next pass drops it (SSD copy exists)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, Any]:

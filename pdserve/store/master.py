@@ -28,8 +28,9 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .catalog import Catalog, Spill
+from .catalog import Catalog
 from .config import MasterConfig
+from .records import Spill
 from .rpc import RpcClient, RpcServer, StoreError
 
 log = logging.getLogger("pdserve.store.master")
@@ -211,7 +212,7 @@ class Master:
 
 def prometheus_text(stats: dict[str, Any]) -> str:
     """Counters as ``pdserve_store_<name>_total``, gauges as ``pdserve_store_<name>``."""
-    from .catalog import METRIC_COUNTERS
+    from .records import METRIC_COUNTERS
 
     lines = []
     for name, value in stats.items():
