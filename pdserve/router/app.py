@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
 (200 only when every configured worker answers its /health), GET /ready (200 when a healthy worker of each
 needed role is known: the Kubernetes readiness probe), GET /metrics (Prometheus text), and worker
-membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only).
+membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
 Input limits (body size, JSON nesting, prompt length) are in :mod:`.limits`.
 """
 
@@ -33,6 +33,7 @@ from .pool_index import PoolIndexFollower
 from .placement import ConductorPlacement, Placement, make_placement
 from .registry import WorkerRegistry
 from .limits import body_too_large, check_prompt_chars, read_body
+from .openapi import openapi_document
 from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
     parse_json, sse
 from .tokenizer import PromptTokenizer
@@ -42,6 +43,7 @@ log = logging.getLogger("pdserve.router")
 
 TIMINGS_HEADER = "X-Pdserve-Timings"
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
+OPENAPI_KEY: web.AppKey[dict] = web.AppKey("openapi")
 _OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
 
 
@@ -374,6 +376,10 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
                                  status=500)
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI_KEY])
+
+
 def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
                placement: Placement | None = None) -> web.Application:
     """The aiohttp app (serve it with handler_cancellation=True so client disconnects abort worker calls)."""
@@ -389,6 +395,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
+    app.router.add_get("/openapi.json", _openapi)
+    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app
 
 
