@@ -53,17 +53,20 @@ def _too_deep() -> RouterError:
                        "json_too_deep")
 
 
+_CONTAINERS = (dict, list)  # what json.loads builds for objects and arrays
+
+
 def nesting_exceeds(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     """True when ``obj`` (parsed JSON) nests dicts/lists more than ``limit`` levels; iterative (no recursion)."""
+    if not isinstance(obj, _CONTAINERS):
+        return False
     stack: list[tuple[Any, int]] = [(obj, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > limit:
             return True
         children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
     return False
 
 
@@ -75,7 +78,8 @@ def load_json(raw: bytes, what: str = "request body") -> Any:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"{what} is not valid JSON: {e}") from None
-    if isinstance(obj, (dict, list)) and nesting_exceeds(obj):
+    # a body with fewer brackets than the limit cannot nest past it (brackets inside strings only over-count)
+    if isinstance(obj, _CONTAINERS) and raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and nesting_exceeds(obj):
         raise _too_deep()
     return obj
 

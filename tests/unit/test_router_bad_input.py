@@ -13,7 +13,9 @@ import pytest
 
 from pdserve.router.__main__ import config_from_args
 from pdserve.router.config import RouterConfig, RouterConfigError
-from pdserve.router.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MIN_CHARS_PER_TOKEN, nesting_exceeds
+from pdserve.router.errors import RouterError
+from pdserve.router.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MIN_CHARS_PER_TOKEN, load_json, \
+    nesting_exceeds
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.unit.test_router_app import MAX_LEN, Env, FakeWorker, LightTokenizer, model_dir, run  # noqa: F401
 
@@ -107,7 +109,11 @@ def test_nesting_check_is_iterative_and_exact():
     assert nesting_exceeds(deep)
     ok: dict = {"a": [1, 2, {"b": []}]}  # depth 4
     assert not nesting_exceeds(ok, 4) and nesting_exceeds(ok, 3)
-    assert not nesting_exceeds([0] * 100_000, 1)
+    assert not nesting_exceeds([0] * 100_000, 1) and not nesting_exceeds("[[[", 0)
+    assert load_json(json.dumps({"text": "[{" * 500}).encode()) == {"text": "[{" * 500}  # brackets in strings
+    assert load_json(_nested_array(MAX_JSON_DEPTH).encode()) and load_json(b"5") == 5
+    with pytest.raises(RouterError, match="deeper than"):
+        load_json(_nested_array(MAX_JSON_DEPTH + 1).encode())
 
 
 # ---------------------------------------------------------------- body size
