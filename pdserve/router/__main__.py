@@ -8,6 +8,7 @@ import os
 import sys
 
 from .config import RouterConfig, RouterConfigError
+from .limits import DEFAULT_MAX_BODY_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=float, default=2.0)
     p.add_argument("--health-interval-s", type=float, default=5.0, help="background health probes (0: off)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body accepted, in bytes (413 above it; default {DEFAULT_MAX_BODY_BYTES}"
+                        " = 4 MiB)")
     c = p.add_argument_group("placement (pdserve.conductor)")
     c.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "conductor"),
                    help="round_robin (default), least_loaded, or conductor: prefix-, load- and SLO-aware")
@@ -67,7 +71,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         local_prefill_tokens=a.local_prefill_tokens, block_size=a.block_size,
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,
                         admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint,
-                        pool_master=a.pool_master,
+                        pool_master=a.pool_master, max_body_bytes=a.max_body_bytes,
                         pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "")
 
 

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
 (200 only when every configured worker answers its /health), GET /ready (200 when a healthy worker of each
 needed role is known: the Kubernetes readiness probe), GET /metrics (Prometheus text), and worker
-membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only).
+membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
+Input limits (body size, JSON nesting, prompt length) are in :mod:`.limits`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .metrics import ConductorCollector
 from .pool_index import PoolIndexFollower
 from .placement import ConductorPlacement, Placement, make_placement
 from .registry import WorkerRegistry
+from .limits import body_too_large, check_prompt_chars, read_body
+from .openapi import openapi_document
 from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
     parse_json, sse
 from .tokenizer import PromptTokenizer
@@ -40,6 +43,7 @@ log = logging.getLogger("pdserve.router")
 
 TIMINGS_HEADER = "X-Pdserve-Timings"
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
+OPENAPI_KEY: web.AppKey[dict] = web.AppKey("openapi")
 _OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
 
 
@@ -87,6 +91,7 @@ class Router:
 
     # ---- lifecycle ----
     async def start(self, app: web.Application) -> None:
+        _ = self.tokenizer.chars_per_token  # the prompt-length bound reads the vocabulary once, before any request
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
@@ -200,6 +205,7 @@ class Router:
         if req.kind == "chat":
             assert req.messages is not None
             size = sum(len(m["content"]) for m in req.messages)
+            check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "messages")
             fn: Callable[[], list[int]] = lambda: tok.chat_ids(  # noqa: E731
                 req.messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
                 **req.chat_template_kwargs)
@@ -209,6 +215,7 @@ class Router:
         else:
             text = req.prompt_text or ""
             size = len(text)
+            check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "prompt")
             fn = lambda: tok.encode(text, req.add_special_tokens)  # noqa: E731
         if size > _OFFLOAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, fn)
@@ -238,7 +245,7 @@ class Router:
         status = "200"
         done = False
         try:
-            body = parse_json(await request.read())
+            body = parse_json(await read_body(request, self.config.max_body_bytes))
             req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
             if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
                 req.timings = True
@@ -351,6 +358,8 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
                              ) -> web.StreamResponse:
     try:
         return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response(body_too_large(request.app[ROUTER_KEY].config.max_body_bytes).to_dict(), status=413)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -361,17 +370,21 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as e:
+    except Exception as e:  # a JSON error, never a traceback: that goes to the log
         log.exception("unhandled error on %s %s", request.method, request.path)
         return web.json_response(RouterError(500, f"internal router error: {e}", "server_error").to_dict(),
                                  status=500)
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI_KEY])
 
 
 def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
                placement: Placement | None = None) -> web.Application:
     """The aiohttp app (serve it with handler_cancellation=True so client disconnects abort worker calls)."""
     router = Router(config, tokenizer, placement)
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 << 20)
+    app = web.Application(middlewares=[_errors_middleware], client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
@@ -382,6 +395,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
+    app.router.add_get("/openapi.json", _openapi)
+    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app
 
 

@@ -8,10 +8,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..rules import check_local_prefill_tokens, check_policy, check_slo
+from .limits import DEFAULT_MAX_BODY_BYTES
 
 # config.json keys that bound the context length, in the order vLLM consults them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "model_max_length")
+_MIN_BODY_BYTES = 4096  # room for any small request
+_MAX_BODY_BYTES = 1 << 30
 
 
 class RouterConfigError(ValueError):
@@ -87,6 +90,7 @@ class RouterConfig:
     load_interval_s: how often the conductor reads workers' /metrics (queue, running, KV usage).
     admin_token: bearer token required by the worker-membership endpoints (/v1/pdserve/workers); empty: they
         accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
+    max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
     """
 
     model_dir: str
@@ -114,6 +118,7 @@ class RouterConfig:
     mode_hint: str = ""  # "colocated" | "disaggregated": lets a router start with no workers (they join later)
     pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -176,6 +181,11 @@ class RouterConfig:
                 raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
         if not self.load_interval_s > 0:
             raise RouterConfigError(f"--load-interval-s {self.load_interval_s}: must be > 0 seconds")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or not _MIN_BODY_BYTES <= self.max_body_bytes <= _MAX_BODY_BYTES:
+            raise RouterConfigError(f"--max-body-bytes {self.max_body_bytes!r}: give a byte count from "
+                                    f"{_MIN_BODY_BYTES} to {_MAX_BODY_BYTES} (1 GiB), e.g. {8 << 20} for 8 MiB; "
+                                    f"the default is {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 from typing import Any, Callable
 
 from aiohttp import web
 
 from .config import RouterConfig, RouterConfigError, _check_url
 from .errors import RouterError, bad_request, not_found
+from .limits import load_json
 from .placement import Placement
 from .registry import WorkerRegistry
 
@@ -46,8 +46,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not raw:
         return dict(request.query)
     try:
-        body = json.loads(raw)
-    except ValueError:
+        body = load_json(raw)
+    except RouterError:
         raise bad_request("body must be JSON like {\"url\": \"http://10.0.0.5:8000\", \"role\": \"decode\"}") from None
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import bad_request
+from .limits import load_json
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
-_UNSUPPORTED = {
+UNSUPPORTED_FIELDS = {
     "completions": ("suffix", "logit_bias", "prompt_embeds", "response_format", "structured_outputs", "guided_json",
                     "guided_regex", "guided_choice", "guided_grammar", "use_beam_search", "prompt_logprobs"),
     "chat": ("tools", "functions", "tool_choice", "logit_bias", "response_format", "structured_outputs",
@@ -113,7 +114,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
     req.model = model
-    for name in _UNSUPPORTED[req.kind]:
+    for name in UNSUPPORTED_FIELDS[req.kind]:
         if body.get(name) not in (None, False, [], {}):
             raise bad_request(f"'{name}' is not supported by the pdserve router", name, "unsupported_parameter")
     n = _opt_int(body, "n", 1)
@@ -263,10 +264,8 @@ def parse_chat(body: Any) -> GenerationRequest:
 
 
 def parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
+    """The body as JSON; 400 when it is not JSON or nests too deeply (see :mod:`.limits`)."""
+    return load_json(raw)
 
 
 def dumps(obj: Any) -> str:

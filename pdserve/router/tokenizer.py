@@ -20,6 +20,20 @@ class PromptTokenizer:
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.tok = tokenizer
         self.vocab_size = len(tokenizer)
+        self._chars_per_token: int | None = None
+
+    @property
+    def chars_per_token(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry (byte-level entries are
+        at least as long as the text they decode to); 0 when the tokenizer does not list its vocabulary."""
+        if self._chars_per_token is None:
+            backend = getattr(self.tok, "backend_tokenizer", None)
+            try:
+                vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else self.tok.get_vocab()
+                self._chars_per_token = max((len(t) for t in vocab), default=0)
+            except Exception:  # a tokenizer without a listable vocabulary: the caller's floor applies
+                self._chars_per_token = 0
+        return self._chars_per_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))

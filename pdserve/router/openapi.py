@@ -1,0 +1,177 @@
+"""The router's OpenAPI 3.1 document (served at ``GET /openapi.json``), built from the tables below.
+
+The request schemas list the fields :mod:`.protocol` parses, with the ranges it enforces; fields it refuses
+(``tools``, ``logit_bias``, ...) are listed as ``null``/``false`` only, so a fuzzer that follows the schema sends
+requests the router accepts, and one that breaks it gets a 4xx with the :data:`ERROR` body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import UNSUPPORTED_FIELDS
+
+_REF = "#/components/schemas/"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF + name}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_INT64 = 2 ** 63
+
+# (name, schema, description) for the fields both generation endpoints take (protocol._parse_common).
+_COMMON: list[tuple[str, dict[str, Any], str]] = [
+    ("model", _STR, "the served model name (GET /v1/models); omitted: the one model"),
+    ("stream", _BOOL, "answer with server-sent events"),
+    ("stream_options", {"type": "object", "properties": {"include_usage": _BOOL,
+                                                         "continuous_usage_stats": _BOOL}},
+     "only with stream: true"),
+    ("stop", {"anyOf": [_STR, {"type": "array", "items": _STR}]}, "stop string(s)"),
+    ("stop_token_ids", _TOKEN_IDS, "token ids that end the generation"),
+    ("include_stop_str_in_output", _BOOL, "keep the matched stop string in the text"),
+    ("temperature", {"type": "number", "minimum": 0}, "sampling temperature"),
+    ("top_p", {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "nucleus sampling"),
+    ("min_p", {"type": "number", "minimum": 0, "maximum": 1}, "min-p sampling"),
+    ("repetition_penalty", {"type": "number", "exclusiveMinimum": 0}, "vLLM repetition penalty"),
+    ("top_k", {"type": "integer", "minimum": -1}, "top-k sampling (-1: off)"),
+    ("seed", {"type": "integer", "minimum": -_INT64, "maximum": _INT64 - 1}, "sampling seed"),
+    ("ignore_eos", _BOOL, "keep generating past EOS"),
+    ("skip_special_tokens", _BOOL, "drop special tokens from the text"),
+    ("spaces_between_special_tokens", _BOOL, "vLLM detokenization option"),
+    ("presence_penalty", {"type": "number", "const": 0}, "only 0 is supported"),
+    ("frequency_penalty", {"type": "number", "const": 0}, "only 0 is supported"),
+    ("n", {"type": "integer", "const": 1}, "one choice per request"),
+    ("best_of", {"type": "integer", "const": 1}, "one choice per request"),
+    ("logprobs", _nullable({"type": "boolean", "const": False}), "not supported"),
+    ("top_logprobs", _nullable({"type": "integer", "const": 0}), "not supported"),
+    ("return_token_ids", _BOOL, "add token ids to the response (vLLM extension)"),
+    ("pdserve_timings", _BOOL, "add the router's per-phase timings to the response"),
+]
+
+_COMPLETION: list[tuple[str, dict[str, Any], str]] = [
+    ("prompt", {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
+                          {"type": "array", "minItems": 1, "maxItems": 1,
+                           "items": {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]}}]},
+     "one prompt: text, token ids, or a batch of exactly one"),
+    ("max_tokens", _nullable({"type": "integer", "minimum": 1}), "default 16; null: up to the context limit"),
+    ("add_special_tokens", _BOOL, "add the tokenizer's special tokens (default true)"),
+    ("echo", {"type": "boolean", "const": False}, "not supported"),
+]
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": _STR, "name": _STR,
+    "content": _nullable({"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]})}}
+
+_CHAT: list[tuple[str, dict[str, Any], str]] = [
+    ("messages", {"type": "array", "minItems": 1, "items": _MESSAGE}, "the conversation"),
+    ("max_tokens", _nullable({"type": "integer", "minimum": 1}), "default: up to the context limit"),
+    ("max_completion_tokens", _nullable({"type": "integer", "minimum": 1}), "takes precedence over max_tokens"),
+    ("add_generation_prompt", _BOOL, "end the rendered prompt with the assistant turn (default true)"),
+    ("continue_final_message", _BOOL, "continue the last message instead (not with add_generation_prompt)"),
+    ("chat_template_kwargs", {"type": "object"}, "extra variables for the chat template"),
+    ("add_special_tokens", _BOOL, "default false (the template has them)"),
+]
+
+ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": _STR, "type": _STR, "param": _nullable(_STR), "code": _nullable(_STR)}}}}
+
+_ANY_OBJECT = {"type": "object", "additionalProperties": True}
+
+
+def _request_schema(fields: list[tuple[str, dict[str, Any], str]], unsupported: tuple[str, ...],
+                    required: str) -> dict[str, Any]:
+    props = {name: {**schema, "description": desc} for name, schema, desc in _COMMON + fields}
+    for name in unsupported:
+        props.setdefault(name, {"anyOf": [{"type": "null"}, {"const": False}], "description": "not supported"})
+    return {"type": "object", "required": [required], "properties": props, "additionalProperties": True}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {400: "invalid request", 403: "not allowed from this client", 404: "unknown model or worker",
+            413: "body over --max-body-bytes", 429: "predicted to miss the SLO", 502: "a worker failed",
+            503: "no healthy worker"}
+    return {str(s): {"description": text[s], "content": _json(_ref("Error"))} for s in statuses}
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {"post": {"summary": summary, "operationId": schema[0].lower() + schema[1:-len("Request")],
+                     "requestBody": {"required": True, "content": _json(_ref(schema))},
+                     "responses": {"200": {"description": "the completion (JSON), or server-sent events with "
+                                                          "stream: true",
+                                           "content": {**_json(_ANY_OBJECT), "text/event-stream": {"schema": _STR}}},
+                                   **_errors(400, 404, 413, 429, 502, 503)}}}
+
+
+def _get(summary: str, op: str, content_type: str = "application/json", *statuses: int) -> dict[str, Any]:
+    schema = _ANY_OBJECT if content_type == "application/json" else _STR
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": {content_type: {"schema": schema}}}}
+    for s in statuses:
+        responses[str(s)] = {"description": "not healthy / not ready", "content": _json(_ANY_OBJECT)}
+    return {"get": {"summary": summary, "operationId": op, "responses": responses}}
+
+
+_WORKER_BODY = {"type": "object", "required": ["url"], "properties": {
+    "url": {"type": "string", "description": "worker base URL, e.g. http://10.0.0.5:8000"},
+    "role": {"type": "string", "enum": ["prefill", "decode", "colocated"]}}}
+
+
+def _workers() -> dict[str, Any]:
+    body = {"required": False, "content": _json(_ref("WorkerChange"))}
+    admin = [{}, {"adminToken": []}]
+    return {
+        "get": {"summary": "list workers, health and placement state", "operationId": "listWorkers",
+                "security": admin, "responses": {"200": {"description": "OK", "content": _json(_ANY_OBJECT)},
+                                                 **_errors(403)}},
+        "post": {"summary": "add a worker", "operationId": "addWorker", "security": admin, "requestBody": body,
+                 "responses": {"201": {"description": "added", "content": _json(_ANY_OBJECT)},
+                               **_errors(400, 403, 413)}},
+        "delete": {"summary": "remove a worker", "operationId": "removeWorker", "security": admin,
+                   "requestBody": body, "responses": {"200": {"description": "removed", "content": _json(_ANY_OBJECT)},
+                                                      **_errors(400, 403, 404, 413)}},
+    }
+
+
+def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dict[str, Any]:
+    """The OpenAPI 3.1 description of this router's endpoints (its limits in the info text)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve router", "version": "1",
+                 "description": f"OpenAI-compatible API serving `{model}` (context {max_model_len} tokens; request "
+                                f"bodies up to {max_body_bytes} bytes). Errors use the OpenAI error object."},
+        "paths": {
+            "/v1/completions": _generation("text completion", "CompletionRequest"),
+            "/v1/chat/completions": _generation("chat completion", "ChatCompletionRequest"),
+            "/v1/models": _get("the served model", "listModels"),
+            "/health": _get("200 when every worker answers its /health", "health", "application/json", 503),
+            "/ready": _get("200 when a healthy worker of each needed role is known", "ready", "application/json",
+                           503),
+            "/metrics": _get("Prometheus metrics", "metrics", "text/plain"),
+            "/v1/pdserve/workers": _workers(),
+            "/openapi.json": _get("this document", "openapi"),
+        },
+        "components": {
+            "schemas": {
+                "CompletionRequest": _request_schema(_COMPLETION, UNSUPPORTED_FIELDS["completions"], "prompt"),
+                "ChatCompletionRequest": _request_schema(_CHAT, UNSUPPORTED_FIELDS["chat"], "messages"),
+                "WorkerChange": _WORKER_BODY,
+                "Error": ERROR,
+            },
+            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "$PDSERVE_ADMIN_TOKEN; without one, loopback only"}},
+        },
+    }
