@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from ..rules import POLICIES
 from .config import RouterConfig, RouterConfigError
 from .limits import DEFAULT_MAX_BODY_BYTES
 
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest request body accepted, in bytes (413 above it; default {DEFAULT_MAX_BODY_BYTES}"
                         " = 4 MiB)")
     c = p.add_argument_group("placement (pdserve.conductor)")
-    c.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "conductor"),
+    c.add_argument("--policy", default="round_robin", choices=POLICIES,
                    help="round_robin (default), least_loaded, or conductor: prefix-, load- and SLO-aware")
     c.add_argument("--kv-events-bind", default="", metavar="ENDPOINT",
                    help="bind this ZMQ endpoint for workers' KV events (e.g. tcp://127.0.0.1:5557); workers set "

@@ -12,37 +12,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from .config import RouterConfig
-from .errors import RouterError, bad_request, not_found, upstream_failed
-from .handoff import Delta, Generation, Timings
-from .metrics import RouterMetrics
 from ..conductor import ConductorConfig
 from .calibration import calibrate
-from .config import kv_bytes_per_token
+from .config import RouterConfig, kv_bytes_per_token
+from .errors import RouterError, bad_request, not_found, upstream_failed
+from .handoff import Delta, Generation, Timings
 from .kv_events import KVEventSink
+from .limits import body_too_large, check_prompt_chars, read_body
 from .load_probe import read_worker_load
 from .membership import Membership
-from .metrics import ConductorCollector
-from .pool_index import PoolIndexFollower
-from .placement import ConductorPlacement, Placement, make_placement
-from .registry import WorkerRegistry
-from .limits import body_too_large, check_prompt_chars, read_body
+from .metrics import ConductorCollector, RouterMetrics
 from .openapi import openapi_document
-from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, \
-    parse_json, sse
+from .placement import ConductorPlacement, Placement, make_placement
+from .pool_index import PoolIndexFollower
+from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, parse_json, sse
+from .registry import WorkerRegistry
 from .tokenizer import PromptTokenizer
 from .workers import Worker, WorkerClient, WorkerError
 
 log = logging.getLogger("pdserve.router")
 
 TIMINGS_HEADER = "X-Pdserve-Timings"
-ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 OPENAPI_KEY: web.AppKey[dict] = web.AppKey("openapi")
 _OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
 
@@ -177,7 +175,7 @@ class Router:
         healthy = self.registry.healthy()
         need = (("colocated",),) if self.config.mode == "colocated" else (("prefill",), ("decode",))
         missing = [r[0] for r in need if not any(set(r) & w.roles for w in healthy)]
-        body = {"status": "ready" if not missing else "not ready", "mode": self.config.mode,
+        body: dict[str, Any] = {"status": "ready" if not missing else "not ready", "mode": self.config.mode,
                 "healthy_workers": len(healthy), "workers": len(self.registry)}
         if missing:
             body["missing"] = missing
@@ -206,8 +204,9 @@ class Router:
             assert req.messages is not None
             size = sum(len(m["content"]) for m in req.messages)
             check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "messages")
+            messages = req.messages
             fn: Callable[[], list[int]] = lambda: tok.chat_ids(  # noqa: E731
-                req.messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
                 **req.chat_template_kwargs)
         elif req.prompt_ids is not None:
             tok.check_ids(req.prompt_ids)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..conductor import Conductor
 from .workers import Wait, Worker, WorkerClient, WorkerError

@@ -10,9 +10,10 @@ to the one that completed the stop string.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from .errors import RouterError, from_worker, upstream_failed
 from .metrics import RouterMetrics
@@ -210,7 +211,7 @@ class Generation:
         return upstream_failed(str(e))
 
     # ---- the run ----
-    async def run(self) -> AsyncIterator[Delta]:
+    async def run(self) -> AsyncGenerator[Delta, None]:
         """Yield client-ready deltas; the last has finish_reason set. Raises RouterError before the first delta
         (the app answers with its status) and RouterError/WorkerError after (the app sends an error event)."""
         async with aclosing(self._raw()) as raws:
@@ -236,7 +237,7 @@ class Generation:
                 yield Delta(text, raw.token_ids)
         raise upstream_failed("worker stream ended without a finish_reason")
 
-    async def _raw(self) -> AsyncIterator[Delta]:
+    async def _raw(self) -> AsyncGenerator[Delta, None]:
         """Place the request and run it; a worker that never accepted it (P, or a whole-request worker) is
         excluded and the request placed again on a fresh ticket. Each ticket is closed here, exactly once."""
         exclude: set[str] = set()
@@ -255,7 +256,7 @@ class Generation:
             finally:
                 ticket.close()
 
-    async def _one_worker(self, ticket: PlacementTicket) -> AsyncIterator[Delta]:
+    async def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         w = ticket.decode
         self.t.decode_worker = w.url
         body = self._body(self.prompt_ids, self.max_tokens, True)
@@ -264,7 +265,7 @@ class Generation:
             async for d in deltas:
                 yield d
 
-    async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncIterator[Delta]:
+    async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncGenerator[Delta, None]:
         p = ticket.prefill
         assert p is not None
         self.t.prefill_worker = p.url
@@ -324,7 +325,7 @@ class Generation:
                 ticket.replace_decode(frozenset(exclude | tries))
 
     async def _decode_stream(self, ticket: PlacementTicket, w: Worker, body: dict, role: str,
-                             after_first: bool = False) -> AsyncIterator[Delta]:
+                             after_first: bool = False) -> AsyncGenerator[Delta, None]:
         now = time.perf_counter()
         if self.t.dispatch is None:
             self.t.dispatch = now

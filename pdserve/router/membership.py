@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -94,7 +95,7 @@ class Membership:
         body = await _body(request)
         role = body.get("role")
         allowed = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
-        if role not in allowed:
+        if not isinstance(role, str) or role not in allowed:
             raise bad_request(f"role must be one of {', '.join(allowed)} (this router is {self.config.mode})",
                               "role")
         try:

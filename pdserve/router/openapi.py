@@ -132,7 +132,7 @@ _WORKER_BODY = {"type": "object", "required": ["url"], "properties": {
 
 def _workers() -> dict[str, Any]:
     body = {"required": False, "content": _json(_ref("WorkerChange"))}
-    admin = [{}, {"adminToken": []}]
+    admin: list[dict[str, list[str]]] = [{}, {"adminToken": []}]
     return {
         "get": {"summary": "list workers, health and placement state", "operationId": "listWorkers",
                 "security": admin, "responses": {"200": {"description": "OK", "content": _json(_ANY_OBJECT)},

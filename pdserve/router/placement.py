@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from ..conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
 from ..conductor.policy import NoWorker

@@ -8,7 +8,8 @@ which tells its listeners at that moment; nobody re-reads the registry per reque
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from .workers import Worker
 

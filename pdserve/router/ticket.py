@@ -25,7 +25,7 @@ class PlacementTicket:
     """Where one request runs. ``decode`` is always set; ``prefill`` None means the whole request runs on
     ``decode`` (colocated or decode-local)."""
 
-    def __init__(self, conductor: Conductor, registry: "WorkerRegistry", decision: Decision) -> None:
+    def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision) -> None:
         assert decision.decode is not None
         self._conductor = conductor
         self._registry = registry

@@ -55,7 +55,7 @@ class PromptTokenizer:
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True,
-                    spaces_between_special_tokens: bool = True) -> "IncrementalDetokenizer | None":
+                    spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | None:
         """An incremental detokenizer primed with the prompt, as the worker's own (None: no fast tokenizer)."""
         backend = getattr(self.tok, "backend_tokenizer", None)
         if backend is None:

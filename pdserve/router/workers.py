@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -96,7 +97,7 @@ class WorkerClient:
             raise WorkerError(url, "protocol", f"answered {type(out).__name__}, expected an object")
         return out
 
-    async def stream(self, url: str, body: dict, wait: Wait) -> AsyncIterator[dict]:
+    async def stream(self, url: str, body: dict, wait: Wait) -> AsyncGenerator[dict, None]:
         """POST /v1/completions with stream=true; yield each SSE event's JSON until [DONE].
 
         Raises WorkerError on an error event, a stream that ends without [DONE], or silence longer than the idle

@@ -14,8 +14,13 @@ import pytest
 from pdserve.router.__main__ import config_from_args
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.errors import RouterError
-from pdserve.router.limits import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, MIN_CHARS_PER_TOKEN, load_json, \
-    nesting_exceeds
+from pdserve.router.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
+    MIN_CHARS_PER_TOKEN,
+    load_json,
+    nesting_exceeds,
+)
 from pdserve.router.tokenizer import PromptTokenizer
 from tests.unit.test_router_app import MAX_LEN, Env, FakeWorker, LightTokenizer, model_dir, run  # noqa: F401
 
