@@ -269,26 +269,39 @@ def plan_blocks(local_block_ids: Sequence[int], num_local_hit_tokens: int, num_e
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """Where one layer's KV blocks live inside its registered region."""
+    """Where one layer's KV blocks live inside its registered region: block ``b`` is the byte ranges
+    ``[b*block_stride + off, +length)`` for each ``(off, length)`` of ``runs`` (derived from the layer's
+    :class:`~pdserve.vllm.layout.KVLayout`); no runs = one run ``(0, block_bytes)``."""
 
     name: str  # region name (the vLLM layer name)
     block_stride: int  # bytes between consecutive (manager) blocks
-    block_bytes: int  # contiguous bytes of one (manager) block: K and V of every head
+    block_bytes: int  # bytes of one (manager) block: K and V of every head, over all its runs
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def block_runs(self) -> tuple[tuple[int, int], ...]:
+        return self.runs or ((0, self.block_bytes),)
 
 
 def build_entries(layers: Iterable[LayerGeometry], plan: BlockPlan) -> list[tuple[str, int, str, int, int]]:
     """Transfer entries (local_region, local_off, peer_region, peer_off, length): one per layer per
-    block, in block order so the engine merges contiguous runs. Both sides share the geometry."""
+    block per contiguous run (K and V planes apart: two), in memory order so the engine merges
+    adjacent runs. Both sides share the geometry (the layout signature says so)."""
     entries = []
     for layer in layers:
+        runs = layer.block_runs
         for lb, rb in zip(plan.local, plan.remote):
-            entries.append((layer.name, lb * layer.block_stride, layer.name, rb * layer.block_stride,
-                            layer.block_bytes))
+            for off, n in runs:
+                entries.append((layer.name, lb * layer.block_stride + off, layer.name,
+                                rb * layer.block_stride + off, n))
     return entries
 
 
 def layout_signature(dtype: str, layers: Sequence[LayerGeometry], block_size: int) -> str:
-    """Equal on P and D iff a block copied byte for byte means the same KV on both."""
-    geo = sorted((g.name, g.block_stride, g.block_bytes) for g in layers)
+    """Equal on P and D iff a block copied byte for byte means the same KV on both: dtype, block size,
+    each layer's block stride and run structure. Readable head (runs per block x run bytes), hashed tail."""
+    geo = sorted((g.name, g.block_stride, g.block_bytes, g.block_runs) for g in layers)
+    shapes = sorted({(len(g.block_runs), g.block_runs[0][1]) for g in layers})
+    runs = ",".join(f"{k}x{n}" for k, n in shapes)
     h = hashlib.blake2b(repr((dtype, block_size, geo)).encode(), digest_size=8).hexdigest()
-    return f"{dtype}/bs{block_size}/L{len(geo)}/{h}"
+    return f"{dtype}/bs{block_size}/L{len(geo)}/runs{runs}/{h}"
