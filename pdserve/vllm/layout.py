@@ -43,6 +43,11 @@ class KVLayout:
     block_stride: int  # bytes between consecutive kernel blocks
     runs: tuple[tuple[int, int], ...]  # (byte offset from block start, byte length), ascending
     span: int  # bytes from the tensor's first to one past its last byte
+    interior: str = ""  # logical dims (B = blocks) in physical order: what a block's bytes mean
+    scales: tuple[int, ...] = ()  # per run: bytes its offset grows per kernel block of the cache (a V plane
+    # after all K blocks sits num_blocks * plane bytes in), so a peer with another block count differs by
+    # scale * (its num_blocks - ours)
+
 
     @property
     def block_bytes(self) -> int:
@@ -53,24 +58,27 @@ class KVLayout:
         """True when one block is more than one contiguous run (e.g. K and V in separate planes)."""
         return len(self.runs) > 1
 
-    def manager_runs(self, ratio: int) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """(stride, runs) of a vLLM block spanning ``ratio`` consecutive kernel blocks."""
-        runs = sorted((k * self.block_stride + off, n) for k in range(ratio) for off, n in self.runs)
-        return self.block_stride * ratio, merge_runs(runs)
+    def manager_runs(self, ratio: int) -> tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """(stride, runs, scales) of a vLLM block spanning ``ratio`` consecutive kernel blocks."""
+        triples = [(k * self.block_stride + off, n, sc) for k in range(ratio)
+                   for (off, n), sc in zip(self.runs, self.scales)]
+        merged = merge_scaled(triples)
+        return self.block_stride * ratio, tuple((o, n) for o, n, _ in merged), tuple(sc for _, _, sc in merged)
 
     def describe(self) -> str:
-        return (f"{self.backend} {self.order} blocks@dim{self.block_dim} stride {self.block_stride} B, "
+        return (f"{self.backend} {self.order} {self.interior} stride {self.block_stride} B, "
                 f"{len(self.runs)} run(s)/block of {sorted({n for _, n in self.runs})} B")
 
 
-def merge_runs(runs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def merge_scaled(runs: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Sort (offset, length, scale) runs and join adjacent ones that move alike with the block count."""
     out: list[list[int]] = []
-    for off, n in sorted(runs):
-        if out and out[-1][0] + out[-1][1] == off:
+    for off, n, sc in sorted(runs):
+        if out and out[-1][0] + out[-1][1] == off and out[-1][2] == sc:
             out[-1][1] += n
         else:
-            out.append([off, n])
-    return tuple((o, n) for o, n in out)
+            out.append([off, n, sc])
+    return tuple((o, n, sc) for o, n, sc in out)
 
 
 def _describe(backend: str, shape: Sequence[int], strides: Sequence[int]) -> str:
@@ -78,9 +86,11 @@ def _describe(backend: str, shape: Sequence[int], strides: Sequence[int]) -> str
 
 
 def block_runs(shape: Sequence[int], strides: Sequence[int], elem: int, block_dim: int,
-               backend: str = "?") -> tuple[tuple[int, int], ...]:
-    """Contiguous byte runs of block 0 (offsets from its first byte) of a tensor with these
-    shape/strides (in elements), blocks along ``block_dim``."""
+               backend: str = "?") -> tuple[tuple[int, int, int], ...]:
+    """Contiguous byte runs (offset from block 0's first byte, length, scale) of a tensor with these
+    shape/strides (in elements), blocks along ``block_dim``. A dim laid out outside the blocks dim has a
+    stride proportional to the block count (vLLM allocates one dense buffer and permutes it): its share of a
+    run's offset is ``scale`` bytes per kernel block."""
     dims = sorted(((strides[i], shape[i]) for i in range(len(shape)) if i != block_dim and shape[i] > 1),
                   reverse=True)
     run = 1  # elements in one contiguous run, grown from the innermost dim outwards
@@ -89,15 +99,21 @@ def block_runs(shape: Sequence[int], strides: Sequence[int], elem: int, block_di
     if run == 1 and dims:
         raise LayoutError(f"{_describe(backend, shape, strides)}: a block's innermost dim is strided; "
                           "unsupported KV layout")
-    outer = [range(0, s * n, s) for s, n in dims]
+    nb, bstride = shape[block_dim], strides[block_dim]
+    for st, _ in dims:
+        if st > bstride and st % nb:
+            raise LayoutError(f"{_describe(backend, shape, strides)}: stride {st} of a dim outside the blocks "
+                              f"dim is not a multiple of the {nb} blocks; unknown KV layout")
+    outer = [[(i * st, i * st // nb if st > bstride else 0) for i in range(n)] for st, n in dims]
     count = 1
     for s, n in dims:
         count *= n
     if count > MAX_RUNS:
         raise LayoutError(f"{_describe(backend, shape, strides)}: one block is {count} separate runs "
                           f"(over {MAX_RUNS}); unsupported KV layout")
-    runs = merge_runs([(sum(offs) * elem, run * elem) for offs in itertools.product(*outer)])
-    for (a, n), (b, _) in zip(runs, runs[1:]):
+    runs = merge_scaled([(sum(o for o, _ in combo) * elem, run * elem, sum(c for _, c in combo) * elem)
+                         for combo in itertools.product(*outer)])
+    for (a, n, _), (b, _, _) in zip(runs, runs[1:]):
         if a + n > b:
             raise LayoutError(f"{_describe(backend, shape, strides)}: a block's runs overlap")
     return runs
@@ -122,10 +138,18 @@ def derive_layout(shape: Sequence[int], strides: Sequence[int], elem: int, block
     if any(s <= 0 for s, n in zip(strides, shape) if n > 1) or not _non_overlapping(shape, strides):
         raise LayoutError(f"{_describe(backend, shape, strides)}: zero, negative or overlapping strides; "
                           "unknown KV layout")
-    runs = block_runs(shape, strides, elem, block_dim, backend)
+    scaled = block_runs(shape, strides, elem, block_dim, backend)
     span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * elem
     return KVLayout(backend, order, block_dim, tokens_dim, shape[block_dim], shape[tokens_dim],
-                    strides[block_dim] * elem, runs, span)
+                    strides[block_dim] * elem, tuple((o, n) for o, n, _ in scaled), span,
+                    interior(shape, strides, block_dim), tuple(sc for _, _, sc in scaled))
+
+
+def interior(shape: Sequence[int], strides: Sequence[int], block_dim: int) -> str:
+    """The logical dims in memory order (outermost first), sizes kept and the blocks dim written ``B``:
+    equal on P and D iff a block's bytes are arranged alike (NHD vs HND, K/V planes vs joined)."""
+    dims = sorted(range(len(shape)), key=lambda i: (-strides[i], i))
+    return "[" + ",".join(f"{i}:{'B' if i == block_dim else shape[i]}" for i in dims) + "]"
 
 
 def layout_from_order(shape: Sequence[int], strides: Sequence[int], elem: int, backend: str, order_name: str,

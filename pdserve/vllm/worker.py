@@ -27,7 +27,8 @@ from pdserve.vllm.layout import KVLayout, LayoutError, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdserveStats
-from pdserve.vllm.params import ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_signature
+from pdserve.vllm.params import (ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_blocks,
+                                 layout_signature, same_layout, with_blocks)
 from pdserve.vllm.pool import loaded_prefix, pool_items
 from pdserve.vllm.release import Released, ReleaseLedger
 
@@ -117,13 +118,17 @@ class WorkerSide:
             seen[t.data_ptr()] = name
             kv = self._layout(name, t)
             ratio = max(1, self.block_size // kv.block_tokens)
-            stride, runs = kv.manager_runs(ratio)
+            stride, runs, scales = kv.manager_runs(ratio)
             self.engine.register(name, _byte_region(t, kv.span))
             self._tensors[name] = t  # keep alive; zeroing in tests
-            self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs))
+            self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales,
+                                             kv.num_blocks))
             self.kv_layouts[name] = kv
             dtype = str(t.dtype).replace("torch.", "")
-        self.layout = layout_signature(dtype, self.layers, self.block_size)
+        try:
+            self.layout = with_blocks(layout_signature(dtype, self.layers, self.block_size), self.layers)
+        except ValueError as exc:
+            raise RuntimeError(f"PdserveConnector: {exc}; unsupported KV layout") from None
         first = kv_caches[self.layers[0].name] if self.layers else None
         log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s on %s, layout %s: %s",
                  len(self.layers), dtype, tuple(first.shape) if first is not None else None,
@@ -199,7 +204,7 @@ class WorkerSide:
             if job.error:
                 raise TransferError("plan", job.error)
             peer = self._peer(remote)
-            if remote.layout and remote.layout != self.layout:
+            if remote.layout and not same_layout(remote.layout, self.layout):
                 raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout} (same "
                                               "backend, KV cache layout, dtype and block size on both?)")
             deadline_s = self.config.transfer_deadline_s
@@ -209,7 +214,7 @@ class WorkerSide:
                     raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
             if remote.test_fault == "fail" and self.config.allow_test_faults:
                 raise TransferError("test", "pdserve_test_fault=fail")
-            entries = build_entries(self.layers, plan)
+            entries = build_entries(self.layers, plan, layout_blocks(remote.layout))
             handle = self.engine.submit(peer, entries, "read", notify=remote.request_id, deadline_s=deadline_s)
             handle.result()
             stats["bytes"] = handle.total_bytes

@@ -10,7 +10,8 @@ import torch
 
 from pdserve.transfer import TransferConfig, TransferEngine
 from pdserve.vllm.layout import KVLayout, LayoutError, derive_layout, dims_from_shape_fn, layout_from_order
-from pdserve.vllm.params import LayerGeometry, build_entries, layout_signature, plan_blocks
+from pdserve.vllm.params import (LayerGeometry, build_entries, layout_blocks, layout_signature, plan_blocks,
+                                 same_layout, with_blocks)
 
 SECRET = "layout-test-secret-0123456789"
 NB, BS, H, D = 6, 16, 2, 8
@@ -35,13 +36,14 @@ def permuted(shape, order):
     return phys.permute(*inv)
 
 
-def cases():
+def cases(nb: int = NB):
     return {
-        "flash_attn_nhd_split": (torch.empty(flash_attn_shape(NB, BS, H, D), dtype=torch.float16), 1, 2),
-        "flashinfer_hnd_joined": (torch.empty(flashinfer_shape(NB, BS, H, D), dtype=torch.float16), 0, 3),
-        "triton": (torch.empty(triton_shape(NB, BS, H, D), dtype=torch.float16), 0, 2),
-        "flashinfer_permuted_hnd": (permuted(flash_attn_shape(NB, BS, H, D), (1, 0, 3, 2, 4)), 1, 2),
-        "cpu_bhnc": (torch.empty((NB, H, BS, 2 * D), dtype=torch.float16), 0, 2),
+        "flash_attn_nhd_split": (torch.empty(flash_attn_shape(nb, BS, H, D), dtype=torch.float16), 1, 2),
+        "flashinfer_hnd_joined": (torch.empty(flashinfer_shape(nb, BS, H, D), dtype=torch.float16), 0, 3),
+        "triton": (torch.empty(triton_shape(nb, BS, H, D), dtype=torch.float16), 0, 2),
+        "flashinfer_permuted_hnd": (permuted(flash_attn_shape(nb, BS, H, D), (1, 0, 3, 2, 4)), 1, 2),
+        "heads_outside_blocks": (permuted((nb, H, BS, 2 * D), (1, 0, 2, 3)), 0, 2),  # vLLM LHBNC
+        "cpu_bhnc": (torch.empty((nb, H, BS, 2 * D), dtype=torch.float16), 0, 2),
     }
 
 
@@ -122,9 +124,9 @@ def test_unknown_layout_refused_with_shape_and_strides():
 def test_manager_block_spans_kernel_blocks():
     t, bdim, tdim = cases()["flash_attn_nhd_split"]
     kv = layout_for(t, bdim, tdim)
-    stride, runs = kv.manager_runs(2)
+    stride, runs, scales = kv.manager_runs(2)
     per = BS * H * D * 2
-    assert stride == 2 * per and runs == ((0, 2 * per), (NB * per, 2 * per))
+    assert stride == 2 * per and runs == ((0, 2 * per), (NB * per, 2 * per)) and scales == (0, per)
 
 
 def test_signature_includes_run_structure():
@@ -133,6 +135,18 @@ def test_signature_includes_run_structure():
     a, b = layout_signature("float16", one, 16), layout_signature("float16", two, 16)
     assert a != b and "runs1x100" in a and "runs2x50" in b
     assert layout_signature("float16", one, 16) != layout_signature("float16", one, 32)
+
+
+def test_nhd_and_hnd_blocks_of_equal_size_have_different_signatures():
+    hnd = torch.empty((NB, H, BS, 2 * D), dtype=torch.float16)
+    nhd = torch.empty((NB, BS, H, 2 * D), dtype=torch.float16).permute(0, 2, 1, 3)
+    a, b = layout_for(hnd, 0, 2), layout_for(nhd, 0, 2)
+    assert a.runs == b.runs and a.block_stride == b.block_stride and a.interior != b.interior
+    sig = [layout_signature("float16", [LayerGeometry("l", k.block_stride, k.block_bytes, k.runs, k.interior)], BS)
+           for k in (a, b)]
+    assert sig[0] != sig[1]
+    bigger = torch.empty((NB + 3, H, BS, 2 * D), dtype=torch.float16)  # D has more blocks than P: same meaning
+    assert layout_for(bigger, 0, 2).interior == a.interior
 
 
 def test_entries_one_per_run_per_block():
@@ -153,7 +167,7 @@ def fill(t: torch.Tensor, seed: int) -> None:
 
 def geometry(name: str, t: torch.Tensor, bdim: int, tdim: int) -> LayerGeometry:
     kv = layout_for(t, bdim, tdim)
-    return LayerGeometry(name, kv.block_stride, kv.block_bytes, kv.runs)
+    return LayerGeometry(name, kv.block_stride, kv.block_bytes, kv.runs, kv.interior, kv.scales, kv.num_blocks)
 
 
 def span_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -163,8 +177,12 @@ def span_bytes(t: torch.Tensor) -> torch.Tensor:
                                                   (n,), (1,))
 
 
+NB_P = NB + 3  # P's cache holds more blocks than D's: K/V planes sit at different offsets on the two sides
+
+
 @pytest.mark.parametrize("kind, hit_tokens", [("flash_attn_nhd_split", 0), ("flash_attn_nhd_split", BS),
-                                              ("flashinfer_permuted_hnd", BS), ("flashinfer_hnd_joined", 0)])
+                                              ("flashinfer_permuted_hnd", BS), ("flashinfer_hnd_joined", 0),
+                                              ("heads_outside_blocks", BS)])
 def test_plan_read_between_processes_is_byte_exact(kind, hit_tokens):
     ctx = mp.get_context("spawn")
     q_up, q_down = ctx.Queue(), ctx.Queue()
@@ -178,9 +196,12 @@ def test_plan_read_between_processes_is_byte_exact(kind, hit_tokens):
         eng = TransferEngine(TransferConfig(secret=SECRET))
         eng.register("layer0", span_bytes(t).numpy())
         geo = geometry("layer0", t, bdim, tdim)
-        local, remote = [4, 0, 5], [1, 3, 2]
+        pt, pb, ptd = cases(NB_P)[kind]
+        pgeo = geometry("layer0", pt, pb, ptd)
+        assert layout_signature("float16", [geo], BS) == layout_signature("float16", [pgeo], BS)
+        local, remote = [4, 0, 5], [1, 7, 2]
         plan = plan_blocks(local, hit_tokens, 3 * BS - hit_tokens - 3, remote, BS)
-        entries = build_entries([geo], plan)
+        entries = build_entries([geo], plan, NB_P)
         assert len(entries) == len(plan) * len(geo.block_runs)
         eng.submit(seg, entries, "read").result(timeout=30)
         after = bytes(span_bytes(t).numpy())
@@ -190,9 +211,9 @@ def test_plan_read_between_processes_is_byte_exact(kind, hit_tokens):
         p.join(30)
     expect = bytearray(before)
     for lb, rb in zip(plan.local, plan.remote):
-        for off, n in geo.block_runs:
+        for (off, n), (poff, _) in zip(geo.block_runs, pgeo.block_runs):
             expect[lb * geo.block_stride + off:lb * geo.block_stride + off + n] = \
-                p_bytes[rb * geo.block_stride + off:rb * geo.block_stride + off + n]
+                p_bytes[rb * pgeo.block_stride + poff:rb * pgeo.block_stride + poff + n]
     assert after == bytes(expect)
     assert after != before
     skipped = local[:hit_tokens // BS]
@@ -203,10 +224,64 @@ def test_plan_read_between_processes_is_byte_exact(kind, hit_tokens):
 
 
 def _prefill_main(kind, q_up, q_down):
-    t, bdim, tdim = cases()[kind]
+    t, bdim, tdim = cases(NB_P)[kind]
     fill(t, 1)
     eng = TransferEngine(TransferConfig(secret=SECRET))
     eng.register("layer0", span_bytes(t).numpy())
     q_up.put((eng.segment().to_wire(), bytes(span_bytes(t).numpy())))
     q_down.get(timeout=60)
     eng.close()
+
+
+def test_planes_after_all_blocks_follow_the_peers_block_count():
+    d, p = layout_for(*cases()["flash_attn_nhd_split"]), layout_for(*cases(NB_P)["flash_attn_nhd_split"])
+    per = BS * H * D * 2
+    assert d.scales == (0, per) and d.runs[1][0] == NB * per and p.runs[1][0] == NB_P * per
+    g = LayerGeometry("l", d.block_stride, d.block_bytes, d.runs, d.interior, d.scales, d.num_blocks)
+    plan = plan_blocks([2], 0, BS, [5], BS)
+    assert build_entries([g], plan, NB_P) == [("l", 2 * per, "l", 5 * per, per),
+                                               ("l", NB * per + 2 * per, "l", NB_P * per + 5 * per, per)]
+    sig = layout_signature("float16", [g], BS)
+    assert with_blocks(sig, [g]) == sig + "+nb6" and layout_blocks(with_blocks(sig, [g])) == NB
+    assert same_layout(sig + "+nb6", sig + "+nb9") and not same_layout(sig + "+nb6", "float16/other+nb6")
+    joined = layout_for(*cases()["cpu_bhnc"])
+    gj = LayerGeometry("l", joined.block_stride, joined.block_bytes, joined.runs, joined.interior, joined.scales,
+                       joined.num_blocks)
+    assert with_blocks("sig", [gj]) == "sig" and layout_blocks("sig") == 0
+
+
+def _worker(order):
+    from types import SimpleNamespace
+
+    from pdserve.vllm.params import ConnectorConfig
+    from pdserve.vllm.worker import WorkerSide
+
+    def resolved():
+        return order
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=resolved),
+                          model_config=None, parallel_config=None)
+    return WorkerSide(cfg, ConnectorConfig.from_extra({"secret": SECRET}))
+
+
+def test_worker_registers_by_vllm_layout_and_refuses_a_disagreeing_tensor():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    w = _worker(KVCacheLayout.LBHNC)
+    try:
+        caches = {f"layer.{i}": torch.zeros((NB, H, BS, 2 * D), dtype=torch.bfloat16) for i in range(2)}
+        w.register_kv_caches(caches)
+        per = H * BS * 2 * D * 2
+        assert [(g.name, g.block_stride, g.block_runs) for g in w.layers] == [
+            ("layer.0", per, ((0, per),)), ("layer.1", per, ((0, per),))]
+        assert w.layout.startswith(f"bfloat16/bs{BS}/L2/runs1x{per}/") and layout_blocks(w.layout) == 0
+        assert w.engine.segment().regions  # both layers registered with the engine
+    finally:
+        w.close()
+    w = _worker(KVCacheLayout.LBHNC)
+    try:
+        nhd = torch.zeros((NB, BS, H, 2 * D), dtype=torch.bfloat16).permute(0, 2, 1, 3)
+        with pytest.raises(RuntimeError, match=r"layer x.*shape \(6, 2, 16, 16\) strides \(512, 16, 32, 1\).*LBHNC"):
+            w.register_kv_caches({"x": nhd})
+    finally:
+        w.close()
