@@ -48,7 +48,6 @@ class KVLayout:
     # after all K blocks sits num_blocks * plane bytes in), so a peer with another block count differs by
     # scale * (its num_blocks - ours)
 
-
     @property
     def block_bytes(self) -> int:
         return sum(n for _, n in self.runs)
