@@ -110,7 +110,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        return None  # any layout whose blocks are contiguous; register_kv_caches checks
+        return None  # any layout vLLM picks: register_kv_caches derives each block's runs (pdserve.vllm.layout)
 
     # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -269,26 +269,80 @@ def plan_blocks(local_block_ids: Sequence[int], num_local_hit_tokens: int, num_e
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """Where one layer's KV blocks live inside its registered region."""
+    """Where one layer's KV blocks live inside its registered region: block ``b`` is the byte ranges
+    ``[b*block_stride + off, +length)`` for each ``(off, length)`` of ``runs`` (derived from the layer's
+    :class:`~pdserve.vllm.layout.KVLayout`); no runs = one run ``(0, block_bytes)``."""
 
     name: str  # region name (the vLLM layer name)
     block_stride: int  # bytes between consecutive (manager) blocks
-    block_bytes: int  # contiguous bytes of one (manager) block: K and V of every head
+    block_bytes: int  # bytes of one (manager) block: K and V of every head, over all its runs
+    runs: tuple[tuple[int, int], ...] = ()
+    interior: str = ""  # KVLayout.interior: how a block's bytes are arranged (part of the signature)
+    scales: tuple[int, ...] = ()  # per run: offset bytes per kernel block of the cache (KVLayout.scales)
+    num_blocks: int = 0  # kernel blocks of this side's cache (with scales: the peer's offsets differ)
+
+    @property
+    def block_runs(self) -> tuple[tuple[int, int], ...]:
+        return self.runs or ((0, self.block_bytes),)
+
+    @property
+    def run_scales(self) -> tuple[int, ...]:
+        return self.scales or (0,) * len(self.block_runs)
+
+    def peer_shift(self, peer_blocks: int) -> tuple[int, ...]:
+        """Per run: add to our offset to get the peer's, when the peer's cache has ``peer_blocks``."""
+        if not peer_blocks or not any(self.run_scales):
+            return (0,) * len(self.block_runs)
+        return tuple(sc * (peer_blocks - self.num_blocks) for sc in self.run_scales)
 
 
-def build_entries(layers: Iterable[LayerGeometry], plan: BlockPlan) -> list[tuple[str, int, str, int, int]]:
+def build_entries(layers: Iterable[LayerGeometry], plan: BlockPlan,
+                  peer_blocks: int = 0) -> list[tuple[str, int, str, int, int]]:
     """Transfer entries (local_region, local_off, peer_region, peer_off, length): one per layer per
-    block, in block order so the engine merges contiguous runs. Both sides share the geometry."""
+    block per contiguous run (K and V planes apart: two), in memory order so the engine merges
+    adjacent runs. Both sides share the geometry (the layout signature says so) except where a run
+    sits past all blocks of another plane: there the peer's offset follows its ``peer_blocks``."""
     entries = []
     for layer in layers:
+        runs, shift = layer.block_runs, layer.peer_shift(peer_blocks)
         for lb, rb in zip(plan.local, plan.remote):
-            entries.append((layer.name, lb * layer.block_stride, layer.name, rb * layer.block_stride,
-                            layer.block_bytes))
+            for (off, n), d in zip(runs, shift):
+                entries.append((layer.name, lb * layer.block_stride + off, layer.name,
+                                rb * layer.block_stride + off + d, n))
     return entries
 
 
 def layout_signature(dtype: str, layers: Sequence[LayerGeometry], block_size: int) -> str:
-    """Equal on P and D iff a block copied byte for byte means the same KV on both."""
-    geo = sorted((g.name, g.block_stride, g.block_bytes) for g in layers)
+    """Equal on P and D iff a block copied byte for byte means the same KV on both: dtype, block size,
+    each layer's block stride, run structure and interior arrangement. Readable head (runs per block x
+    run bytes), hashed tail."""
+    geo = sorted((g.name, g.block_stride, g.block_bytes, g.interior,
+                  tuple((off - sc * g.num_blocks, n, sc) for (off, n), sc in zip(g.block_runs, g.run_scales)))
+                 for g in layers)
+    shapes = sorted({(len(g.block_runs), g.block_runs[0][1]) for g in layers})
+    runs = ",".join(f"{k}x{n}" for k, n in shapes)
     h = hashlib.blake2b(repr((dtype, block_size, geo)).encode(), digest_size=8).hexdigest()
-    return f"{dtype}/bs{block_size}/L{len(geo)}/{h}"
+    return f"{dtype}/bs{block_size}/L{len(geo)}/runs{runs}/{h}"
+
+
+PEER_BLOCKS_SEP = "+nb"  # worker layout = signature [+nb<kernel blocks>] when runs depend on the block count
+
+
+def with_blocks(signature: str, layers: Sequence[LayerGeometry]) -> str:
+    """The layout string a worker publishes: the signature, plus its kernel block count when some run's
+    offset depends on it (so a peer can address those runs). Refuses layers that disagree on it."""
+    counts = {g.num_blocks for g in layers if any(g.run_scales)}
+    if len(counts) > 1:
+        raise ValueError(f"KV layers with block-count-dependent runs have different block counts {sorted(counts)}")
+    return f"{signature}{PEER_BLOCKS_SEP}{counts.pop()}" if counts else signature
+
+
+def same_layout(a: str, b: str) -> bool:
+    """Equal signatures (block counts may differ: entries follow the peer's)."""
+    return a.split(PEER_BLOCKS_SEP)[0] == b.split(PEER_BLOCKS_SEP)[0]
+
+
+def layout_blocks(layout: str) -> int:
+    """The kernel block count a layout string carries (0: none needed)."""
+    _, sep, tail = layout.partition(PEER_BLOCKS_SEP)
+    return int(tail) if sep and tail.isdigit() else 0

@@ -27,7 +27,8 @@ from pdserve.hashing import block_hashes
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
-from pdserve.vllm.params import TEST_FAULTS, BlockPlan, ConnectorConfig, RemoteParams, plan_blocks, prompt_hash
+from pdserve.vllm.params import (TEST_FAULTS, BlockPlan, ConnectorConfig, RemoteParams, plan_blocks, prompt_hash,
+                                 same_layout)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -166,7 +167,7 @@ class SchedulerSide:
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
-        if self.handshake and remote.layout and remote.layout != self.handshake.layout:
+        if self.handshake and remote.layout and not same_layout(remote.layout, self.handshake.layout):
             log.warning("request %s: P's KV layout %s differs from ours %s (same model, dtype and block "
                         "size on both?); computing locally", request.request_id, remote.layout,
                         self.handshake.layout)

@@ -23,10 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
+from pdserve.vllm.layout import KVLayout, LayoutError, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdserveStats
-from pdserve.vllm.params import ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_signature
+from pdserve.vllm.params import (ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_blocks,
+                                 layout_signature, same_layout, with_blocks)
 from pdserve.vllm.pool import loaded_prefix, pool_items
 from pdserve.vllm.release import Released, ReleaseLedger
 
@@ -39,6 +41,26 @@ log = connector_log()
 def _span_view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 array over raw memory we keep alive elsewhere (the KV cache tensor)."""
     return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=np.uint8)
+
+
+def _byte_region(t: torch.Tensor, span: int) -> Any:
+    """What the transfer engine registers for a layer: the bytes ``[data_ptr, +span)`` of its cache, so
+    region offsets are byte offsets from the tensor's first element. CPU: a numpy view of the span;
+    CUDA (or any device): a flat uint8 tensor over the same storage (the engine takes device tensors)."""
+    if t.device.type == "cpu":
+        return _span_view(t.data_ptr(), span)
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (span,), (1,))
+
+
+def _attn_backend(vllm_config: "VllmConfig", layer: str) -> Any:
+    """The attention backend class vLLM chose for ``layer`` (None when vLLM cannot say, e.g. in tests)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        backends = get_current_attn_backends(vllm_config, [layer])
+        return backends[0] if backends else None
+    except Exception:
+        return None
 
 
 class WorkerSide:
@@ -62,6 +84,7 @@ class WorkerSide:
         self.engine = TransferEngine(tconf)
         self.layers: list[LayerGeometry] = []
         self.layout = ""
+        self.kv_layouts: dict[str, KVLayout] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._peers: dict[tuple[str, int], Any] = {}
         self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
@@ -90,36 +113,46 @@ class WorkerSide:
         dtype = ""
         for name in sorted(kv_caches):
             t = kv_caches[name]
-            if t.device.type != "cpu":
-                raise RuntimeError(f"PdserveConnector: layer {name} KV cache is on {t.device}; this build "
-                                   "moves CPU KV caches only")
             if t.data_ptr() in seen:  # cross-layer KV sharing: transfer the owner once
                 continue
             seen[t.data_ptr()] = name
-            # [num_kernel_blocks, ...] with each kernel block's interior contiguous (CPU: [B, H, N, 2*D]).
-            elem = t.element_size()
-            if t.dim() < 2 or not t[0].is_contiguous():
-                raise RuntimeError(f"PdserveConnector: layer {name} KV cache {tuple(t.shape)} strides "
-                                   f"{t.stride()} has non-contiguous blocks; unsupported KV layout")
-            kernel_blocks = t.shape[0]
-            kernel_bytes = t[0].numel() * elem
-            kernel_stride = t.stride(0) * elem
-            kernel_block_size = t.shape[2] if t.dim() == 4 else self.block_size
-            ratio = max(1, self.block_size // kernel_block_size)
-            if ratio > 1 and kernel_stride != kernel_bytes:
-                raise RuntimeError(f"PdserveConnector: layer {name}: a {self.block_size}-token block spans "
-                                   f"{ratio} non-adjacent kernel blocks; unsupported KV layout")
-            span = (kernel_blocks - 1) * kernel_stride + kernel_bytes
-            self.engine.register(name, _span_view(t.data_ptr(), span))
+            kv = self._layout(name, t)
+            ratio = max(1, self.block_size // kv.block_tokens)
+            stride, runs, scales = kv.manager_runs(ratio)
+            self.engine.register(name, _byte_region(t, kv.span))
             self._tensors[name] = t  # keep alive; zeroing in tests
-            self.layers.append(LayerGeometry(name, kernel_stride * ratio, kernel_bytes * ratio))
+            self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales,
+                                             kv.num_blocks))
+            self.kv_layouts[name] = kv
             dtype = str(t.dtype).replace("torch.", "")
-        self.layout = layout_signature(dtype, self.layers, self.block_size)
+        try:
+            self.layout = with_blocks(layout_signature(dtype, self.layers, self.block_size), self.layers)
+        except ValueError as exc:
+            raise RuntimeError(f"PdserveConnector: {exc}; unsupported KV layout") from None
         first = kv_caches[self.layers[0].name] if self.layers else None
-        log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s, %d B per block, "
-                 "layout %s", len(self.layers), dtype, tuple(first.shape) if first is not None else None,
-                 first.stride() if first is not None else None,
-                 self.layers[0].block_bytes if self.layers else 0, self.layout)
+        log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s on %s, layout %s: %s",
+                 len(self.layers), dtype, tuple(first.shape) if first is not None else None,
+                 first.stride() if first is not None else None, first.device if first is not None else None,
+                 self.kv_layouts[self.layers[0].name].describe() if self.layers else "-", self.layout)
+
+    def _layout(self, name: str, t: torch.Tensor) -> KVLayout:
+        """The layer's layout from the backend vLLM chose and its resolved KV cache layout."""
+        backend = _attn_backend(self.vllm_config, name)
+        try:
+            order = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+        except Exception:
+            order = None
+        model = self.vllm_config.model_config
+        heads, head = 0, 0
+        try:
+            heads = model.get_num_kv_heads(self.vllm_config.parallel_config)
+            head = model.get_head_size()
+        except Exception:
+            pass
+        try:
+            return layout_of_tensor(t, backend, order, self.block_size, heads, head)
+        except LayoutError as exc:
+            raise RuntimeError(f"PdserveConnector: layer {name} on {t.device}: {exc}") from None
 
     def handshake(self) -> PdserveHandshake:
         seg = self.engine.segment()
@@ -171,8 +204,9 @@ class WorkerSide:
             if job.error:
                 raise TransferError("plan", job.error)
             peer = self._peer(remote)
-            if remote.layout and remote.layout != self.layout:
-                raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout}")
+            if remote.layout and not same_layout(remote.layout, self.layout):
+                raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout} (same "
+                                              "backend, KV cache layout, dtype and block size on both?)")
             deadline_s = self.config.transfer_deadline_s
             if remote.lease_deadline:
                 deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
@@ -180,7 +214,7 @@ class WorkerSide:
                     raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
             if remote.test_fault == "fail" and self.config.allow_test_faults:
                 raise TransferError("test", "pdserve_test_fault=fail")
-            entries = build_entries(self.layers, plan)
+            entries = build_entries(self.layers, plan, layout_blocks(remote.layout))
             handle = self.engine.submit(peer, entries, "read", notify=remote.request_id, deadline_s=deadline_s)
             handle.result()
             stats["bytes"] = handle.total_bytes
@@ -270,9 +304,15 @@ class WorkerSide:
 
     def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
         for layer in self.layers:
-            base = self._tensors[layer.name].data_ptr()
+            t = self._tensors[layer.name]
+            flat = None if t.device.type == "cpu" else _byte_region(t, self.kv_layouts[layer.name].span)
             for b in block_ids:
-                ctypes.memset(base + b * layer.block_stride, 0, layer.block_bytes)
+                for off, n in layer.block_runs:
+                    start = b * layer.block_stride + off
+                    if flat is None:
+                        ctypes.memset(t.data_ptr() + start, 0, n)
+                    else:
+                        flat[start:start + n].zero_()
 
     def _on_notify(self, note: Any) -> None:
         msg = note.message
