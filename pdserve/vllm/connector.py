@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -66,7 +65,7 @@ KVConnectorWorkerMetadata.register(PdserveWorkerMeta)
 KVConnectorHandshakeMetadata.register(PdserveHandshake)
 
 
-def _recompute_on_failure(vllm_config: "VllmConfig", config: ConnectorConfig) -> None:
+def _recompute_on_failure(vllm_config: VllmConfig, config: ConnectorConfig) -> None:
     """The contract: a failed transfer makes D recompute. vLLM reads this policy right after building the
     scheduler-side connector, so setting it here takes effect."""
     kv_config = vllm_config.kv_transfer_config
@@ -83,8 +82,8 @@ class PdserveConnector(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
@@ -109,27 +108,27 @@ class PdserveConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(vllm_config, self.config)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout vLLM picks: register_kv_caches derives each block's runs (pdserve.vllm.layout)
 
     # ---- scheduler side ----
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
@@ -137,7 +136,7 @@ class PdserveConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         self.scheduler.set_handshake(metadata)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         ids = getattr(self._kv_cache_config, "transfer_group_ids", None)
         return tuple(ids) if ids is not None else super().get_loaded_kv_cache_group_ids(request)
 
@@ -149,7 +148,7 @@ class PdserveConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake() if self.worker is not None else None  # type: ignore[return-value]
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._connector_metadata
         if isinstance(meta, PdserveMeta):
@@ -158,7 +157,7 @@ class PdserveConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-request async loads: the request waits in WAITING_FOR_REMOTE_KVS
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         return None  # pull model: D reads P's blocks in place, nothing to save
 
@@ -188,7 +187,7 @@ class PdserveConnector(KVConnectorBase_V1):
         return PdserveStats(data=dict(data)) if data is not None else PdserveStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         return PdservePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

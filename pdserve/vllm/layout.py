@@ -19,8 +19,10 @@ torch or vLLM.
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 MAX_RUNS = 1024  # per block per layer: beyond this the layout is too fragmented to move block by block
 LOGICAL_BHNC = ("blocks", "heads", "tokens", "content")  # vLLM 0.32 per-layer logical view
@@ -104,9 +106,7 @@ def block_runs(shape: Sequence[int], strides: Sequence[int], elem: int, block_di
             raise LayoutError(f"{_describe(backend, shape, strides)}: stride {st} of a dim outside the blocks "
                               f"dim is not a multiple of the {nb} blocks; unknown KV layout")
     outer = [[(i * st, i * st // nb if st > bstride else 0) for i in range(n)] for st, n in dims]
-    count = 1
-    for s, n in dims:
-        count *= n
+    count = math.prod(n for _, n in dims)
     if count > MAX_RUNS:
         raise LayoutError(f"{_describe(backend, shape, strides)}: one block is {count} separate runs "
                           f"(over {MAX_RUNS}); unsupported KV layout")

@@ -72,7 +72,7 @@ class PdserveWorkerMeta:
     def is_empty(self) -> bool:
         return not self.reads and not self.released and not self.pool
 
-    def aggregate(self, other: "PdserveWorkerMeta") -> "PdserveWorkerMeta":
+    def aggregate(self, other: PdserveWorkerMeta) -> PdserveWorkerMeta:
         """vLLM merges the metas of every rank of one step with this."""
         assert isinstance(other, PdserveWorkerMeta)
         merged = PdserveWorkerMeta(dict(self.reads), dict(self.released), {**self.pool, **other.pool})

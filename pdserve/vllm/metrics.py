@@ -28,7 +28,7 @@ class PdserveStats(KVConnectorStats):
         self.data.setdefault("read_seconds", [])
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
         self.__post_init__()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -53,7 +53,7 @@ class PdservePromMetrics(KVConnectorPromMetrics):
     """Counters vllm:pdserve_kv_{reads,read_failures,read_bytes,released_notified,released_lease}_total
     and the histogram vllm:pdserve_kv_read_seconds."""
 
-    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

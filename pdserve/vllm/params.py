@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
 MIN_SECRET_LEN = 16
@@ -117,7 +118,7 @@ class ConnectorConfig:
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorConfig":
+    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
         extra = dict(extra or {})
         env = os.environ if env is None else env
         unknown = sorted(set(extra) - set(cls.KEYS))
@@ -215,7 +216,7 @@ class RemoteParams:
         }
 
     @classmethod
-    def parse(cls, params: Mapping[str, Any] | None, block_size: int) -> "RemoteParams":
+    def parse(cls, params: Mapping[str, Any] | None, block_size: int) -> RemoteParams:
         """Validate D's kv_transfer_params; raise ValueError saying what is wrong."""
         if not params or not params.get("do_remote_prefill"):
             raise ValueError("not a remote-prefill request (do_remote_prefill is not true)")

@@ -10,7 +10,7 @@ so equal keys mean equal prefixes on every worker.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pdserve.vllm.messages import PoolJob
 from pdserve.vllm.params import LayerGeometry

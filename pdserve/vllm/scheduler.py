@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.hashing import block_hashes
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
-from pdserve.vllm.params import (TEST_FAULTS, BlockPlan, ConnectorConfig, RemoteParams, plan_blocks, prompt_hash,
-                                 same_layout)
+from pdserve.vllm.params import (
+    TEST_FAULTS,
+    BlockPlan,
+    ConnectorConfig,
+    RemoteParams,
+    plan_blocks,
+    prompt_hash,
+    same_layout,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,7 +55,7 @@ class PoolLookup(Protocol):
     def prefix(self, keys: Sequence[int]) -> int: ...
 
 
-def completed(request: "Request") -> bool:
+def completed(request: Request) -> bool:
     return getattr(request.status, "name", None) in COMPLETED
 
 
@@ -98,7 +106,7 @@ class SchedulerSide:
         self._pool_down_until = time.monotonic() + self.config.pool_backoff_s
         log.warning("KV pool %s failed (%s); not using the pool for %.0f s", what, exc, self.config.pool_backoff_s)
 
-    def _pool_match(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def _pool_match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
         self._pool_hits.pop(request.request_id, None)
         if not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size:
@@ -117,7 +125,7 @@ class SchedulerSide:
         self._pool_hits[request.request_id] = (num_computed_tokens, keys[first:first + n])
         return n * self.block_size, True
 
-    def _pool_plan_load(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def _pool_plan_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         hit, keys = self._pool_hits.pop(request.request_id)
         if num_external_tokens <= 0:
             return
@@ -132,7 +140,7 @@ class SchedulerSide:
             return
         self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False))
 
-    def _pool_plan_save(self, request: "Request", block_ids: list[int]) -> bool:
+    def _pool_plan_save(self, request: Request, block_ids: list[int]) -> bool:
         """Queue a save of the request's full computed blocks; True when its blocks must stay held."""
         if not self.config.pool_save or not self._pool_usable():
             return False
@@ -147,7 +155,7 @@ class SchedulerSide:
         return True
 
     # ---- D ----
-    def _remote(self, request: "Request") -> RemoteParams | None:
+    def _remote(self, request: Request) -> RemoteParams | None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
@@ -159,7 +167,7 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
             return None
 
-    def _loadable_tokens(self, request: "Request", remote: RemoteParams) -> int:
+    def _loadable_tokens(self, request: Request, remote: RemoteParams) -> int:
         """Prompt tokens D may take from P: 0 when the prefix or the layout differs or the lease is
         (nearly) over."""
         n = min(remote.num_tokens, request.num_prompt_tokens)
@@ -177,7 +185,7 @@ class SchedulerSide:
             return 0
         return n
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
         if remote is None:
             return self._pool_match(request, num_computed_tokens) if self.pool is not None else (0, False)
@@ -187,7 +195,7 @@ class SchedulerSide:
         self._matched[request.request_id] = num_computed_tokens
         return count, True
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             if request.request_id in self._pool_hits:
@@ -218,14 +226,14 @@ class SchedulerSide:
             self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), error=repr(exc)))
 
     # ---- P ----
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pool_hits.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids)
         if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
         return delay, out
 
-    def _hand_off(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _hand_off(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks."""
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
@@ -270,7 +278,7 @@ class SchedulerSide:
         return self.config.lease_s
 
     # ---- per step ----
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput | None" = None) -> PdserveMeta:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
                 and not self._recv and not self._send and not self._pool_jobs
                 and (self.held > 0 or self._pool_saving) and self.reading == 0
@@ -284,7 +292,7 @@ class SchedulerSide:
         self._recv, self._send, self._pool_jobs = [], {}, []
         return meta
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PdserveWorkerMeta):
             return

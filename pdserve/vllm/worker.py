@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from pdserve.store import ClientConfig, StoreClient, StoreError
@@ -27,8 +26,16 @@ from pdserve.vllm.layout import KVLayout, LayoutError, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdserveStats
-from pdserve.vllm.params import (ConnectorConfig, LayerGeometry, RemoteParams, build_entries, layout_blocks,
-                                 layout_signature, same_layout, with_blocks)
+from pdserve.vllm.params import (
+    ConnectorConfig,
+    LayerGeometry,
+    RemoteParams,
+    build_entries,
+    layout_blocks,
+    layout_signature,
+    same_layout,
+    with_blocks,
+)
 from pdserve.vllm.pool import loaded_prefix, pool_items
 from pdserve.vllm.release import Released, ReleaseLedger
 
@@ -40,7 +47,8 @@ log = connector_log()
 
 def _span_view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 array over raw memory we keep alive elsewhere (the KV cache tensor)."""
-    return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(addr), dtype=np.uint8)
+    raw = (ctypes.c_ubyte * nbytes).from_address(addr)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
 
 
 def _byte_region(t: torch.Tensor, span: int) -> Any:
@@ -53,7 +61,7 @@ def _byte_region(t: torch.Tensor, span: int) -> Any:
     return flat.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (span,), (1,))
 
 
-def _attn_backend(vllm_config: "VllmConfig", layer: str) -> Any:
+def _attn_backend(vllm_config: VllmConfig, layer: str) -> Any:
     """The attention backend class vLLM chose for ``layer`` (None when vLLM cannot say, e.g. in tests)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
@@ -66,7 +74,7 @@ def _attn_backend(vllm_config: "VllmConfig", layer: str) -> Any:
 class WorkerSide:
     """One per vLLM worker process: owns the transfer engine, the registered KV cache and the held blocks."""
 
-    def __init__(self, vllm_config: "VllmConfig", config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size

@@ -10,8 +10,15 @@ import torch
 
 from pdserve.transfer import TransferConfig, TransferEngine
 from pdserve.vllm.layout import KVLayout, LayoutError, derive_layout, dims_from_shape_fn, layout_from_order
-from pdserve.vllm.params import (LayerGeometry, build_entries, layout_blocks, layout_signature, plan_blocks,
-                                 same_layout, with_blocks)
+from pdserve.vllm.params import (
+    LayerGeometry,
+    build_entries,
+    layout_blocks,
+    layout_signature,
+    plan_blocks,
+    same_layout,
+    with_blocks,
+)
 
 SECRET = "layout-test-secret-0123456789"
 NB, BS, H, D = 6, 16, 2, 8
