@@ -32,6 +32,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: Any = None
+    logprobs: Any = None  # the worker choice's raw ``logprobs`` for these tokens (vLLM completions shape), if asked
 
 
 @dataclass
@@ -162,7 +163,8 @@ class Generation:
 
     def __init__(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, placement: Placement,
                  client: WorkerClient, metrics: RouterMetrics, timings: Timings, mode: str,
-                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+                 detokenizer: IncrementalDetokenizer | None = None, first_from_prefill: bool = True,
+                 prefill_kv_params: dict[str, Any] | None = None) -> None:
         self.req = req
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
@@ -180,11 +182,22 @@ class Generation:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.ticket: PlacementTicket | None = None  # the placement in force; _raw closes it
+        # True: P's first token goes to the client at once and D continues from prompt + [t1] (the pdserve
+        # connector). False: P only computes the prompt's KV; D gets the prompt alone with P's kv_transfer_params,
+        # regenerates the first token itself and its whole stream is the output (exact wherever D's state must
+        # include the first token's sampling: structured outputs, vLLM's NixlConnector). Costs TTFT: the first
+        # token then arrives after the hand-off.
+        self.first_from_prefill = first_from_prefill
+        self.prefill_kv_params = dict(prefill_kv_params or {"do_remote_decode": True})
+        self.prompt_logprobs: Any = None  # the worker's ``prompt_logprobs`` (P's, or the whole-request worker's)
 
     # ---- worker bodies ----
-    def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool, computes_prompt: bool = True
+              ) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                                 "return_token_ids": True, **self.req.sampling}
+        if not computes_prompt:
+            body.pop("prompt_logprobs", None)  # only the worker that computes the prompt scores it (P)
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.req.stop and self.colocated:
@@ -228,13 +241,14 @@ class Generation:
                         self.ticket.progress(self.t.tokens)
                 if hit is not None:
                     self.finish_reason, self.stop_reason = "stop", hit
-                    yield Delta(text, raw.token_ids, "stop", hit)
+                    yield Delta(text, raw.token_ids, "stop", hit, raw.logprobs)
                     return  # leaving _raw() closes D's stream: vLLM aborts it
                 if raw.finish_reason is not None:
                     self.finish_reason, self.stop_reason = raw.finish_reason, raw.stop_reason
-                    yield Delta(text + self.stopper.flush(), raw.token_ids, raw.finish_reason, raw.stop_reason)
+                    yield Delta(text + self.stopper.flush(), raw.token_ids, raw.finish_reason, raw.stop_reason,
+                                raw.logprobs)
                     return
-                yield Delta(text, raw.token_ids)
+                yield Delta(text, raw.token_ids, logprobs=raw.logprobs)
         raise upstream_failed("worker stream ended without a finish_reason")
 
     async def _raw(self) -> AsyncGenerator[Delta, None]:
@@ -270,7 +284,7 @@ class Generation:
         assert p is not None
         self.t.prefill_worker = p.url
         body = self._body(self.prompt_ids, 1, False)
-        body["kv_transfer_params"] = {"do_remote_decode": True}
+        body["kv_transfer_params"] = dict(self.prefill_kv_params)
         now = time.perf_counter()
         if self.t.dispatch is None:
             self.t.dispatch = now
@@ -297,26 +311,52 @@ class Generation:
             raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
         kvp = resp.get("kv_transfer_params")
         _transfer_stats(resp, self.t)
+        self.prompt_logprobs = c0.get("prompt_logprobs")
+        if not self.first_from_prefill:
+            async with aclosing(self._regenerate(ticket, exclude, kvp)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
         t1 = ids[0]
         if self.detok is not None:
             text = self.detok.step(t1)
+        logprobs = c0.get("logprobs")
         if finish == "stop" or self.max_tokens == 1:
             self.metrics.handoffs.labels("skipped").inc()
-            yield Delta(text, [t1], finish or "length", stop_reason)
+            yield Delta(text, [t1], finish or "length", stop_reason, logprobs)
             return
         if finish != "length":
             raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
-        yield Delta(text, [t1])
+        yield Delta(text, [t1], logprobs=logprobs)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
-        d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True)
+        d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True, computes_prompt=False)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp
+        async with aclosing(self._hand_to_decode(ticket, exclude, d_body, after_first=True)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _regenerate(self, ticket: PlacementTicket, exclude: set[str], kvp: Any
+                          ) -> AsyncGenerator[Delta, None]:
+        """D gets the prompt alone with P's kv_transfer_params and produces the whole output itself."""
+        self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
+        d_body = self._body(self.prompt_ids, self.max_tokens, True, computes_prompt=False)
+        if isinstance(kvp, dict):
+            d_body["kv_transfer_params"] = kvp
+        async with aclosing(self._hand_to_decode(ticket, exclude, d_body, after_first=False)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _hand_to_decode(self, ticket: PlacementTicket, exclude: set[str], d_body: dict[str, Any],
+                              after_first: bool) -> AsyncGenerator[Delta, None]:
+        """Run D's stream; a D that never accepted the decode is replaced (same P, P's blocks still leased)."""
         tries: set[str] = set()
         while True:
             d = ticket.decode
             self.t.decode_worker = d.url
             try:
-                async with aclosing(self._decode_stream(ticket, d, d_body, "decode", after_first=True)) as deltas:
+                async with aclosing(self._decode_stream(ticket, d, d_body, "decode", after_first=after_first)
+                                    ) as deltas:
                     async for delta in deltas:
                         yield delta
                 return
@@ -350,7 +390,10 @@ class Generation:
                         self.t.d_first = time.perf_counter()
                         if not after_first:
                             ticket.prefill_done()  # whole request here: prompt computed
-                    delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"))
+                    if not after_first and self.prompt_logprobs is None and c0.get("prompt_logprobs"):
+                        self.prompt_logprobs = c0.get("prompt_logprobs")
+                    delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"),
+                                  c0.get("logprobs"))
                     if delta.finish_reason is None:
                         yield delta
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped

@@ -170,8 +170,11 @@ class SchedulerSide:
     def _loadable_tokens(self, request: Request, remote: RemoteParams) -> int:
         """Prompt tokens D may take from P: 0 when the prefix or the layout differs or the lease is
         (nearly) over."""
-        n = min(remote.num_tokens, request.num_prompt_tokens)
-        if remote.prompt_hash and remote.prompt_hash != prompt_hash(request.prompt_token_ids or [], n):
+        m = min(remote.num_tokens, request.num_prompt_tokens)
+        # at most all but the last prompt token: vLLM computes at least one token itself (D gets prompt + [t1]
+        # from pdserve's router, so this is P's whole prompt; a D given the prompt alone recomputes its last token)
+        n = min(m, request.num_prompt_tokens - 1)
+        if remote.prompt_hash and remote.prompt_hash != prompt_hash(request.prompt_token_ids or [], m):
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
