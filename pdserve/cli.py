@@ -14,10 +14,10 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .config import ConfigError, LauncherConfig, parse_cpu_list
+from .config import KV_CONNECTORS, ConfigError, LauncherConfig, parse_cpu_list
 from .procs import LaunchError
 from .rules import POLICIES
 
@@ -94,12 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
     from .store.cli import add_serve_flags
 
     add_serve_flags(s, d)
+    g = s.add_argument_group("GPUs and the KV data plane (docs/gpu.md)")
+    g.add_argument("--kv-connector", choices=KV_CONNECTORS, default=d,
+                   help="the workers' KV data plane: pdserve (pdserve's connector and transfer engine, default) or "
+                        "nixl (vLLM's NixlConnector; the router speaks its hand-off; no KV pool)")
+    g.add_argument("--gpus", default=d, metavar="LIST",
+                   help="GPU ids the workers may use, e.g. 0,1 (default auto: $CUDA_VISIBLE_DEVICES, else "
+                        "`nvidia-smi -L`; none: CPU workers even on a GPU host)")
+    g.add_argument("--gpus-per-worker", type=_positive_int, default=d,
+                   help="GPUs per worker (default 1; > 1 runs vLLM tensor-parallel, needs --kv-connector nixl)")
+    g.add_argument("--share-gpu", action="store_true", default=d,
+                   help="let several workers share a GPU, splitting --gpu-memory-utilization evenly")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d,
+                   help="fraction of each GPU's memory for vLLM (default vLLM's 0.9; split when shared)")
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> LauncherConfig:
+def config_from_args(args: argparse.Namespace, discover: Callable[[], tuple[str, ...]] | None = None
+                     ) -> LauncherConfig:
+    """The launch's config from flags (and --config); ``discover``: how to find GPUs (default: nvidia-smi)."""
     overrides: dict[str, Any] = {}
     skip = {"command", "config", "dry_run", "quiet"}
     for key, value in vars(args).items():
@@ -109,10 +124,54 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
             value = tuple(shlex.split(value))
         elif key == "cores":
             value = parse_cpu_list(value)
+        elif key == "gpus" and str(value).strip().lower() == "auto":
+            continue  # discovery below
         overrides[key] = value
     if args.config:
-        return LauncherConfig.from_yaml(args.config, **overrides)
-    return LauncherConfig.from_mapping(overrides, source="flags")
+        config = LauncherConfig.from_yaml(args.config, **overrides)
+    else:
+        config = LauncherConfig.from_mapping(overrides, source="flags")
+    return with_discovered_gpus(config, args, discover)
+
+
+def with_discovered_gpus(config: LauncherConfig, args: argparse.Namespace,
+                         discover: Callable[[], tuple[str, ...]] | None = None) -> LauncherConfig:
+    """``gpus`` from discovery unless ``--gpus`` or the config file named them (``auto`` asks for discovery);
+    no GPU found keeps the CPU plan as it was."""
+    given = getattr(args, "gpus", None)
+    from_file = _file_sets_gpus(getattr(args, "config", None))
+    if (given is not None and given.strip().lower() != "auto") or (given is None and from_file):
+        return config
+    if discover is None:
+        from .launch.gpus import discover_gpus
+
+        discover = discover_gpus
+    found = discover()
+    return config.with_overrides(gpus=found) if found else config
+
+
+def _file_sets_gpus(path: str | None) -> bool:
+    if not path:
+        return False
+    try:
+        import yaml
+
+        data = yaml.safe_load(open(path).read()) or {}
+    except (OSError, ValueError, ImportError):
+        return False
+    return isinstance(data, dict) and "gpus" in data and str(data["gpus"]).strip().lower() != "auto"
+
+
+def describe_devices(config: LauncherConfig, plan: Any) -> str:
+    """One line for --dry-run: the data plane and each worker's GPUs (or the CPU plan)."""
+    head = f"kv connector: {config.kv_connector}"
+    if not config.gpus:
+        return f"{head}; gpus: none found (CPU workers)"
+    parts = []
+    for w in plan.workers:
+        util = "" if w.gpu_memory_utilization is None else f" @{w.gpu_memory_utilization}"
+        parts.append(f"{w.name} -> {','.join(w.gpus)}{util}")
+    return f"{head}; gpus: {','.join(config.gpus)}: " + ", ".join(parts)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -132,6 +191,7 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = config.model_dir.resolve() if config.model else config.model_dir
         plan = make_plan(config, model_dir)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
+        print(describe_devices(config, plan))
         print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "
               "ports, and the router's --port unless 0)")
         print(plan.describe())

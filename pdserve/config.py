@@ -26,6 +26,8 @@ CONNECTOR_MODULE = "pdserve.vllm.connector"
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # same name as pdserve.transfer.config.SECRET_ENV
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _ARG_FIELDS = ("worker_args", "prefill_args", "decode_args", "router_args")
+KV_CONNECTORS = ("pdserve", "nixl")  # the workers' KV data plane (same names as the router's --kv-connector)
+NIXL_CONNECTOR_NAME = "NixlConnector"
 
 
 class ConfigError(ValueError):
@@ -95,6 +97,15 @@ class WorkerConfig:
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
+    # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
+    # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); tensor_parallel_size > 1 ->
+    # --tensor-parallel-size; kv_connector: the data plane the connector flag loads ("pdserve" or "nixl");
+    # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds.
+    gpus: tuple[str, ...] = ()
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    kv_connector: str = "pdserve"
+    nixl_side_channel_port: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,6 +120,7 @@ class WorkerConfig:
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
+        _check_worker_gpu(self)
 
     @property
     def name(self) -> str:
@@ -217,6 +229,16 @@ class LauncherConfig:
     pool_disk: str = "0"
     pool_disk_dir: str = ""
     pool_port: int = 0
+    # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
+    # default) or "nixl" (vLLM's NixlConnector; the router speaks its hand-off, no KV pool). gpus: device ids for
+    # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
+    # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, NixlConnector only).
+    # share_gpu: several workers per GPU, splitting gpu_memory_utilization (default 0.9) evenly between them.
+    kv_connector: str = "pdserve"
+    gpus: tuple[str, ...] = ()
+    gpus_per_worker: int = 1
+    share_gpu: bool = False
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConfigError)
@@ -267,7 +289,8 @@ class LauncherConfig:
                 "lower cores_per_worker or list more cores"
             )
         _check_common(self)
-        if self.connector:
+        _check_gpus_and_data_plane(self)
+        if self.connector and self.kv_connector == "pdserve":
             _check_connector_extra(self.lease_s, self.connector_extra)
             if self.connector_extra.get("transfer_port") and self.num_workers > 1:
                 raise ConfigError(
@@ -318,7 +341,9 @@ class LauncherConfig:
                 close = difflib.get_close_matches(k, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
                 raise ConfigError(f"{source}: unknown setting {key!r}{hint}")
-            if k in ("cores",) + _ARG_FIELDS and isinstance(value, (list, tuple)):
+            if k == "gpus":
+                value = _gpu_ids(value)
+            elif k in ("cores",) + _ARG_FIELDS and isinstance(value, (list, tuple)):
                 value = tuple(value)
             elif k in _ARG_FIELDS and isinstance(value, str):
                 import shlex
@@ -369,7 +394,10 @@ def _check_pool(cfg: LauncherConfig) -> None:
     from .store.config import StoreConfigError, parse_size
 
     if cfg.pool is None:
-        object.__setattr__(cfg, "pool", bool(cfg.connector))
+        object.__setattr__(cfg, "pool", bool(cfg.connector) and cfg.kv_connector == "pdserve")
+    if cfg.pool and cfg.kv_connector != "pdserve":
+        raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: the KV pool saves and loads through "
+                          "pdserve's connector; use --no-pool with --kv-connector nixl")
     if cfg.pool and not cfg.connector:
         raise ConfigError("pool=true needs the connector (it saves and loads KV through it): add --connector, "
                           "or pool=false")
@@ -429,3 +457,66 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
         except ValueError:
             raise ConfigError(f"CPU list {text!r}: use ids and ranges such as '0,2-3'") from None
     return tuple(out)
+
+
+# ---------------------------------------------------------------- GPUs and the data plane (issue 13)
+
+def _gpu_ids(value: Any) -> tuple[str, ...]:
+    """GPU ids from YAML or flags: ``[0, 1]``, ``"0,1"``, ``"GPU-uuid"``; ``none`` / ``""`` / ``[]``: no GPU."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "cpu")):
+        return ()
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"gpus={value!r}: give GPU ids such as [0, 1] or '0,1' (or none for CPU workers)")
+    return tuple(str(v).strip() for v in value)
+
+
+def _check_gpus_and_data_plane(cfg: LauncherConfig) -> None:
+    if cfg.kv_connector not in KV_CONNECTORS:
+        raise ConfigError(f"kv_connector={cfg.kv_connector!r}: choose pdserve (pdserve's KV connector, the default) "
+                          "or nixl (vLLM's NixlConnector)")
+    if isinstance(cfg.gpus, (list, str, int)) or cfg.gpus is None:
+        object.__setattr__(cfg, "gpus", _gpu_ids(cfg.gpus))
+    if not all(isinstance(g, str) and g and "," not in g for g in cfg.gpus):
+        raise ConfigError(f"gpus={cfg.gpus!r}: give GPU ids such as ('0', '1') or GPU UUIDs")
+    if len(set(cfg.gpus)) != len(cfg.gpus):
+        raise ConfigError(f"gpus={cfg.gpus!r} lists a GPU twice")
+    if isinstance(cfg.gpus_per_worker, bool) or not isinstance(cfg.gpus_per_worker, int) or cfg.gpus_per_worker < 1:
+        raise ConfigError(f"gpus_per_worker={cfg.gpus_per_worker!r}: use an integer >= 1")
+    if not isinstance(cfg.share_gpu, bool):
+        raise ConfigError(f"share_gpu={cfg.share_gpu!r}: true or false")
+    _check_memory_utilization(cfg.gpu_memory_utilization, "gpu_memory_utilization")
+    if cfg.gpus and cfg.gpus_per_worker > 1 and cfg.connector and cfg.kv_connector == "pdserve":
+        raise ConfigError(
+            f"gpus_per_worker={cfg.gpus_per_worker} with pdserve's KV connector: it moves one GPU's KV cache per "
+            "vLLM instance (tensor parallel size 1) today; use --kv-connector nixl for tensor-parallel workers, or "
+            "--gpus-per-worker 1")
+    if cfg.gpus:
+        from .launch.gpus import assign_gpus
+
+        assign_gpus(cfg.num_workers, cfg.gpus, cfg.gpus_per_worker, cfg.share_gpu, cfg.gpu_memory_utilization)
+
+
+def _check_memory_utilization(value: Any, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{name}={value!r}: the fraction of a GPU's memory vLLM may use, in (0, 1], e.g. 0.9")
+
+
+def _check_worker_gpu(w: WorkerConfig) -> None:
+    if w.kv_connector not in KV_CONNECTORS:
+        raise ConfigError(f"{w.name}.kv_connector={w.kv_connector!r}: choose one of {KV_CONNECTORS}")
+    if not isinstance(w.gpus, tuple) or not all(isinstance(g, str) and g for g in w.gpus):
+        raise ConfigError(f"{w.name}.gpus={w.gpus!r}: a tuple of GPU ids (strings)")
+    _check_memory_utilization(w.gpu_memory_utilization, f"{w.name}.gpu_memory_utilization")
+    if not isinstance(w.tensor_parallel_size, int) or w.tensor_parallel_size < 1:
+        raise ConfigError(f"{w.name}.tensor_parallel_size={w.tensor_parallel_size!r}: use an integer >= 1")
+    if w.connector and w.kv_connector == "nixl":
+        _check_port(f"{w.name}.nixl_side_channel_port", w.nixl_side_channel_port)
+        if not w.nixl_side_channel_port:
+            raise ConfigError(f"{w.name}.nixl_side_channel_port=0: NixlConnector binds and advertises this port "
+                              "(VLLM_NIXL_SIDE_CHANNEL_PORT); give each worker a free one")

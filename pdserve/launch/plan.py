@@ -16,12 +16,13 @@ import os
 import shlex
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .gpus import GpuSlot, assign_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers
@@ -31,16 +32,24 @@ DEFAULT_BASE_PORT = 8000  # a dry run with port=0 numbers its ports from here
 @dataclass(frozen=True)
 class Ports:
     """Every port a launch listens on. kv_events: the router's KV event sink (policy conductor, else 0);
-    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool)."""
+    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool); nixl_side_channels: one
+    NixlConnector handshake port per worker (``--kv-connector nixl``, else empty)."""
 
     router: int
     workers: tuple[int, ...]
     kv_events: int = 0
     pool: int = 0
     pool_metrics: int = 0
+    nixl_side_channels: tuple[int, ...] = ()
 
     def all(self) -> tuple[int, ...]:
-        return tuple(p for p in (self.router, *self.workers, self.kv_events, self.pool, self.pool_metrics) if p)
+        return tuple(p for p in (self.router, *self.workers, self.kv_events, self.pool, self.pool_metrics,
+                                 *self.nixl_side_channels) if p)
+
+
+def wants_nixl_side_channels(config: LauncherConfig) -> bool:
+    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
+    return bool(config.connector) and config.kv_connector == "nixl"
 
 
 def wants_kv_events(config: LauncherConfig) -> bool:
@@ -73,7 +82,8 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
     if config.pool:
         pool_metrics = next(nxt)
         pool = config.pool_port or next(nxt)
-    return Ports(base, workers, kv_events, pool, pool_metrics)
+    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_nixl_side_channels(config) else ()
+    return Ports(base, workers, kv_events, pool, pool_metrics, side)
 
 
 @dataclass(frozen=True)
@@ -194,13 +204,16 @@ def plan_workers(
     cores: Sequence[int] | None = None,
     kv_events_endpoint: str = "",
     pool_master: str = "",
+    nixl_side_channels: Sequence[int] | None = None,
 ) -> list[WorkerConfig]:
     """One WorkerConfig per worker: prefill workers first, then decode (or the colocated ones).
 
     ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
     ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
     kv_events_endpoint: the router's KV event sink the workers publish to; pool_master: HOST:PORT of the KV pool
-    master every connector saves to and loads from ("" none).
+    master every connector saves to and loads from ("" none); nixl_side_channels: one NixlConnector handshake
+    port per worker (default: :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
+    :func:`pdserve.launch.gpus.assign_gpus` (none: CPU workers, exactly as before).
     """
     if config.colocated:
         roles = [("colocated", i) for i in range(config.colocated)]
@@ -222,7 +235,15 @@ def plan_workers(
     if pool_master:
         extra_config["pool_master"] = pool_master
     role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": ()}
-    return [
+    slots = assign_gpus(len(roles), config.gpus, config.gpus_per_worker, config.share_gpu,
+                        config.gpu_memory_utilization)
+    side: tuple[int, ...] = ()
+    if wants_nixl_side_channels(config):
+        side = dry_run_ports(config).nixl_side_channels if nixl_side_channels is None else tuple(nixl_side_channels)
+        if len(side) != len(roles):
+            raise ValueError(f"need {len(roles)} NixlConnector side-channel ports, got {len(side)}")
+        extra_config = dict(config.connector_extra)  # NixlConnector's own settings: no pdserve pool
+    workers = [
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
@@ -233,6 +254,19 @@ def plan_workers(
         )
         for (role, index), port, bind in zip(roles, ports, bindings)
     ]
+    return [_on_gpus_and_plane(w, config, slot, side[i] if side else 0) for i, (w, slot) in
+            enumerate(zip(workers, slots))]
+
+
+def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSlot, side_port: int
+                       ) -> WorkerConfig:
+    """A worker with its GPU slot and data plane; a CPU worker on pdserve's connector is returned as it was."""
+    if not slot.devices and config.kv_connector == "pdserve":
+        return worker
+    tp = config.gpus_per_worker if slot.devices else 1
+    return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
+                   tensor_parallel_size=tp, kv_connector=config.kv_connector,
+                   nixl_side_channel_port=side_port if worker.connector else 0)
 
 
 def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) -> PoolPlan | None:
@@ -263,7 +297,10 @@ def make_plan(
         raise ValueError("policy=conductor needs a port for the router's KV event sink")
     pool = plan_pool(config, ports, run_dir)
     sink = f"tcp://{kv_events_host(config)}:{ports.kv_events}" if wants_kv_events(config) else ""
-    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "")
+    if wants_nixl_side_channels(config) and len(ports.nixl_side_channels) != config.num_workers:
+        raise ValueError(f"--kv-connector nixl needs {config.num_workers} side-channel ports, got {ports}")
+    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "",
+                           ports.nixl_side_channels)
     processes: list[ProcessSpec] = []
     base_env = {"PYTHONUNBUFFERED": "1"}
     if pool is not None:
@@ -275,7 +312,7 @@ def make_plan(
                                      base_env, secret=True))
     for w in workers:
         processes.append(ProcessSpec(w.name, "worker", tuple(worker_argv(w, python)), worker_env(w),
-                                     secret=w.connector, url=w.url))
+                                     secret=_needs_secret(w), url=w.url))
     # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
     # master with the secret, which is the router's only use for it (it never touches KV bytes)
     follows_pool = pool is not None and config.policy == "conductor"
@@ -291,8 +328,13 @@ def worker_command(worker: WorkerConfig, secret: str | None = None, base_env: Ma
     """argv and full environment of one vLLM worker outside a plan (e.g. a worker started by hand in a test);
     ``base_env`` default: this process's environment."""
     spec = ProcessSpec(worker.name, "worker", tuple(worker_argv(worker, python)), worker_env(worker),
-                       secret=worker.connector)
+                       secret=_needs_secret(worker))
     return list(spec.argv), spec.environ(os.environ if base_env is None else base_env, secret or "")
+
+
+def _needs_secret(worker: WorkerConfig) -> bool:
+    """pdserve's connector authenticates its transfer engine with the launch's secret; NixlConnector has none."""
+    return worker.connector and worker.kv_connector == "pdserve"
 
 
 def router_env(base_env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, in bytes (413 above it; default {DEFAULT_MAX_BODY_BYTES}"
                         " = 4 MiB)")
+    p.add_argument("--kv-connector", default="pdserve", choices=("pdserve", "nixl"),
+                   help="the workers' KV data plane: pdserve (pdserve's connector, default) or nixl (vLLM's "
+                        "NixlConnector); the router speaks its P -> D hand-off")
     c = p.add_argument_group("placement (pdserve.conductor)")
     c.add_argument("--policy", default="round_robin", choices=POLICIES,
                    help="round_robin (default), least_loaded, or conductor: prefix-, load- and SLO-aware")
@@ -73,7 +76,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,
                         admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint,
                         pool_master=a.pool_master, max_body_bytes=a.max_body_bytes,
-                        pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "")
+                        pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "",
+                        kv_connector=a.kv_connector)
 
 
 def main(argv: list[str] | None = None) -> int:

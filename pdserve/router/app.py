@@ -25,6 +25,7 @@ from .config import RouterConfig, kv_bytes_per_token
 from .errors import RouterError, bad_request, not_found, upstream_failed
 from .handoff import Delta, Generation, Timings
 from .kv_events import KVEventSink
+from .kv_protocol import protocol_for
 from .limits import body_too_large, check_prompt_chars, read_body
 from .load_probe import read_worker_load
 from .membership import Membership
@@ -258,8 +259,8 @@ class Router:
             if self.config.mode != "colocated":
                 detok = self.tokenizer.detokenizer(prompt_ids, req.sampling.get("skip_special_tokens", True),
                                                    req.sampling.get("spaces_between_special_tokens", True))
-            gen = Generation(req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode,
-                             detok)
+            gen = protocol_for(self.config.kv_connector).generation(
+                req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode, detok)
             builder = ResponseBuilder(req, self.config.served_model_name)
             if req.stream:
                 resp, status = await self._stream(request, req, gen, builder, prompt_ids)

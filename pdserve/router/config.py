@@ -91,6 +91,8 @@ class RouterConfig:
     admin_token: bearer token required by the worker-membership endpoints (/v1/pdserve/workers); empty: they
         accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
     max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
+    kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.kv_protocol`):
+        ``pdserve`` (default: pdserve's connector) or ``nixl`` (vLLM's NixlConnector).
     """
 
     model_dir: str
@@ -119,6 +121,7 @@ class RouterConfig:
     pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    kv_connector: str = "pdserve"
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -186,6 +189,9 @@ class RouterConfig:
             raise RouterConfigError(f"--max-body-bytes {self.max_body_bytes!r}: give a byte count from "
                                     f"{_MIN_BODY_BYTES} to {_MAX_BODY_BYTES} (1 GiB), e.g. {8 << 20} for 8 MiB; "
                                     f"the default is {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
+        if self.kv_connector not in ("pdserve", "nixl"):
+            raise RouterConfigError(f"--kv-connector {self.kv_connector!r}: choose pdserve (pdserve's KV connector) "
+                                    "or nixl (vLLM's NixlConnector), the one the workers' --kv-transfer-config names")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
 

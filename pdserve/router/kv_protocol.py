@@ -1,0 +1,163 @@
+"""The P -> D hand-off protocol of each KV data plane the router can drive (``--kv-connector``).
+
+The router never touches KV bytes; what differs between data planes is only what the workers' connectors expect
+in ``kv_transfer_params`` and what D is sent. One small class per data plane says:
+
+- what P gets (``prefill_params``: the ``kv_transfer_params`` of P's one-token request),
+- whether P's first token goes to the client at once (``first_from_prefill``) and D continues from prompt + [t1],
+  or D gets the prompt alone and regenerates the first token itself,
+- how P's answer becomes D's ``kv_transfer_params`` (``decode_params``), and how a P answer D cannot use reads
+  (a 502 naming the prefill worker and the missing fields, before D is sent anything).
+
+``pdserve``: pdserve's own connector (pdserve/vllm). P keeps the prompt's blocks under a lease; D continues from
+prompt + [t1] and reads only the blocks it lacks, so P's first token is exact and streamed at once.
+
+``nixl``: vLLM's own NixlConnector. P answers ``do_remote_prefill`` + its block ids, engine id and NIXL
+side-channel host/port; D gets the prompt alone with those params (what vLLM's own proxy does), pulls P's
+blocks, recomputes the last prompt token and samples the first token itself. That token is D's, not P's: under
+random sampling they are independent draws, and even greedy ties may differ between P's prefill and D's
+one-token step, so D's continuation is consistent only with D's own first token. P's token is therefore never
+streamed early: the first token reaches the client after the hand-off (TTFT includes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from typing import Any, ClassVar
+
+from .errors import RouterError, upstream_failed
+from .handoff import Delta, Generation
+from .ticket import PlacementTicket
+
+KV_CONNECTORS = ("pdserve", "nixl")
+DEFAULT_KV_CONNECTOR = "pdserve"
+
+
+class KVProtocol:
+    """What one data plane's connector expects across the hand-off (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    first_from_prefill: ClassVar[bool] = True
+
+    def prefill_params(self) -> dict[str, Any]:
+        """``kv_transfer_params`` for P's one-token request (a fresh dict: vLLM mutates what it is given)."""
+        raise NotImplementedError
+
+    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
+        """D's ``kv_transfer_params`` from what P answered; None: D computes the prompt itself. Raises
+        RouterError (502) when P answered something this data plane's D would misread."""
+        raise NotImplementedError
+
+    def generation(self, *args: Any, **kwargs: Any) -> Generation:
+        """A :class:`Generation` that speaks this protocol (same arguments as Generation's)."""
+        kwargs.setdefault("first_from_prefill", self.first_from_prefill)
+        kwargs.setdefault("prefill_kv_params", self.prefill_params())
+        return _ProtocolGeneration(self, *args, **kwargs)
+
+
+class PdserveProtocol(KVProtocol):
+    """pdserve's own connector: P's first token streams at once, D continues from prompt + [t1]."""
+
+    name = "pdserve"
+    first_from_prefill = True
+
+    def prefill_params(self) -> dict[str, Any]:
+        return {"do_remote_decode": True}
+
+    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
+        return kvp if isinstance(kvp, dict) else None
+
+    def generation(self, *args: Any, **kwargs: Any) -> Generation:
+        kwargs.setdefault("first_from_prefill", self.first_from_prefill)
+        kwargs.setdefault("prefill_kv_params", self.prefill_params())
+        return Generation(*args, **kwargs)  # the hand-off's own default path, unchanged
+
+
+# Fields NixlConnector's D needs to pull P's blocks (vllm/.../nixl/metadata.py RemoteMeta and the pull
+# scheduler's checks), with the JSON types P sends them as.
+_NIXL_REQUIRED: dict[str, tuple[type, ...]] = {
+    "remote_engine_id": (str,),
+    "remote_request_id": (str,),
+    "remote_host": (str,),
+    "remote_port": (int,),
+    "remote_block_ids": (list,),
+}
+
+
+class NixlProtocol(KVProtocol):
+    """vLLM's NixlConnector: D gets the prompt alone plus P's params and regenerates the first token."""
+
+    name = "nixl"
+    first_from_prefill = False
+
+    def prefill_params(self) -> dict[str, Any]:
+        # what vLLM's own disaggregation proxy sends a NixlConnector producer
+        return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
+        """P's answer, checked: a D given ``do_remote_prefill`` without block ids stops its engine on an
+        assertion, and one without host/port/engine waits for KV that never comes, so neither is passed on."""
+        if kvp is None:
+            return None  # P kept nothing (e.g. its request was aborted): D computes the prompt itself
+        if not isinstance(kvp, Mapping):
+            raise _bad_params(prefill_url, f"kv_transfer_params is a {type(kvp).__name__}, not an object")
+        if not kvp.get("do_remote_prefill"):
+            raise _bad_params(prefill_url, "kv_transfer_params lacks do_remote_prefill=true")
+        problems = [f"{k} missing" if k not in kvp else f"{k}={kvp[k]!r}"
+                    for k, types in _NIXL_REQUIRED.items()
+                    if not isinstance(kvp.get(k), types) or isinstance(kvp.get(k), bool)]
+        if "tp_size" in kvp and (not isinstance(kvp["tp_size"], int) or isinstance(kvp["tp_size"], bool)):
+            problems.append(f"tp_size={kvp['tp_size']!r}")
+        blocks = kvp.get("remote_block_ids")
+        if isinstance(blocks, list) and not _block_ids_ok(blocks):
+            problems.append("remote_block_ids is not a list of block ids per KV cache group")
+        if problems:
+            raise _bad_params(prefill_url, "; ".join(problems))
+        return dict(kvp)
+
+
+def _block_ids_ok(blocks: list[Any]) -> bool:
+    """``[[int, ...], ...]`` (one list per KV cache group) or a flat ``[int, ...]`` (older NixlConnector)."""
+    def ints(xs: Any) -> bool:
+        return isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+
+    return ints(blocks) or all(ints(g) for g in blocks)
+
+
+def _bad_params(prefill_url: str, what: str) -> RouterError:
+    return upstream_failed(
+        f"prefill worker {prefill_url} answered kv_transfer_params that vLLM's NixlConnector cannot use ({what}); "
+        "is every worker started with --kv-transfer-config naming NixlConnector (pdserve serve --kv-connector "
+        "nixl)?", code="kv_transfer_params_invalid")
+
+
+class _ProtocolGeneration(Generation):
+    """A Generation whose D gets its kv_transfer_params through the protocol (checked before D is called)."""
+
+    def __init__(self, protocol: KVProtocol, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocol = protocol
+
+    async def _regenerate(self, ticket: PlacementTicket, exclude: set[str], kvp: Any
+                          ) -> AsyncGenerator[Delta, None]:
+        prefill = ticket.prefill.url if ticket.prefill is not None else "?"
+        try:
+            params = self.protocol.decode_params(prefill, kvp)
+        except RouterError:
+            self.metrics.worker_errors.labels("prefill", "protocol").inc()
+            raise
+        async with aclosing(super()._regenerate(ticket, exclude, params)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+
+PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(), "nixl": NixlProtocol()}
+
+
+def protocol_for(name: str) -> KVProtocol:
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"kv connector {name!r} unknown; choose one of {', '.join(KV_CONNECTORS)}") from None
