@@ -108,6 +108,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $root := index . 0 -}}
 {{- $pool := index . 1 -}}
 {{- $t := $root.Values.transfer -}}
+{{- if eq (include "pdserve.kvConnector" $root) "nixl" -}}
+{{- /* vLLM's NixlConnector: KV registered where it lives, a failed pull recomputed on D, P's hold = the lease */ -}}
+{{- $nx := merge (deepCopy (default dict $root.Values.nixl.extraConfig)) (dict "kv_lease_duration" (int (ceil $t.leaseSeconds))) -}}
+{{- $dev := ternary "cuda" "cpu" (gt (int $pool.gpus) 0) -}}
+{{- toJson (dict "kv_connector" "NixlConnector" "kv_role" $pool.kvRole "kv_buffer_device" $dev "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $nx) -}}
+{{- else -}}
 {{- if not (has $t.backend (list "tcp" "mooncake" "nixl")) -}}
 {{- fail (printf "transfer.backend=%q: choose tcp, mooncake or nixl (auto/local only make sense on one host)" $t.backend) -}}
 {{- end -}}
@@ -119,8 +125,20 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $cfg := dict "kv_connector" "PdserveConnector" "kv_connector_module_path" "pdserve.vllm.connector" "kv_role" $pool.kvRole "kv_connector_extra_config" $extra -}}
 {{- toJson $cfg -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The workers' KV data plane: pdserve or nixl */}}
+{{- define "pdserve.kvConnector" -}}
+{{- default "pdserve" .Values.kvConnector -}}
+{{- end -}}
 
 {{- define "pdserve.checkValues" -}}
+{{- if not (has (include "pdserve.kvConnector" .) (list "pdserve" "nixl")) -}}
+{{- fail (printf "kvConnector=%q: choose pdserve (pdserve's KV connector) or nixl (vLLM's NixlConnector)" .Values.kvConnector) -}}
+{{- end -}}
+{{- if and (eq (include "pdserve.kvConnector" .) "nixl") .Values.store.enabled -}}
+{{- fail "store.enabled with kvConnector=nixl: the KV pool saves and loads through pdserve's connector; turn the store off or use kvConnector=pdserve" -}}
+{{- end -}}
 {{- if and (eq .Values.router.policy "conductor") (gt (int .Values.router.replicas) 1) -}}
 {{- fail (printf "router.policy=conductor with router.replicas=%v: each worker's vLLM publishes its KV events to one sink, so only one router would see them; use router.replicas=1 with the conductor (or least_loaded with several routers)" .Values.router.replicas) -}}
 {{- end -}}
@@ -138,8 +156,8 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if not (has $p.kvRole (list "kv_both" "kv_producer" "kv_consumer")) -}}
 {{- fail (printf "%s.kvRole=%q: choose kv_both, kv_producer or kv_consumer" $role $p.kvRole) -}}
 {{- end -}}
-{{- if regexMatch "(--tensor-parallel-size|-tp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs) -}}
-{{- fail (printf "%s.extraArgs sets tensor parallelism > 1: the pdserve KV connector supports one GPU per vLLM instance today; scale with replicas instead" $role) -}}
+{{- if and (ne (include "pdserve.kvConnector" $) "nixl") (regexMatch "(--tensor-parallel-size|-tp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs)) -}}
+{{- fail (printf "%s.extraArgs sets tensor parallelism > 1: the pdserve KV connector supports one GPU per vLLM instance today; scale with replicas instead, or use kvConnector=nixl" $role) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
