@@ -11,7 +11,15 @@ from functools import cache
 import pytest
 import yaml
 
-from tests.unit.test_helm_chart import CRD_KINDS, FULL, K8S_VERSIONS, container, helm_template, kubernetes_validate
+from tests.unit.test_helm_chart import (
+    CRD_KINDS,
+    FULL,
+    K8S_VERSIONS,
+    container,
+    helm_template,
+    kubernetes_validate,
+    objs,
+)
 
 NIXL_SETS = ("kvConnector=nixl", "prefill.gpus=2", "decode.gpus=2", "efa.enabled=true", "transfer.backend=nixl",
              "prefill.extraArgs={--tensor-parallel-size,2}", "decode.extraArgs={--tensor-parallel-size,2}")
@@ -55,7 +63,7 @@ def test_nixl_workers_router_and_gpus():
 
 
 def test_default_chart_keeps_pdserve_connector():
-    deps = deployments(())
+    deps = objs("default", "Deployment")  # the chart tests' own cached render
     assert "--kv-connector" not in container(deps[f"{FULL}-router"], "router")["args"]
     c = container(deps[f"{FULL}-decode"], "vllm")
     kv = json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
