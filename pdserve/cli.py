@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .config import KV_CONNECTORS, ConfigError, LauncherConfig, parse_cpu_list
@@ -156,7 +157,7 @@ def _file_sets_gpus(path: str | None) -> bool:
     try:
         import yaml
 
-        data = yaml.safe_load(open(path).read()) or {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, ValueError, ImportError):
         return False
     return isinstance(data, dict) and "gpus" in data and str(data["gpus"]).strip().lower() != "auto"

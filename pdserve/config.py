@@ -462,8 +462,9 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------- GPUs and the data plane (issue 13)
 
 def _gpu_ids(value: Any) -> tuple[str, ...]:
-    """GPU ids from YAML or flags: ``[0, 1]``, ``"0,1"``, ``"GPU-uuid"``; ``none`` / ``""`` / ``[]``: no GPU."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "cpu")):
+    """GPU ids from YAML or flags: ``[0, 1]``, ``"0,1"``, ``"GPU-uuid"``; ``none`` / ``""`` / ``[]``: no GPU;
+    ``auto``: none here (the config stays pure), ``pdserve serve`` then fills in what it discovers."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "cpu", "auto")):
         return ()
     if isinstance(value, str):
         value = [v for v in value.split(",") if v.strip()]

@@ -199,6 +199,10 @@ def test_cli_discovers_unless_told(tmp_path):
     path.write_text("gpus: [5, 6]\n")
     from_file = config_from_args(build_parser().parse_args(base + ["--config", str(path)]), discover=never)
     assert from_file.gpus == ("5", "6")
+    path.write_text("gpus: auto\n")  # a file may ask for discovery too
+    assert config_from_args(build_parser().parse_args(base + ["--config", str(path)]),
+                            discover=lambda: ("7", "8")).gpus == ("7", "8")
+    assert config_from_args(build_parser().parse_args(base + ["--config", str(path)]), discover=lambda: ()).gpus == ()
     with pytest.raises(ConfigError, match="need 2 GPUs but only 1"):
         config_from_args(build_parser().parse_args(base), discover=lambda: ("0",))
 
