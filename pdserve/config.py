@@ -95,6 +95,8 @@ class WorkerConfig:
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
+    # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,6 +111,7 @@ class WorkerConfig:
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
+        _check_worker_tp(self)
 
     @property
     def name(self) -> str:
@@ -125,6 +128,36 @@ class WorkerConfig:
         if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
             return f"{cores[0]}-{cores[-1]}"
         return ",".join(str(c) for c in cores)
+
+    @property
+    def rank_cores(self) -> tuple[tuple[int, ...], ...]:
+        """The cores of each tensor-parallel rank: :attr:`cores` cut into ``tp`` equal consecutive groups."""
+        per = len(self.cores) // self.tp
+        return tuple(tuple(self.cores[r * per:(r + 1) * per]) for r in range(self.tp))
+
+    @property
+    def omp_bind_ranks(self) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank, separated by ``|`` (``"0|1"``)."""
+        if self.tp == 1:
+            return self.omp_bind
+        return "|".join(_cpu_list_text(c) for c in self.rank_cores)
+
+
+def _cpu_list_text(cores: tuple[int, ...]) -> str:
+    ordered = sorted(set(cores))
+    if len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(str(c) for c in ordered)
+
+
+def _check_worker_tp(w: WorkerConfig) -> None:
+    if not isinstance(w.tp, int) or isinstance(w.tp, bool) or w.tp < 1:
+        raise ConfigError(f"{w.name}.tp={w.tp!r}: use a whole number of tensor-parallel ranks >= 1")
+    if w.tp > 1 and len(w.cores) % w.tp:
+        raise ConfigError(f"{w.name}.cores={w.cores!r} cannot be split evenly over tp={w.tp} ranks: give "
+                          f"{w.tp} x cores-per-rank CPU ids")
+    if w.tp > 1 and w.connector_extra.get("pool_master"):
+        raise ConfigError(f"{w.name}: tp={w.tp} with the KV pool: the pool supports TP=1 workers only")
 
 
 def _check_common(cfg: Any, prefix: str = "") -> None:
@@ -217,6 +250,10 @@ class LauncherConfig:
     pool_disk: str = "0"
     pool_disk_dir: str = ""
     pool_port: int = 0
+    # tensor parallelism per pool: vLLM ranks per prefill / decode worker; on CPU each rank gets
+    # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConfigError)
@@ -283,6 +320,7 @@ class LauncherConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+        _check_tp(self)
         _check_pool(self)
 
     # ------------------------------------------------------------------ derived
@@ -362,6 +400,29 @@ class LauncherConfig:
 
     def with_overrides(self, **overrides: Any) -> LauncherConfig:
         return replace(self, **overrides)
+
+
+def _check_tp(cfg: LauncherConfig) -> None:
+    """prefill_tp / decode_tp: whole numbers >= 1, disaggregated only; the KV pool needs TP=1 (off by default)."""
+    for name in ("prefill_tp", "decode_tp"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name}={v!r}: use a whole number of tensor-parallel ranks >= 1 (vLLM's "
+                              "--tensor-parallel-size)")
+    if cfg.colocated and (cfg.prefill_tp > 1 or cfg.decode_tp > 1):
+        raise ConfigError("prefill_tp/decode_tp apply to prefill and decode workers: for colocated workers pass "
+                          "--worker-args '--tensor-parallel-size N'")
+    if max(cfg.prefill_tp, cfg.decode_tp) > 1:
+        if cfg.pool:
+            raise ConfigError(f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp} with the KV pool: the pool "
+                              "stores one shard per block and supports TP=1 workers only; add --no-pool")
+        if cfg.pool is None:
+            object.__setattr__(cfg, "pool", False)
+
+
+def worker_tp(cfg: LauncherConfig, role: str) -> int:
+    """Tensor-parallel ranks of a worker of ``role`` (colocated workers: 1, or via worker_args)."""
+    return {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role, 1)
 
 
 def _check_pool(cfg: LauncherConfig) -> None:

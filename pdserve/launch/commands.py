@@ -68,6 +68,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--kv-transfer-config", _json(kv_transfer_config(worker))]
     if worker.kv_events_endpoint:
         argv += ["--kv-events-config", _json(kv_events_config(worker))]
+    if worker.tp > 1:
+        argv += ["--tensor-parallel-size", str(worker.tp)]
     return argv + list(worker.extra_args)
 
 
@@ -76,6 +78,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     env = dict(worker.env)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
     env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind
+    if worker.tp > 1:  # one core list per tensor-parallel rank
+        env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks
     env["PYTHONUNBUFFERED"] = "1"
     env["PDSERVE_WORKER_NAME"] = worker.name
     return env

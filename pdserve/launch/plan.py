@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig, worker_tp
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 
@@ -214,6 +214,9 @@ def plan_workers(
             "lower cores_per_worker"
         )
     bindings = assign_cores(len(roles), pool, config.cores_per_worker)
+    tps = [worker_tp(config, role) for role, _ in roles]
+    if any(tp > 1 for tp in tps):  # tensor parallel: cores_per_worker cores for each rank of a worker
+        bindings = assign_rank_cores([tp * config.cores_per_worker for tp in tps], pool)
     ports = dry_run_ports(config).workers if ports is None else tuple(ports)
     if len(ports) != len(roles):
         raise ValueError(f"need {len(roles)} ports, got {len(ports)}")
@@ -229,10 +232,22 @@ def plan_workers(
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype, served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
-            kv_events_endpoint=kv_events_endpoint,
+            kv_events_endpoint=kv_events_endpoint, tp=tp,
         )
-        for (role, index), port, bind in zip(roles, ports, bindings)
+        for (role, index), port, bind, tp in zip(roles, ports, bindings, tps)
     ]
+
+
+def assign_rank_cores(widths: Sequence[int], pool: Sequence[int]) -> list[tuple[int, ...]]:
+    """Worker i gets ``widths[i]`` consecutive entries of ``pool`` after worker i-1's, wrapping (so a TP=2
+    worker on two cores gets both, and the next worker shares them)."""
+    if not pool:
+        raise ValueError("no CPU cores to assign")
+    out, start = [], 0
+    for w in widths:
+        out.append(tuple(pool[(start + j) % len(pool)] for j in range(w)))
+        start += w
+    return out
 
 
 def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) -> PoolPlan | None:
