@@ -7,7 +7,7 @@ rank reads its head's slice of P's blocks); corrupting the shard read from one P
 read on one rank makes D recompute, exactly; P frees its blocks on every rank once all readers notified.
 
 Three servers with five vLLM worker processes take minutes to start on two shared cores, so this module runs
-only with ``PDSERVE_TEST_SLOW=1`` (it is marked ``slow``); the unit tests in tests/unit/test_vllm_shards.py
+only with ``PDSERVE_TEST_SLOW=1``; the unit tests in tests/unit/test_vllm_shards.py
 check the per-rank planning byte for byte in CI.
 """
 
@@ -26,7 +26,7 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500),
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500),
               pytest.mark.skipif(os.environ.get("PDSERVE_TEST_SLOW") != "1",
                                  reason="TP=2 vLLM stacks take minutes on 2 cores: set PDSERVE_TEST_SLOW=1")]
 
