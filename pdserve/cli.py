@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let several workers share a GPU, splitting --gpu-memory-utilization evenly")
     g.add_argument("--gpu-memory-utilization", type=float, default=d,
                    help="fraction of each GPU's memory for vLLM (default vLLM's 0.9; split when shared)")
+    s.add_argument("--prefill-tp", type=_positive_int, default=d, metavar="N",
+                   help="tensor-parallel ranks per prefill worker (default 1; on CPU each rank gets "
+                        "--cores-per-worker cores; turns the KV pool off)")
+    s.add_argument("--decode-tp", type=_positive_int, default=d, metavar="N",
+                   help="tensor-parallel ranks per decode worker (default 1); may differ from --prefill-tp")
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
     return parser

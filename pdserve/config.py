@@ -98,14 +98,15 @@ class WorkerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
     # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
-    # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); tensor_parallel_size > 1 ->
-    # --tensor-parallel-size; kv_connector: the data plane the connector flag loads ("pdserve" or "nixl");
+    # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); kv_connector: the data plane
+    # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
     # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds.
     gpus: tuple[str, ...] = ()
     gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
     kv_connector: str = "pdserve"
     nixl_side_channel_port: int = 0
+    # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -121,6 +122,7 @@ class WorkerConfig:
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
         _check_worker_gpu(self)
+        _check_worker_tp(self)
 
     @property
     def name(self) -> str:
@@ -137,6 +139,36 @@ class WorkerConfig:
         if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
             return f"{cores[0]}-{cores[-1]}"
         return ",".join(str(c) for c in cores)
+
+    @property
+    def rank_cores(self) -> tuple[tuple[int, ...], ...]:
+        """The cores of each tensor-parallel rank: :attr:`cores` cut into ``tp`` equal consecutive groups."""
+        per = len(self.cores) // self.tp
+        return tuple(tuple(self.cores[r * per:(r + 1) * per]) for r in range(self.tp))
+
+    @property
+    def omp_bind_ranks(self) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank, separated by ``|`` (``"0|1"``)."""
+        if self.tp == 1:
+            return self.omp_bind
+        return "|".join(_cpu_list_text(c) for c in self.rank_cores)
+
+
+def _cpu_list_text(cores: tuple[int, ...]) -> str:
+    ordered = sorted(set(cores))
+    if len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(str(c) for c in ordered)
+
+
+def _check_worker_tp(w: WorkerConfig) -> None:
+    if not isinstance(w.tp, int) or isinstance(w.tp, bool) or w.tp < 1:
+        raise ConfigError(f"{w.name}.tp={w.tp!r}: use a whole number of tensor-parallel ranks >= 1")
+    if w.tp > 1 and not w.gpus and len(w.cores) % w.tp:
+        raise ConfigError(f"{w.name}.cores={w.cores!r} cannot be split evenly over tp={w.tp} ranks: give "
+                          f"{w.tp} x cores-per-rank CPU ids")
+    if w.tp > 1 and w.connector_extra.get("pool_master"):
+        raise ConfigError(f"{w.name}: tp={w.tp} with the KV pool: the pool supports TP=1 workers only")
 
 
 def _check_common(cfg: Any, prefix: str = "") -> None:
@@ -239,6 +271,10 @@ class LauncherConfig:
     gpus_per_worker: int = 1
     share_gpu: bool = False
     gpu_memory_utilization: float | None = None
+    # tensor parallelism per pool: vLLM ranks per prefill / decode worker; on CPU each rank gets
+    # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConfigError)
@@ -306,6 +342,7 @@ class LauncherConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+        _check_tp(self)
         _check_pool(self)
 
     # ------------------------------------------------------------------ derived
@@ -387,6 +424,31 @@ class LauncherConfig:
 
     def with_overrides(self, **overrides: Any) -> LauncherConfig:
         return replace(self, **overrides)
+
+
+def _check_tp(cfg: LauncherConfig) -> None:
+    """prefill_tp / decode_tp: whole numbers >= 1, disaggregated only; the KV pool needs TP=1 (off by default)."""
+    for name in ("prefill_tp", "decode_tp"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name}={v!r}: use a whole number of tensor-parallel ranks >= 1 (vLLM's "
+                              "--tensor-parallel-size)")
+    if cfg.colocated and (cfg.prefill_tp > 1 or cfg.decode_tp > 1):
+        raise ConfigError("prefill_tp/decode_tp apply to prefill and decode workers: for colocated workers pass "
+                          "--worker-args '--tensor-parallel-size N'")
+    on_gpus = cfg.gpus_per_worker if cfg.gpus and isinstance(cfg.gpus_per_worker, int) else 1
+    if max(cfg.prefill_tp, cfg.decode_tp, on_gpus) > 1:
+        if cfg.pool:
+            raise ConfigError(f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp}, gpus_per_worker={on_gpus} "
+                              "with the KV pool: the pool stores one shard per block and supports TP=1 workers "
+                              "only; add --no-pool")
+        if cfg.pool is None:
+            object.__setattr__(cfg, "pool", False)
+
+
+def worker_tp(cfg: LauncherConfig, role: str) -> int:
+    """Tensor-parallel ranks of a worker of ``role`` (colocated workers: 1, or via worker_args)."""
+    return {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role, 1)
 
 
 def _check_pool(cfg: LauncherConfig) -> None:
@@ -490,11 +552,13 @@ def _check_gpus_and_data_plane(cfg: LauncherConfig) -> None:
     if not isinstance(cfg.share_gpu, bool):
         raise ConfigError(f"share_gpu={cfg.share_gpu!r}: true or false")
     _check_memory_utilization(cfg.gpu_memory_utilization, "gpu_memory_utilization")
-    if cfg.gpus and cfg.gpus_per_worker > 1 and cfg.connector and cfg.kv_connector == "pdserve":
+    if cfg.gpus and max(cfg.prefill_tp, cfg.decode_tp) > 1 and cfg.gpus_per_worker != max(cfg.prefill_tp,
+                                                                                        cfg.decode_tp):
         raise ConfigError(
-            f"gpus_per_worker={cfg.gpus_per_worker} with pdserve's KV connector: it moves one GPU's KV cache per "
-            "vLLM instance (tensor parallel size 1) today; use --kv-connector nixl for tensor-parallel workers, or "
-            "--gpus-per-worker 1")
+            f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp} on GPUs with gpus_per_worker="
+            f"{cfg.gpus_per_worker}: on a GPU host every worker gets gpus_per_worker GPUs and runs that many "
+            "tensor-parallel ranks; pass --gpus-per-worker N alone (the chart's prefill/decode.tensorParallelSize "
+            "sizes the pools apart)")
     if cfg.gpus:
         from .launch.gpus import assign_gpus
 
@@ -514,8 +578,6 @@ def _check_worker_gpu(w: WorkerConfig) -> None:
     if not isinstance(w.gpus, tuple) or not all(isinstance(g, str) and g for g in w.gpus):
         raise ConfigError(f"{w.name}.gpus={w.gpus!r}: a tuple of GPU ids (strings)")
     _check_memory_utilization(w.gpu_memory_utilization, f"{w.name}.gpu_memory_utilization")
-    if not isinstance(w.tensor_parallel_size, int) or w.tensor_parallel_size < 1:
-        raise ConfigError(f"{w.name}.tensor_parallel_size={w.tensor_parallel_size!r}: use an integer >= 1")
     if w.connector and w.kv_connector == "nixl":
         _check_port(f"{w.name}.nixl_side_channel_port", w.nixl_side_channel_port)
         if not w.nixl_side_channel_port:

@@ -88,8 +88,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--kv-transfer-config", _json(kv_transfer_config(worker))]
     if worker.kv_events_endpoint:
         argv += ["--kv-events-config", _json(kv_events_config(worker))]
-    if worker.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(worker.tensor_parallel_size)]
+    if worker.tp > 1:
+        argv += ["--tensor-parallel-size", str(worker.tp)]
     if worker.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     return argv + list(worker.extra_args)
@@ -100,9 +100,9 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     env = dict(worker.env)
     if worker.gpus:  # a GPU worker: its own devices; its KV cache is sized by --gpu-memory-utilization
         env["CUDA_VISIBLE_DEVICES"] = ",".join(worker.gpus)
-    else:
+    else:  # one core list per tensor-parallel rank when tp > 1
         env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind
+        env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks if worker.tp > 1 else worker.omp_bind
     env["PYTHONUNBUFFERED"] = "1"
     env["PDSERVE_WORKER_NAME"] = worker.name
     if worker.connector and worker.kv_connector == "nixl":

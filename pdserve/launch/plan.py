@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig, worker_tp
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 from .gpus import GpuSlot, assign_gpus
@@ -227,6 +227,9 @@ def plan_workers(
             "lower cores_per_worker"
         )
     bindings = assign_cores(len(roles), pool, config.cores_per_worker)
+    tps = [worker_tp(config, role) for role, _ in roles]
+    if any(tp > 1 for tp in tps):  # tensor parallel: cores_per_worker cores for each rank of a worker
+        bindings = assign_rank_cores([tp * config.cores_per_worker for tp in tps], pool)
     ports = dry_run_ports(config).workers if ports is None else tuple(ports)
     if len(ports) != len(roles):
         raise ValueError(f"need {len(roles)} ports, got {len(ports)}")
@@ -250,9 +253,9 @@ def plan_workers(
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype, served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
-            kv_events_endpoint=kv_events_endpoint,
+            kv_events_endpoint=kv_events_endpoint, tp=tp,
         )
-        for (role, index), port, bind in zip(roles, ports, bindings)
+        for (role, index), port, bind, tp in zip(roles, ports, bindings, tps)
     ]
     return [_on_gpus_and_plane(w, config, slot, side[i] if side else 0) for i, (w, slot) in
             enumerate(zip(workers, slots))]
@@ -263,10 +266,22 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     """A worker with its GPU slot and data plane; a CPU worker on pdserve's connector is returned as it was."""
     if not slot.devices and config.kv_connector == "pdserve":
         return worker
-    tp = config.gpus_per_worker if slot.devices else 1
+    tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
     return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
-                   tensor_parallel_size=tp, kv_connector=config.kv_connector,
+                   tp=tp, kv_connector=config.kv_connector,
                    nixl_side_channel_port=side_port if worker.connector else 0)
+
+
+def assign_rank_cores(widths: Sequence[int], pool: Sequence[int]) -> list[tuple[int, ...]]:
+    """Worker i gets ``widths[i]`` consecutive entries of ``pool`` after worker i-1's, wrapping (so a TP=2
+    worker on two cores gets both, and the next worker shares them)."""
+    if not pool:
+        raise ValueError("no CPU cores to assign")
+    out, start = [], 0
+    for w in widths:
+        out.append(tuple(pool[(start + j) % len(pool)] for j in range(w)))
+        start += w
+    return out
 
 
 def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) -> PoolPlan | None:

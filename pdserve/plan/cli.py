@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpus", type=int, default=8, help="device budget (cores for --hardware this)")
     m.add_argument("--tp", type=int, default=None, help="devices per worker (default: the fewest that fit)")
     m.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16 or fp8")
+    m.add_argument("--decode-tp", type=int, default=None,
+                   help="decode workers' tensor-parallel degree when it differs from --tp (models the P -> D "
+                        "transfer fan-out: each D rank reads its KV heads from the P ranks holding them)")
     m.add_argument("--calibrate", metavar="URL", help="fit the cost model to a live pdserve router / vLLM first")
     m.add_argument("--calibration", metavar="FILE", help="save (with --calibrate) or load a fitted cost model")
     k = p.add_argument_group("KV report")
@@ -104,7 +107,10 @@ def _cost(args: argparse.Namespace, spec: ModelSpec, acc: Accelerator, net: Link
           ) -> tuple[CostModel, Parallelism, int]:
     par = Parallelism(args.tp, args.tp if spec.is_moe else 1) if args.tp else min_parallel(spec, acc, net,
                                                                                             args.kv_dtype)
-    hw = HardwareCostModel(spec, acc, net, par, args.kv_dtype, handoff_s)
+    decode_par = Parallelism(args.decode_tp, args.decode_tp if spec.is_moe else 1) if args.decode_tp else None
+    if decode_par is not None and not args.tp:
+        raise PlanError("--decode-tp needs --tp (the prefill workers' degree) to model the transfer fan-out")
+    hw = HardwareCostModel(spec, acc, net, par, args.kv_dtype, handoff_s, decode_parallel=decode_par)
     if not hw.fits():
         raise PlanError(f"{spec.name} weights do not fit on {par.devices} x {acc.name}: raise --tp")
     capacity = hw.kv_capacity_tokens()
@@ -215,6 +221,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["measured"] = measured
     context = args.context or 128 * 1024
     out["kv"] = _kv_report(spec, cost, context, args.batch, args.kv_dtype)
+    fan = cost.fanout() if isinstance(cost, HardwareCostModel) else None
+    if fan is not None:
+        out["kv"]["fanout"] = fan.report(out["kv"]["kv_bytes_request"], net)
     if args.kv_only:
         return out
     requests = _traffic(args)
@@ -249,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, default=float))
         return 0
     _print_kv(out["kv"], out["devices_per_worker"], out["hardware"], out["network"])
+    if "fanout" in out["kv"]:
+        f = out["kv"]["fanout"]
+        print(f"  P tp={f['p_tp']} -> D tp={f['d_tp']} ({f['kv_heads']} KV heads): {f['flows']} rank-to-rank reads, "
+              f"each D rank from {f['p_ranks_per_d_rank']} P rank(s), "
+              f"{'head slices' if f['strided'] else 'whole blocks'}; busiest rank moves "
+              f"{format_bytes(f['busiest_rank_bytes'])}, transfer {f['transfer_s'] * 1e3:.0f} ms")
     if "candidates" in out:
         t = out["traffic"]
         print(f"traffic: {t['requests']} requests at {t['rate']:.2f} req/s, mean prompt {t['mean_prompt']:.0f}, "

@@ -7,6 +7,10 @@
 - transfer: bytes / (link rate x efficiency x the instance's share of the NICs) + a per-batch overhead.
 - ``tp``: tensor-parallel degree (dense weights and KV split over it); ``ep``: expert-parallel degree
   (routed experts split over it). An instance has max(tp, ep) devices.
+- transfer fan-out (``decode_parallel`` with another TP than P's, :class:`Fanout`): every D rank reads its
+  heads' slices from the P ranks holding them, all rank pairs at once; the time is set by the busiest rank
+  (the side with fewer ranks moves more bytes each, over one device's share of the NICs) plus one per-batch
+  overhead per P rank a D rank reads from.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ class HardwareCostModel:
     """Seconds for prefill, decode steps and KV transfers of one serving instance (implements CostModel)."""
 
     def __init__(self, model: ModelSpec, acc: Accelerator, link: Link, parallel: Parallelism = Parallelism(),
-                 kv_dtype: str = "bf16", handoff_s: float = 0.005, memory_utilization: float = 0.9) -> None:
+                 kv_dtype: str = "bf16", handoff_s: float = 0.005, memory_utilization: float = 0.9,
+                 decode_parallel: Parallelism | None = None) -> None:
         self.model, self.acc, self.link, self.parallel = model, acc, link, parallel
+        self.decode_parallel = decode_parallel  # D's, when it differs from P's (transfer fan-out only)
         self.kv_dtype = kv_dtype
         self.handoff_s = handoff_s
         self.memory_utilization = memory_utilization
@@ -96,7 +102,17 @@ class HardwareCostModel:
     def transfer_s(self, nbytes: float) -> float:
         if nbytes <= 0:
             return 0.0
+        fan = self.fanout()
+        if fan is not None and fan.p_tp != fan.d_tp:
+            return fan.transfer_s(nbytes, self.link)
         return nbytes / self.link.effective_bytes_s(self.parallel.devices) + self.link.overhead_s
+
+    def fanout(self) -> Fanout | None:
+        """P -> D rank fan-out when D's parallelism was given (None: D is like P)."""
+        if self.decode_parallel is None:
+            return None
+        heads = max((g.kv_heads for g in self.model.groups), default=1)
+        return Fanout(self.parallel.tp, self.decode_parallel.tp, heads)
 
     def kv_bytes(self, context_tokens: int) -> float:
         """Exact KV bytes of one request (window layers capped at their window)."""
@@ -113,3 +129,59 @@ def min_parallel(model: ModelSpec, acc: Accelerator, link: Link, kv_dtype: str =
             return par
         d *= 2
     raise ValueError(f"{model.name} does not fit on {max_devices} x {acc.name}")
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """How a request's KV moves from a P instance of ``p_tp`` ranks to a D instance of ``d_tp`` ranks when the
+    model has ``kv_heads`` KV heads (vLLM shards heads over TP ranks and replicates them when tp > heads)."""
+
+    p_tp: int
+    d_tp: int
+    kv_heads: int
+
+    def __post_init__(self) -> None:
+        for name, tp in (("P", self.p_tp), ("D", self.d_tp)):
+            if tp < 1 or (self.kv_heads % tp and tp % self.kv_heads):
+                raise ValueError(f"{name} tp={tp} cannot shard {self.kv_heads} KV heads (neither divides the other)")
+
+    @property
+    def p_ranks_per_d_rank(self) -> int:
+        """P ranks each D rank reads from (one batch each)."""
+        return max(1, min(self.p_tp, self.kv_heads) // min(self.d_tp, self.kv_heads))
+
+    @property
+    def d_ranks_per_p_rank(self) -> int:
+        """D ranks reading each P rank that is read (its notifications P waits for)."""
+        return max(1, min(self.d_tp, self.kv_heads) // min(self.p_tp, self.kv_heads))
+
+    @property
+    def flows(self) -> int:
+        """Rank-to-rank batches per request."""
+        return self.d_tp * self.p_ranks_per_d_rank
+
+    @property
+    def strided(self) -> bool:
+        """D's ranks read head slices of P's blocks (different TP) rather than whole blocks."""
+        return self.p_tp != self.d_tp
+
+    def moved_bytes(self, nbytes: float) -> float:
+        """Bytes on the wire for a request of ``nbytes`` of KV: D ranks that replicate a head each read it."""
+        return nbytes * self.d_tp / min(self.d_tp, self.kv_heads)
+
+    def busiest_rank_bytes(self, nbytes: float) -> float:
+        per_d = nbytes / min(self.d_tp, self.kv_heads)
+        per_p = self.moved_bytes(nbytes) / min(self.p_tp, self.kv_heads)
+        return max(per_d, per_p)
+
+    def transfer_s(self, nbytes: float, link: Link) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return (self.busiest_rank_bytes(nbytes) / link.effective_bytes_s(1)
+                + link.overhead_s * self.p_ranks_per_d_rank)
+
+    def report(self, nbytes: float, link: Link) -> dict[str, float | int | bool]:
+        return {"p_tp": self.p_tp, "d_tp": self.d_tp, "kv_heads": self.kv_heads, "flows": self.flows,
+                "p_ranks_per_d_rank": self.p_ranks_per_d_rank, "d_ranks_per_p_rank": self.d_ranks_per_p_rank,
+                "strided": self.strided, "moved_bytes": self.moved_bytes(nbytes),
+                "busiest_rank_bytes": self.busiest_rank_bytes(nbytes), "transfer_s": self.transfer_s(nbytes, link)}

@@ -86,10 +86,10 @@ class PdserveConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+        if par.pipeline_parallel_size > 1:
             raise NotImplementedError(
-                "PdserveConnector supports one worker per vLLM instance (tensor/pipeline parallel size 1); "
-                f"got tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size}")
+                "PdserveConnector supports tensor parallelism but not pipeline parallelism; "
+                f"got pp={par.pipeline_parallel_size}")
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if groups is not None and len(groups) > 1:
             raise NotImplementedError(
@@ -99,11 +99,16 @@ class PdserveConnector(KVConnectorBase_V1):
             self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         except ConfigError as exc:
             raise ValueError(f"PdserveConnector: {exc}") from None
+        if par.tensor_parallel_size > 1 and self.config.pool_master:
+            raise ValueError("PdserveConnector: the KV pool stores one shard per block key and supports "
+                             f"tensor-parallel size 1 only (got tp={par.tensor_parallel_size}): drop "
+                             "kv_connector_extra_config.pool_master (pdserve serve: --no-pool)")
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _recompute_on_failure(vllm_config, self.config)
-            self.scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, pool_client(self.config))
+            self.scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, pool_client(self.config),
+                                           tp=par.tensor_parallel_size)
         else:
             self.worker = WorkerSide(vllm_config, self.config)
 

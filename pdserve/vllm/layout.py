@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 MAX_RUNS = 1024  # per block per layer: beyond this the layout is too fragmented to move block by block
@@ -49,6 +50,11 @@ class KVLayout:
     scales: tuple[int, ...] = ()  # per run: bytes its offset grows per kernel block of the cache (a V plane
     # after all K blocks sits num_blocks * plane bytes in), so a peer with another block count differs by
     # scale * (its num_blocks - ours)
+    shape: tuple[int, ...] = ()  # the tensor's shape and strides (elements): what reshard/head_runs start from
+    strides: tuple[int, ...] = ()
+    elem: int = 0  # bytes per element
+    heads_dim: int = -1  # which dim indexes KV heads (-1: unknown, no head slicing)
+    phys: tuple[int, ...] = ()  # dims in physical order, outermost first (vLLM's layout, else by stride)
 
     @property
     def block_bytes(self) -> int:
@@ -128,7 +134,7 @@ def _non_overlapping(shape: Sequence[int], strides: Sequence[int]) -> bool:
 
 
 def derive_layout(shape: Sequence[int], strides: Sequence[int], elem: int, block_dim: int, tokens_dim: int,
-                  backend: str, order: str) -> KVLayout:
+                  backend: str, order: str, heads_dim: int = -1, phys: Sequence[int] = ()) -> KVLayout:
     """The :class:`KVLayout` of a tensor (shape/strides in elements) with blocks along ``block_dim``."""
     shape, strides = tuple(int(x) for x in shape), tuple(int(x) for x in strides)
     if len(shape) != len(strides) or not 0 <= block_dim < len(shape) or not 0 <= tokens_dim < len(shape):
@@ -141,7 +147,8 @@ def derive_layout(shape: Sequence[int], strides: Sequence[int], elem: int, block
     span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * elem
     return KVLayout(backend, order, block_dim, tokens_dim, shape[block_dim], shape[tokens_dim],
                     strides[block_dim] * elem, tuple((o, n) for o, n, _ in scaled), span,
-                    interior(shape, strides, block_dim), tuple(sc for _, _, sc in scaled))
+                    interior(shape, strides, block_dim), tuple(sc for _, _, sc in scaled), shape, strides, elem,
+                    heads_dim, tuple(phys) or tuple(sorted(range(len(shape)), key=lambda i: (-strides[i], i))))
 
 
 def interior(shape: Sequence[int], strides: Sequence[int], block_dim: int) -> str:
@@ -161,7 +168,7 @@ def layout_from_order(shape: Sequence[int], strides: Sequence[int], elem: int, b
     if any(a < b for a, b in zip(physical, physical[1:])):
         raise LayoutError(f"{_describe(backend, shape, strides)}: strides disagree with vLLM's KV cache "
                           f"layout {order_name} (physical order {tuple(view_order)}); unknown KV layout")
-    return derive_layout(shape, strides, elem, 0, 2, backend, order_name)
+    return derive_layout(shape, strides, elem, 0, 2, backend, order_name, heads_dim=1, phys=view_order)
 
 
 def dims_from_shape_fn(shape_fn: Callable[..., Sequence[int]], shape: Sequence[int], block_size: int,
@@ -195,8 +202,82 @@ def layout_of_tensor(t: Any, backend: Any, vllm_order: Any, block_size: int, num
     if backend is not None and hasattr(backend, "get_kv_cache_shape"):
         bdim, tdim = dims_from_shape_fn(backend.get_kv_cache_shape, shape, block_size, num_kv_heads, head_size,
                                         name)
-        return derive_layout(shape, strides, elem, bdim, tdim, name, f"shape:{shape}")
+        hdim = heads_dim_from_shape_fn(backend.get_kv_cache_shape, block_size, num_kv_heads, head_size)
+        return derive_layout(shape, strides, elem, bdim, tdim, name, f"shape:{shape}", heads_dim=hdim)
     if vllm_order is None:
         raise LayoutError(f"{_describe(name, shape, strides)}: vLLM gave no KV cache layout and the backend no "
                           "get_kv_cache_shape; unknown KV layout")
     return layout_from_order(shape, strides, elem, name, vllm_order.name, vllm_order.layer_view_order)
+
+
+def heads_dim_from_shape_fn(shape_fn: Callable[..., Sequence[int]], block_size: int, num_kv_heads: int,
+                            head_size: int) -> int:
+    """The dim of a backend's ``get_kv_cache_shape`` that moves with the KV head count (-1: none found)."""
+    try:
+        a = tuple(int(x) for x in shape_fn(1009, block_size, max(num_kv_heads, 1), head_size))
+        b = tuple(int(x) for x in shape_fn(1009, block_size, max(num_kv_heads, 1) + 6, head_size))
+    except Exception:
+        return -1
+    dims = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return dims[0] if len(dims) == 1 and len(a) == len(b) else -1
+
+
+# ---- tensor parallelism: a rank's cache holds its KV heads only ----
+
+def _need_heads(kv: KVLayout) -> int:
+    if kv.heads_dim < 0 or not kv.shape or not kv.elem:
+        raise LayoutError(f"{kv.describe()}: the KV heads dim is unknown; cannot slice heads across "
+                          "tensor-parallel ranks")
+    return kv.heads_dim
+
+
+def reshard(kv: KVLayout, heads: int, num_blocks: int) -> KVLayout:
+    """The layout of the same arrangement holding ``heads`` KV heads and ``num_blocks`` blocks: what a peer
+    rank with another tensor-parallel degree (and block count) has. vLLM allocates each cache as one dense
+    buffer and views it, so a dim's stride grows with the sizes of the heads and blocks dims inside it."""
+    hdim = _need_heads(kv)
+    if heads < 1 or num_blocks < 1:
+        raise LayoutError(f"reshard to {heads} heads x {num_blocks} blocks: both must be >= 1")
+    pos = {d: i for i, d in enumerate(kv.phys)}
+    new = {hdim: heads, kv.block_dim: num_blocks}
+    shape, strides = list(kv.shape), []
+    for i, st in enumerate(kv.strides):
+        scaled = Fraction(st)
+        for j, size in new.items():
+            if j != i and pos[j] > pos[i]:
+                scaled = scaled * size / kv.shape[j]
+        if scaled.denominator != 1:
+            raise LayoutError(f"{kv.describe()}: stride {st} of dim {i} is not a whole multiple of the heads and "
+                              "blocks dims inside it; cannot derive another rank's layout")
+        strides.append(int(scaled))
+    shape[hdim], shape[kv.block_dim] = heads, num_blocks
+    return derive_layout(shape, strides, kv.elem, kv.block_dim, kv.tokens_dim, kv.backend, kv.order, hdim, kv.phys)
+
+
+def head_runs(kv: KVLayout, head: int, ratio: int = 1) -> tuple[tuple[int, int], ...]:
+    """Byte runs (offset from the manager block's start, length) of local KV head ``head`` inside one vLLM
+    block of ``ratio`` kernel blocks, NOT merged and in logical order (kernel block, then the dims outside the
+    heads dim by logical index), so two ranks with different head counts list matching runs pairwise: the
+    i-th run of head h on one rank holds the same tokens and K/V elements as the i-th on the other. Offsets
+    are absolute for this layout's block count."""
+    hdim = _need_heads(kv)
+    if not 0 <= head < kv.shape[hdim]:
+        raise LayoutError(f"head {head} out of range: this rank holds {kv.shape[hdim]} KV heads")
+    pos = {d: i for i, d in enumerate(kv.phys)}
+    inner = sorted((d for d in range(len(kv.shape)) if pos[d] > pos[hdim] and d != kv.block_dim
+                    and kv.shape[d] > 1), key=lambda d: kv.strides[d])
+    run = 1
+    for d in inner:
+        if kv.strides[d] != run:
+            raise LayoutError(f"{kv.describe()}: one head's elements are not contiguous (dim {d}); cannot "
+                              "slice heads")
+        run *= kv.shape[d]
+    bstride = kv.strides[kv.block_dim]
+    outer = [d for d in range(len(kv.shape)) if pos[d] < pos[hdim] and d not in (kv.block_dim, hdim)
+             and kv.shape[d] > 1]
+    runs = []
+    for k in range(ratio):
+        for idx in itertools.product(*(range(kv.shape[d]) for d in outer)):
+            off = head * kv.strides[hdim] + k * bstride + sum(i * kv.strides[d] for d, i in zip(outer, idx))
+            runs.append((off * kv.elem, run * kv.elem))
+    return tuple(runs)

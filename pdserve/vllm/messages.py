@@ -77,15 +77,25 @@ class PdserveWorkerMeta:
         assert isinstance(other, PdserveWorkerMeta)
         merged = PdserveWorkerMeta(dict(self.reads), dict(self.released), {**self.pool, **other.pool})
         for req_id, stats in other.reads.items():  # tensor parallel: every rank reads its shard
-            if req_id in merged.reads:
-                mine = merged.reads[req_id]
-                mine = {**mine, "bytes": mine["bytes"] + stats["bytes"], "ms": max(mine["ms"], stats["ms"]),
-                        "ok": mine["ok"] and stats["ok"]}
-                merged.reads[req_id] = mine
-            else:
-                merged.reads[req_id] = stats
+            merged.reads[req_id] = merge_reads(merged.reads.get(req_id), stats)
         merged.released.update(other.released)
         return merged
+
+
+def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
+    """One request's read stats over tensor-parallel ranks: bytes add up, the slowest rank's time counts,
+    ok only if every rank's read was; ``ranks`` counts the ranks merged, ``per_rank`` keeps each one's
+    [bytes, ms]; the first error is kept."""
+    if mine is None:
+        return dict(other)
+    out = {**mine, "bytes": mine["bytes"] + other["bytes"], "ms": max(mine["ms"], other["ms"]),
+           "ok": mine["ok"] and other["ok"]}
+    if "ranks" in mine or "ranks" in other:
+        out["ranks"] = mine.get("ranks", 1) + other.get("ranks", 1)
+        out["per_rank"] = {**mine.get("per_rank", {}), **other.get("per_rank", {})}
+    if "error" in other and "error" not in mine:
+        out["error"] = other["error"]
+    return out
 
 
 @dataclass
@@ -96,3 +106,6 @@ class PdserveHandshake:
     host: str
     port: int
     layout: str
+    rank: int = 0  # tensor-parallel rank of this worker
+    kv_heads: int = 0  # the model's total KV heads (each rank holds its share)
+    unit: str = ""  # TP-independent layout signature (pdserve.vllm.shards.unit_signature)

@@ -28,7 +28,17 @@ LEASE_MIN_S = 0.1
 LEASE_MAX_S = 3600.0
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
 # the read (real corruption of the transferred KV); "fail" fails the read (D must recompute).
-TEST_FAULTS = ("zero", "fail")
+TEST_FAULTS = ("zero", "fail")  # "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R
+
+
+def fault_hits(fault: str, kind: str, peer_rank: int) -> bool:
+    """Whether test fault ``fault`` (``kind`` or ``kind@R``) applies to the read from P's rank ``peer_rank``."""
+    return fault == kind or fault == f"{kind}@{peer_rank}"
+
+
+def known_test_fault(fault: str) -> bool:
+    kind, at, rank = fault.partition("@")
+    return kind in TEST_FAULTS and (not at or rank.isdigit())
 
 
 class ConfigError(ValueError):
@@ -205,15 +215,33 @@ class RemoteParams:
     prompt_hash: str = ""  # digest of the first num_tokens prompt tokens
     lease_deadline: float = 0.0  # P's wall clock (time.time()) after which the blocks may be gone
     test_fault: str = ""
+    # tensor parallelism (pdserve.vllm.shards): P's ranks' transfer engines (rank 0 = engine_id/host/port),
+    # its model's total KV heads and its TP-independent layout signature (both: a D with another TP slices heads)
+    ranks: tuple[tuple[str, str, int], ...] = ()
+    kv_heads: int = 0
+    unit: str = ""
+
+    @property
+    def tp(self) -> int:
+        return max(1, len(self.ranks))
+
+    def rank(self, r: int) -> tuple[str, str, int]:
+        """(engine id, host, port) of P's rank ``r``."""
+        return self.ranks[r] if self.ranks else (self.engine_id, self.host, self.port)
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        out = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id, "remote_host": self.host, "remote_port": self.port,
             "remote_block_ids": list(self.block_ids), "remote_num_tokens": self.num_tokens,
             "remote_request_id": self.request_id, "remote_kv_layout": self.layout,
             "remote_prompt_hash": self.prompt_hash, "remote_lease_deadline": self.lease_deadline,
         }
+        if self.ranks:
+            out["remote_ranks"] = [list(r) for r in self.ranks]
+        if self.kv_heads:
+            out["remote_kv_heads"], out["remote_kv_unit"] = self.kv_heads, self.unit
+        return out
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None, block_size: int) -> RemoteParams:
@@ -237,9 +265,34 @@ class RemoteParams:
             raise ValueError(f"kv_transfer_params: {len(blocks)} remote blocks cannot hold {num_tokens} "
                              f"tokens of {block_size} per block (P and D must use the same block size)")
         fault = params.get("pdserve_test_fault") or ""
+        ranks, heads = _parse_ranks(params.get("remote_ranks")), params.get("remote_kv_heads") or 0
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
+            raise ValueError(f"kv_transfer_params.remote_kv_heads={heads!r}: pass P's kv_transfer_params unchanged")
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
-                   str(params.get("remote_prompt_hash") or ""), deadline, str(fault))
+                   str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
+                   str(params.get("remote_kv_unit") or ""))
+
+
+MAX_TP = 1024
+
+
+def _parse_ranks(raw: Any) -> tuple[tuple[str, str, int], ...]:
+    """``remote_ranks``: [[engine id, host, port], ...] per P tensor-parallel rank (absent: P has one rank)."""
+    if raw is None:
+        return ()
+    bad = ValueError("kv_transfer_params.remote_ranks must be a list of [engine_id, host, port] per P rank: "
+                     "pass P's kv_transfer_params unchanged")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_TP:
+        raise bad
+    out = []
+    for item in raw:
+        if (not isinstance(item, (list, tuple)) or len(item) != 3 or not isinstance(item[0], str)
+                or not isinstance(item[1], str) or isinstance(item[2], bool) or not isinstance(item[2], int)
+                or not 0 < item[2] < 65536):
+            raise bad
+        out.append((item[0], item[1], item[2]))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

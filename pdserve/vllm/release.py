@@ -14,6 +14,10 @@ its last hold ends; each lease ends once and is counted once, by reason. A notif
 before the worker learns of the lease (D can read as soon as P's scheduler answered) is kept for
 ``early_ttl_s`` and ends the lease when it arrives; one for a request no longer held is kept the same way
 and expires unused. Ids the ledger never held are never reported.
+
+Tensor parallelism: each rank has its own ledger for its own shard of the blocks. Several D ranks may read one
+P rank's shard (a D with more ranks than P); each notification says how many readers to expect, and the lease
+ends ``NOTIFIED`` once that many distinct readers have notified (or ``LEASE`` at the deadline).
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ class _Hold:
 
 
 @dataclass
+class _Note:
+    seen: float  # when the first notification arrived
+    readers: int = 1  # how many distinct D ranks will notify
+    senders: set[int] = field(default_factory=set)
+
+    def complete(self) -> bool:
+        return len(self.senders) >= self.readers
+
+
+@dataclass
 class Released:
     """One step's outcome: what to report to vLLM and which leases ended (and why)."""
 
@@ -50,7 +64,7 @@ class ReleaseLedger:
     def __init__(self, early_ttl_s: float = 600.0) -> None:
         self.early_ttl_s = early_ttl_s
         self._holds: dict[str, _Hold] = {}
-        self._notes: dict[str, float] = {}  # notified request id -> arrival time, until a step applies it
+        self._notes: dict[str, _Note] = {}  # notified request id -> its notifications, until a step applies them
         self._counts = {NOTIFIED: 0, LEASE: 0}  # lease ends since the last take_counts()
         self._lock = threading.Lock()
 
@@ -68,10 +82,12 @@ class ReleaseLedger:
             self._holds.setdefault(req_id, _Hold()).saving = True
 
     # ---- events ----
-    def notify(self, req_id: str, now: float | None = None) -> None:
-        """D's READ notification (``remote_request_id``) for ``req_id`` arrived; the next step applies it."""
+    def notify(self, req_id: str, now: float | None = None, sender: int = 0, readers: int = 1) -> None:
+        """D rank ``sender``'s READ notification (``remote_request_id``) for ``req_id`` arrived, one of
+        ``readers``; the next step applies it once every reader has notified."""
         with self._lock:
-            self._notes.setdefault(req_id, time.time() if now is None else now)
+            note = self._notes.setdefault(req_id, _Note(time.time() if now is None else now, max(1, readers)))
+            note.senders.add(sender)
 
     def save_done(self, req_id: str) -> None:
         """The request's pool save has ended (stored or failed: the pool is a cache)."""
@@ -90,7 +106,9 @@ class ReleaseLedger:
         with self._lock:
             for req_id, hold in list(self._holds.items()):
                 if hold.leased():
-                    if self._notes.pop(req_id, None) is not None:
+                    note = self._notes.get(req_id)
+                    if note is not None and note.complete():
+                        del self._notes[req_id]
                         hold.lease_ended = NOTIFIED
                     elif now >= hold.deadline:  # type: ignore[operator]
                         hold.lease_ended = LEASE
@@ -101,8 +119,8 @@ class ReleaseLedger:
                 if not hold.saving:
                     out.finished_sending.add(req_id)
                     del self._holds[req_id]
-            for req_id, seen in list(self._notes.items()):
-                if now - seen > self.early_ttl_s:
+            for req_id, note in list(self._notes.items()):
+                if now - note.seen > self.early_ttl_s:
                     del self._notes[req_id]
         return out
 

@@ -27,16 +27,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdserve.hashing import block_hashes
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.logs import connector_log
-from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
+from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob, merge_reads
 from pdserve.vllm.params import (
-    TEST_FAULTS,
     BlockPlan,
     ConnectorConfig,
     RemoteParams,
+    known_test_fault,
     plan_blocks,
     prompt_hash,
     same_layout,
 )
+from pdserve.vllm.shards import ShardError, plan_slices
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,16 +72,20 @@ def pool_client(config: ConnectorConfig) -> StoreClient | None:
 class SchedulerSide:
     """One per vLLM engine, in the scheduler process. ``pool``: the KV pool master client (None = no pool)."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, pool: PoolLookup | None = None) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, pool: PoolLookup | None = None,
+                 tp: int = 1) -> None:
         self.config = config
         self.block_size = block_size
-        self.handshake: PdserveHandshake | None = None
+        self.tp = tp  # tensor-parallel ranks of this engine: a read is done when every rank has reported it
+        self.handshake: PdserveHandshake | None = None  # rank 0's
+        self.ranks: list[PdserveHandshake] = []  # every rank's, by rank
+        self._partial: OrderedDict[str, dict[str, Any]] = OrderedDict()  # D reads some ranks have reported
+        self._held: set[str] = set()  # P requests whose lease has not ended (pacing only: any rank's end counts)
         self._matched: dict[str, int] = {}  # D request -> local hit tokens seen by get_num_new_matched
         self._recv: list[RecvJob] = []
         self._send: dict[str, float] = {}
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
         self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.held = 0  # P requests whose lease has not ended (for pacing idle steps)
         self.reading = 0  # D reads and pool loads in flight
         self.pool = pool
         # KV pool: request -> (block-aligned local hit, pooled keys after it) seen by get_num_new_matched
@@ -90,13 +95,26 @@ class SchedulerSide:
         self._pool_down_until = 0.0
         self.pool_outcomes: dict[str, int] = {}
 
+    @property
+    def held(self) -> int:
+        """P requests whose lease has not ended (for pacing idle steps)."""
+        return len(self._held)
+
     def set_handshake(self, metadata: dict[int, Any]) -> None:
-        rank0 = metadata.get(0) or next(iter(metadata.values()), None)
-        if not isinstance(rank0, PdserveHandshake):
-            raise ValueError(f"PdserveConnector expected PdserveHandshake from the workers, got {rank0!r}")
-        self.handshake = rank0
-        log.info("scheduler: transfer engine %s at %s:%d, KV layout %s", rank0.engine_id, rank0.host,
-                 rank0.port, rank0.layout)
+        """Every tensor-parallel rank's transfer engine, keyed by rank (vLLM: ``{tp_rank: metadata}``)."""
+        ranks = [metadata[r] for r in sorted(metadata)]
+        bad = [h for h in ranks if not isinstance(h, PdserveHandshake)]
+        if bad or not ranks:
+            raise ValueError(f"PdserveConnector expected PdserveHandshake from the workers, got {bad or metadata!r}")
+        if len(ranks) != self.tp:
+            log.warning("scheduler: %d tensor-parallel ranks but handshakes from ranks %s", self.tp, sorted(metadata))
+        if len({h.layout for h in ranks}) > 1:
+            raise ValueError(f"PdserveConnector: tensor-parallel ranks report different KV layouts "
+                             f"{[h.layout for h in ranks]}")
+        self.ranks, self.handshake = ranks, ranks[0]
+        for h in ranks:
+            log.info("scheduler: rank %d transfer engine %s at %s:%d, KV layout %s", h.rank, h.engine_id, h.host,
+                     h.port, h.layout)
 
     # ---- KV pool ----
     def _pool_usable(self) -> bool:
@@ -178,7 +196,14 @@ class SchedulerSide:
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
-        if self.handshake and remote.layout and not same_layout(remote.layout, self.handshake.layout):
+        if self.handshake and remote.tp != self.tp:
+            refused = self._refuse_sharding(remote)
+            if refused:
+                log.error("request %s: refused P's KV: %s; computing locally", request.request_id, refused)
+                self._keep_read(request.request_id, {"ok": False, "bytes": 0, "ms": 0.0, "blocks": 0,
+                                                     "refused": refused, "error": refused})
+                return 0
+        elif self.handshake and remote.layout and not same_layout(remote.layout, self.handshake.layout):
             log.warning("request %s: P's KV layout %s differs from ours %s (same model, dtype and block "
                         "size on both?); computing locally", request.request_id, remote.layout,
                         self.handshake.layout)
@@ -187,6 +212,26 @@ class SchedulerSide:
             log.warning("request %s: P's lease on the blocks has run out; computing locally", request.request_id)
             return 0
         return n
+
+    def _refuse_sharding(self, remote: RemoteParams) -> str:
+        """Why P's tensor-parallel layout cannot feed ours ("" when every rank can read its head slices)."""
+        hs = self.handshake
+        assert hs is not None
+        mine, theirs = f"D tp={self.tp} x {hs.kv_heads} KV heads, layout {hs.unit or hs.layout}", (
+            f"P tp={remote.tp} x {remote.kv_heads} KV heads, layout {remote.unit or remote.layout}")
+        if not remote.unit or not hs.unit or remote.unit != hs.unit:
+            return f"{theirs} vs {mine}: KV layouts differ (or a side cannot slice heads)"
+        try:
+            for r in range(self.tp):
+                plan_slices(hs.kv_heads, remote.tp, self.tp, r, remote.kv_heads)
+        except ShardError as exc:
+            return f"{theirs} vs {mine}: {exc}"
+        return ""
+
+    def _keep_read(self, req_id: str, stats: dict[str, Any]) -> None:
+        self._reads[req_id] = stats
+        while len(self._reads) > MAX_READ_STATS:
+            self._reads.popitem(last=False)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
@@ -209,7 +254,7 @@ class SchedulerSide:
         if remote is None:
             return
         hit = self._matched.pop(request.request_id, None)
-        if remote.test_fault and remote.test_fault not in TEST_FAULTS:
+        if remote.test_fault and not known_test_fault(remote.test_fault):
             log.warning("unknown pdserve_test_fault %r ignored", remote.test_fault)
         if num_external_tokens <= 0:
             self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
@@ -254,9 +299,9 @@ class SchedulerSide:
             return False, ({"pdserve": reads} if reads else None)
         if not completed(request):
             return False, None  # aborted or errored prefill: nothing to hand off, free now
-        if self.handshake is None:
-            log.error("request %s asked for remote decode but no worker published its transfer engine; "
-                      "freeing its blocks", request.request_id)
+        if self.handshake is None or (self.tp > 1 and len(self.ranks) != self.tp):
+            log.error("request %s asked for remote decode but not every worker rank published its transfer "
+                      "engine; freeing its blocks", request.request_id)
             return False, None
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         nblocks = -(-num_tokens // self.block_size)
@@ -264,11 +309,13 @@ class SchedulerSide:
             return False, None
         deadline = time.time() + self._lease_s(params)
         self._send[request.request_id] = deadline
-        self.held += 1
+        self._held.add(request.request_id)
         hs = self.handshake
+        ranks = tuple((h.engine_id, h.host, h.port) for h in self.ranks) if self.tp > 1 else ()
         remote = RemoteParams(hs.engine_id, hs.host, hs.port, tuple(block_ids[:nblocks]), num_tokens,
                               request.request_id, hs.layout,
-                              prompt_hash(request.prompt_token_ids or [], num_tokens), deadline)
+                              prompt_hash(request.prompt_token_ids or [], num_tokens), deadline, "", ranks,
+                              hs.kv_heads, hs.unit)
         return True, remote.to_params()
 
     def _lease_s(self, params: dict[str, Any]) -> float:
@@ -299,13 +346,20 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PdserveWorkerMeta):
             return
-        self._reads.update(meta.reads)
-        while len(self._reads) > MAX_READ_STATS:
-            self._reads.popitem(last=False)
+        reads_done = 0
+        for req_id, stats in meta.reads.items():  # a read is done once every tensor-parallel rank reported it
+            merged = merge_reads(self._partial.pop(req_id, None), stats)
+            if merged.get("ranks", 1) < self.tp:
+                self._partial[req_id] = merged
+                while len(self._partial) > MAX_READ_STATS:
+                    self._partial.popitem(last=False)
+                continue
+            self._keep_read(req_id, merged)
+            reads_done += 1
         loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
-        self.reading = max(0, self.reading - len(meta.reads) - loads_done)
+        self.reading = max(0, self.reading - reads_done - loads_done)
         for req_id, outcome in meta.pool.items():
             if outcome.startswith("save"):
                 self._pool_saving.discard(req_id)
             self.pool_outcomes[outcome] = self.pool_outcomes.get(outcome, 0) + 1
-        self.held -= len(meta.released)  # leases that ended (the worker counts them, by reason)
+        self._held.difference_update(meta.released)  # leases that ended (the worker counts them, by reason)

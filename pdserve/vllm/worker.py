@@ -7,6 +7,11 @@ and reports what it releases as ``finished_sending``.
 
 D's read: one transfer batch, one entry per layer per block, with notify=remote_request_id (which ends P's
 lease), then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
+
+Tensor parallelism: every rank is one WorkerSide with its own engine and KV shard. With P's TP equal to D's,
+D's rank r reads whole blocks from P's rank r; otherwise it reads its heads' slices from the P ranks holding
+them, one batch per P rank (:mod:`pdserve.vllm.shards`). vLLM reports a request loaded (or failed) once every
+rank has.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pdserve.vllm.params import (
     LayerGeometry,
     RemoteParams,
     build_entries,
+    fault_hits,
     layout_blocks,
     layout_signature,
     same_layout,
@@ -38,6 +44,19 @@ from pdserve.vllm.params import (
 )
 from pdserve.vllm.pool import loaded_prefix, pool_items
 from pdserve.vllm.release import Released, ReleaseLedger
+from pdserve.vllm.shards import (
+    RankLayer,
+    ShardError,
+    notifiers,
+    notify_message,
+    parse_notify,
+    plan_slices,
+    rank_heads,
+    release_notifiers,
+    slice_entries,
+    to_notify,
+    unit_signature,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,6 +104,13 @@ class WorkerSide:
         except Exception:
             pass
         self.rank = rank
+        self.tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        try:
+            self.kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        except Exception:
+            self.kv_heads = 0  # unknown: only the same TP degree on P and D can hand off
+        self.rank_layers: list[RankLayer] = []
+        self.unit = ""
         tconf = TransferConfig(secret=config.secret, host=config.transfer_host,
                                advertise_host=config.advertise_host, port=config.port_for_rank(rank),
                                backend=config.backend, streams=config.streams,
@@ -131,12 +157,14 @@ class WorkerSide:
             self._tensors[name] = t  # keep alive; zeroing in tests
             self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales,
                                              kv.num_blocks))
+            self.rank_layers.append(RankLayer(name, kv, ratio))
             self.kv_layouts[name] = kv
             dtype = str(t.dtype).replace("torch.", "")
         try:
             self.layout = with_blocks(layout_signature(dtype, self.layers, self.block_size), self.layers)
         except ValueError as exc:
             raise RuntimeError(f"PdserveConnector: {exc}; unsupported KV layout") from None
+        self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if self.kv_heads else ""
         first = kv_caches[self.layers[0].name] if self.layers else None
         log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s on %s, layout %s: %s",
                  len(self.layers), dtype, tuple(first.shape) if first is not None else None,
@@ -164,7 +192,8 @@ class WorkerSide:
 
     def handshake(self) -> PdserveHandshake:
         seg = self.engine.segment()
-        return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout)
+        return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout, self.rank, self.kv_heads,
+                                self.unit)
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
@@ -182,68 +211,112 @@ class WorkerSide:
             threading.Thread(target=self._run, args=(job,), name=f"pdserve-read-{job.req_id[:24]}",
                              daemon=True).start()
 
-    def _peer(self, remote: RemoteParams) -> Any:
-        key = (remote.host, remote.port)
+    def _peer(self, remote: RemoteParams, rank: int = 0) -> Any:
+        """P's rank ``rank``'s segment (fetched once per engine)."""
+        engine_id, host, port = remote.rank(rank)
+        key = (host, port)
         seg = self._peers.get(key)
-        if seg is None or seg.engine_id != remote.engine_id:
-            seg = self.engine.fetch_segment(remote.host, remote.port)
-            if seg.engine_id != remote.engine_id:
-                raise TransferError("peer", f"{remote.host}:{remote.port} is engine {seg.engine_id}, not "
-                                            f"{remote.engine_id} (P restarted?)")
+        if seg is None or seg.engine_id != engine_id:
+            seg = self.engine.fetch_segment(host, port)
+            if seg.engine_id != engine_id:
+                raise TransferError("peer", f"{host}:{port} is engine {seg.engine_id}, not {engine_id} (P restarted?)")
             self._peers[key] = seg
         return seg
+
+    def _notify_counts(self, remote: RemoteParams) -> dict[int, int]:
+        """P rank -> readers it expects, for the P ranks this rank notifies (a refused pairing: release only)."""
+        try:
+            table = notifiers(remote.kv_heads or self.kv_heads, remote.tp, self.tp)
+        except ShardError:
+            table = release_notifiers(remote.tp, self.tp)
+        return to_notify(table, self.rank)
+
+    def _batches(self, remote: RemoteParams, job: RecvJob) -> dict[int, list[tuple[str, int, str, int, int]]]:
+        """P rank -> the entries this rank reads from it: whole blocks from the same rank when P's TP equals
+        ours, else our heads' slices from the P ranks holding them."""
+        if remote.tp == self.tp:
+            if remote.layout and not same_layout(remote.layout, self.layout):
+                raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout} (same "
+                                              "backend, KV cache layout, dtype and block size on both?)")
+            return {self.rank: build_entries(self.layers, job.plan, layout_blocks(remote.layout))}
+        if not remote.unit or remote.unit != self.unit:
+            raise TransferError("layout", f"P (tp={remote.tp}) KV layout {remote.unit or remote.layout} != ours "
+                                          f"(tp={self.tp}) {self.unit or self.layout}")
+        slices = plan_slices(self.kv_heads, remote.tp, self.tp, self.rank, remote.kv_heads)
+        peer_heads = len(rank_heads(remote.kv_heads, remote.tp, 0))
+        return slice_entries(self.rank_layers, job.plan, slices, peer_heads, layout_blocks(remote.layout))
 
     def _run(self, job: RecvJob) -> None:
         remote, plan = job.remote, job.plan
         t0 = time.perf_counter()
-        stats: dict[str, Any] = {"bytes": 0, "ms": 0.0, "blocks": len(plan), "ok": False}
+        stats: dict[str, Any] = {"bytes": 0, "ms": 0.0, "blocks": len(plan), "ok": False, "ranks": 1}
+        counts = self._notify_counts(remote)
+        notified: set[int] = set()
         ok = False
         if not job.load:  # nothing to read: only release P's blocks
-            try:
-                self.engine.submit(self._peer(remote), [], "read", notify=remote.request_id,
-                                   deadline_s=self.config.transfer_deadline_s).result()
-                log.info("request %s: released P's blocks of %s without reading (local prefix hit or "
-                         "abort)", job.req_id, remote.request_id)
-            except Exception as exc:
-                log.warning("request %s: could not tell P to free %s (%s); its lease will", job.req_id,
-                            remote.request_id, exc)
+            self._release_remote(remote, counts, notified, self.config.transfer_deadline_s)
+            log.info("request %s: released P's blocks of %s without reading (local prefix hit or abort)",
+                     job.req_id, remote.request_id)
             return
         try:
             if job.error:
                 raise TransferError("plan", job.error)
-            peer = self._peer(remote)
-            if remote.layout and not same_layout(remote.layout, self.layout):
-                raise TransferError("layout", f"P's KV layout {remote.layout} != ours {self.layout} (same "
-                                              "backend, KV cache layout, dtype and block size on both?)")
+            batches = self._batches(remote, job)
             deadline_s = self.config.transfer_deadline_s
             if remote.lease_deadline:
                 deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
                 if deadline_s <= 0:
                     raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
-            if remote.test_fault == "fail" and self.config.allow_test_faults:
-                raise TransferError("test", "pdserve_test_fault=fail")
-            entries = build_entries(self.layers, plan, layout_blocks(remote.layout))
-            handle = self.engine.submit(peer, entries, "read", notify=remote.request_id, deadline_s=deadline_s)
-            handle.result()
-            stats["bytes"] = handle.total_bytes
-            if remote.test_fault == "zero" and self.config.allow_test_faults:
-                self._zero_blocks(plan.local)
-                log.warning("request %s: pdserve_test_fault=zero: zeroed %d received blocks", job.req_id,
-                            len(plan))
+            stats["bytes"], stats["peers"] = self._read(remote, batches, counts, notified, deadline_s)
             ok = True
         except Exception as exc:  # every failure ends in a recompute, never in partial KV
             stats["error"] = f"{type(exc).__name__}: {exc}"
-            log.warning("request %s: KV read from %s:%s failed (%s); vLLM will recompute the prompt",
-                        job.req_id, remote.host, remote.port, stats["error"])
-            self._release_remote(remote)
+            log.warning("request %s: KV read (rank %d) from %s:%s failed (%s); vLLM will recompute the prompt",
+                        job.req_id, self.rank, remote.host, remote.port, stats["error"])
+            self._release_remote(remote, counts, notified, 2.0)
         finally:
             stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             stats["ok"] = ok
+            stats["per_rank"] = {self.rank: [stats["bytes"], stats["ms"]]}
             with self._lock:
                 self._done.append((job, ok, stats))
         if ok:
-            log.info("request %s: read %d blocks (%d B) from %s in %.2f ms (%.2f GB/s)", job.req_id, len(plan),
-                     stats["bytes"], remote.request_id, stats["ms"], stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
+            log.info("request %s: rank %d read %d blocks (%d B) from %s in %.2f ms (%.2f GB/s)", job.req_id,
+                     self.rank, len(plan), stats["bytes"], remote.request_id, stats["ms"],
+                     stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
+
+    def _read(self, remote: RemoteParams, batches: dict[int, list[tuple[str, int, str, int, int]]],
+              counts: dict[int, int], notified: set[int], deadline_s: float) -> tuple[int, list[int]]:
+        """Read every P rank's batch at once (each notifies that rank), then apply test faults; returns the
+        bytes read and the P ranks read from. Raises on the first failed batch, after all have ended."""
+        fault = remote.test_fault if self.config.allow_test_faults else ""
+        handles: dict[int, Any] = {}
+        failed: list[Exception] = []
+        for p in sorted(set(batches) | set(counts)):
+            if fault_hits(fault, "fail", p):
+                failed.append(TransferError("test", f"pdserve_test_fault={fault} (P rank {p})"))
+                continue
+            note = notify_message(remote.request_id, self.rank, counts.get(p, 1)) if p in counts else None
+            handles[p] = self.engine.submit(self._peer(remote, p), batches.get(p, []), "read", notify=note,
+                                            deadline_s=deadline_s)
+        total = 0
+        for p, handle in handles.items():
+            try:
+                handle.result()
+            except Exception as exc:
+                failed.append(exc)
+                continue
+            if p in counts:
+                notified.add(p)
+            total += handle.total_bytes
+        if failed:
+            raise failed[0]
+        for p, entries in batches.items():
+            if fault_hits(fault, "zero", p):
+                self._zero_entries(entries)
+                log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",
+                            remote.request_id, fault, len(entries), p)
+        return total, sorted(batches)
 
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
@@ -302,29 +375,43 @@ class WorkerSide:
             else:
                 self._meta.pool[job.req_id] = "loaded"
 
-    def _release_remote(self, remote: RemoteParams) -> None:
-        """Best effort: tell P to free the blocks now rather than at the lease's end."""
-        try:
-            peer = self._peer(remote)
-            self.engine.submit(peer, [], "read", notify=remote.request_id, deadline_s=2.0)
-        except Exception:
-            pass
+    def _release_remote(self, remote: RemoteParams, counts: dict[int, int], notified: set[int],
+                        deadline_s: float) -> None:
+        """Best effort: tell the P ranks this rank notifies (and has not yet) to free the blocks now rather
+        than at the lease's end."""
+        handles = []
+        for p, readers in counts.items():
+            if p in notified:
+                continue
+            try:
+                handles.append((p, self.engine.submit(self._peer(remote, p), [], "read",
+                                                      notify=notify_message(remote.request_id, self.rank, readers),
+                                                      deadline_s=deadline_s)))
+            except Exception as exc:
+                log.warning("could not tell P rank %d to free %s (%s); its lease will", p, remote.request_id, exc)
+        for p, handle in handles:
+            try:
+                handle.result()
+                notified.add(p)
+            except Exception as exc:
+                log.warning("could not tell P rank %d to free %s (%s); its lease will", p, remote.request_id, exc)
 
-    def _zero_blocks(self, block_ids: tuple[int, ...]) -> None:
-        for layer in self.layers:
-            t = self._tensors[layer.name]
-            flat = None if t.device.type == "cpu" else _byte_region(t, self.kv_layouts[layer.name].span)
-            for b in block_ids:
-                for off, n in layer.block_runs:
-                    start = b * layer.block_stride + off
-                    if flat is None:
-                        ctypes.memset(t.data_ptr() + start, 0, n)
-                    else:
-                        flat[start:start + n].zero_()
+    def _zero_entries(self, entries: list[tuple[str, int, str, int, int]]) -> None:
+        """Zero the local ranges of ``entries`` (test fault: real corruption of received KV)."""
+        flats: dict[str, Any] = {}
+        for name, off, _, _, n in entries:
+            t = self._tensors[name]
+            if t.device.type == "cpu":
+                ctypes.memset(t.data_ptr() + off, 0, n)
+                continue
+            if name not in flats:
+                flats[name] = _byte_region(t, self.kv_layouts[name].span)
+            flats[name][off:off + n].zero_()
 
     def _on_notify(self, note: Any) -> None:
         msg = note.message
-        self._ledger.notify(msg.decode() if isinstance(msg, bytes) else str(msg))
+        req_id, sender, readers = parse_notify(msg.decode() if isinstance(msg, bytes) else str(msg))
+        self._ledger.notify(req_id, sender=sender, readers=readers)
 
     def results(self) -> KVConnectorTransferResults:
         recving: set[str] = set()

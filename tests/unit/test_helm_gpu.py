@@ -21,8 +21,8 @@ from tests.unit.test_helm_chart import (
     objs,
 )
 
-NIXL_SETS = ("kvConnector=nixl", "prefill.gpus=2", "decode.gpus=2", "efa.enabled=true", "transfer.backend=nixl",
-             "prefill.extraArgs={--tensor-parallel-size,2}", "decode.extraArgs={--tensor-parallel-size,2}")
+NIXL_SETS = ("kvConnector=nixl", "prefill.gpus=1", "decode.gpus=1", "efa.enabled=true", "transfer.backend=nixl",
+             "prefill.tensorParallelSize=2", "decode.tensorParallelSize=2")  # 1 GPU per rank x 2 ranks
 
 
 @cache
@@ -59,7 +59,7 @@ def test_nixl_workers_router_and_gpus():
         assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")  # $(POD_IP) expands
         assert {"name": "nixl-side", "containerPort": 5600, "protocol": "TCP"} in c["ports"]
         assert c["resources"]["requests"]["nvidia.com/gpu"] == 2 and c["resources"]["limits"]["nvidia.com/gpu"] == 2
-        assert "--tensor-parallel-size" in c["args"]  # allowed with NixlConnector
+        assert "--tensor-parallel-size" in c["args"]  # TP through tensorParallelSize, as with pdserve's connector
 
 
 def test_default_chart_keeps_pdserve_connector():
@@ -88,4 +88,4 @@ def test_nixl_refusals():
     out = helm_template(sets=("kvConnector=mooncake",))
     assert out.returncode != 0 and "kvConnector" in out.stderr
     out = helm_template(sets=("prefill.extraArgs={--tensor-parallel-size,2}",))
-    assert out.returncode != 0 and "or use kvConnector=nixl" in out.stderr
+    assert out.returncode != 0 and "set prefill.tensorParallelSize instead" in out.stderr

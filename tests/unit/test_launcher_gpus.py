@@ -135,12 +135,26 @@ def test_plan_shared_gpu_one_box_1p1d(tmp_path):
 def test_plan_refuses_more_gpus_than_found(tmp_path):
     with pytest.raises(ConfigError, match="need 2 GPUs but only 1 GPU"):
         _cfg(tmp_path, gpus=("0",))
-    with pytest.raises(ConfigError, match="gpus_per_worker=2 with pdserve's KV connector"):
-        _cfg(tmp_path, gpus=("0", "1", "2", "3"), gpus_per_worker=2)
+    with pytest.raises(ConfigError, match="on a GPU host every worker gets gpus_per_worker GPUs"):
+        _cfg(tmp_path, gpus=("0", "1", "2", "3"), gpus_per_worker=1, prefill_tp=2)
+    with pytest.raises(ConfigError, match="supports TP=1 workers only; add --no-pool"):
+        _cfg(tmp_path, gpus=("0", "1", "2", "3"), gpus_per_worker=2, pool=True)
     with pytest.raises(ConfigError, match="lists a GPU twice"):
         _cfg(tmp_path, gpus=("0", "0"))
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1.5: .* in \(0, 1\]"):
         _cfg(tmp_path, gpus=("0", "1"), gpu_memory_utilization=1.5)
+
+
+def test_tensor_parallel_gpu_workers_with_pdserve_connector(tmp_path):
+    cfg = _cfg(tmp_path, gpus=("0", "1", "2", "3"), gpus_per_worker=2)
+    assert cfg.pool is False  # the KV pool needs TP=1: off by default
+    plan = make_plan(cfg, cfg.model_dir)
+    p0, d0 = plan.process("prefill0"), plan.process("decode0")
+    assert p0.env["CUDA_VISIBLE_DEVICES"] == "0,1" and d0.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    for p in (p0, d0):
+        i = p.argv.index("--tensor-parallel-size")
+        assert p.argv[i + 1] == "2"
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in p.env
 
 
 def test_tensor_parallel_workers_with_nixl(tmp_path):

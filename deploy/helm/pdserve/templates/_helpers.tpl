@@ -156,8 +156,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if not (has $p.kvRole (list "kv_both" "kv_producer" "kv_consumer")) -}}
 {{- fail (printf "%s.kvRole=%q: choose kv_both, kv_producer or kv_consumer" $role $p.kvRole) -}}
 {{- end -}}
-{{- if and (ne (include "pdserve.kvConnector" $) "nixl") (regexMatch "(--tensor-parallel-size|-tp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs)) -}}
-{{- fail (printf "%s.extraArgs sets tensor parallelism > 1: the pdserve KV connector supports one GPU per vLLM instance today; scale with replicas instead, or use kvConnector=nixl" $role) -}}
+{{- if regexMatch "(--tensor-parallel-size|-tp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs) -}}
+{{- fail (printf "%s.extraArgs sets tensor parallelism > 1: set %s.tensorParallelSize instead, so the pod requests gpus x tensorParallelSize GPUs and a transfer port per rank (through extraArgs it would get one GPU per vLLM instance)" $role $role) -}}
+{{- end -}}
+{{- if and $.Values.store.enabled (gt (int (default 1 $p.tensorParallelSize)) 1) -}}
+{{- fail (printf "%s.tensorParallelSize=%v with store.enabled: the KV pool stores one shard per block and supports tensorParallelSize 1 only" $role $p.tensorParallelSize) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
