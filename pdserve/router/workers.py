@@ -74,10 +74,15 @@ class WorkerClient:
         try:
             return await self.session.post(url + path, data=json.dumps(body, separators=(",", ":")),
                                            headers={"Content-Type": "application/json"}, timeout=self._timeout())
+        except aiohttp.SocketTimeoutError:  # connected and sent, then no answer (a non-streamed call answers at
+            # the end): the worker has the request and is silent, it is not a refused connection
+            raise WorkerError(url, "timeout", f"no answer for {self.idle_timeout_s} s") from None
         except asyncio.TimeoutError:  # the request was not accepted: safe to send it elsewhere
             raise WorkerError(url, "connect", f"no connection within {self.connect_timeout_s} s") from None
-        except aiohttp.ClientError as e:
+        except aiohttp.ClientConnectorError as e:  # no connection: the request never reached the worker
             raise WorkerError(url, "connect", f"cannot reach: {e}", dead=refused(e)) from None
+        except aiohttp.ClientError as e:  # connected, then dropped before the answer: it died with the request
+            raise WorkerError(url, "closed", f"connection lost before the answer: {e}") from None
 
     @staticmethod
     async def _error_from(url: str, resp: aiohttp.ClientResponse) -> WorkerError:
