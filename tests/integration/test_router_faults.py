@@ -1,7 +1,8 @@
-"""Faults on a real 1P1D stack (vLLM workers with the pdserve connector, the router in front), in order on one
-stack: a stopped (slow) prefill worker is waited for, not ejected; the decode worker SIGKILLed mid-stream, whose
-request goes on on the prefill worker with the same greedy output, token for token; then the prefill worker serves
-whole requests alone and /ready says "degraded"."""
+"""Faults on a real 1P2D stack (vLLM workers with the pdserve connector, the router in front), in order on one
+stack: a stopped (slow) prefill worker is waited for, not ejected; a decode worker SIGKILLed mid-stream, whose
+request goes on elsewhere with the same greedy output, token for token; P SIGKILLed after its first token and
+before D read the KV (D recomputes, the client sees nothing); then the last decode worker serves whole requests
+alone and /ready says "degraded"."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def cluster(tmp_path_factory):
     from pdserve.models import build_random_llama
 
     model = build_random_llama(tmp_path_factory.mktemp("faults-model") / "random-llama")
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=2, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("faults-run")),
                          worker_timeout_s=400, pool=False,
                          router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"))
@@ -41,8 +42,8 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _child(cluster: Cluster, role: str):
-    return next(c for c in cluster.workers if c.name.rstrip("0123456789") == role)
+def _child(cluster: Cluster, role: str, i: int = 0):
+    return [c for c in cluster.workers if c.name.rstrip("0123456789") == role][i]
 
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -110,32 +111,73 @@ def test_stopped_prefill_worker_is_waited_for_not_ejected(cluster):
     assert time.monotonic() - t0 >= 3.0
 
 
+def _running(url: str) -> float:
+    return scrape(url, "vllm:num_requests_running").get("vllm:num_requests_running", 0.0)
+
+
+KILLED: dict[str, int] = {}  # which decode worker the mid-stream kill took
+
+
 def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster):
-    d = _child(cluster, "decode")
     body = _body(2, 200)
     reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
 
     def kill_after(n: int) -> None:
-        if n == 4:
-            os.killpg(d.pgid, signal.SIGKILL)
+        if n == 4:  # the decode worker streaming this request
+            i = next(i for i in (0, 1) if _running(cluster.worker_urls("decode")[i]) >= 1)
+            KILLED["decode"] = i
+            os.killpg(_child(cluster, "decode", i).pgid, signal.SIGKILL)
 
     events = _stream_events(cluster.router_url, {**body, "stream_options": {"include_usage": True}}, kill_after)
     assert not any("error" in e for e in events), events[-2:]
-    assert not d.alive() or d.proc.wait(10) is not None
+    assert _child(cluster, "decode", KILLED["decode"]).proc.wait(10) is not None
     assert _text(events) == reference  # no token lost or repeated, same greedy output
     assert events[-1]["usage"]["completion_tokens"] == 200
     migrated = scrape(cluster.router_url, "pdserve_router_migrations_total")
     assert sum(migrated.values()) == 1, migrated
 
 
-def test_prefill_worker_serves_alone_while_decode_is_gone(cluster):
+def test_prefill_killed_before_decode_read_its_kv_decode_recomputes(cluster):
+    d = _child(cluster, "decode", 1 - KILLED["decode"])
+    p = _child(cluster, "prefill")
+    body = _body(4, 24)
+    reference = _post(d.url + "/v1/completions", body)["choices"][0]["text"]
+    failures = scrape(d.url, "vllm:pdserve_kv_read_failures_total").get("vllm:pdserve_kv_read_failures_total", 0.0)
+    first = threading.Event()
+    out: dict = {}
+
+    def client() -> None:
+        out["events"] = _stream_events(cluster.router_url, body, lambda n: first.set())
+
+    deadline = time.monotonic() + 30  # the router has seen decode KILLED go: every decode goes to d
+    while _get(cluster.router_url + "/ready")[1].get("healthy_workers") != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(d.pid, signal.SIGSTOP)  # D's HTTP server holds the decode until P is gone
+    try:
+        th = threading.Thread(target=client)
+        th.start()
+        assert first.wait(60), "P's first token never came"
+        os.killpg(p.pgid, signal.SIGKILL)
+        p.proc.wait(10)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    th.join(120)
+    assert not any("error" in e for e in out["events"]), out["events"][-2:]
+    assert _text(out["events"]) == reference
+    after = scrape(d.url, "vllm:pdserve_kv_read_failures_total").get("vllm:pdserve_kv_read_failures_total", 0.0)
+    assert after == failures + 1  # D's read from the dead P failed and it recomputed the prompt
+    assert sum(scrape(cluster.router_url, "pdserve_router_migrations_total").values()) == 1  # no move needed
+
+
+def test_decode_worker_serves_alone_while_prefill_is_gone(cluster):
+    d = _child(cluster, "decode", 1 - KILLED["decode"])
     deadline = time.monotonic() + 30
     while (ready := _get(cluster.router_url + "/ready"))[1].get("status") != "degraded" \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ready == (200, {"status": "degraded", "mode": "disaggregated", "healthy_workers": 1, "workers": 2,
-                           "missing": ["decode"]})
+    assert ready == (200, {"status": "degraded", "mode": "disaggregated", "healthy_workers": 1, "workers": 3,
+                           "missing": ["prefill"]})
     body = _body(3, 12)
-    reference = _post(cluster.worker_urls("prefill")[0] + "/v1/completions", body)["choices"][0]["text"]
+    reference = _post(d.url + "/v1/completions", body)["choices"][0]["text"]
     assert _post(cluster.router_url + "/v1/completions", body)["choices"][0]["text"] == reference
     assert _text(_stream_events(cluster.router_url, body)) == reference

@@ -275,3 +275,45 @@ def test_ready_degraded_and_back(model_dir, tokenizer):
             st, body = await env.get("/ready")
             assert st == 200 and json.loads(body)["status"] == "ready"
     run(main())
+
+
+def test_worker_call_failures_are_classified_by_evidence():
+    """Refused: connect + dead. Accepted then silent: timeout (not 'no connection'). Accepted then dropped: closed."""
+    import aiohttp
+
+    from pdserve.procs import free_port
+    from pdserve.router.workers import WorkerClient
+
+    async def silent(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response()
+
+    async def drop(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/silent/v1/completions", silent)
+        app.router.add_post("/drop/v1/completions", drop)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as s:
+                client = WorkerClient(s, 2.0, 0.3)
+                errors = {}
+                for name, url in (("refused", f"http://127.0.0.1:{free_port()}"), ("silent", base + "/silent"),
+                                  ("drop", base + "/drop")):
+                    with pytest.raises(WorkerError) as e:
+                        await client.complete(url, {"prompt": [1]}, Wait())
+                    errors[name] = (e.value.kind, e.value.dead)
+                assert errors == {"refused": ("connect", True), "silent": ("timeout", False),
+                                  "drop": ("closed", False)}
+                assert (await client.check(f"http://127.0.0.1:{free_port()}", 1.0)).dead
+        finally:
+            await runner.cleanup()
+    run(main())
