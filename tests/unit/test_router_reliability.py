@@ -285,7 +285,7 @@ def test_worker_call_failures_are_classified_by_evidence():
     from pdserve.router.workers import WorkerClient
 
     async def silent(request: web.Request) -> web.Response:
-        await asyncio.sleep(5)
+        await asyncio.sleep(0.8)
         return web.Response()
 
     async def drop(request: web.Request) -> web.Response:
