@@ -53,8 +53,9 @@ class RouterMetrics:
                                  registry=r)
         self.rejected = Counter("pdserve_router_rejected_total", "Requests answered 429 by the router's in-flight "
                                 "limits, by limit.", ("limit",), registry=r)
-        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker's last /health probe "
-                                    "succeeded.", ("role", "url"), registry=r)
+        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 while the router places requests on the "
+                                    "worker (taken out on evidence of death or probes failing over a window).",
+                                    ("role", "url"), registry=r)
 
     def observe_timings(self, mode: str, timings: dict) -> None:
         for phase in PHASES:

@@ -86,6 +86,7 @@ class WorkerRegistry:
         w = self._workers.get(url) or Worker(url)
         w.roles.add(role)
         w.healthy, w.last_error = True, ""
+        self._failing.pop(url, None)
         self._workers[url] = w
         for listener in self._listeners:
             listener.worker_added(w)
