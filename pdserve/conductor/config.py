@@ -27,6 +27,8 @@ class ConductorConfig:
     min_fetch_blocks: fetch a pooled prefix only when it is at least this many blocks longer than P's own.
     load_staleness_s: worker-reported load older than this is ignored (our own accounting is used).
     kv_reserve: fraction of each worker's KV kept free when checking that a request fits.
+    max_inflight_per_worker: at most this many placed requests per worker (prefills queued and decodes running
+        there); a request whose candidates are all at the limit is rejected (429 + Retry-After). None: no limit.
     """
 
     policy: str = "conductor"
@@ -39,6 +41,7 @@ class ConductorConfig:
     min_fetch_blocks: int = 1
     load_staleness_s: float = 3.0
     kv_reserve: float = 0.02
+    max_inflight_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConductorConfigError)
@@ -54,4 +57,8 @@ class ConductorConfig:
             raise ConductorConfigError(f"min_fetch_blocks={self.min_fetch_blocks}: use >= 1")
         if not 0 <= self.kv_reserve < 1:
             raise ConductorConfigError(f"kv_reserve={self.kv_reserve}: a fraction in [0, 1)")
+        limit = self.max_inflight_per_worker
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConductorConfigError(f"max_inflight_per_worker={limit!r}: a request count >= 1, or None for "
+                                       "no per-worker limit")
         object.__setattr__(self, "fetchable", tuple(self.fetchable))

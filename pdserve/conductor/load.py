@@ -76,6 +76,10 @@ class WorkerLoad:
     def running_decodes(self) -> int:
         return len(self.decodes)
 
+    def in_flight(self) -> int:
+        """Requests placed here and not finished: queued prefills and decodes (one request counted once)."""
+        return len(self.decodes) + sum(1 for r in self.prefills if r not in self.decodes)
+
     def decode_batch_at(self, t: float, now: float, step_s: float) -> tuple[int, int]:
         """(batch, total context) of the decodes predicted to still run at time ``t``; decodes still waiting
         for their prefill count as running then."""

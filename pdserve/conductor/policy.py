@@ -57,6 +57,7 @@ class Decision:
     reason: str = ""
     cached_tokens: int = 0  # prompt tokens the chosen prefill worker will not compute
     fetch_tokens: int = 0  # of those, tokens loaded from a fetchable holder (the pool)
+    code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Conductor:
         self.index = PrefixIndex()
         self.workers: dict[str, WorkerLoad] = {}
         self._placed: dict[str, _Placed] = {}
-        self._rr = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._rr = {"prefill": 0, "decode": 0, "colocated": 0, "survivor": 0}
         self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
 
     # ---- membership ----
@@ -134,25 +135,69 @@ class Conductor:
     # ---- the decision ----
     def place(self, req: PlacementRequest, exclude: frozenset[str] = frozenset()) -> Decision:
         """Choose where ``req`` runs and reserve it in the load view (call :meth:`finished` when it ends,
-        whatever happens). Raises :class:`NoWorker` when no live worker of a needed role is left."""
+        whatever happens). Raises :class:`NoWorker` when no live worker is left at all.
+
+        With one role gone the survivors serve whole requests (kind "local", reason "degraded: ..."): a prefill
+        worker decodes what it prefilled, a decode worker prefills locally. Workers at
+        ``max_inflight_per_worker`` are skipped; when every candidate of a needed role is, the request is
+        rejected (kind "reject", Retry-After)."""
         live = [w for w in self.workers.values() if w.healthy and w.worker_id not in exclude]
         colocated = [w for w in live if w.role == "colocated"]
         if colocated:
-            d = self._colocated(req, colocated)
+            free = self._free(colocated)
+            d = self._colocated(req, free) if free else self._busy(req, colocated)
         else:
             prefill = [w for w in live if w.can_prefill]
             decode = [w for w in live if w.can_decode]
-            if not decode:
-                raise NoWorker("decode", "no live decode worker")
-            if not prefill:
-                raise NoWorker("prefill", "no live prefill worker")
-            policy = self.config.policy
-            d = self._baseline(req, prefill, decode) if policy != "conductor" else self._conduct(req, prefill,
-                                                                                                 decode)
+            if not prefill and not decode:
+                raise NoWorker("any", "no live worker")
+            if not prefill or not decode:
+                survivors, missing = (prefill, "decode") if prefill else (decode, "prefill")
+                free = self._free(survivors)
+                d = self._survivor(req, free, missing) if free else self._busy(req, survivors)
+            else:
+                fp, fd = self._free(prefill), self._free(decode)
+                if not fp or not fd:
+                    d = self._busy(req, prefill if not fp else decode)
+                elif self.config.policy != "conductor":
+                    d = self._baseline(req, fp, fd)
+                else:
+                    d = self._conduct(req, fp, fd)
         self.counts[d.kind] += 1
         if d.kind != "reject":
             self._reserve(req, d)
         return d
+
+    # -- limits and survivors --
+    def _free(self, ws: list[WorkerLoad]) -> list[WorkerLoad]:
+        """The workers below their in-flight limit."""
+        limit = self.config.max_inflight_per_worker
+        return ws if limit is None else [w for w in ws if w.in_flight() < limit]
+
+    def _busy(self, req: PlacementRequest, full: list[WorkerLoad]) -> Decision:
+        """Every candidate is at its in-flight limit: reject, retry when the first of them frees a slot."""
+        now = self.clock()
+        wait = min((self._drain_s(w, now) for w in full), default=1.0)
+        role = full[0].role if full else "worker"
+        return Decision("reject", req.request_id, retry_after_s=float(max(1, math.ceil(wait))),
+                        reason=f"every live {role} worker has {self.config.max_inflight_per_worker} requests in "
+                               "flight (max_inflight_per_worker)", code="worker_limit")
+
+    def _survivor(self, req: PlacementRequest, ws: list[WorkerLoad], missing: str) -> Decision:
+        """No live ``missing`` worker: the whole request on one of the others (P decodes locally, D prefills)."""
+        now = self.clock()
+        prefix = self.index.prefix_lengths(req.block_keys)
+        policy = self.config.policy
+        if policy == "round_robin":
+            w = self._pick_rr("survivor", ws)
+        elif policy == "least_loaded":
+            w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
+        else:
+            w = min(ws, key=lambda w: (self._local_ttft(req, w, now, prefix)[0], w.worker_id))
+        ttft, cached = self._local_ttft(req, w, now, prefix)
+        return Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft,
+                        tpot_s=self._tpot(w, now, now + ttft, req), cached_tokens=cached,
+                        reason=f"degraded: no live {missing} worker, whole request on {w.role} worker {w.worker_id}")
 
     # -- baselines --
     def _pick_rr(self, ring: str, ws: list[WorkerLoad]) -> WorkerLoad:
@@ -301,7 +346,7 @@ class Conductor:
         if not why:
             return None
         return Decision("reject", d.request_id, d.prefill, d.decode, ttft_s=d.ttft_s, tpot_s=d.tpot_s,
-                        retry_after_s=float(max(1, math.ceil(wait))), reason=why)
+                        retry_after_s=float(max(1, math.ceil(wait))), reason=why, code="slo")
 
     def _drain_s(self, w: WorkerLoad, now: float) -> float:
         """Seconds until the first of w's decodes is predicted to finish."""

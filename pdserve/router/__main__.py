@@ -60,6 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pool-master", default="", metavar="HOST:PORT",
                    help="KV pool master: pooled prefixes count as loadable (secret in $PDSERVE_TRANSFER_SECRET)")
     c.add_argument("--load-interval-s", type=float, default=1.0, help="period of worker /metrics reads")
+    f = p.add_argument_group("failures and overload")
+    f.add_argument("--migration-limit", type=int, default=2,
+                   help="times one request may move to another worker when its worker dies mid-request (default 2)")
+    f.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="every request's deadline; past it 504 (or an error event) and its KV is freed (default 600)")
+    f.add_argument("--handoff-timeout-s", type=float, default=60.0,
+                   help="P's answer -> D's first token deadline (default 60)")
+    f.add_argument("--max-inflight", type=int, default=2048,
+                   help="requests in flight in the router; 429 + Retry-After above (0: no limit; default 2048)")
+    f.add_argument("--max-inflight-per-worker", type=int, default=512,
+                   help="requests placed on one worker, every policy; 429 when all are full (0: no limit; "
+                        "default 512)")
+    f.add_argument("--probe-failures", type=int, default=3,
+                   help="failed health probes in a row (timeouts) before a worker is taken out (default 3)")
+    f.add_argument("--probe-window-s", type=float, default=10.0,
+                   help="... and they must span at least this long (default 10); refused connections count at once")
     return p
 
 
@@ -77,7 +93,11 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint,
                         pool_master=a.pool_master, max_body_bytes=a.max_body_bytes,
                         pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "",
-                        kv_connector=a.kv_connector)
+                        kv_connector=a.kv_connector,
+                        migration_limit=a.migration_limit, request_timeout_s=a.request_timeout_s,
+                        handoff_timeout_s=a.handoff_timeout_s, max_inflight=a.max_inflight or None,
+                        max_inflight_per_worker=a.max_inflight_per_worker or None,
+                        probe_failures=a.probe_failures, probe_window_s=a.probe_window_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """The router's HTTP server (aiohttp): the one public port.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
-(200 only when every configured worker answers its /health), GET /ready (200 when a healthy worker of each
-needed role is known: the Kubernetes readiness probe), GET /metrics (Prometheus text), and worker
-membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
+(200 only when every configured worker answers its /health), GET /ready (200 while a healthy worker can serve
+requests end to end, "degraded" with one role gone: the Kubernetes readiness probe), GET /metrics (Prometheus
+text), and worker membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only);
+GET /openapi.json describes them.
 Input limits (body size, JSON nesting, prompt length) are in :mod:`.limits`.
 """
 
@@ -20,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from ..conductor import ConductorConfig
+from .admission import Admission
 from .calibration import calibrate
 from .config import RouterConfig, kv_bytes_per_token
 from .errors import RouterError, bad_request, not_found, upstream_failed
@@ -58,8 +60,11 @@ class Router:
             policy=config.policy, block_size=config.block_size,
             ttft_slo_s=None if config.ttft_slo_ms is None else config.ttft_slo_ms / 1000.0,
             tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1000.0,
-            local_prefill_tokens=config.local_prefill_tokens), kv_bytes_per_token(config.model_dir))
+            local_prefill_tokens=config.local_prefill_tokens,
+            max_inflight_per_worker=config.max_inflight_per_worker), kv_bytes_per_token(config.model_dir))
         self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
+        self.registry.probe_failures, self.registry.probe_window_s = config.probe_failures, config.probe_window_s
+        self.admission = Admission(config.max_inflight, self.metrics)
         self.session: aiohttp.ClientSession | None = None
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -154,13 +159,14 @@ class Router:
     async def probe(self) -> list[dict[str, Any]]:
         assert self.client is not None
         workers = list(self.registry)
-        results = await asyncio.gather(*(self.client.health(w.url, self.config.health_timeout_s) for w in workers))
+        results = await asyncio.gather(*(self.client.check(w.url, self.config.health_timeout_s) for w in workers))
         out = []
-        for w, (ok, detail) in zip(workers, results):
-            self.registry.set_health(w.url, ok, detail)
+        for w, probe in zip(workers, results):
+            self.registry.report_probe(w.url, probe)  # a slow answer alone does not take a worker out
             for role in sorted(w.roles):
-                self.metrics.worker_healthy.labels(role, w.url).set(1.0 if ok else 0.0)
-            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": ok, "detail": detail})
+                self.metrics.worker_healthy.labels(role, w.url).set(1.0 if w.healthy else 0.0)
+            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok, "detail": probe.detail,
+                        "serving": w.healthy})
         return out
 
     # ---- handlers ----
@@ -171,16 +177,20 @@ class Router:
                                   "workers": workers}, status=200 if ok else 503)
 
     async def ready(self, request: web.Request) -> web.Response:
-        """200 when a request could be placed now (a healthy worker for each role it needs), from the last
-        probes; unlike /health, one dead worker of several does not make the router unready."""
+        """200 while some healthy worker can serve a request end to end (from the last probes): "ready" with a
+        healthy worker of each role, "degraded" with one role gone (P decodes locally, or D prefills locally;
+        ``missing`` names the role), 503 "not ready" with none. Unlike /health, a dead worker of several does not
+        make the router unready."""
         healthy = self.registry.healthy()
         need = (("colocated",),) if self.config.mode == "colocated" else (("prefill",), ("decode",))
         missing = [r[0] for r in need if not any(set(r) & w.roles for w in healthy)]
-        body: dict[str, Any] = {"status": "ready" if not missing else "not ready", "mode": self.config.mode,
-                "healthy_workers": len(healthy), "workers": len(self.registry)}
+        serving = bool(healthy) and len(missing) < len(need)
+        status = "ready" if not missing else "degraded" if serving else "not ready"
+        body: dict[str, Any] = {"status": status, "mode": self.config.mode,
+                                "healthy_workers": len(healthy), "workers": len(self.registry)}
         if missing:
             body["missing"] = missing
-        return web.json_response(body, status=200 if not missing else 503)
+        return web.json_response(body, status=200 if serving else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         text = self.metrics.render()
@@ -244,7 +254,9 @@ class Router:
         m.inflight.inc()
         status = "200"
         done = False
+        admitted = False
         try:
+            admitted = self.admission.enter()  # 429 past --max-inflight, before the body is read
             body = parse_json(await read_body(request, self.config.max_body_bytes))
             req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
             if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
@@ -260,7 +272,9 @@ class Router:
                 detok = self.tokenizer.detokenizer(prompt_ids, req.sampling.get("skip_special_tokens", True),
                                                    req.sampling.get("spaces_between_special_tokens", True))
             gen = protocol_for(self.config.kv_connector).generation(
-                req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode, detok)
+                req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode, detok,
+                migration_limit=self.config.migration_limit, request_timeout_s=self.config.request_timeout_s,
+                handoff_timeout_s=self.config.handoff_timeout_s)
             builder = ResponseBuilder(req, self.config.served_model_name)
             if req.stream:
                 resp, status = await self._stream(request, req, gen, builder, prompt_ids)
@@ -275,6 +289,8 @@ class Router:
             status = "client_disconnected"
             raise
         finally:
+            if admitted:
+                self.admission.leave()
             m.inflight.dec()
             m.requests.labels(endpoint, status).inc()
             if t.end is None:

@@ -93,6 +93,15 @@ class RouterConfig:
     max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
     kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.kv_protocol`):
         ``pdserve`` (default: pdserve's connector) or ``nixl`` (vLLM's NixlConnector).
+    migration_limit: how many times one request may move to another worker after its worker failed with it in
+        flight (prompt + tokens so far go to the new worker); past it the client gets an error event.
+    request_timeout_s: every request's deadline, arrival to last token (504, or an error event after the first
+        token); its worker streams are closed, so vLLM frees their KV.
+    handoff_timeout_s: P's answer -> D's first token; past it the request fails with 504 / an error event.
+    max_inflight: requests in flight in the router, all workers together (429 + Retry-After above; None: none).
+    max_inflight_per_worker: requests placed on one worker; every policy skips full workers, 429 when all are.
+    probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
+        many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """
 
     model_dir: str
@@ -122,6 +131,13 @@ class RouterConfig:
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     kv_connector: str = "pdserve"
+    migration_limit: int = 2
+    request_timeout_s: float = 600.0
+    handoff_timeout_s: float = 60.0
+    max_inflight: int | None = 2048
+    max_inflight_per_worker: int | None = 512
+    probe_failures: int = 3
+    probe_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -194,6 +210,25 @@ class RouterConfig:
                                     "or nixl (vLLM's NixlConnector), the one the workers' --kv-transfer-config names")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
+        self._check_reliability()
+
+    def _check_reliability(self) -> None:
+        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
+                or not 0 <= self.migration_limit <= 100:
+            raise RouterConfigError(f"--migration-limit {self.migration_limit!r}: how many times a request may move "
+                                    "to another worker when its worker dies, 0 (never) to 100; default 2")
+        for name in ("request_timeout_s", "handoff_timeout_s", "probe_window_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise RouterConfigError(f"--{name.replace('_', '-')} {value!r}: give a number of seconds > 0")
+        for name in ("max_inflight", "max_inflight_per_worker", "probe_failures"):
+            value = getattr(self, name)
+            if value is None and name != "probe_failures":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RouterConfigError(f"--{name.replace('_', '-')} {value!r}: give a count >= 1"
+                                        + ("" if name == "probe_failures" else " (or 0 on the command line for "
+                                           "no limit)"))
 
     @property
     def mode(self) -> str:

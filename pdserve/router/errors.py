@@ -38,6 +38,17 @@ def upstream_failed(message: str, code: str = "worker_failed") -> RouterError:
     return RouterError(502, message, "server_error", None, code)
 
 
+def deadline_exceeded(message: str, code: str = "request_timeout") -> RouterError:
+    """A deadline passed (the request's or the P -> D hand-off's): 504, or an error event after the first token."""
+    return RouterError(504, message, "timeout_error", None, code)
+
+
+def too_many_requests(message: str, retry_after_s: float, code: str = "too_many_requests") -> RouterError:
+    """An in-flight limit is reached: 429 with Retry-After (whole seconds, at least 1)."""
+    return RouterError(429, message, "rate_limit_error", None, code,
+                       headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+
+
 def from_worker(status: int, payload: Any) -> RouterError:
     """A worker's own error response, passed through with its status (4xx) or as 502 (5xx, garbage)."""
     err = payload.get("error") if isinstance(payload, dict) else None

@@ -5,17 +5,26 @@ The output is a stream of :class:`Delta` (text + token ids) after router-side st
 string that spans the P/D boundary (t1's text + D's first text) is honoured exactly as one worker would: the
 last len(stop)-1 characters are held back, the stop string is cut, D is aborted, and usage counts the tokens up
 to the one that completed the stop string.
+
+Failures (see :class:`Generation`): a worker that never accepted the request is left out and the request placed
+again; one that accepted it and then died (connection closed, silent past the idle timeout, a 5xx) is
+*migrated*: placed again with the prompt plus every token already streamed, ``max_tokens`` reduced by as many,
+at most ``migration_limit`` times. The client sees one uninterrupted stream. Every request has a deadline, and
+so has the P -> D hand-off; past either the client gets a 504 (or an error event after the first token).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RouterError, from_worker, upstream_failed
+from .deadline import within
+from .errors import RouterError, deadline_exceeded, from_worker, upstream_failed
 from .metrics import RouterMetrics
 from .placement import Placement
 from .protocol import GenerationRequest
@@ -24,6 +33,10 @@ from .tokenizer import IncrementalDetokenizer
 from .workers import Wait, Worker, WorkerClient, WorkerError
 
 _RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
+_MIGRATABLE = ("closed", "timeout")  # the worker accepted it and then went away (or went silent)
+DEFAULT_MIGRATION_LIMIT = 2
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -159,12 +172,19 @@ def _transfer_stats(obj: Any, t: Timings) -> None:
 
 
 class Generation:
-    """One request's run. Iterate :meth:`run` for client-ready deltas; read ``timings`` afterwards."""
+    """One request's run. Iterate :meth:`run` for client-ready deltas; read ``timings`` afterwards.
+
+    Each attempt runs on one ticket: ``prompt_ids`` + the tokens streamed so far (``token_ids``), ``max_tokens``
+    less as many. The first attempt has none; a migrated one continues where the dead worker stopped, so with
+    greedy sampling the whole output equals an undisturbed run's. The router's detokenizer (disaggregated mode)
+    is fed every streamed token once, so text, stop strings and usage run on across a migration.
+    """
 
     def __init__(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, placement: Placement,
                  client: WorkerClient, metrics: RouterMetrics, timings: Timings, mode: str,
                  detokenizer: IncrementalDetokenizer | None = None, first_from_prefill: bool = True,
-                 prefill_kv_params: dict[str, Any] | None = None) -> None:
+                 prefill_kv_params: dict[str, Any] | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 request_timeout_s: float | None = None, handoff_timeout_s: float | None = None) -> None:
         self.req = req
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
@@ -177,6 +197,7 @@ class Generation:
         self.colocated = mode == "colocated"
         # P -> D: text from the router's own detokenizer (see IncrementalDetokenizer); colocated: the worker's
         self.detok = None if self.colocated else detokenizer
+        self._detok_fed = 0  # tokens the detokenizer has been given, in output order
         self.stopper = StopStrings(req.stop, req.include_stop_str_in_output)
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -190,14 +211,32 @@ class Generation:
         self.first_from_prefill = first_from_prefill
         self.prefill_kv_params = dict(prefill_kv_params or {"do_remote_decode": True})
         self.prompt_logprobs: Any = None  # the worker's ``prompt_logprobs`` (P's, or the whole-request worker's)
+        self.migration_limit = migration_limit
+        self.migrations = 0
+        self.request_timeout_s = request_timeout_s
+        self.handoff_timeout_s = handoff_timeout_s
+        self._deadline: float | None = None  # loop time by which the request must end
+        self._handoff_since: float | None = None  # loop time P answered, until D's first token
+        self._done = 0  # tokens streamed before the current attempt
+
+    # ---- the current attempt ----
+    @property
+    def _prompt(self) -> list[int]:
+        return self.prompt_ids + self.token_ids[:self._done] if self._done else self.prompt_ids
+
+    @property
+    def _left(self) -> int:
+        return self.max_tokens - self._done
 
     # ---- worker bodies ----
     def _body(self, prompt: list[int], max_tokens: int, stream: bool, computes_prompt: bool = True
               ) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                                 "return_token_ids": True, **self.req.sampling}
-        if not computes_prompt:
+        if not computes_prompt or self._done:
             body.pop("prompt_logprobs", None)  # only the worker that computes the prompt scores it (P)
+        if self._done and isinstance(body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, body["min_tokens"] - self._done)  # a migrated request: what is left
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.req.stop and self.colocated:
@@ -213,9 +252,25 @@ class Generation:
         return body
 
     def _fail(self, w: Worker, role: str, e: WorkerError) -> None:
+        """Count a failed call; only evidence of death (a refused connection) takes the worker out. A timeout
+        under load does not: the health probes decide over a window (WorkerRegistry.report_probe)."""
         self.metrics.worker_errors.labels(role, e.kind).inc()
-        if e.kind in _RETRYABLE:
-            self.placement.registry.set_health(w.url, False, str(e))
+        if e.dead:
+            self.placement.registry.mark_dead(w.url, str(e))
+
+    @staticmethod
+    def _migratable(e: WorkerError) -> bool:
+        """The worker accepted the request and then failed in a way another worker may not: it went away, went
+        silent, or answered a server error. A 4xx (the request itself) is not retried."""
+        if e.kind in _MIGRATABLE:
+            return True
+        if e.kind == "http":
+            return e.status is not None and e.status >= 500
+        if e.kind == "stream_error":
+            err = e.payload.get("error") if isinstance(e.payload, dict) else None
+            code = err.get("code") if isinstance(err, dict) else None
+            return not (isinstance(code, int) and 400 <= code < 500)
+        return False
 
     @staticmethod
     def _as_router_error(e: WorkerError) -> RouterError:
@@ -223,12 +278,55 @@ class Generation:
             return from_worker(e.status, e.payload)
         return upstream_failed(str(e))
 
+    def _text(self, ids: list[int], c0: dict[str, Any], own: bool) -> str:
+        """Text of ``ids``: the router's detokenizer when ``own`` (P -> D, or a migrated attempt), else the
+        worker's."""
+        if own and self.detok is not None:
+            self._detok_fed += len(ids)
+            return "".join(self.detok.step(t) for t in ids)
+        text = c0.get("text")
+        return text if isinstance(text, str) else ""
+
+    def _catch_up_detok(self) -> None:
+        """Before a migrated attempt: give the detokenizer the streamed tokens whose text came from a worker
+        (that text is out already), so it goes on exactly where the output is."""
+        if self.detok is not None and self._detok_fed < len(self.token_ids):
+            for t in self.token_ids[self._detok_fed:]:
+                self.detok.step(t)
+            self._detok_fed = len(self.token_ids)
+
+    # ---- deadlines ----
+    def _deadline_at(self) -> float | None:
+        if self.request_timeout_s is None:
+            return None
+        if self._deadline is None:
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.time() - (time.perf_counter() - self.t.arrive) + self.request_timeout_s
+        return self._deadline
+
+    async def _next(self, raws: AsyncGenerator[Delta, None]) -> Delta:
+        """The next raw delta, within the request's deadline (its cancellation closes the worker streams, so
+        vLLM aborts them and frees their KV; the tickets are closed in _raw's finally)."""
+        deadline = self._deadline_at()
+        if deadline is None:
+            return await raws.__anext__()
+        try:
+            return await within(raws.__anext__(), deadline)
+        except asyncio.TimeoutError:
+            self.metrics.deadlines.labels("request").inc()
+            raise deadline_exceeded(f"the request did not finish within its deadline of {self.request_timeout_s:g}"
+                                    " s (router --request-timeout-s)", "request_timeout") from None
+
     # ---- the run ----
     async def run(self) -> AsyncGenerator[Delta, None]:
         """Yield client-ready deltas; the last has finish_reason set. Raises RouterError before the first delta
         (the app answers with its status) and RouterError/WorkerError after (the app sends an error event)."""
         async with aclosing(self._raw()) as raws:
-            async for raw in raws:
+            while True:
+                try:
+                    raw = await self._next(raws)
+                except StopAsyncIteration:
+                    break
                 text, hit = self.stopper.feed(raw.text)
                 self.token_ids.extend(raw.token_ids)
                 self.t.tokens += len(raw.token_ids)
@@ -252,28 +350,64 @@ class Generation:
         raise upstream_failed("worker stream ended without a finish_reason")
 
     async def _raw(self) -> AsyncGenerator[Delta, None]:
-        """Place the request and run it; a worker that never accepted it (P, or a whole-request worker) is
-        excluded and the request placed again on a fresh ticket. Each ticket is closed here, exactly once."""
-        exclude: set[str] = set()
+        """Place the request and run it, attempt after attempt, each on a fresh ticket closed here exactly once.
+
+        A worker that never accepted the request is left out of the next placement: for good when it refused the
+        connection, for this round only when it was merely slow to accept (if nothing else is left the request
+        waits on it again, within its deadline). A worker that died with the request is left out and the request
+        migrated: the next attempt gets the prompt plus the tokens streamed so far."""
+        dead: set[str] = set()
+        slow: set[str] = set()
+        lost: _Migrate | None = None  # the last worker failure that moved the request
         while True:
-            ticket = self.ticket = self.placement.choose(self.prompt_ids, frozenset(exclude), self.req.request_id,
-                                                         self.max_tokens)
+            self._done = len(self.token_ids)
+            self._handoff_since = None
+            if self._done:
+                self._catch_up_detok()
+            if self._left <= 0:  # every token is out, only the finish was lost with the worker
+                yield Delta("", [], "length")
+                return
+            try:
+                ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id,
+                                               self._left)
+            except RouterError as e:
+                if e.status == 503 and slow:
+                    slow.clear()  # only slow workers were left out: wait on them rather than fail
+                    continue
+                if e.status == 503 and lost is not None:
+                    raise upstream_failed(f"{lost.role} worker {lost.url} failed with the request ({lost.reason}) "
+                                          f"and no other worker can take it over: {e.message}") from None
+                raise
+            self.ticket = ticket
+            ticket.tokens_before = self._done
             try:
                 gen = self._one_worker(ticket) if self.colocated or ticket.prefill is None \
-                    else self._pd(ticket, exclude)
+                    else self._pd(ticket, dead)
                 async with aclosing(gen) as deltas:
                     async for d in deltas:
                         yield d
                 return
             except _Retry as r:
-                exclude.add(r.url)
+                (dead if r.dead else slow).add(r.url)
+            except _Migrate as m:
+                dead.add(m.url)
+                lost = m
+                self.migrations += 1
+                if self.migrations > self.migration_limit:
+                    raise upstream_failed(f"the request lost its worker {self.migrations} times, more than the "
+                                          f"migration limit of {self.migration_limit} (router --migration-limit); "
+                                          f"last: {m.reason}", "migration_limit") from None
+                self.metrics.migrations.labels(m.role).inc()
+                log.warning("request %s: %s worker %s failed after %d token(s) (%s); migrating it (%d of at most "
+                            "%d)", self.req.request_id, m.role, m.url, len(self.token_ids), m.reason,
+                            self.migrations, self.migration_limit)
             finally:
                 ticket.close()
 
     async def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         w = ticket.decode
         self.t.decode_worker = w.url
-        body = self._body(self.prompt_ids, self.max_tokens, True)
+        body = self._body(self._prompt, self._left, True)
         async with aclosing(self._decode_stream(ticket, w, body, "colocated" if self.colocated else "decode")
                             ) as deltas:
             async for d in deltas:
@@ -283,7 +417,7 @@ class Generation:
         p = ticket.prefill
         assert p is not None
         self.t.prefill_worker = p.url
-        body = self._body(self.prompt_ids, 1, False)
+        body = self._body(self._prompt, 1, False)
         body["kv_transfer_params"] = dict(self.prefill_kv_params)
         now = time.perf_counter()
         if self.t.dispatch is None:
@@ -294,9 +428,12 @@ class Generation:
         except WorkerError as e:
             self._fail(p, "prefill", e)
             if e.kind in _RETRYABLE:
-                raise _Retry(p.url) from None
+                raise _Retry(p.url, e.dead) from None
+            if self._migratable(e):  # P took the request and died before its first token: place it again
+                raise _Migrate(p.url, "prefill", str(e)) from None
             raise self._as_router_error(e) from None
         self.t.p_done = time.perf_counter()
+        self._handoff_since = asyncio.get_running_loop().time()
         ticket.prefill_done()
         try:
             c0 = resp["choices"][0]
@@ -311,17 +448,17 @@ class Generation:
             raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
         kvp = resp.get("kv_transfer_params")
         _transfer_stats(resp, self.t)
-        self.prompt_logprobs = c0.get("prompt_logprobs")
+        if not self._done:
+            self.prompt_logprobs = c0.get("prompt_logprobs")
         if not self.first_from_prefill:
             async with aclosing(self._regenerate(ticket, exclude, kvp)) as deltas:
                 async for delta in deltas:
                     yield delta
             return
         t1 = ids[0]
-        if self.detok is not None:
-            text = self.detok.step(t1)
+        text = self._text([t1], c0, True)
         logprobs = c0.get("logprobs")
-        if finish == "stop" or self.max_tokens == 1:
+        if finish == "stop" or self._left == 1:
             self.metrics.handoffs.labels("skipped").inc()
             yield Delta(text, [t1], finish or "length", stop_reason, logprobs)
             return
@@ -329,7 +466,7 @@ class Generation:
             raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
         yield Delta(text, [t1], logprobs=logprobs)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
-        d_body = self._body(self.prompt_ids + [t1], self.max_tokens - 1, True, computes_prompt=False)
+        d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp
         async with aclosing(self._hand_to_decode(ticket, exclude, d_body, after_first=True)) as deltas:
@@ -340,7 +477,7 @@ class Generation:
                           ) -> AsyncGenerator[Delta, None]:
         """D gets the prompt alone with P's kv_transfer_params and produces the whole output itself."""
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
-        d_body = self._body(self.prompt_ids, self.max_tokens, True, computes_prompt=False)
+        d_body = self._body(self._prompt, self._left, True, computes_prompt=False)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp
         async with aclosing(self._hand_to_decode(ticket, exclude, d_body, after_first=False)) as deltas:
@@ -349,63 +486,84 @@ class Generation:
 
     async def _hand_to_decode(self, ticket: PlacementTicket, exclude: set[str], d_body: dict[str, Any],
                               after_first: bool) -> AsyncGenerator[Delta, None]:
-        """Run D's stream; a D that never accepted the decode is replaced (same P, P's blocks still leased)."""
+        """Run D's stream; a D that never accepted the decode is replaced (same P, P's blocks still leased); with
+        no D left the request migrates (the whole of it on another worker, P included: it decodes locally)."""
         tries: set[str] = set()
         while True:
             d = ticket.decode
             self.t.decode_worker = d.url
             try:
-                async with aclosing(self._decode_stream(ticket, d, d_body, "decode", after_first=after_first)
-                                    ) as deltas:
+                async with aclosing(self._decode_stream(ticket, d, d_body, "decode", after_first=after_first,
+                                                        handoff=True)) as deltas:
                     async for delta in deltas:
                         yield delta
                 return
             except _Retry as r:  # D unreachable: P's blocks are still leased, move only the decode
                 tries.add(r.url)
-                ticket.replace_decode(frozenset(exclude | tries))
+                try:
+                    ticket.replace_decode(frozenset(exclude | tries))
+                except RouterError as e:
+                    raise _Migrate(r.url, "decode", e.message) from None
+
+    async def _first(self, objs: AsyncGenerator[dict, None], handoff: bool) -> dict:
+        """D's first event within the hand-off deadline (P's answer + handoff_timeout_s)."""
+        if not handoff or self.handoff_timeout_s is None or self._handoff_since is None:
+            return await objs.__anext__()
+        try:
+            return await within(objs.__anext__(), self._handoff_since + self.handoff_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.deadlines.labels("handoff").inc()
+            raise deadline_exceeded(f"the decode worker did not start within the hand-off deadline of "
+                                    f"{self.handoff_timeout_s:g} s after the prefill (router --handoff-timeout-s)",
+                                    "handoff_timeout") from None
 
     async def _decode_stream(self, ticket: PlacementTicket, w: Worker, body: dict, role: str,
-                             after_first: bool = False) -> AsyncGenerator[Delta, None]:
+                             after_first: bool = False, handoff: bool = False) -> AsyncGenerator[Delta, None]:
         now = time.perf_counter()
         if self.t.dispatch is None:
             self.t.dispatch = now
         self.t.d_sent = now
+        own_text = after_first or self._done > 0  # the router's detokenizer carries the text on
         started = False
-        last: Delta | None = None
+        last: tuple[list[int], dict[str, Any]] | None = None
         try:
             async with aclosing(self.client.stream(w.url, body, self.t.wait)) as objs:
-                async for obj in objs:
+                while True:
+                    try:
+                        obj = await (objs.__anext__() if started else self._first(objs, handoff))
+                    except StopAsyncIteration:
+                        break
                     _transfer_stats(obj, self.t)
                     choices = obj.get("choices") or []
                     if not choices:
                         continue  # usage chunk
                     c0 = choices[0]
-                    ids = c0.get("token_ids") or []
-                    if self.detok is not None and after_first:
-                        text = "".join(self.detok.step(t) for t in ids)
-                    else:
-                        text = c0.get("text") or ""
-                    if not started and (ids or text):
+                    ids = list(c0.get("token_ids") or [])
+                    if not started and (ids or c0.get("text")):
                         started = True
+                        self._handoff_since = None
                         self.t.d_first = time.perf_counter()
                         if not after_first:
                             ticket.prefill_done()  # whole request here: prompt computed
-                    if not after_first and self.prompt_logprobs is None and c0.get("prompt_logprobs"):
+                    if not after_first and not self._done and self.prompt_logprobs is None \
+                            and c0.get("prompt_logprobs"):
                         self.prompt_logprobs = c0.get("prompt_logprobs")
-                    delta = Delta(text, list(ids), c0.get("finish_reason"), c0.get("stop_reason"),
-                                  c0.get("logprobs"))
-                    if delta.finish_reason is None:
-                        yield delta
+                    if c0.get("finish_reason") is None:
+                        yield Delta(self._text(ids, c0, own_text), ids, None, None, c0.get("logprobs"))
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
                         self.t.d_end = time.perf_counter()
-                        last = delta
+                        last = (ids, c0)  # its text only when it goes out: a lost finish is regenerated
             if last is not None:
-                yield last
+                ids, c0 = last
+                yield Delta(self._text(ids, c0, own_text), ids, c0.get("finish_reason"), c0.get("stop_reason"),
+                            c0.get("logprobs"))
         except WorkerError as e:
             self._fail(w, role, e)
             if e.kind in _RETRYABLE and not started:
-                raise _Retry(w.url) from None
-            if not after_first and not started:
+                raise _Retry(w.url, e.dead) from None
+            if self._migratable(e):
+                raise _Migrate(w.url, role, str(e)) from None
+            if not after_first and not started and not self._done:
                 raise self._as_router_error(e) from None
             raise upstream_failed(f"{role} worker {w.url} failed mid-request: {e}") from None
         finally:
@@ -414,6 +572,19 @@ class Generation:
 
 
 class _Retry(Exception):
-    def __init__(self, url: str) -> None:
+    """The worker never accepted the request (``dead``: it refused the connection; else it was too slow to)."""
+
+    def __init__(self, url: str, dead: bool = True) -> None:
         super().__init__(url)
         self.url = url
+        self.dead = dead
+
+
+class _Migrate(Exception):
+    """The worker took the request and then failed: run what is left of it elsewhere."""
+
+    def __init__(self, url: str, role: str, reason: str) -> None:
+        super().__init__(url)
+        self.url = url
+        self.role = role
+        self.reason = reason

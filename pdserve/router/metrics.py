@@ -45,8 +45,17 @@ class RouterMetrics:
         self.worker_errors = Counter("pdserve_router_worker_errors_total", "Failed worker calls.", ("role", "kind"),
                                      registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r)
-        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker's last /health probe "
-                                    "succeeded.", ("role", "url"), registry=r)
+        self.migrations = Counter("pdserve_router_migrations_total", "Requests moved to another worker after "
+                                  "theirs failed with them in flight, by the failed worker's role.", ("role",),
+                                  registry=r)
+        self.deadlines = Counter("pdserve_router_deadline_exceeded_total", "Requests failed by a deadline "
+                                 "(request: --request-timeout-s; handoff: --handoff-timeout-s).", ("deadline",),
+                                 registry=r)
+        self.rejected = Counter("pdserve_router_rejected_total", "Requests answered 429 by the router's in-flight "
+                                "limits, by limit.", ("limit",), registry=r)
+        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 while the router places requests on the "
+                                    "worker (taken out on evidence of death or probes failing over a window).",
+                                    ("role", "url"), registry=r)
 
     def observe_timings(self, mode: str, timings: dict) -> None:
         for phase in PHASES:

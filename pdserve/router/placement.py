@@ -36,8 +36,9 @@ class Placement(Protocol):
 
 
 def too_busy(d: Decision) -> RouterError:
+    code = "worker_limit" if d.code == "worker_limit" else "slo_unattainable"
     return RouterError(429, f"Server is busy: {d.reason}. Retry after {d.retry_after_s:.0f} s.", "rate_limit_error",
-                       None, "slo_unattainable", headers={"Retry-After": str(int(d.retry_after_s))})
+                       None, code, headers={"Retry-After": str(int(d.retry_after_s))})
 
 
 class ConductorPlacement:
@@ -75,9 +76,10 @@ class ConductorPlacement:
             d = c.place(PlacementRequest(rid, len(prompt_ids), keys, max_tokens), exclude)
         except NoWorker as e:
             detail = "; ".join(f"{w.url}: {w.last_error or ('excluded' if w.url in exclude else 'not taking requests')}"
-                               for w in self.registry if e.role in w.roles or
+                               for w in self.registry if e.role in w.roles or e.role == "any" or
                                (e.role == "decode" and "colocated" in w.roles))
-            raise unavailable(f"no healthy {e.role} worker ({detail or 'none registered'})") from None
+            what = "worker" if e.role == "any" else f"{e.role} worker"
+            raise unavailable(f"no healthy {what} ({detail or 'none registered'})") from None
         finally:
             self.decision_seconds.append(time.perf_counter() - t0)
         if d.kind == "reject":

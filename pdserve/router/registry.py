@@ -3,15 +3,21 @@ app (health probes, /ready), the membership API (add/remove) and placement (the 
 
 Everything that changes a worker goes through :class:`WorkerRegistry` (``add``, ``remove``, ``set_health``),
 which tells its listeners at that moment; nobody re-reads the registry per request.
+
+A slow worker is not a dead one (:meth:`WorkerRegistry.report_probe`): a worker is taken out on evidence of death
+(connection refused, or its /health answering non-200) or when its probes have failed ``probe_failures`` times in
+a row over at least ``probe_window_s``; a probe that merely timed out once under load changes nothing. One
+successful probe takes a worker back.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from .workers import Worker
+from .workers import Probe, Worker
 
 log = logging.getLogger("pdserve.router")
 
@@ -34,10 +40,15 @@ def role_of(roles: set[str]) -> str:
 
 
 class WorkerRegistry:
-    def __init__(self, members: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(self, members: Iterable[tuple[str, str]] = (), probe_failures: int = 3,
+                 probe_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         """``members``: (role, url) pairs; a url listed under two roles is one worker with both."""
         self._workers: dict[str, Worker] = {}
         self._listeners: list[RegistryListener] = []
+        self.probe_failures = probe_failures
+        self.probe_window_s = probe_window_s
+        self.clock = clock
+        self._failing: dict[str, tuple[float, int]] = {}  # url -> (first failed probe of the run, failures)
         for role, url in members:
             self._workers.setdefault(url, Worker(url)).roles.add(role)
 
@@ -75,6 +86,7 @@ class WorkerRegistry:
         w = self._workers.get(url) or Worker(url)
         w.roles.add(role)
         w.healthy, w.last_error = True, ""
+        self._failing.pop(url, None)
         self._workers[url] = w
         for listener in self._listeners:
             listener.worker_added(w)
@@ -101,3 +113,31 @@ class WorkerRegistry:
         for listener in self._listeners:
             listener.health_changed(w)
         return True
+
+    def report_probe(self, url: str, probe: Probe) -> bool:
+        """Record one health probe; True when the worker's health changed. Evidence of death takes it out at once;
+        plain failures (timeouts, broken connections) only after ``probe_failures`` in a row spanning
+        ``probe_window_s``; until then it keeps serving, its ``last_error`` says what the probe saw."""
+        w = self._workers.get(url)
+        if w is None:
+            return False
+        if probe.ok:
+            self._failing.pop(url, None)
+            return self.set_health(url, True)
+        if probe.dead:
+            self._failing.pop(url, None)
+            return self.set_health(url, False, probe.detail)
+        now = self.clock()
+        first, n = self._failing.get(url, (now, 0))
+        self._failing[url] = (first, n + 1)
+        if n + 1 >= self.probe_failures and now - first >= self.probe_window_s:
+            return self.set_health(url, False, f"{n + 1} probes failed over {now - first:.1f} s, last: "
+                                                f"{probe.detail}")
+        if w.healthy:
+            w.last_error = f"slow: {probe.detail} ({n + 1} failed probe(s) in a row)"
+        return False
+
+    def mark_dead(self, url: str, detail: str) -> bool:
+        """A call found the worker gone (connection refused): out at once, back on its next good probe."""
+        self._failing.pop(url, None)
+        return self.set_health(url, False, detail)

@@ -35,6 +35,7 @@ class PlacementTicket:
         self.decode: Worker = registry[decision.decode]
         self.closed = False
         self._prefilled = False
+        self.tokens_before = 0  # output tokens streamed before this ticket (a migrated request's earlier workers)
 
     def prefill_done(self) -> None:
         """The prompt is computed (P answered, or a whole request's first token arrived); once."""
@@ -44,9 +45,10 @@ class PlacementTicket:
         self._conductor.prefill_done(self.request_id)
 
     def progress(self, tokens: int) -> None:
-        """``tokens`` output tokens so far, the first included."""
-        if not self.closed:
-            self._conductor.decode_progress(self.request_id, tokens)
+        """``tokens`` output tokens of the request so far, the first included; the conductor hears those of this
+        ticket only (a migrated request's earlier tokens were another placement's)."""
+        if not self.closed and tokens > self.tokens_before:
+            self._conductor.decode_progress(self.request_id, tokens - self.tokens_before)
 
     def replace_decode(self, exclude: frozenset[str] = frozenset()) -> Worker:
         """D failed before it accepted the decode: place the decode again (P, its KV lease and its prefill report

@@ -21,12 +21,29 @@ class WorkerError(Exception):
     """A worker call failed. kind: connect (request not accepted) | timeout (silent too long) | http | protocol |
     stream_error | closed."""
 
-    def __init__(self, url: str, kind: str, message: str, status: int | None = None, payload: Any = None) -> None:
+    def __init__(self, url: str, kind: str, message: str, status: int | None = None, payload: Any = None,
+                 dead: bool = False) -> None:
         super().__init__(f"worker {url}: {message}")
         self.url = url
         self.kind = kind
         self.status = status
         self.payload = payload
+        self.dead = dead  # evidence the worker is gone (connection refused), not merely slow
+
+
+def refused(e: BaseException) -> bool:
+    """True when ``e`` says nothing listens at the worker's address any more (its process is gone)."""
+    return isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
+
+
+@dataclass
+class Probe:
+    """One /health probe. ``dead``: the worker said it is unhealthy (an HTTP answer other than 200) or refused
+    the connection; a probe that timed out or broke off is a failure, not evidence of death."""
+
+    ok: bool
+    detail: str
+    dead: bool = False
 
 
 @dataclass
@@ -57,10 +74,15 @@ class WorkerClient:
         try:
             return await self.session.post(url + path, data=json.dumps(body, separators=(",", ":")),
                                            headers={"Content-Type": "application/json"}, timeout=self._timeout())
+        except aiohttp.SocketTimeoutError:  # connected and sent, then no answer (a non-streamed call answers at
+            # the end): the worker has the request and is silent, it is not a refused connection
+            raise WorkerError(url, "timeout", f"no answer for {self.idle_timeout_s} s") from None
         except asyncio.TimeoutError:  # the request was not accepted: safe to send it elsewhere
             raise WorkerError(url, "connect", f"no connection within {self.connect_timeout_s} s") from None
-        except aiohttp.ClientError as e:
-            raise WorkerError(url, "connect", f"cannot reach: {e}") from None
+        except aiohttp.ClientConnectorError as e:  # no connection: the request never reached the worker
+            raise WorkerError(url, "connect", f"cannot reach: {e}", dead=refused(e)) from None
+        except aiohttp.ClientError as e:  # connected, then dropped before the answer: it died with the request
+            raise WorkerError(url, "closed", f"connection lost before the answer: {e}") from None
 
     @staticmethod
     async def _error_from(url: str, resp: aiohttp.ClientResponse) -> WorkerError:
@@ -152,14 +174,19 @@ class WorkerClient:
             resp.close()  # no-op after release; an unfinished stream is dropped, so vLLM aborts the request
 
     async def health(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        p = await self.check(url, timeout_s)
+        return p.ok, p.detail
+
+    async def check(self, url: str, timeout_s: float) -> Probe:
+        """GET /health, classified (see :class:`Probe`)."""
         try:
             async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
-                return resp.status == 200, f"HTTP {resp.status}"
+                return Probe(resp.status == 200, f"HTTP {resp.status}", resp.status != 200)
         except asyncio.TimeoutError:
-            return False, f"no answer within {timeout_s} s"
+            return Probe(False, f"no answer within {timeout_s} s")
         except aiohttp.ClientError as e:
-            return False, f"unreachable: {e}"
+            return Probe(False, f"unreachable: {e}", refused(e))
 
 
 def _sse_data(event: bytes) -> bytes | None:

@@ -134,13 +134,13 @@ def test_membership_and_health():
     assert c.index.blocks_of("p1") == 0  # a worker that went down comes back with an empty cache
     assert c.place(req("a", PROMPT)).prefill == "p0"
     c.remove_worker("p0")
-    with pytest.raises(NoWorker) as e:
-        c.place(req("b", PROMPT))
-    assert e.value.role == "prefill"
+    d = c.place(req("b", PROMPT))  # no live prefill worker: D serves the whole request (degraded)
+    assert (d.kind, d.prefill, d.decode) == ("local", None, "d0") and "degraded" in d.reason
     c.set_health("p1", True)
     assert c.place(req("c", PROMPT)).prefill == "p1"
-    with pytest.raises(NoWorker):
-        c.place(req("e", PROMPT), exclude=frozenset({"p1"}))
+    with pytest.raises(NoWorker) as e:
+        c.place(req("e", PROMPT), exclude=frozenset({"p1", "d0"}))
+    assert e.value.role == "any"
 
 
 def test_lifecycle_releases_and_observes():

@@ -539,9 +539,9 @@ def test_worker_4xx_passed_through(model_dir, tokenizer):
             assert st == 400 and _is_openai_error(out) and "fake error from P" in out["error"]["message"]
             st, out = await env.stream("/v1/completions", {"prompt": "a", "stream": True})
             assert st == 400  # before the first token: a real status, not a 200 stream
-            p.status = 500
+            p.status = d.status = 500  # a 5xx moves the request (P, then D alone); with none left: 502
             st, out = await env.post("/v1/completions", {"prompt": "a"})
-            assert st == 502 and _is_openai_error(out)
+            assert st == 502 and _is_openai_error(out) and "no other worker" in out["error"]["message"]
     run(main())
 
 
@@ -551,6 +551,7 @@ def test_no_healthy_worker_503(model_dir, tokenizer):
     async def main():
         async with Env(model_dir, tokenizer, [p], [d]) as env:
             await p.stop()  # connection refused from now on
+            await d.stop()
             st, out = await env.post("/v1/completions", {"prompt": "a"})
             assert st == 503 and _is_openai_error(out) and out["error"]["code"] == "no_healthy_worker"
             st, out = await env.stream("/v1/completions", {"prompt": "a", "stream": True})
@@ -574,21 +575,22 @@ def test_prefill_down_falls_over_to_next(model_dir, tokenizer):
 
 
 def test_decode_dies_mid_stream_error_event(model_dir, tokenizer):
-    p, d = FakeWorker("P"), FakeWorker("D", die_after=2)
+    p, d = FakeWorker("P", die_after=1), FakeWorker("D", die_after=2)
 
     async def main():
-        async with Env(model_dir, tokenizer, [p], [d], upstream_idle_timeout_s=5) as env:
+        async with Env(model_dir, tokenizer, [p], [d], upstream_idle_timeout_s=5, migration_limit=1) as env:
             st, chunks = await asyncio.wait_for(env.stream("/v1/completions", {
                 "prompt": "a", "max_tokens": 10, "stream": True}), 10)
             assert st == 200
             objs = [json.loads(c) for c in chunks]
             assert _is_openai_error(objs[-1]) and objs[-1]["error"]["type"] == "server_error"
+            assert objs[-1]["error"]["code"] == "migration_limit"
             text = "".join(o["choices"][0]["text"] for o in objs[:-1])
-            assert text == " b c w15"  # t1 + the two tokens D sent before dying
-            st, out = await env.post("/v1/completions", {"prompt": "a", "max_tokens": 10})
-            assert st == 502 and _is_openai_error(out)
+            assert text == " b c w15 w16"  # t1 + D's two tokens, then P's one (it took over, then died too)
+            assert p.requests[-1]["prompt"][-3:] == [13, 14, 15] and p.requests[-1]["max_tokens"] == 7
             _, metrics = await env.get("/metrics")
             assert 'status="stream_error"} 1' in metrics
+            assert 'pdserve_router_migrations_total{role="decode"} 1.0' in metrics
     run(main())
 
 
@@ -601,8 +603,8 @@ def test_silent_decode_worker_times_out_with_error_event(model_dir, tokenizer):
                 "prompt": "a", "max_tokens": 10, "stream": True}), 5)
             assert st == 200
             assert json.loads(chunks[0])["choices"][0]["text"] == " b"  # t1 went out at once
-            err = json.loads(chunks[-1])
-            assert _is_openai_error(err) and "silent" in err["error"]["message"]
+            text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
+            assert text == " b c w15 w16 w17 w18 w19 w20 w21 w22"  # the silent D's part went to P (local)
             await asyncio.wait_for(d.aborted.wait(), 5)
     run(main())
 

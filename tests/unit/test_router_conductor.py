@@ -50,8 +50,13 @@ def test_membership_add_remove(model_dir, tokenizer):
             st, out = await env.post(PATH, {"url": "ftp://x", "role": "decode"})
             assert st == 400 and out["error"]["param"] == "url"
             st, _ = await _delete(env, {"url": d2.url})
+            n = len(p.requests)
             st, out = await env.post("/v1/completions", {"prompt": "a", "max_tokens": 2})
-            assert st == 503 and "decode" in out["error"]["message"]
+            assert st == 200 and len(p.requests) == n + 1  # no decode worker: P serves it whole
+            assert "kv_transfer_params" not in p.requests[-1]
+            st, body = await env.get("/ready")
+            assert st == 200 and json.loads(body) == {"status": "degraded", "mode": "disaggregated",
+                                                      "healthy_workers": 1, "workers": 1, "missing": ["decode"]}
     run(main())
 
 
@@ -181,8 +186,12 @@ def test_ready_needs_one_healthy_worker_per_role(model_dir, tokenizer):
             assert (await env.get("/ready"))[0] == 200
             p.healthy = False
             await env.get("/health")
+            st, body = await env.get("/ready")  # D2 alone can still serve whole requests
+            assert st == 200 and json.loads(body)["status"] == "degraded" and json.loads(body)["missing"] == ["prefill"]
+            d2.healthy = False
+            await env.get("/health")
             st, body = await env.get("/ready")
-            assert st == 503 and json.loads(body)["missing"] == ["prefill"]
+            assert st == 503 and json.loads(body)["status"] == "not ready"
         async with Env(model_dir, tokenizer, mode_hint="disaggregated") as env:
             st, body = await env.get("/ready")
             assert st == 503 and json.loads(body)["missing"] == ["prefill", "decode"]

@@ -202,9 +202,12 @@ def test_round_robin_skips_unhealthy_and_excluded():
     assert [c.decode.url for c in picks] == ["http://d0", "http://d1", "http://d2"] * 2
     rr.registry.set_health("http://p0", False, "probe failed")  # the registry tells the conductor at once
     assert {rr.choose([1]).prefill.url for _ in range(4)} == {"http://p1"}
+    t = rr.choose([1], frozenset({"http://p1"}))  # no prefill worker left: a decode worker serves it whole
+    assert t.prefill is None and t.decode.url.startswith("http://d") and "degraded" in t.decision.reason
+    t.close()
     with pytest.raises(RouterError) as e:
-        rr.choose([1], frozenset({"http://p1"}))
-    assert e.value.status == 503 and "no healthy prefill worker" in e.value.message
+        rr.choose([1], frozenset({"http://p1", "http://d0", "http://d1", "http://d2"}))
+    assert e.value.status == 503 and "no healthy worker" in e.value.message
     co = RoundRobin([], [], [Worker("http://c0"), Worker("http://c1")])
     assert [co.choose([1]).decode.url for _ in range(3)] == ["http://c0", "http://c1", "http://c0"]
     assert co.choose([1]).prefill is None

@@ -1,0 +1,183 @@
+"""Faults on a real 1P2D stack (vLLM workers with the pdserve connector, the router in front), in order on one
+stack: a stopped (slow) prefill worker is waited for, not ejected; a decode worker SIGKILLed mid-stream, whose
+request goes on elsewhere with the same greedy output, token for token; P SIGKILLed after its first token and
+before D read the KV (D recomputes, the client sees nothing); then the last decode worker serves whole requests
+alone and /ready says "degraded"."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pdserve.bench.prom import scrape
+from pdserve.config import LauncherConfig
+from pdserve.launcher import Cluster
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from pdserve.models import build_random_llama
+
+    model = build_random_llama(tmp_path_factory.mktemp("faults-model") / "random-llama")
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=2, port=0, dtype="float32", max_model_len=2048,
+                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("faults-run")),
+                         worker_timeout_s=400, pool=False,
+                         router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"))
+    with Cluster(cfg) as c:
+        yield c
+
+
+def _child(cluster: Cluster, role: str, i: int = 0):
+    return [c for c in cluster.workers if c.name.rstrip("0123456789") == role][i]
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _body(seed: int, max_tokens: int, **kw) -> dict:
+    ids = [random.Random(seed).randrange(1000, 40000) for _ in range(40)]
+    return {"model": "rl", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def _stream_events(url: str, body: dict, on_event=None) -> list[dict]:
+    """POST a streamed completion; every SSE event's JSON, in order (``on_event(n)`` after the n-th)."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events: list[dict] = []
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if on_event is not None:
+                on_event(len(events))
+    return events
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def test_stopped_prefill_worker_is_waited_for_not_ejected(cluster):
+    p = _child(cluster, "prefill")
+    body = _body(1, 8)
+    reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
+    out: dict = {}
+
+    def client() -> None:
+        out["answer"] = _post(cluster.router_url + "/v1/completions", body)
+
+    os.kill(p.pid, signal.SIGSTOP)  # its HTTP server stops answering; the process is alive
+    try:
+        t0 = time.monotonic()
+        th = threading.Thread(target=client)
+        th.start()
+        time.sleep(3.0)  # ~6 background probes of P time out meanwhile (0.5 s each, every 0.5 s)
+        st, workers = _get(cluster.router_url + "/v1/pdserve/workers")
+        assert st == 200
+        assert all(w["healthy"] for w in workers["workers"]), workers  # slow is not dead
+        assert _get(cluster.router_url + "/ready")[1]["status"] == "ready"
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    th.join(120)
+    assert out["answer"]["choices"][0]["text"] == reference
+    assert time.monotonic() - t0 >= 3.0
+
+
+def _running(url: str) -> float:
+    return scrape(url, "vllm:num_requests_running").get("vllm:num_requests_running", 0.0)
+
+
+KILLED: dict[str, int] = {}  # which decode worker the mid-stream kill took
+
+
+def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster):
+    body = _body(2, 200)
+    reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
+
+    def kill_after(n: int) -> None:
+        if n == 4:  # the decode worker streaming this request
+            i = next(i for i in (0, 1) if _running(cluster.worker_urls("decode")[i]) >= 1)
+            KILLED["decode"] = i
+            os.killpg(_child(cluster, "decode", i).pgid, signal.SIGKILL)
+
+    events = _stream_events(cluster.router_url, {**body, "stream_options": {"include_usage": True}}, kill_after)
+    assert not any("error" in e for e in events), events[-2:]
+    assert _child(cluster, "decode", KILLED["decode"]).proc.wait(10) is not None
+    assert _text(events) == reference  # no token lost or repeated, same greedy output
+    assert events[-1]["usage"]["completion_tokens"] == 200
+    migrated = scrape(cluster.router_url, "pdserve_router_migrations_total")
+    assert sum(migrated.values()) == 1, migrated
+
+
+def test_prefill_killed_before_decode_read_its_kv_decode_recomputes(cluster):
+    d = _child(cluster, "decode", 1 - KILLED["decode"])
+    p = _child(cluster, "prefill")
+    body = _body(4, 24)
+    reference = _post(d.url + "/v1/completions", body)["choices"][0]["text"]
+    failures = scrape(d.url, "vllm:pdserve_kv_read_failures_total").get("vllm:pdserve_kv_read_failures_total", 0.0)
+    first = threading.Event()
+    out: dict = {}
+
+    def client() -> None:
+        out["events"] = _stream_events(cluster.router_url, body, lambda n: first.set())
+
+    deadline = time.monotonic() + 30  # the router has seen decode KILLED go: every decode goes to d
+    while _get(cluster.router_url + "/ready")[1].get("healthy_workers") != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(d.pid, signal.SIGSTOP)  # D's HTTP server holds the decode until P is gone
+    try:
+        th = threading.Thread(target=client)
+        th.start()
+        assert first.wait(60), "P's first token never came"
+        os.killpg(p.pgid, signal.SIGKILL)
+        p.proc.wait(10)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    th.join(120)
+    assert not any("error" in e for e in out["events"]), out["events"][-2:]
+    assert _text(out["events"]) == reference
+    after = scrape(d.url, "vllm:pdserve_kv_read_failures_total").get("vllm:pdserve_kv_read_failures_total", 0.0)
+    assert after == failures + 1  # D's read from the dead P failed and it recomputed the prompt
+    assert sum(scrape(cluster.router_url, "pdserve_router_migrations_total").values()) == 1  # no move needed
+
+
+def test_decode_worker_serves_alone_while_prefill_is_gone(cluster):
+    d = _child(cluster, "decode", 1 - KILLED["decode"])
+    deadline = time.monotonic() + 30
+    while (ready := _get(cluster.router_url + "/ready"))[1].get("status") != "degraded" \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready == (200, {"status": "degraded", "mode": "disaggregated", "healthy_workers": 1, "workers": 3,
+                           "missing": ["prefill"]})
+    body = _body(3, 12)
+    reference = _post(d.url + "/v1/completions", body)["choices"][0]["text"]
+    assert _post(cluster.router_url + "/v1/completions", body)["choices"][0]["text"] == reference
+    assert _text(_stream_events(cluster.router_url, body)) == reference
