@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pool-master", default="", metavar="HOST:PORT",
                    help="KV pool master: pooled prefixes count as loadable (secret in $PDSERVE_TRANSFER_SECRET)")
     c.add_argument("--load-interval-s", type=float, default=1.0, help="period of worker /metrics reads")
+    p.add_argument("--tool-call-parser", default="", metavar="NAME",
+                   help="vLLM tool parser for tool_choice auto (e.g. hermes), as `vllm serve --tool-call-parser`")
     return p
 
 
@@ -73,7 +75,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         calibrate=a.calibrate, load_interval_s=a.load_interval_s,
                         admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), mode_hint=a.mode_hint,
                         pool_master=a.pool_master, max_body_bytes=a.max_body_bytes,
-                        pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "")
+                        pool_secret=os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else "",
+                        tool_call_parser=a.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

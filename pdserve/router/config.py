@@ -119,6 +119,7 @@ class RouterConfig:
     pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -188,6 +189,9 @@ class RouterConfig:
                                     f"the default is {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
+        if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
+            raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
+                                    "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
 
     @property
     def mode(self) -> str:
