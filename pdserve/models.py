@@ -239,6 +239,26 @@ def use_tool_chat_template(model_dir: str | os.PathLike[str]) -> Path:
     return Path(model_dir)
 
 
+def quiet_whitespace_tokens(model_dir: str | os.PathLike[str]) -> Path:
+    """Zero the lm_head rows of whitespace-only tokens of a random model folder (their logits become 0 while
+    others spread around it), so that a JSON grammar's optional whitespace, which a random model otherwise picks
+    at every step among hundreds of whitespace tokens, cannot stall constrained decoding. Idempotent."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir) / "model.safetensors"
+    weights = load_file(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in range(len(tokenizer))])
+    rows = [i for i, text in enumerate(texts) if not text.strip()]
+    head = weights["lm_head.weight"]
+    if rows and bool(head[rows].abs().sum() > 0):
+        head[torch.tensor(rows)] = 0.0
+        save_file(weights, str(path), metadata={"format": "pt"})
+    return Path(model_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("smollm2", "random"))

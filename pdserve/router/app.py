@@ -1,6 +1,7 @@
 """The router's HTTP server (aiohttp): the one public port.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /tokenize and /detokenize
+(:mod:`.tokenize_api`), GET /v1/models, GET /health
 (200 only when every configured worker answers its /health), GET /ready (200 when a healthy worker of each
 needed role is known: the Kubernetes readiness probe), GET /metrics (Prometheus text), and worker
 membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
@@ -47,6 +48,7 @@ from .protocol import (
     usage_dict,
 )
 from .registry import WorkerRegistry
+from .tokenize_api import add_routes as add_tokenize_routes
 from .tokenizer import PromptTokenizer
 from .tools import ToolSupport
 from .workers import Worker, WorkerClient, WorkerError
@@ -508,6 +510,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
+    add_tokenize_routes(app, router)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app
 

@@ -144,6 +144,13 @@ def _get(summary: str, op: str, content_type: str = "application/json", *statuse
     return {"get": {"summary": summary, "operationId": op, "responses": responses}}
 
 
+def _post(summary: str, op: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "operationId": op,
+                     "requestBody": {"required": True, "content": _json(schema)},
+                     "responses": {"200": {"description": "OK", "content": _json(_ANY_OBJECT)},
+                                   **_errors(400, 404, 413)}}}
+
+
 _WORKER_BODY = {"type": "object", "required": ["url"], "properties": {
     "url": {"type": "string", "description": "worker base URL, e.g. http://10.0.0.5:8000"},
     "role": {"type": "string", "enum": ["prefill", "decode", "colocated"]}}}
@@ -182,6 +189,11 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dic
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain"),
             "/v1/pdserve/workers": _workers(),
             "/openapi.json": _get("this document", "openapi"),
+            "/tokenize": _post("token ids of a prompt or a chat (as vLLM's /tokenize)", "tokenize", {
+                "type": "object", "properties": {"prompt": _STR, "messages": {"type": "array", "items": _MESSAGE},
+                                                 "add_special_tokens": _BOOL, "return_token_strs": _BOOL}}),
+            "/detokenize": _post("text of token ids (as vLLM's /detokenize)", "detokenize", {
+                "type": "object", "required": ["tokens"], "properties": {"tokens": _TOKEN_IDS}}),
         },
         "components": {
             "schemas": {
