@@ -315,6 +315,20 @@ def _message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
+def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as vLLM hands it to the chat template (its pydantic dump: these keys in this order, description and
+    parameters even when null), so the rendered prompt is the one a vLLM worker renders."""
+    fn = tool["function"]
+    out = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    for key in ("strict", "defer_loading"):
+        if fn.get(key, tool.get(key) if key == "defer_loading" else None) is not None:
+            out[key] = fn.get(key, tool.get(key))
+    wrapped: dict[str, Any] = {"type": "function", "function": out}
+    if tool.get("defer_loading") is not None:
+        wrapped["defer_loading"] = tool["defer_loading"]
+    return wrapped
+
+
 def _parse_tools(body: dict, req: GenerationRequest) -> None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -347,7 +361,7 @@ def _parse_tools(body: dict, req: GenerationRequest) -> None:
     elif choice not in ("none", "auto", "required"):
         raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
                           "\"function\": {\"name\": ...}}", "tool_choice")
-    req.tools = tools
+    req.tools = [_vllm_tool(t) for t in tools]
     req.tool_choice = choice
     req.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
     if choice == "required" or isinstance(choice, dict):

@@ -110,11 +110,11 @@ class ToolCalls:
                       for tc in (calls or [])]
         if not o.parallel:
             tool_calls = tool_calls[:1]
-        msg: dict[str, Any] = {"role": "assistant", "content": (content or "") if (o.named or o.required) else content,
-                               "tool_calls": tool_calls}
-        called = bool(tool_calls) and not o.named
-        if called and (not o.required or finish_reason == "stop"):
-            finish_reason = "tool_calls"
+        msg: dict[str, Any] = {"role": "assistant", "content": (content or "") if (o.named or o.required) else content}
+        if tool_calls or o.named or o.required:
+            msg["tool_calls"] = tool_calls
+        if (tool_calls and not o.named and not o.required) or (o.required and finish_reason == "stop"):
+            finish_reason = "tool_calls"  # as vLLM: auto that called, or required that ended; named keeps "stop"
         return msg, finish_reason
 
     def delta(self, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool
@@ -135,6 +135,8 @@ class ToolCalls:
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         o = self.owner
-        if self.streamed_calls and not o.named and (not o.required or finish_reason == "stop"):
+        if finish_reason is None:
+            return None
+        if self.streamed_calls and not o.named and finish_reason == "stop":  # vLLM's streamed rule
             return "tool_calls"
         return finish_reason
