@@ -245,12 +245,13 @@ def quiet_whitespace_tokens(model_dir: str | os.PathLike[str]) -> Path:
     at every step among hundreds of whitespace tokens, cannot stall constrained decoding. Idempotent."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
     path = Path(model_dir) / "model.safetensors"
     weights = load_file(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in range(len(tokenizer))])
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    texts = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size(with_added_tokens=True))],
+                                   skip_special_tokens=False)
     rows = [i for i, text in enumerate(texts) if not text.strip()]
     head = weights["lm_head.weight"]
     if rows and bool(head[rows].abs().sum() > 0):
