@@ -143,3 +143,18 @@ def test_parse_chat_refuses(extra, param):
     with pytest.raises(RouterError) as e:
         parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_tool_choice_needing_a_parser_is_400_without_one():
+    from pdserve.router.tools import ToolSupport
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    support = ToolSupport("", tokenizer=None, model_name="m")
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        req = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice})
+        with pytest.raises(RouterError) as e:
+            support.prepare(req, [])
+        assert e.value.status == 400 and "--tool-call-parser" in e.value.message
+    none = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "none"})
+    assert support.prepare(none, []) is None and none.tools[0]["function"] == {
+        "name": "f", "description": None, "parameters": None}  # as vLLM renders it
