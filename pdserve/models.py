@@ -201,6 +201,65 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
     return _write_folder(out, ".random-llama-", stamp, dtype, write)
 
 
+# A Hermes / Qwen2.5-style ChatML template with tools: the tools' JSON inside <tools></tools> in the system turn,
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> (vLLM's `hermes` tool parser reads them), tool
+# results as <tool_response> in a user turn. Written for the small random models, whose SmolLM2 tokenizer
+# speaks ChatML but whose own template knows no tools.
+HERMES_TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% if message.content %}{{ '\\n' }}{{ message.content }}{% endif %}"
+    "{% for tc in message.tool_calls %}{{ '\\n' }}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def use_tool_chat_template(model_dir: str | os.PathLike[str]) -> Path:
+    """Give a model folder the Hermes-style tool template (``chat_template.jinja``, which vLLM and the
+    router both read). Idempotent."""
+    path = Path(model_dir) / "chat_template.jinja"
+    if not path.is_file() or path.read_text() != HERMES_TOOL_TEMPLATE:
+        path.write_text(HERMES_TOOL_TEMPLATE)
+    return Path(model_dir)
+
+
+def quiet_whitespace_tokens(model_dir: str | os.PathLike[str]) -> Path:
+    """Zero the lm_head rows of whitespace-only tokens of a random model folder (their logits become 0 while
+    others spread around it), so that a JSON grammar's optional whitespace, which a random model otherwise picks
+    at every step among hundreds of whitespace tokens, cannot stall constrained decoding. Idempotent."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "model.safetensors"
+    weights = load_file(str(path))
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    texts = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size(with_added_tokens=True))],
+                                   skip_special_tokens=False)
+    rows = [i for i, text in enumerate(texts) if not text.strip()]
+    head = weights["lm_head.weight"]
+    if rows and bool(head[rows].abs().sum() > 0):
+        head[torch.tensor(rows)] = 0.0
+        save_file(weights, str(path), metadata={"format": "pt"})
+    return Path(model_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("smollm2", "random"))

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failed health probes in a row (timeouts) before a worker is taken out (default 3)")
     f.add_argument("--probe-window-s", type=float, default=10.0,
                    help="... and they must span at least this long (default 10); refused connections count at once")
+    p.add_argument("--tool-call-parser", default="", metavar="NAME",
+                   help="vLLM tool parser for tool_choice auto (e.g. hermes), as `vllm serve --tool-call-parser`")
     return p
 
 
@@ -97,7 +99,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         migration_limit=a.migration_limit, request_timeout_s=a.request_timeout_s,
                         handoff_timeout_s=a.handoff_timeout_s, max_inflight=a.max_inflight or None,
                         max_inflight_per_worker=a.max_inflight_per_worker or None,
-                        probe_failures=a.probe_failures, probe_window_s=a.probe_window_s)
+                        probe_failures=a.probe_failures, probe_window_s=a.probe_window_s,
+                        tool_call_parser=a.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

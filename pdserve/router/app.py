@@ -1,10 +1,10 @@
 """The router's HTTP server (aiohttp): the one public port.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health
-(200 only when every configured worker answers its /health), GET /ready (200 while a healthy worker can serve
-requests end to end, "degraded" with one role gone: the Kubernetes readiness probe), GET /metrics (Prometheus
-text), and worker membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only);
-GET /openapi.json describes them.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /tokenize and /detokenize
+(:mod:`.tokenize_api`), GET /v1/models, GET /health (200 only when every configured worker answers its /health),
+GET /ready (200 while a healthy worker can serve requests end to end, "degraded" with one role gone: the
+Kubernetes readiness probe), GET /metrics (Prometheus text), and worker membership: GET/POST/DELETE
+/v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
 Input limits (body size, JSON nesting, prompt length) are in :mod:`.limits`.
 """
 
@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from aiohttp import web
 from ..conductor import ConductorConfig
 from .admission import Admission
 from .calibration import calibrate
+from .choices import Choice, PromptScoredGeneration, choice_seed, echo_prefix, merged, sum_usage
 from .config import RouterConfig, kv_bytes_per_token
 from .errors import RouterError, bad_request, not_found, upstream_failed
 from .handoff import Delta, Generation, Timings
@@ -30,14 +32,27 @@ from .kv_events import KVEventSink
 from .kv_protocol import protocol_for
 from .limits import body_too_large, check_prompt_chars, read_body
 from .load_probe import read_worker_load
+from .logprobs import LogprobTrack
 from .membership import Membership
 from .metrics import ConductorCollector, RouterMetrics
 from .openapi import openapi_document
 from .placement import ConductorPlacement, Placement, make_placement
 from .pool_index import PoolIndexFollower
-from .protocol import SSE_DONE, GenerationRequest, ResponseBuilder, dumps, parse_chat, parse_completion, parse_json, sse
+from .protocol import (
+    SSE_DONE,
+    GenerationRequest,
+    ResponseBuilder,
+    dumps,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    sse,
+    usage_dict,
+)
 from .registry import WorkerRegistry
+from .tokenize_api import add_routes as add_tokenize_routes
 from .tokenizer import PromptTokenizer
+from .tools import ToolSupport
 from .workers import Worker, WorkerClient, WorkerError
 
 log = logging.getLogger("pdserve.router")
@@ -73,6 +88,7 @@ class Router:
         self.pool: PoolIndexFollower | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
+        self.tools = ToolSupport(config.tool_call_parser, self.tokenizer.tok, config.served_model_name)
         self.registry.subscribe(self)
         if self.conducted is not None:
             self.metrics.registry.register(ConductorCollector(
@@ -111,6 +127,14 @@ class Router:
             self._tasks.append(asyncio.create_task(self._load_loop(cp)))
             if self.config.calibrate and self.config.policy == "conductor":
                 self._tasks.append(asyncio.create_task(self._calibrate(cp)))
+        if self.config.tool_call_parser:  # import vLLM's parser off the event loop, before the first tool request
+            self._tasks.append(asyncio.create_task(self._load_tool_parser()))
+
+    async def _load_tool_parser(self) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.tools.parser_cls)
+        except RouterError as e:
+            log.error("--tool-call-parser: %s", e.message)
 
     async def stop(self, app: web.Application) -> None:
         for task in [self._health_task, *self._tasks]:
@@ -216,9 +240,11 @@ class Router:
             size = sum(len(m["content"]) for m in req.messages)
             check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "messages")
             messages = req.messages
+            kwargs = dict(req.chat_template_kwargs)
+            if req.tools:
+                kwargs["tools"] = req.tools
             fn: Callable[[], list[int]] = lambda: tok.chat_ids(  # noqa: E731
-                messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
-                **req.chat_template_kwargs)
+                messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens, **kwargs)
         elif req.prompt_ids is not None:
             tok.check_ids(req.prompt_ids)
             return req.prompt_ids
@@ -255,6 +281,7 @@ class Router:
         status = "200"
         done = False
         admitted = False
+        choices: list[Choice] = []
         try:
             admitted = self.admission.enter()  # 429 past --max-inflight, before the body is read
             body = parse_json(await read_body(request, self.config.max_body_bytes))
@@ -264,22 +291,17 @@ class Router:
             if req.model is not None and req.model != self.config.served_model_name:
                 raise not_found(f"The model `{req.model}` does not exist. This router serves "
                                 f"`{self.config.served_model_name}` (see /v1/models).", "model", "model_not_found")
-            prompt_ids = await self._prompt_ids(req)
-            max_tokens = self._limits(req, len(prompt_ids))
             assert self.client is not None, "router not started"
-            detok = None
-            if self.config.mode != "colocated":
-                detok = self.tokenizer.detokenizer(prompt_ids, req.sampling.get("skip_special_tokens", True),
-                                                   req.sampling.get("spaces_between_special_tokens", True))
-            gen = protocol_for(self.config.kv_connector).generation(
-                req, prompt_ids, max_tokens, self.placement, self.client, m, t, self.config.mode, detok,
-                migration_limit=self.config.migration_limit, request_timeout_s=self.config.request_timeout_s,
-                handoff_timeout_s=self.config.handoff_timeout_s)
+            tool_req = self.tools.prepare(req, body.get("messages")) if req.tools else None
+            choices = await self._choices(req, t)
+            if tool_req is not None:
+                for c in choices:
+                    c.tools = tool_req.calls()
             builder = ResponseBuilder(req, self.config.served_model_name)
             if req.stream:
-                resp, status = await self._stream(request, req, gen, builder, prompt_ids)
+                resp, status = await self._stream(request, req, choices, builder)
             else:
-                resp = await self._collect(req, gen, builder, prompt_ids)
+                resp = await self._collect(req, choices, builder)
             done = True
             return resp
         except RouterError as e:
@@ -297,32 +319,109 @@ class Router:
                 t.end = time.perf_counter()
             if done and status == "200":
                 m.observe_timings(t.mode, t.report())
-                m.prompt_tokens.inc(t.prompt_tokens)
-                m.completion_tokens.inc(t.tokens)
+                prompt_tokens, completion_tokens = sum_usage(choices)
+                m.prompt_tokens.inc(prompt_tokens)
+                m.completion_tokens.inc(completion_tokens)
 
-    async def _collect(self, req: GenerationRequest, gen: Generation, builder: ResponseBuilder,
-                       prompt_ids: list[int]) -> web.Response:
-        parts: list[str] = []
-        async with aclosing(gen.run()) as deltas:
+    async def _choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
+        """Tokenize each prompt, check its length and build one Generation per choice (n per prompt)."""
+        prompts: list[str | list[int]] = req.prompts or [req.prompt_ids if req.prompt_ids is not None
+                                                         else req.prompt_text or ""]
+        out: list[Choice] = []
+        for k, prompt in enumerate(prompts):
+            one = req if req.prompts is None else replace(
+                req, prompt_text=prompt if isinstance(prompt, str) else None,
+                prompt_ids=None if isinstance(prompt, str) else prompt)
+            prompt_ids = await self._prompt_ids(one)
+            max_tokens = self._limits(req, len(prompt_ids))
+            if req.kind == "chat" or not req.echo:
+                prompt_text = ""
+            elif isinstance(prompt, str):
+                prompt_text = prompt
+            else:
+                prompt_text = self.tokenizer.decode(prompt_ids)
+            for j in range(req.n):
+                index = len(out)
+                sub = req
+                if len(prompts) * req.n > 1:
+                    sampling = dict(req.sampling)
+                    if "seed" in sampling:
+                        sampling["seed"] = choice_seed(sampling["seed"], j)
+                    sub = replace(req, request_id=f"{req.request_id}-{index}", sampling=sampling)
+                timings = t if index == 0 else Timings(arrive=t.arrive, mode=self.config.mode)
+                gen = self._generation(sub, prompt_ids, max_tokens, timings)
+                track = None if req.logprobs is None else LogprobTrack(req.kind == "chat", req.logprobs)
+                out.append(Choice(index, k, gen, prompt_ids, prompt_text, track))
+        return out
+
+    def _generation(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, t: Timings
+                    ) -> Generation:
+        assert self.client is not None, "router not started"
+        detok = None
+        if self.config.mode != "colocated":
+            detok = self.tokenizer.detokenizer(prompt_ids, req.sampling.get("skip_special_tokens", True),
+                                               req.sampling.get("spaces_between_special_tokens", True))
+        # the data plane's hand-off; constrained output: D regenerates the first token so its grammar state
+        # covers the whole output
+        options = protocol_for(self.config.kv_connector).options(constrained=req.constrained)
+        return PromptScoredGeneration(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
+                                      self.config.mode, detok, migration_limit=self.config.migration_limit,
+                                      request_timeout_s=self.config.request_timeout_s,
+                                      handoff_timeout_s=self.config.handoff_timeout_s, **options)
+
+    def _logprobs(self, req: GenerationRequest, c: Choice, d: Delta, first: bool) -> Any:
+        """This delta's logprobs in the endpoint's shape (echo: the prompt's before the first delta's)."""
+        if c.track is None:
+            return None
+        if req.kind == "chat":
+            return c.track.chat_part(d.logprobs)
+        part = c.track.completion(d.logprobs) if not (first and req.echo) else None
+        if first and req.echo:
+            head = c.track.prompt(c.prompt_ids, c.gen.prompt_logprobs, self.tokenizer.decode_one)
+            tail = c.track.completion(d.logprobs) or {}
+            part = {k: head[k] + tail.get(k, []) for k in head}
+        return part
+
+    async def _collect(self, req: GenerationRequest, choices: list[Choice], builder: ResponseBuilder
+                       ) -> web.Response:
+        async with aclosing(merged(choices)) as deltas:
             try:
-                async for d in deltas:
-                    parts.append(d.text)
+                async for c, d in deltas:
+                    self._logprobs(req, c, d, not c.started)
+                    c.started = True
+                    c.parts.append(d.text)
             except WorkerError as e:
                 raise upstream_failed(str(e)) from None
-        gen.t.end = time.perf_counter()
-        out = builder.full("".join(parts), gen.finish_reason, gen.stop_reason, gen.token_ids, len(prompt_ids),
-                           prompt_ids)
+        t = choices[0].gen.t
+        t.end = time.perf_counter()
+        out_choices = []
+        for c in choices:
+            text = c.text
+            if req.echo:
+                text = echo_prefix(c, req.return_token_ids) + text
+            logprobs = None
+            if c.track is not None:
+                logprobs = c.track.chat_total() if req.kind == "chat" else c.track.completion_total()
+            message, finish = None, c.gen.finish_reason
+            if c.tools is not None:
+                message, finish = c.tools.message(text, c.gen.token_ids, finish)
+            out_choices.append(builder.choice(
+                c.index, text, finish, c.gen.stop_reason, c.gen.token_ids, c.prompt_ids, logprobs,
+                c.gen.prompt_logprobs if req.prompt_logprobs is not None else None, message))
+        prompt_tokens, completion_tokens = sum_usage(choices)
+        out = builder.response(out_choices, prompt_tokens, completion_tokens, choices[0].prompt_ids,
+                               choices[0].gen.prompt_logprobs if req.prompt_logprobs is not None else None)
         if req.timings:
-            out["pdserve_timings"] = gen.t.report()
+            out["pdserve_timings"] = t.report()
         return web.Response(text=dumps(out), content_type="application/json")
 
-    async def _stream(self, request: web.Request, req: GenerationRequest, gen: Generation,
-                      builder: ResponseBuilder, prompt_ids: list[int]) -> tuple[web.StreamResponse, str]:
+    async def _stream(self, request: web.Request, req: GenerationRequest, choices: list[Choice],
+                      builder: ResponseBuilder) -> tuple[web.StreamResponse, str]:
         """Answer with SSE. Errors before the first token keep their HTTP status (raised); after it they become an
         error event followed by [DONE]. Returns (response, status label for the metrics)."""
-        async with aclosing(gen.run()) as deltas:
+        async with aclosing(merged(choices)) as deltas:
             try:
-                first: Delta = await deltas.__anext__()
+                first = await deltas.__anext__()
             except StopAsyncIteration:
                 raise upstream_failed("worker produced no output") from None
             except WorkerError as e:
@@ -330,31 +429,48 @@ class Router:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": req.request_id})
             await resp.prepare(request)
-            ntok = 0
+            live = len(choices)
             try:
-                d: Delta | None = first
-                out = sse(builder.chunk("", role=True)) if builder.chat else b""
-                while d is not None:
-                    chunk = builder.chunk(d.text, d.token_ids, d.finish_reason, d.stop_reason,
-                                          prompt_ids=prompt_ids if ntok == 0 else None)
-                    ntok += len(d.token_ids)
+                item: tuple[Choice, Delta] | None = first
+                out = b"".join(sse(builder.chunk("", role=True, index=c.index)) for c in choices) \
+                    if builder.chat else b""
+                while item is not None:
+                    c, d = item
+                    text = d.text
+                    is_first = not c.started
+                    if is_first and req.echo:
+                        text = echo_prefix(c, req.return_token_ids) + text
+                    delta, finish = None, d.finish_reason
+                    if c.tools is not None:
+                        delta = c.tools.delta(text, d.token_ids, c.prompt_ids, finish is not None)
+                        finish = c.tools.finish_reason(finish)
+                        if delta is None:
+                            delta = {}  # nothing to show yet (e.g. inside a tool call's name)
+                    chunk = builder.chunk(text, d.token_ids, finish, d.stop_reason,
+                                          prompt_ids=c.prompt_ids if is_first else None, index=c.index,
+                                          logprobs=self._logprobs(req, c, d, is_first), delta=delta)
+                    c.started = True
+                    c.tokens += len(d.token_ids)
                     if req.continuous_usage:
-                        chunk["usage"] = {"prompt_tokens": len(prompt_ids), "completion_tokens": ntok,
-                                          "total_tokens": len(prompt_ids) + ntok}
+                        chunk["usage"] = usage_dict(len(c.prompt_ids), c.tokens)
+                    if delta == {} and finish is None and chunk["choices"][0]["logprobs"] is None:
+                        item = await deltas.__anext__()  # the parser holds this text back (as vLLM skips it)
+                        continue
                     if d.finish_reason is not None:
-                        gen.t.end = time.perf_counter()
-                        if req.include_usage:
-                            out += sse(chunk)
-                            chunk = builder.usage_chunk(len(prompt_ids), ntok)
+                        live -= 1
+                    if live == 0:
+                        t = choices[0].gen.t
+                        t.end = time.perf_counter()
+                        tail = builder.usage_chunk(*sum_usage(choices)) if req.include_usage else None
                         if req.timings:
-                            chunk["pdserve_timings"] = gen.t.report()
-                        out += sse(chunk) + SSE_DONE
+                            (tail if tail is not None else chunk)["pdserve_timings"] = t.report()
+                        out += sse(chunk) + (sse(tail) if tail is not None else b"") + SSE_DONE
                         await resp.write(out)
                         break
                     out += sse(chunk)
                     await resp.write(out)
                     out = b""
-                    d = await deltas.__anext__()
+                    item = await deltas.__anext__()
             except (RouterError, WorkerError, StopAsyncIteration) as e:
                 err = e if isinstance(e, RouterError) else upstream_failed(
                     str(e) if isinstance(e, WorkerError) else "worker stream ended early")
@@ -412,6 +528,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
+    add_tokenize_routes(app, router)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app
 

@@ -138,6 +138,7 @@ class RouterConfig:
     max_inflight_per_worker: int | None = 512
     probe_failures: int = 3
     probe_window_s: float = 10.0
+    tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -210,6 +211,9 @@ class RouterConfig:
                                     "or nixl (vLLM's NixlConnector), the one the workers' --kv-transfer-config names")
         if self.health_interval_s < 0:
             raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
+        if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
+            raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
+                                    "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
         self._check_reliability()
 
     def _check_reliability(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,7 +184,8 @@ class Generation:
                  client: WorkerClient, metrics: RouterMetrics, timings: Timings, mode: str,
                  detokenizer: IncrementalDetokenizer | None = None, first_from_prefill: bool = True,
                  prefill_kv_params: dict[str, Any] | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                 request_timeout_s: float | None = None, handoff_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, handoff_timeout_s: float | None = None,
+                 decode_kv_params: Callable[[str, Any], dict[str, Any] | None] | None = None) -> None:
         self.req = req
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
@@ -210,6 +211,9 @@ class Generation:
         # token then arrives after the hand-off.
         self.first_from_prefill = first_from_prefill
         self.prefill_kv_params = dict(prefill_kv_params or {"do_remote_decode": True})
+        # the data plane's reading of P's kv_transfer_params for D (kv_protocol); raises RouterError when D would
+        # misread them; None: P's params go to D as they are
+        self.decode_kv_params = decode_kv_params
         self.prompt_logprobs: Any = None  # the worker's ``prompt_logprobs`` (P's, or the whole-request worker's)
         self.migration_limit = migration_limit
         self.migrations = 0
@@ -464,6 +468,7 @@ class Generation:
             return
         if finish != "length":
             raise upstream_failed(f"prefill worker {p.url} finished with {finish!r} after one token")
+        kvp = self._decode_params(ticket, kvp)
         yield Delta(text, [t1], logprobs=logprobs)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
         d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
@@ -476,6 +481,7 @@ class Generation:
     async def _regenerate(self, ticket: PlacementTicket, exclude: set[str], kvp: Any
                           ) -> AsyncGenerator[Delta, None]:
         """D gets the prompt alone with P's kv_transfer_params and produces the whole output itself."""
+        kvp = self._decode_params(ticket, kvp)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
         d_body = self._body(self._prompt, self._left, True, computes_prompt=False)
         if isinstance(kvp, dict):
@@ -483,6 +489,16 @@ class Generation:
         async with aclosing(self._hand_to_decode(ticket, exclude, d_body, after_first=False)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    def _decode_params(self, ticket: PlacementTicket, kvp: Any) -> Any:
+        if self.decode_kv_params is None:
+            return kvp
+        prefill = ticket.prefill.url if ticket.prefill is not None else "?"
+        try:
+            return self.decode_kv_params(prefill, kvp)
+        except RouterError:
+            self.metrics.worker_errors.labels("prefill", "protocol").inc()
+            raise
 
     async def _hand_to_decode(self, ticket: PlacementTicket, exclude: set[str], d_body: dict[str, Any],
                               after_first: bool) -> AsyncGenerator[Delta, None]:

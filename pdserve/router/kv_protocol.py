@@ -22,13 +22,10 @@ streamed early: the first token reaches the client after the hand-off (TTFT incl
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
-from contextlib import aclosing
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .errors import RouterError, upstream_failed
-from .handoff import Delta, Generation
-from .ticket import PlacementTicket
 
 KV_CONNECTORS = ("pdserve", "nixl")
 DEFAULT_KV_CONNECTOR = "pdserve"
@@ -49,11 +46,11 @@ class KVProtocol:
         RouterError (502) when P answered something this data plane's D would misread."""
         raise NotImplementedError
 
-    def generation(self, *args: Any, **kwargs: Any) -> Generation:
-        """A :class:`Generation` that speaks this protocol (same arguments as Generation's)."""
-        kwargs.setdefault("first_from_prefill", self.first_from_prefill)
-        kwargs.setdefault("prefill_kv_params", self.prefill_params())
-        return _ProtocolGeneration(self, *args, **kwargs)
+    def options(self, constrained: bool = False) -> dict[str, Any]:
+        """:class:`~pdserve.router.handoff.Generation` keyword options that speak this protocol. ``constrained``
+        (structured outputs, constrained tools): D must generate the first token itself on any data plane."""
+        return {"first_from_prefill": self.first_from_prefill and not constrained,
+                "prefill_kv_params": self.prefill_params(), "decode_kv_params": self.decode_params}
 
 
 class PdserveProtocol(KVProtocol):
@@ -67,11 +64,6 @@ class PdserveProtocol(KVProtocol):
 
     def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
         return kvp if isinstance(kvp, dict) else None
-
-    def generation(self, *args: Any, **kwargs: Any) -> Generation:
-        kwargs.setdefault("first_from_prefill", self.first_from_prefill)
-        kwargs.setdefault("prefill_kv_params", self.prefill_params())
-        return Generation(*args, **kwargs)  # the hand-off's own default path, unchanged
 
 
 # Fields NixlConnector's D needs to pull P's blocks (vllm/.../nixl/metadata.py RemoteMeta and the pull
@@ -131,26 +123,6 @@ def _bad_params(prefill_url: str, what: str) -> RouterError:
         f"prefill worker {prefill_url} answered kv_transfer_params that vLLM's NixlConnector cannot use ({what}); "
         "is every worker started with --kv-transfer-config naming NixlConnector (pdserve serve --kv-connector "
         "nixl)?", code="kv_transfer_params_invalid")
-
-
-class _ProtocolGeneration(Generation):
-    """A Generation whose D gets its kv_transfer_params through the protocol (checked before D is called)."""
-
-    def __init__(self, protocol: KVProtocol, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.protocol = protocol
-
-    async def _regenerate(self, ticket: PlacementTicket, exclude: set[str], kvp: Any
-                          ) -> AsyncGenerator[Delta, None]:
-        prefill = ticket.prefill.url if ticket.prefill is not None else "?"
-        try:
-            params = self.protocol.decode_params(prefill, kvp)
-        except RouterError:
-            self.metrics.worker_errors.labels("prefill", "protocol").inc()
-            raise
-        async with aclosing(super()._regenerate(ticket, exclude, params)) as deltas:
-            async for delta in deltas:
-                yield delta
 
 
 PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(), "nixl": NixlProtocol()}

@@ -1,7 +1,7 @@
 """The router's OpenAPI 3.1 document (served at ``GET /openapi.json``), built from the tables below.
 
 The request schemas list the fields :mod:`.protocol` parses, with the ranges it enforces; fields it refuses
-(``tools``, ``logit_bias``, ...) are listed as ``null``/``false`` only, so a fuzzer that follows the schema sends
+(``suffix``, ``logit_bias``, ...) are listed as ``null``/``false`` only, so a fuzzer that follows the schema sends
 requests the router accepts, and one that breaks it gets a 4xx with the :data:`ERROR` body.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import UNSUPPORTED_FIELDS
+from .protocol import MAX_CHOICES, UNSUPPORTED_FIELDS
 
 _REF = "#/components/schemas/"
 
@@ -48,22 +48,28 @@ _COMMON: list[tuple[str, dict[str, Any], str]] = [
     ("spaces_between_special_tokens", _BOOL, "vLLM detokenization option"),
     ("presence_penalty", {"type": "number", "const": 0}, "only 0 is supported"),
     ("frequency_penalty", {"type": "number", "const": 0}, "only 0 is supported"),
-    ("n", {"type": "integer", "const": 1}, "one choice per request"),
-    ("best_of", {"type": "integer", "const": 1}, "one choice per request"),
-    ("logprobs", _nullable({"type": "boolean", "const": False}), "not supported"),
-    ("top_logprobs", _nullable({"type": "integer", "const": 0}), "not supported"),
+    ("n", {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+     "choices per prompt (the prompt is prefilled once)"),
+    ("best_of", _nullable({"type": "integer", "const": 1}), "only 1 (or equal to n)"),
+    ("prompt_logprobs", _nullable({"type": "integer", "minimum": -1}), "vLLM: logprobs of the prompt's tokens"),
+    ("response_format", {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]}, "json_schema": {"type": "object"}}},
+     "structured output (JSON object or JSON schema)"),
+    ("structured_outputs", {"type": "object", "minProperties": 1},
+     "vLLM structured outputs: exactly one of json, regex, choice, grammar, json_object, structural_tag"),
     ("return_token_ids", _BOOL, "add token ids to the response (vLLM extension)"),
     ("pdserve_timings", _BOOL, "add the router's per-phase timings to the response"),
 ]
 
 _COMPLETION: list[tuple[str, dict[str, Any], str]] = [
     ("prompt", {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
-                          {"type": "array", "minItems": 1, "maxItems": 1,
+                          {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
                            "items": {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]}}]},
-     "one prompt: text, token ids, or a batch of exactly one"),
+     "one prompt: text or token ids"),
     ("max_tokens", _nullable({"type": "integer", "minimum": 1}), "default 16; null: up to the context limit"),
     ("add_special_tokens", _BOOL, "add the tokenizer's special tokens (default true)"),
-    ("echo", {"type": "boolean", "const": False}, "not supported"),
+    ("echo", _BOOL, "put the prompt (and its logprobs) before the output"),
+    ("logprobs", _nullable({"type": "integer", "minimum": 0}), "logprobs of each output token and N alternatives"),
 ]
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -71,6 +77,10 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": _STR, "name": _STR,
     "content": _nullable({"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]})}}
+
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _STR, "description": _STR, "parameters": {"type": "object"}}}}}
 
 _CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("messages", {"type": "array", "minItems": 1, "items": _MESSAGE}, "the conversation"),
@@ -80,6 +90,15 @@ _CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("continue_final_message", _BOOL, "continue the last message instead (not with add_generation_prompt)"),
     ("chat_template_kwargs", {"type": "object"}, "extra variables for the chat template"),
     ("add_special_tokens", _BOOL, "default false (the template has them)"),
+    ("logprobs", _nullable(_BOOL), "logprobs of each output token"),
+    ("top_logprobs", _nullable({"type": "integer", "minimum": 0}), "alternatives per token (with logprobs: true)"),
+    ("tools", {"type": "array", "items": _TOOL}, "functions the model may call (rendered by the chat template)"),
+    ("tool_choice", {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                        "properties": {"name": _STR}}}}]},
+     "none, auto (parsed by --tool-call-parser), required or a named function (constrained decoding)"),
+    ("parallel_tool_calls", _BOOL, "allow several tool calls in one answer (default true)"),
 ]
 
 ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -125,6 +144,13 @@ def _get(summary: str, op: str, content_type: str = "application/json", *statuse
     return {"get": {"summary": summary, "operationId": op, "responses": responses}}
 
 
+def _post(summary: str, op: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "operationId": op,
+                     "requestBody": {"required": True, "content": _json(schema)},
+                     "responses": {"200": {"description": "OK", "content": _json(_ANY_OBJECT)},
+                                   **_errors(400, 404, 413)}}}
+
+
 _WORKER_BODY = {"type": "object", "required": ["url"], "properties": {
     "url": {"type": "string", "description": "worker base URL, e.g. http://10.0.0.5:8000"},
     "role": {"type": "string", "enum": ["prefill", "decode", "colocated"]}}}
@@ -163,6 +189,11 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dic
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain"),
             "/v1/pdserve/workers": _workers(),
             "/openapi.json": _get("this document", "openapi"),
+            "/tokenize": _post("token ids of a prompt or a chat (as vLLM's /tokenize)", "tokenize", {
+                "type": "object", "properties": {"prompt": _STR, "messages": {"type": "array", "items": _MESSAGE},
+                                                 "add_special_tokens": _BOOL, "return_token_strs": _BOOL}}),
+            "/detokenize": _post("text of token ids (as vLLM's /detokenize)", "detokenize", {
+                "type": "object", "required": ["tokens"], "properties": {"tokens": _TOKEN_IDS}}),
         },
         "components": {
             "schemas": {

@@ -1,8 +1,9 @@
 """OpenAI request parsing/validation and response (and SSE chunk) builders.
 
-The router accepts the subset of the OpenAI API it can serve exactly across a prefill -> decode hand-off:
-one choice (``n=1``), no logprobs/echo/tools. Fields it does not know are ignored (as vLLM does); fields it
-knows but cannot honour are refused with 400 naming the field.
+The router serves the OpenAI API exactly across a prefill -> decode hand-off: logprobs (+ echo and vLLM's
+prompt_logprobs), ``n`` choices, prompt lists, structured outputs (``response_format``, ``structured_outputs``)
+and tools. Fields it does not know are ignored (as vLLM does); fields it knows but cannot honour are refused
+with 400 naming the field.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from .limits import load_json
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
 UNSUPPORTED_FIELDS = {
-    "completions": ("suffix", "logit_bias", "prompt_embeds", "response_format", "structured_outputs", "guided_json",
-                    "guided_regex", "guided_choice", "guided_grammar", "use_beam_search", "prompt_logprobs"),
-    "chat": ("tools", "functions", "tool_choice", "logit_bias", "response_format", "structured_outputs",
-             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
-             "prompt_logprobs", "audio", "modalities", "prediction"),
+    "completions": ("suffix", "logit_bias", "prompt_embeds", "use_beam_search"),
+    "chat": ("functions", "logit_bias", "use_beam_search", "audio", "modalities", "prediction"),
 }
+# vLLM's older names for structured outputs: refused with the field to use instead.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+MAX_CHOICES = 128  # n x prompts per request
 _INT64 = 2 ** 63
 
 
@@ -52,6 +55,15 @@ class GenerationRequest:
     return_token_ids: bool = False
     timings: bool = False
     request_id: str = ""
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # top alternatives per output token (chat: top_logprobs); None: no logprobs
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked (echo alone sends logprobs to workers)
+    prompts: list[str | list[int]] | None = None  # completions: several prompts (one request each, fanned out)
+    constrained: bool = False  # structured outputs: D regenerates the first token (Generation first_from_prefill)
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -117,16 +129,15 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     for name in UNSUPPORTED_FIELDS[req.kind]:
         if body.get(name) not in (None, False, [], {}):
             raise bad_request(f"'{name}' is not supported by the pdserve router", name, "unsupported_parameter")
-    n = _opt_int(body, "n", 1)
-    if n not in (None, 1):
-        raise bad_request(f"'n'={n}: the pdserve router serves one choice per request (n=1)", "n",
-                          "unsupported_parameter")
+    for name, kind in _GUIDED.items():
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is vLLM's old name: send \"structured_outputs\": {{\"{kind}\": ...}}",
+                              name, "unsupported_parameter")
+    req.n = _opt_int(body, "n", 1, MAX_CHOICES) or 1
     best_of = _opt_int(body, "best_of", 1)
-    if best_of not in (None, 1):
-        raise bad_request("'best_of' > 1 is not supported by the pdserve router", "best_of", "unsupported_parameter")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise bad_request("'logprobs' is not supported by the pdserve router", "logprobs", "unsupported_parameter")
+    if best_of not in (None, 1, req.n):
+        raise bad_request("'best_of' > n is not supported by the pdserve router", "best_of", "unsupported_parameter")
+    _parse_logprobs(body, req)
 
     req.stream = _opt_bool(body, "stream")
     so = body.get("stream_options")
@@ -173,9 +184,72 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         if v:
             raise bad_request(f"'{name}' is not supported by the pdserve router (the decode worker would not see "
                               "the first token as output)", name, "unsupported_parameter")
+    if req.logprobs is not None:
+        s["logprobs"] = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs  # as vLLM: echo with logprobs scores the prompt too
+    if prompt_logprobs is not None:
+        s["prompt_logprobs"] = prompt_logprobs
+    _parse_structured(body, req, s)
     req.sampling = s
     req.return_token_ids = _opt_bool(body, "return_token_ids")
     req.timings = _opt_bool(body, "pdserve_timings")
+
+
+def _parse_logprobs(body: dict, req: GenerationRequest) -> None:
+    """Completions: ``logprobs`` = N alternatives, ``echo``. Chat: ``logprobs`` true + ``top_logprobs`` = N.
+    Both: vLLM's ``prompt_logprobs`` = N (-1: the whole vocabulary)."""
+    if req.kind == "chat":
+        if _opt_bool(body, "logprobs"):
+            req.logprobs = _opt_int(body, "top_logprobs", 0) or 0
+        elif body.get("top_logprobs") not in (None, 0):
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        req.logprobs = _opt_int(body, "logprobs", 0)
+        req.echo = _opt_bool(body, "echo")
+    req.prompt_logprobs = _opt_int(body, "prompt_logprobs", -1)
+
+
+def _parse_structured(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
+    """``response_format`` and ``structured_outputs`` go to the workers as is (vLLM validates the schema or
+    grammar and answers 400 itself); such requests are marked ``constrained``."""
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMATS:
+            raise bad_request("'response_format' must be an object with 'type' one of " + ", ".join(_RESPONSE_FORMATS),
+                              "response_format")
+        if rf["type"] == "json_schema" and not isinstance(rf.get("json_schema"), dict):
+            raise bad_request("response_format type 'json_schema' needs a 'json_schema' object "
+                              "({\"name\": ..., \"schema\": {...}})", "response_format")
+        if rf["type"] != "text":
+            s["response_format"] = rf
+            req.constrained = True
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("'structured_outputs' must be an object with one of " + ", ".join(_STRUCTURED_KINDS),
+                              "structured_outputs")
+        kinds = [k for k in _STRUCTURED_KINDS if so.get(k) is not None]
+        if len(kinds) != 1:
+            raise bad_request("'structured_outputs' needs exactly one of " + ", ".join(_STRUCTURED_KINDS)
+                              + (f", got {kinds}" if kinds else ""), "structured_outputs")
+        if "response_format" in s:
+            raise bad_request("send either 'response_format' or 'structured_outputs', not both", "structured_outputs")
+        s["structured_outputs"] = so
+        req.constrained = True
+
+
+def _one_prompt(prompt: Any, name: str = "prompt") -> str | list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request(f"'{name}' is empty", "prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request(f"'{name}' is empty", "prompt")
+        return _token_id_list(prompt, "prompt")
+    raise bad_request("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -183,26 +257,22 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise bad_request("request body must be a JSON object")
     req = GenerationRequest(kind="completions", model=None)
     _parse_common(body, req)
-    if body.get("echo"):
-        raise bad_request("'echo' is not supported by the pdserve router", "echo", "unsupported_parameter")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("'prompt' is empty", "prompt")
-        req.prompt_text = prompt
-    elif isinstance(prompt, list):
-        if not prompt:
-            raise bad_request("'prompt' is empty", "prompt")
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise bad_request("'prompt' holds several prompts: send one prompt per request", "prompt",
-                              "unsupported_parameter")
-        req.prompt_ids = _token_id_list(prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={req.n} choices: at most {MAX_CHOICES} per request",
+                              "prompt")
+        if len(prompts) > 1:
+            req.prompts = prompts
+        prompt = prompts[0]
+    one = _one_prompt(prompt)
+    if isinstance(one, str):
+        req.prompt_text = one
     else:
-        raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+        req.prompt_ids = one
     req.add_special_tokens = _opt_bool(body, "add_special_tokens", True)
     # OpenAI's default is 16; an explicit null means "up to the context limit" (as in vLLM).
     req.max_tokens = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
@@ -224,6 +294,83 @@ def _message_text(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
+def _message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, arguments parsed from their JSON string (as vLLM hands them to
+    chat templates)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls: each needs a 'function' with a 'name'", "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                raise bad_request(f"messages[{i}].tool_calls: 'arguments' of {fn['name']!r} is not JSON",
+                                  "messages") from None
+        out.append({**call, "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as vLLM hands it to the chat template (its pydantic dump: these keys in this order, description and
+    parameters even when null), so the rendered prompt is the one a vLLM worker renders."""
+    fn = tool["function"]
+    out = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    for key in ("strict", "defer_loading"):
+        if fn.get(key, tool.get(key) if key == "defer_loading" else None) is not None:
+            out[key] = fn.get(key, tool.get(key))
+    wrapped: dict[str, Any] = {"type": "function", "function": out}
+    if tool.get("defer_loading") is not None:
+        wrapped["defer_loading"] = tool["defer_loading"]
+    return wrapped
+
+
+def _parse_tools(body: dict, req: GenerationRequest) -> None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}}",
+                          "tools")
+    names = []
+    for k, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                              "\"parameters\": {...}}}", "tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{k}].function.parameters must be a JSON schema object", "tools")
+        names.append(fn["name"])
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                              "\"function\": {\"name\": ...}}", "tool_choice")
+        if fn["name"] not in names:
+            raise bad_request(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({names})", "tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}", "tool_choice")
+    req.tools = [_vllm_tool(t) for t in tools]
+    req.tool_choice = choice
+    req.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
+    if choice == "required" or isinstance(choice, dict):
+        if "response_format" in req.sampling or "structured_outputs" in req.sampling:
+            raise bad_request("a required or named tool_choice constrains the output itself: drop "
+                              "'response_format' / 'structured_outputs'", "tool_choice")
+        req.constrained = True
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
@@ -237,11 +384,16 @@ def parse_chat(body: Any) -> GenerationRequest:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
-        msg = {"role": m["role"], "content": "" if content is None else _message_text(content, i)}
+        msg: dict[str, Any] = {"role": m["role"], "content": "" if content is None else _message_text(content, i)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _message_tool_calls(m["tool_calls"], i)
+        if isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     req.messages = out
+    _parse_tools(body, req)
     req.add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
     req.continue_final_message = _opt_bool(body, "continue_final_message", False)
     if req.add_generation_prompt and req.continue_final_message and "add_generation_prompt" in body:
@@ -291,34 +443,54 @@ class ResponseBuilder:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str | None, stop_reason: Any, token_ids: list[int],
-             prompt_tokens: int, prompt_ids: list[int] | None) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: Any, token_ids: list[int],
+               prompt_ids: list[int] | None = None, logprobs: Any = None, prompt_logprobs: Any = None,
+               message: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One finished choice. ``message`` (chat) replaces ``{"role": "assistant", "content": text}``."""
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
-            out = self._base("chat.completion")
+            msg = message if message is not None else {"role": "assistant", "content": text}
+            choice: dict[str, Any] = {"index": index, "message": msg, "logprobs": logprobs,
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
-            out = self._base("text_completion")
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
         if self.req.return_token_ids:
             choice["token_ids"] = token_ids
             if not self.chat:
                 choice["prompt_token_ids"] = prompt_ids
-            else:
-                out["prompt_token_ids"] = prompt_ids
-        out["choices"] = [choice]
-        out["usage"] = usage_dict(prompt_tokens, len(token_ids))
+        return choice
+
+    def response(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
+                 prompt_ids: list[int] | None = None, prompt_logprobs: Any = None) -> dict[str, Any]:
+        out = self._base("chat.completion" if self.chat else "text_completion")
+        if self.chat and self.req.return_token_ids:
+            out["prompt_token_ids"] = prompt_ids
+        out["choices"] = choices
+        out["usage"] = usage_dict(prompt_tokens, completion_tokens)
+        if self.chat and prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs
         return out
 
+    def full(self, text: str, finish_reason: str | None, stop_reason: Any, token_ids: list[int],
+             prompt_tokens: int, prompt_ids: list[int] | None) -> dict[str, Any]:
+        """A one-choice response."""
+        return self.response([self.choice(0, text, finish_reason, stop_reason, token_ids, prompt_ids)],
+                             prompt_tokens, len(token_ids), prompt_ids)
+
     def chunk(self, text: str, token_ids: list[int] | None = None, finish_reason: str | None = None,
-              stop_reason: Any = None, role: bool = False, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+              stop_reason: Any = None, role: bool = False, prompt_ids: list[int] | None = None, index: int = 0,
+              logprobs: Any = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One SSE chunk of choice ``index``. ``delta`` (chat) replaces ``{"content": text}``."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = delta if delta is not None else {"content": text}
+            d: dict[str, Any] = {"role": "assistant", **body} if role else body
+            choice: dict[str, Any] = {"index": index, "delta": d, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}
             out = self._base("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._base("text_completion")
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason

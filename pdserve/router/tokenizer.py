@@ -38,6 +38,13 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_one(self, token_id: int) -> str:
+        """One token's text as vLLM shows a token it has no logprob entry for (``tokenizer.decode(id)``)."""
+        return self.decode([token_id])
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **template_kwargs: Any) -> str:
         if not getattr(self.tok, "chat_template", None):

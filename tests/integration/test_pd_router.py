@@ -1,5 +1,7 @@
 """The whole disaggregated path as a client sees it: `pdserve` cluster (1P1D with the connector, router in
-front), checked against the decode worker serving the same request alone, and a client that leaves mid-stream."""
+front), checked against the decode worker serving the same request alone, and a client that leaves mid-stream.
+The same stack serves the OpenAI API tests of issue 15 (logprobs, n, prompt lists, tokenize, structured
+outputs, tools), so they cost no vLLM start of their own."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import importlib.util
 import json
 import random
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -26,12 +29,16 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
+    from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
     model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
+    # the OpenAI API tests below (issue 15): a Hermes-style tool template, vLLM's hermes tool parser on every
+    # worker and the router, and whitespace tokens that cannot stall a JSON grammar on random weights
+    model = quiet_whitespace_tokens(use_tool_chat_template(model))
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                         worker_timeout_s=400)
+                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
     with Cluster(cfg) as c:
         yield c
 
@@ -100,3 +107,254 @@ def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
     assert _metric(d_url, "vllm:num_requests_running") == 0
     assert _metric(p_url, "vllm:pdserve_kv_released_notified_total") == released + 1
     assert json.loads(urllib.request.urlopen(cluster.router_url + "/health", timeout=10).read())["status"] == "ok"
+
+
+# ---- The OpenAI API through the disaggregated path (issue 15): logprobs (+ echo, prompt_logprobs), n > 1, prompt
+# lists, /tokenize and /detokenize, structured outputs and tools, each against the same request on one worker.
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "the time in a zone", "strict": True,
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                       "required": ["zone"], "additionalProperties": False}}}]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                           "n": {"type": "integer", "enum": [1, 2, 3]}},
+          "required": ["answer", "n"], "additionalProperties": False}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _api_alone(cluster: Cluster, path: str, body: dict) -> dict:
+    """The same request served start to finish by the decode worker alone (no kv_transfer_params)."""
+    return _post(cluster.worker_urls("decode")[0] + path, {"model": "rl", **body})
+
+
+def _close(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert abs(x - y) < 1e-3, (a, b)
+
+
+def _same_completion_logprobs(mine: dict, ref: dict) -> None:
+    assert mine["tokens"] == ref["tokens"]
+    assert mine["text_offset"] == ref["text_offset"]
+    _close(mine["token_logprobs"], ref["token_logprobs"])
+    for m, r in zip(mine["top_logprobs"], ref["top_logprobs"]):
+        assert (m is None) == (r is None)
+        if m is not None:
+            assert list(m) == list(r)
+            _close(list(m.values()), list(r.values()))
+
+
+def _same_chat_logprobs(mine: list[dict], ref: list[dict]) -> None:
+    assert [e["token"] for e in mine] == [e["token"] for e in ref]
+    assert [e["bytes"] for e in mine] == [e["bytes"] for e in ref]
+    _close([e["logprob"] for e in mine], [e["logprob"] for e in ref])
+    for m, r in zip(mine, ref):
+        assert [t["token"] for t in m["top_logprobs"]] == [t["token"] for t in r["top_logprobs"]]
+        _close([t["logprob"] for t in m["top_logprobs"]], [t["logprob"] for t in r["top_logprobs"]])
+
+
+def _stream_completion(client, **kw) -> tuple[dict[int, str], dict[int, dict]]:
+    texts: dict[int, str] = {}
+    lps: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                acc = lps.setdefault(c.index, {"tokens": [], "text_offset": [], "token_logprobs": [],
+                                               "top_logprobs": []})
+                for k in acc:
+                    acc[k] += getattr(c.logprobs, k)
+    return texts, lps
+
+
+def test_completion_logprobs_and_echo_equal_one_worker(cluster, client):
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    ref = _api_alone(cluster, "/v1/completions", {**body, "ignore_eos": True})["choices"][0]
+    out = client.completions.create(model="rl", **body, extra_body={"ignore_eos": True}).model_dump()
+    assert out["choices"][0]["text"] == ref["text"]
+    _same_completion_logprobs(out["choices"][0]["logprobs"], ref["logprobs"])
+    texts, lps = _stream_completion(client, model="rl", **body, extra_body={"ignore_eos": True})
+    assert texts[0] == ref["text"]
+    _same_completion_logprobs(lps[0], ref["logprobs"])
+    # echo: the prompt's tokens first, their logprobs from P's prompt_logprobs
+    ref = _api_alone(cluster, "/v1/completions", {**body, "echo": True, "ignore_eos": True})["choices"][0]
+    out = client.completions.create(model="rl", **body, echo=True, extra_body={"ignore_eos": True}).model_dump()
+    assert out["choices"][0]["text"] == ref["text"] and ref["text"].startswith(body["prompt"])
+    _same_completion_logprobs(out["choices"][0]["logprobs"], ref["logprobs"])
+    texts, lps = _stream_completion(client, model="rl", **body, echo=True, extra_body={"ignore_eos": True})
+    assert texts[0] == ref["text"]
+    _same_completion_logprobs(lps[0], ref["logprobs"])
+    # vLLM's prompt_logprobs, as the worker returns them
+    ref = _api_alone(cluster, "/v1/completions", {**body, "prompt_logprobs": 1, "ignore_eos": True})["choices"][0]
+    out = client.completions.create(model="rl", **body, extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+    mine = out.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(mine) == len(ref["prompt_logprobs"]) and mine[0] is None
+    for m, r in zip(mine[1:], ref["prompt_logprobs"][1:]):
+        assert list(m) == list(r)
+        _close([v["logprob"] for v in m.values()], [v["logprob"] for v in r.values()])
+
+
+def test_chat_logprobs_equal_one_worker(cluster, client):
+    body = {"messages": USER, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    ref = _api_alone(cluster, "/v1/chat/completions", {**body, "ignore_eos": True})["choices"][0]
+    out = client.chat.completions.create(model="rl", **body, extra_body={"ignore_eos": True}).model_dump()
+    assert out["choices"][0]["message"]["content"] == ref["message"]["content"]
+    _same_chat_logprobs(out["choices"][0]["logprobs"]["content"], ref["logprobs"]["content"])
+    content, entries = "", []
+    for chunk in client.chat.completions.create(model="rl", stream=True, **body, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            if c.logprobs is not None:
+                entries += c.logprobs.model_dump()["content"]
+    assert content == ref["message"]["content"]
+    _same_chat_logprobs(entries, ref["logprobs"]["content"])
+
+
+def test_n_and_prompt_lists_equal_one_worker(cluster, client):
+    # greedy: every choice is one worker's n=1 output (vLLM itself refuses n > 1 with greedy sampling)
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    ref = _api_alone(cluster, "/v1/completions", {**body, "ignore_eos": True})
+    out = client.completions.create(model="rl", **body, n=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [ref["choices"][0]["text"]] * 3
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (ref["usage"]["prompt_tokens"], 18)
+    texts, _ = _stream_completion(client, model="rl", **body, n=3, extra_body={"ignore_eos": True})
+    assert [texts[i] for i in range(3)] == [ref["choices"][0]["text"]] * 3
+    # a list of prompts with n=2: choices in order prompt by prompt, usage summed (prompts counted once)
+    body = {"prompt": ["Once upon a time", "In a hole in the ground"], "max_tokens": 5, "temperature": 0}
+    ref = _api_alone(cluster, "/v1/completions", {**body, "ignore_eos": True})
+    out = client.completions.create(model="rl", **body, n=2, extra_body={"ignore_eos": True})
+    assert [c.text for c in out.choices] == [c["text"] for c in ref["choices"] for _ in range(2)]
+    assert out.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+    assert out.usage.completion_tokens == 20
+    # sampling with a seed: choice i is seeded seed + i as vLLM seeds its n children, so its first token (P's)
+    # is the one worker's; D samples the rest with a fresh generator (see the README)
+    seeded = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 1.0, "seed": 7, "n": 2}
+    ref = _api_alone(cluster, "/v1/completions", {**seeded, "return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(model="rl", **seeded, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [c.model_dump()["token_ids"][0] for c in out.choices] == [c["token_ids"][0] for c in ref["choices"]]
+    # chat n=2, streamed: each choice carries its index
+    chat = {"messages": USER, "max_tokens": 5, "temperature": 0}
+    ref = _api_alone(cluster, "/v1/chat/completions", {**chat, "ignore_eos": True})
+    got: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="rl", stream=True, n=2, **chat,
+                                                extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+    assert [got[0], got[1]] == [ref["choices"][0]["message"]["content"]] * 2
+
+
+def test_tokenize_and_detokenize_as_vllm(cluster):
+    for body in ({"prompt": "Hello world, again", "return_token_strs": True},
+                 {"messages": USER, "tools": TOOLS}, {"messages": USER, "add_generation_prompt": False}):
+        mine = _post(cluster.router_url + "/tokenize", {"model": "rl", **body})
+        assert mine == _api_alone(cluster, "/tokenize", body)
+        back = {"tokens": mine["tokens"]}
+        assert _post(cluster.router_url + "/detokenize", back) == _api_alone(cluster, "/detokenize", back)
+
+
+def _chat_both(cluster, client, body: dict) -> tuple[dict, dict, str, list]:
+    """(router's answer, one worker's answer, router's streamed content, streamed tool-call deltas)."""
+    ref = _api_alone(cluster, "/v1/chat/completions", body)
+    out = client.chat.completions.create(model="rl", **body).model_dump()
+    content, calls = "", []
+    for chunk in client.chat.completions.create(model="rl", stream=True, **body):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += [t.model_dump() for t in c.delta.tool_calls or []]
+    return out, ref, content, calls
+
+
+def test_structured_outputs_equal_one_worker(cluster, client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    out, ref, streamed, _ = _chat_both(cluster, client, {"messages": USER, "max_tokens": 40, "temperature": 0,
+                                                         "response_format": fmt})
+    text = out["choices"][0]["message"]["content"]
+    assert text == ref["choices"][0]["message"]["content"] == streamed
+    assert out["choices"][0]["finish_reason"] == "stop" and set(json.loads(text)) == {"answer", "n"}
+    for so in ({"choice": ["red", "green", "blue"]}, {"regex": "[a-c]{3}-[0-9]{2}"}):
+        body = {"prompt": "Pick:", "max_tokens": 12, "temperature": 0, "structured_outputs": so}
+        ref = _api_alone(cluster, "/v1/completions", body)["choices"][0]["text"]
+        got = client.completions.create(model="rl", prompt="Pick:", max_tokens=12, temperature=0,
+                                        extra_body={"structured_outputs": so}).choices[0].text
+        assert got == ref
+        if "choice" in so:
+            assert got in so["choice"]
+
+
+def _args(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _streamed_calls(deltas: list[dict]) -> list[tuple[str, dict]]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+        fn = d.get("function") or {}
+        c["name"] += fn.get("name") or ""
+        c["arguments"] += fn.get("arguments") or ""
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_tool_calls_equal_one_worker(cluster, client, choice):
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": choice, "max_tokens": 48, "temperature": 0}
+    out, ref, streamed, deltas = _chat_both(cluster, client, body)
+    mine, theirs = out["choices"][0], ref["choices"][0]
+    assert _args(mine["message"].get("tool_calls") or []) == _args(theirs["message"].get("tool_calls") or [])
+    assert mine["message"]["content"] == theirs["message"]["content"]
+    assert mine["finish_reason"] == theirs["finish_reason"]
+    if choice != "auto":  # constrained: valid JSON arguments even from random weights
+        calls = _args(mine["message"]["tool_calls"])
+        assert calls and all(set(args) == {"city"} or set(args) == {"zone"} for _, args in calls)
+        if isinstance(choice, dict):
+            assert {name for name, _ in calls} == {"get_time"}
+        assert _streamed_calls(deltas) == calls
+    else:
+        assert streamed == (theirs["message"]["content"] or "")
+
+
+def test_unsupported_fields_are_400(client):
+    for kw in ({"suffix": "x"}, {"logit_bias": {"5": 1.0}}, {"extra_body": {"guided_json": {"type": "object"}}},
+               {"extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="rl", prompt="a", max_tokens=2, **kw)
+        assert e.value.status_code == 400
+
+
+def test_client_leaving_n_stream_frees_blocks(cluster, client):
+    p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
+    stream = client.completions.create(model="rl", prompt="Tell me a very long story " * 30, max_tokens=1500, n=2,
+                                       temperature=0, stream=True, logprobs=1, extra_body={"ignore_eos": True})
+    seen: dict[int, int] = {}
+    for chunk in stream:  # leave once both choices are decoding on D (see the report on P-answered-D-not-asked)
+        for c in chunk.choices:
+            seen[c.index] = seen.get(c.index, 0) + 1
+        if len(seen) == 2 and min(seen.values()) >= 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+
+    def usage() -> tuple[float, float]:
+        return (scrape(p_url, "vllm:kv_cache_usage_perc").get("vllm:kv_cache_usage_perc", 0.0),
+                scrape(d_url, "vllm:kv_cache_usage_perc").get("vllm:kv_cache_usage_perc", 0.0))
+
+    while usage() != (0.0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert usage() == (0.0, 0.0), "KV blocks still held after the client left"
+    try:
+        health = json.loads(urllib.request.urlopen(cluster.router_url + "/health", timeout=10).read())
+    except urllib.error.HTTPError as e:
+        health = json.loads(e.read())
+    assert health["status"] == "ok"

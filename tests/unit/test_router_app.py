@@ -496,13 +496,13 @@ def test_error_statuses_and_shapes(model_dir, tokenizer):
                 ({"max_tokens": 2}, 400, "prompt"),
                 ({"prompt": "a", "temperature": -1}, 400, "temperature"),
                 ({"prompt": "a", "top_p": 0}, 400, "top_p"),
-                ({"prompt": "a", "n": 2}, 400, "n"),
+                ({"prompt": "a", "n": 0}, 400, "n"),
                 ({"prompt": "a", "stop": 3}, 400, "stop"),
                 ({"prompt": [1, -2]}, 400, "prompt"),
                 ({"prompt": [5, 5000]}, 400, "prompt"),
                 ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
                 ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
-                ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+                ({"prompt": "a", "logprobs": -1}, 400, "logprobs"),
                 ([1, 2], 400, None),
             ]
             for body, status, param in cases:

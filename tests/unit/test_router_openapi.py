@@ -95,7 +95,7 @@ def test_request_schemas_accept_served_requests_and_error_body():
     comp.validate({"prompt": [1, 2, 3], "max_tokens": None, "ignore_eos": True})
     comp.validate({"prompt": ["one"]})
     assert not chat.is_valid({"messages": []}) and not chat.is_valid({"messages": [{"content": "no role"}]})
-    assert not chat.is_valid({"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert not chat.is_valid({"messages": [{"role": "user", "content": "x"}], "n": 0})
     assert not chat.is_valid({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})
     assert not comp.is_valid({"prompt": ""}) and not comp.is_valid({}) and not comp.is_valid({"prompt": [-1]})
     assert not comp.is_valid({"prompt": "x", "top_p": 0})
