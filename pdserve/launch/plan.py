@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 
@@ -226,7 +227,8 @@ def plan_workers(
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype, served_model_name=name,
+            max_num_batched_tokens=config.max_num_batched_tokens, dtype=worker_dtype(config.dtype).dtype,
+            served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
             kv_events_endpoint=kv_events_endpoint,
@@ -299,3 +301,11 @@ def router_env(base_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment of a router started outside a plan: no transfer secret, pdserve first on PYTHONPATH."""
     spec = ProcessSpec("router", "router", (), {"PYTHONUNBUFFERED": "1"})
     return spec.environ(os.environ if base_env is None else base_env)
+
+
+def worker_dtype(configured: str | None) -> DtypeChoice:
+    """The workers' ``--dtype``: as configured (already checked by the config, passed to vLLM as is), else the
+    CPU rule's (:func:`pdserve.dtype.choose_dtype`: bf16 with AVX512-BF16 or AMX, else fp32)."""
+    if configured:
+        return DtypeChoice(configured, f"--dtype {configured} given")
+    return choose_dtype()
