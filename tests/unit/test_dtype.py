@@ -258,3 +258,15 @@ def test_calibration_records_the_rules_dtype(cpu, monkeypatch, tmp_path):
     cal.save(tmp_path / "cal.json")
     assert calibrate.Calibration.load(tmp_path / "cal.json").dtype == "float32"
     assert calibrate.calibrate("http://127.0.0.1:1", 1000, 1e9, dtype="bf16").dtype == "bfloat16"
+
+
+def test_bench_report_names_the_workers_dtype(tmp_path):
+    from pdserve.bench.report import write_report
+
+    wl = {"goodput_req_per_s": 1.0, "tpot_p99_ms": 50.0, "ttft_p50_ms": 100.0, "errors": 0}
+    res = {"order": ["colocated1"], "workloads": ["w"], "slo": {"ttft_ms": 1, "tpot_ms": 1}, "cores": [0, 1],
+           "dtype": {"dtype": "float32", "reason": "the CPU has none of avx512_bf16, amx_bf16, amx_tile"},
+           "configs": {"colocated1": {"startup_s": 1.0, "workers": 1, "workloads": {"w": wl}}}}
+    write_report(res, tmp_path, plots=False)
+    assert ("Workers' dtype: float32 (the CPU has none of avx512_bf16, amx_bf16, amx_tile)."
+            in (tmp_path / "report.md").read_text())
