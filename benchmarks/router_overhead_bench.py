@@ -15,8 +15,9 @@ Then it finds where the router's time goes: a second router process in front of 
 cProfile (switched on and off by signals around ``--profile-requests`` requests only, so start-up and health
 probes are left out) and the table lists its top functions by own time, per streamed token, and the totals of
 the candidate costs (worker SSE parsing, stop strings, chunk building and SSE encoding, socket writes, the event
-loop). cProfile slows Python code down, so its times rank the costs; the unprofiled router's figures above are
-the ones to quote. Prints tables and one JSON line.
+loop). Its clock is the router thread's CPU time by default (``--profile-timer cpu``), so other processes on
+busy cores do not inflate it. cProfile slows Python code down, so its times rank the costs; the unprofiled
+router's figures above are the ones to quote. Prints tables and one JSON line.
 """
 
 from __future__ import annotations
@@ -58,18 +59,27 @@ GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
                              ("~", "'send' of '_socket.socket'")),
     "event loop (select, callbacks)": (("asyncio/base_events.py", ""), ("selectors.py", ""),
                                        ("asyncio/events.py", ""), ("asyncio/futures.py", ""),
-                                       ("asyncio/tasks.py", ""), ("~", "select.epoll")),
+                                       ("asyncio/tasks.py", "")),
+    "idle: waiting in epoll (not a cost)": (("~", "select.epoll"),),
 }
+IDLE = "idle: waiting in epoll (not a cost)"
 
 
 # ----------------------------------------------------------------------------- the profiled router (child mode)
 
-def profiled_router(prof_path: str, router_argv: list[str]) -> int:
+def profiled_router(prof_path: str, timer: str, loop: str, router_argv: list[str]) -> int:
     """Run ``python -m pdserve.router ROUTER_ARGV`` in this process; SIGUSR1 starts cProfile, SIGUSR2 stops it and
-    writes ``prof_path``."""
+    writes ``prof_path``. ``timer``: ``cpu`` (the main thread's CPU time: waits and preemption by other processes
+    on busy cores cost nothing) or ``wall``. ``loop``: ``asyncio`` (as shipped) or ``uvloop`` (installed as the
+    event loop policy before the router starts: what the router would gain from it, without changing it)."""
     import cProfile
 
-    prof = cProfile.Profile()
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.install()
+
+    prof = cProfile.Profile(time.thread_time) if timer == "cpu" else cProfile.Profile()
 
     def on(signum: int, frame: Any) -> None:  # noqa: ARG001
         prof.enable()
@@ -182,7 +192,9 @@ def profile_table(prof_path: str, tokens: int, top: int = 20) -> dict[str, Any]:
                 own += v[2]
         groups[name] = round(own * 1000.0 / tokens, 4)
     pdserve_own = sum(v[2] for (f, _ln, _fn), v in raw.items() if "/pdserve/" in f)
+    busy = total - groups[IDLE] * tokens / 1000.0
     return {"profiled_ms_per_token": round(total * 1000.0 / tokens, 4),
+            "busy_ms_per_token": round(busy * 1000.0 / tokens, 4),
             "pdserve_code_own_ms_per_token": round(pdserve_own * 1000.0 / tokens, 4),
             "groups_own_ms_per_token": groups, "top": top_rows}
 
@@ -195,17 +207,19 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path) -> dict[str, Any]:
-    """A second router under cProfile, in front of the same worker; profiles ``n`` requests only."""
+def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, timer: str, loop: str
+                ) -> dict[str, Any]:
+    """A second router in front of the same worker, on event loop ``loop``: its CPU per token over ``n`` requests
+    unprofiled, then a cProfile of ``n`` more requests only."""
     from pdserve.procs import free_port
 
     port = free_port()
-    prof = out_dir / "router.prof"
+    prof = out_dir / f"router-{loop}.prof"
     prof.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--profiled-router", str(prof), "--",
+    argv = [sys.executable, str(Path(__file__).resolve()), "--profiled-router", str(prof), timer, loop, "--",
             "--model-dir", str(cluster.model_dir), "--colocated", cluster.worker_urls()[0], "--port", str(port),
             "--served-model-name", cluster.model_name, "--log-level", "warning"]
-    log = open(out_dir / "profiled-router.log", "wb")  # noqa: SIM115 - closed below
+    log = open(out_dir / f"profiled-router-{loop}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -221,9 +235,14 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path) ->
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"profiled router did not start; see {out_dir / 'profiled-router.log'}")
+                raise RuntimeError(f"profiled router did not start; see {log.name}")
             time.sleep(0.2)
         asyncio.run(through(url, payload, 2))  # warm-up, not profiled
+        cpu: list[float] = []
+        for _ in range(n):
+            c0 = _cpu_s(proc.pid)
+            rec = asyncio.run(through(url, payload, 1))[0]
+            cpu.append((_cpu_s(proc.pid) - c0) * 1000.0 / rec.output_tokens)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(0.3)
         recs = asyncio.run(through(url, payload, n))
@@ -231,7 +250,8 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path) ->
         _wait_for(prof, 30)
         tokens = sum(r.output_tokens for r in recs)
         table = profile_table(str(prof), tokens)
-        table["requests"] = n
+        table["requests"], table["timer"], table["loop"] = n, timer, loop
+        table["unprofiled_cpu_ms_per_token_p50"] = round(statistics.median(cpu), 4)
         table["profiled_e2e_p50_ms"] = _p50_ms([r.latency_s for r in recs])
         return table
     finally:
@@ -260,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--profiled-router"]:
         sep = argv.index("--")
-        return profiled_router(argv[1], argv[sep + 1:])
+        return profiled_router(argv[1], argv[2], argv[3], argv[sep + 1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=20, help="requests to each of router and worker (default 20)")
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens (default 100)")
@@ -268,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="model folder (default: a small random Llama, built once)")
     ap.add_argument("--profile-requests", type=int, default=10, help="requests through the profiled router (0: "
                     "skip the profile)")
+    ap.add_argument("--profile-timer", choices=("cpu", "wall"), default="cpu",
+                    help="cProfile's clock: the router thread's CPU time (default; robust to busy cores) or wall")
+    ap.add_argument("--profile-loops", default="asyncio,uvloop",
+                    help="event loops to run the profiled router on, in turn (asyncio as shipped; uvloop if installed)")
     ap.add_argument("--out", default="", help="folder for router.prof and logs (default: a temporary one)")
     args = ap.parse_args(argv)
     from pdserve.config import LauncherConfig
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = asyncio.run(alternate(cluster.router_url, cluster.worker_urls()[0], payload, args.requests,
                                      cluster.router.pid))
         result = summarize(runs, args.output)
-        prof = run_profile(cluster, payload, args.profile_requests, out_dir) if args.profile_requests else None
+        profs = [run_profile(cluster, payload, args.profile_requests, out_dir, args.profile_timer, loop)
+                 for loop in args.profile_loops.split(",") if loop and args.profile_requests]
     result.update({"prompt_tokens": args.prompt, "cores": cores, "model": cfg.model, "dtype": "float32"})
     print(f"{'':<28}{'router':>12}{'direct':>12}{'added':>12}")
     for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("e2e_p50_ms", "e2e p50 (ms)"),
@@ -301,17 +326,23 @@ def main(argv: list[str] | None = None) -> int:
           f"p50s {result['added_ms_per_token_from_p50s']:.3f} ms), e2e ratio {result['e2e_ratio']:.3f}; router "
           f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token; router_overhead_ms p50 "
           f"{result['router_overhead_ms_p50']}")
-    if prof:
-        result["profile"] = prof
-        print(f"\nprofiled router ({prof['requests']} requests, cProfile on): {prof['profiled_ms_per_token']:.3f} ms "
-              f"of profiled time per token, pdserve code's own {prof['pdserve_code_own_ms_per_token']:.3f}")
+    result["profiles"] = profs
+    for prof in profs:
+        print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "
+              f"unprofiled ({prof['requests']} requests); cProfile ({prof['timer']} clock): "
+              f"{prof['busy_ms_per_token']:.3f} ms per token busy (of {prof['profiled_ms_per_token']:.3f} profiled), "
+              f"pdserve code's own {prof['pdserve_code_own_ms_per_token']:.3f}")
         for name, ms in sorted(prof["groups_own_ms_per_token"].items(), key=lambda kv: -kv[1]):
-            print(f"  {name:<34}{ms:>9.4f} ms/token")
+            print(f"  {name:<52}{ms:>9.4f} ms/token")
         print(f"{'function':<64}{'calls/tok':>10}{'own ms/tok':>12}{'cum ms/tok':>12}")
         for row in prof["top"]:
             print(f"{row['function'][:63]:<64}{row['calls_per_token']:>10.2f}{row['own_ms_per_token']:>12.4f}"
                   f"{row['cum_ms_per_token']:>12.4f}")
-        print(f"profile: {out_dir / 'router.prof'} (python -m pstats)", file=sys.stderr)
+        print(f"profile: {out_dir / ('router-' + prof['loop'] + '.prof')} (python -m pstats)", file=sys.stderr)
+    if len(profs) == 2:
+        a, b = (p["unprofiled_cpu_ms_per_token_p50"] for p in profs)
+        result["cpu_per_token_ratio"] = {f"{profs[1]['loop']}/{profs[0]['loop']}": round(b / a, 3)}
+        print(f"\nrouter CPU per token, {profs[1]['loop']} / {profs[0]['loop']}: {b / a:.3f}")
     print(json.dumps(result))
     return 0
 
