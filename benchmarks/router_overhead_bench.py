@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import pstats
@@ -99,9 +100,15 @@ def profiled_router(prof_path: str, timer: str, loop: str, router_argv: list[str
 # ----------------------------------------------------------------------------- measuring
 
 def _cpu_s(pid: int) -> float:
-    """utime + stime of a process, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of all a process's threads, seconds, to the nanosecond (``/proc/PID/task/*/schedstat``; the
+    utime/stime of ``/proc/PID/stat`` count 10 ms ticks, too coarse for one request's fraction of a ms per token)."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 async def _one(session: Any, url: str, payload: dict[str, Any], timings: bool) -> Any:
@@ -170,6 +177,7 @@ def summarize(runs: dict[str, list[Any]], output: int) -> dict[str, Any]:
         "added_ms_per_token_from_p50s": round((e2e_r - e2e_d) / output, 4),
         "e2e_ratio": round(e2e_r / e2e_d, 4),
         "router_cpu_ms_per_token_p50": round(statistics.median(cpu_per_tok), 4),
+        "router_cpu_ms_per_token_mean": round(sum(runs["router_cpu_s"]) * 1000.0 / sum(tokens), 4),
         "router_overhead_ms_p50": round(statistics.median(o for o in overhead if o is not None), 3)
         if overhead else None,
     }
@@ -252,6 +260,7 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
         table = profile_table(str(prof), tokens)
         table["requests"], table["timer"], table["loop"] = n, timer, loop
         table["unprofiled_cpu_ms_per_token_p50"] = round(statistics.median(cpu), 4)
+        table["unprofiled_cpu_ms_per_token_mean"] = round(statistics.fmean(cpu), 4)
         table["profiled_e2e_p50_ms"] = _p50_ms([r.latency_s for r in recs])
         return table
     finally:
@@ -314,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = asyncio.run(alternate(cluster.router_url, cluster.worker_urls()[0], payload, args.requests,
                                      cluster.router.pid))
         result = summarize(runs, args.output)
-        profs = [run_profile(cluster, payload, args.profile_requests, out_dir, args.profile_timer, loop)
-                 for loop in args.profile_loops.split(",") if loop and args.profile_requests]
+        loops = [lp for lp in args.profile_loops.split(",") if lp and args.profile_requests]
+        if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
+            say("uvloop is not installed: profiling on asyncio only")
+            loops.remove("uvloop")
+        profs = [run_profile(cluster, payload, args.profile_requests, out_dir, args.profile_timer, lp)
+                 for lp in loops]
     result.update({"prompt_tokens": args.prompt, "cores": cores, "model": cfg.model, "dtype": "float32"})
     print(f"{'':<28}{'router':>12}{'direct':>12}{'added':>12}")
     for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("e2e_p50_ms", "e2e p50 (ms)"),
@@ -324,12 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<28}{a:>12.2f}{b:>12.2f}{a - b:>12.2f}")
     print(f"added per streamed token: {result['added_ms_per_token']:.3f} ms (median of paired requests; from the "
           f"p50s {result['added_ms_per_token_from_p50s']:.3f} ms), e2e ratio {result['e2e_ratio']:.3f}; router "
-          f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token; router_overhead_ms p50 "
+          f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
+          f"{result['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 "
           f"{result['router_overhead_ms_p50']}")
     result["profiles"] = profs
     for prof in profs:
         print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "
-              f"unprofiled ({prof['requests']} requests); cProfile ({prof['timer']} clock): "
+              f"unprofiled (p50 of {prof['requests']} requests; mean {prof['unprofiled_cpu_ms_per_token_mean']:.3f}); "
+              f"cProfile ({prof['timer']} clock): "
               f"{prof['busy_ms_per_token']:.3f} ms per token busy (of {prof['profiled_ms_per_token']:.3f} profiled), "
               f"pdserve code's own {prof['pdserve_code_own_ms_per_token']:.3f}")
         for name, ms in sorted(prof["groups_own_ms_per_token"].items(), key=lambda kv: -kv[1]):
