@@ -1,6 +1,6 @@
 """torch matmul GFLOP/s in bf16 against fp32 on this CPU, and which dtype pdserve's CPU rule picks.
 
-    python benchmarks/dtype_bench.py [--quick] [--reps 5] [--threads N]
+    python benchmarks/dtype_bench.py [--quick] [--reps 10] [--threads N]
 
 Shapes: square n x n products, and the two shapes a decode step of SmolLM2-135M spends its time in (a batch of
 8 tokens through a 576 x 1536 MLP projection, and the 576 x 49152 LM head). Each rate is the best of ``--reps``
