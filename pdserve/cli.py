@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=_positive_int, default=d, help="context length (default 2048)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=d,
                    help="vLLM's per-step token budget (prefill chunk size); default: vLLM's")
-    s.add_argument("--dtype", default=d, help="model dtype for vLLM (bfloat16, float32, auto)")
+    s.add_argument("--dtype", default=d, help="model dtype for vLLM (bfloat16, float32, auto; default: bfloat16 "
+                   "where the CPU has AVX512-BF16 or AMX, else float32)")
     s.add_argument("--served-model-name", default=d, help="name clients use (default: the model folder's name)")
     s.add_argument("--lease-s", type=float, default=d, help="seconds a prefill worker holds KV for decode (30)")
     s.add_argument("--connector", dest="connector", action="store_true", default=d,
@@ -197,7 +198,11 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = config.model_dir.resolve() if config.model else config.model_dir
         plan = make_plan(config, model_dir)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
+        from .launch.plan import worker_dtype
+
         print(describe_devices(config, plan))
+        if not config.gpus:  # GPU workers keep vLLM's own dtype default unless --dtype
+            print(worker_dtype(config.dtype).describe())
         print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "
               "ports, and the router's --port unless 0)")
         print(plan.describe())

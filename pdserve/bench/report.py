@@ -136,6 +136,8 @@ def markdown(results: dict[str, Any], verdicts: list[dict[str, Any]], crossovers
     lines += [f"Configurations (in run order, same cores {results.get('cores')}): {', '.join(results['order'])}. "
               f"Baseline: {results['order'][0]}. Goodput targets: TTFT <= {slo.get('ttft_ms')} ms, "
               f"TPOT <= {slo.get('tpot_ms')} ms. Times in ms from the client's clock; phases from the router.", ""]
+    if results.get("dtype"):
+        lines += [f"Workers' dtype: {results['dtype']['dtype']} ({results['dtype']['reason']}).", ""]
     for c, why in (results.get("failed") or {}).items():
         lines += [f"**{c} failed** and is left out: {why}", ""]
     lines += ["## Verdict", ""]

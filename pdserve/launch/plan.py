@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig, worker_tp
+from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 from .gpus import GpuSlot, assign_gpus
@@ -250,7 +251,8 @@ def plan_workers(
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=config.dtype, served_model_name=name,
+            max_num_batched_tokens=config.max_num_batched_tokens, dtype=worker_dtype(config.dtype).dtype,
+            served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
             kv_events_endpoint=kv_events_endpoint, tp=tp,
@@ -267,8 +269,10 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     if not slot.devices and config.kv_connector == "pdserve":
         return worker
     tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
+    # the CPU dtype rule (pdserve.dtype) is for CPU workers: a GPU worker keeps vLLM's default unless --dtype
+    dtype = worker.dtype if not slot.devices or config.dtype else None
     return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
-                   tp=tp, kv_connector=config.kv_connector,
+                   tp=tp, kv_connector=config.kv_connector, dtype=dtype,
                    nixl_side_channel_port=side_port if worker.connector else 0)
 
 
@@ -356,3 +360,11 @@ def router_env(base_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment of a router started outside a plan: no transfer secret, pdserve first on PYTHONPATH."""
     spec = ProcessSpec("router", "router", (), {"PYTHONUNBUFFERED": "1"})
     return spec.environ(os.environ if base_env is None else base_env)
+
+
+def worker_dtype(configured: str | None) -> DtypeChoice:
+    """The workers' ``--dtype``: as configured (already checked by the config, passed to vLLM as is), else the
+    CPU rule's (:func:`pdserve.dtype.choose_dtype`: bf16 with AVX512-BF16 or AMX, else fp32)."""
+    if configured:
+        return DtypeChoice(configured, f"--dtype {configured} given")
+    return choose_dtype()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.conductor.cost_model import WindowFit, decode_features, prefill_features
+from pdserve.dtype import choose_dtype
 
 
 @dataclass
@@ -29,6 +30,10 @@ class Calibration:
     transfer_overhead_s: float = 0.002
     handoff_s: float = 0.0
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
+    # the dtype the fit holds for: the CPU rule's (pdserve.dtype), which `pdserve serve` runs workers in unless
+    # --dtype overrides it; a server started in another dtype needs its own calibration
+    dtype: str = ""
+    dtype_reason: str = ""
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -144,6 +149,11 @@ async def measure(url: str, prompt_lengths: Sequence[int] = (64, 256, 512, 1024,
 
 
 def calibrate(url: str, kv_bytes_per_token: int, bandwidth_bytes_s: float, handoff_s: float = 0.0,
-              **kw: Any) -> Calibration:
+              dtype: str | None = None, **kw: Any) -> Calibration:
+    """Measure the server at ``url`` and fit; the result records ``dtype`` (default: the CPU rule's, the one
+    ``pdserve serve`` picks on this machine) so a fit is not reused for a server in another dtype unawares."""
+    choice = choose_dtype(dtype)
     prefill, decode = asyncio.run(measure(url, **kw))
-    return fit(prefill, decode, kv_bytes_per_token, bandwidth_bytes_s, handoff_s)
+    cal = fit(prefill, decode, kv_bytes_per_token, bandwidth_bytes_s, handoff_s)
+    cal.dtype, cal.dtype_reason = choice.dtype, choice.reason
+    return cal

@@ -89,7 +89,8 @@ def _hardware(args: argparse.Namespace) -> tuple[Accelerator, Link, float, dict[
 
         mm = measure_machine()
         measured = {"matmul_gflops": mm.matmul_flops / 1e9, "copy_gbs": mm.copy_bytes_s / 1e9,
-                    "transfer_gbs": mm.transfer_bytes_s / 1e9, "cores": mm.cores}
+                    "transfer_gbs": mm.transfer_bytes_s / 1e9, "cores": mm.cores,
+                    "dtype": mm.dtype, "dtype_reason": mm.dtype_reason}
         # one device = one core: the measured rates are shared by the cores
         # the measured matmul rate is an achieved rate (MFU 1); decode reaches about 60% of memcpy bandwidth;
         # --calibrate replaces both with fitted times

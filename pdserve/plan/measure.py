@@ -1,4 +1,5 @@
-"""Measure this machine in a few seconds: bf16 matmul rate, memory copy bandwidth, transfer-engine loopback."""
+"""Measure this machine in a few seconds: matmul rate in the dtype the workers run in (the CPU rule of
+:mod:`pdserve.dtype`, as ``pdserve serve`` picks it), memory copy bandwidth, transfer-engine loopback."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.dtype import DtypeChoice, choose_dtype
+
 from .hardware import Accelerator, Link
 
 
 @dataclass(frozen=True)
 class MachineMeasurement:
-    matmul_flops: float  # bf16 FLOP/s on the cores this process may use
+    matmul_flops: float  # FLOP/s in ``dtype`` on the cores this process may use
     copy_bytes_s: float  # memcpy bandwidth (bytes copied per second)
     transfer_bytes_s: float  # pdserve transfer engine, same-host loopback
     cores: int
     memory_bytes: float
+    dtype: str = "bfloat16"  # the matmul's dtype: the CPU rule's unless overridden
+    dtype_reason: str = ""
 
     def accelerator(self, mfu: float = 1.0, mbu: float = 1.0, step_overhead_s: float = 0.02) -> Accelerator:
         """This machine as an Accelerator; measured rates are already achieved rates (mfu = mbu = 1)."""
@@ -39,12 +44,12 @@ def _best_seconds(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
-def matmul_flops(n: int = 1024, reps: int = 3) -> float:
-    """bf16 n x n matmul rate with torch (the dtype vLLM runs on this CPU)."""
+def matmul_flops(n: int = 1024, reps: int = 3, dtype: str = "bfloat16") -> float:
+    """n x n matmul rate with torch in ``dtype`` (``bfloat16`` or ``float32``)."""
     import torch
 
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
     return 2.0 * n ** 3 / _best_seconds(lambda: a @ b, reps)
 
 
@@ -70,8 +75,10 @@ def _memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def measure_machine() -> MachineMeasurement:
-    """All three measurements (about 2-5 s on 2 cores)."""
-    return MachineMeasurement(matmul_flops=matmul_flops(), copy_bytes_s=copy_bytes_s(),
+def measure_machine(dtype: str | None = None) -> MachineMeasurement:
+    """All three measurements (about 2-5 s on 2 cores); the matmul in ``dtype``, default the CPU rule's
+    (:func:`pdserve.dtype.choose_dtype`: the dtype ``pdserve serve`` runs the workers in)."""
+    choice: DtypeChoice = choose_dtype(dtype)
+    return MachineMeasurement(matmul_flops=matmul_flops(dtype=choice.dtype), copy_bytes_s=copy_bytes_s(),
                               transfer_bytes_s=transfer_bytes_s(), cores=len(os.sched_getaffinity(0)),
-                              memory_bytes=_memory_bytes())
+                              memory_bytes=_memory_bytes(), dtype=choice.dtype, dtype_reason=choice.reason)

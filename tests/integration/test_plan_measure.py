@@ -40,7 +40,8 @@ def test_measures_this_machine_in_seconds():
     import torch
 
     n = 512
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    dt = getattr(torch, m.dtype)  # the CPU rule's dtype (pdserve.dtype), as the measurement used
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
     assert _same_order(2.0 * n ** 3 / m.matmul_flops, _wall_s(lambda: a @ b)), m
     src = np.ones(64 << 20, dtype=np.uint8)
     dst = np.empty_like(src)

@@ -20,7 +20,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "store": ({"transfer"}, {"vllm", "aiohttp", "transformers"}),
     "router": ({"conductor", "hashing", "prom", "rules", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
-    "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer"}, {"vllm"}),
+    "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer", "dtype"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
 }
 # The one exception to "the router never imports vLLM": vLLM's own tool-call parsers (issue 15), imported inside

@@ -155,6 +155,7 @@ def test_tensor_parallel_gpu_workers_with_pdserve_connector(tmp_path):
         i = p.argv.index("--tensor-parallel-size")
         assert p.argv[i + 1] == "2"
         assert "VLLM_CPU_OMP_THREADS_BIND" not in p.env
+        assert "--dtype" not in p.argv  # the CPU dtype rule is not applied to GPU workers: vLLM's default
 
 
 def test_tensor_parallel_workers_with_nixl(tmp_path):
