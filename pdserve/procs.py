@@ -165,6 +165,23 @@ def tail(path: Path | None, lines: int = 40, max_bytes: int = 64 << 10) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+def rotate_log(path: Path, keep: int = 5) -> Path | None:
+    """Keep a finished process's log: ``NAME.log`` -> ``NAME.log.1`` (the older ones shift to ``.2`` ...
+    ``.keep``; older still are deleted), so the next start writes a fresh ``NAME.log``. Returns the kept path
+    (None when there was no log)."""
+    if not path.exists():
+        return None
+    oldest = path.with_name(f"{path.name}.{keep}")
+    oldest.unlink(missing_ok=True)
+    for k in range(keep - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{k}")
+        if older.exists():
+            older.rename(path.with_name(f"{path.name}.{k + 1}"))
+    kept = path.with_name(f"{path.name}.1")
+    path.rename(kept)
+    return kept
+
+
 def spawn(
     name: str,
     argv: Sequence[str],
