@@ -117,7 +117,7 @@ def start_stack(args: argparse.Namespace, model: Path, run_dir: Path) -> Stack:
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--prefill", str(args.prefill),
             "--decode", str(args.decode), "--port", "0", "--run-dir", str(run_dir), "--dtype", "float32",
             "--lease-s", str(args.lease_s), "--worker-timeout", str(args.startup_timeout),
-            "--router-args", "--health-interval-s 1"]
+            "--router-args=--health-interval-s 1"]
     with open(err_path, "w") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT),
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -238,7 +238,7 @@ class Fault:
     note: str = ""
 
 
-def plan_faults(duration_s: float, rng: random.Random, stop_s: float) -> list[Fault]:
+def plan_faults(duration_s: float, rng: random.Random) -> list[Fault]:
     kinds = list(FAULTS)
     rng.shuffle(kinds)
     lo, hi = 0.1 * duration_s, 0.8 * duration_s
@@ -259,10 +259,10 @@ async def inject(stack: Stack, faults: list[Fault], t0: float, stop_s: float, lo
         f.restarts_before = launcher_metric(stack, "pdserve_process_restarts_total", f.target) or 0.0
         f.fired_at = time.monotonic()
         if f.kind == "stop_worker":
-            os.kill(pid, signal.SIGSTOP)
+            os.killpg(pid, signal.SIGSTOP)  # the whole worker: API server and engine core (pid leads its group)
             log.append(f"{f.fired_at - t0:6.1f} s  SIGSTOP {f.target} (pid {pid}) for {stop_s:g} s")
             await asyncio.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
+            os.killpg(pid, signal.SIGCONT)
             f.cont_at = time.monotonic()
             log.append(f"{f.cont_at - t0:6.1f} s  SIGCONT {f.target}")
         else:
@@ -461,7 +461,7 @@ def main() -> None:
             m = stack.manifest()
             prompts = make_prompts(args.prompts, rng)
             expected = reference(m["workers"][0]["url"], m["model_name"], prompts, args.max_tokens)
-            faults = plan_faults(args.duration, rng, args.stop_s)
+            faults = plan_faults(args.duration, rng)
             for f in faults:
                 f.target = target_of(f.kind, args)
             log: list[str] = []

@@ -112,9 +112,9 @@ def test_launcher_restarts_a_killed_worker_gives_up_a_crash_loop_and_stops_clean
         assert all(c.alive() for c in cluster.workers) and cluster.router.alive()
         assert _complete(url, name) == before  # the rest keeps serving
         pgids = cluster.pgids()
-        restarts = _metric(cluster, "pdserve_process_restarts_total", "decode0")
+        mark = len(log)
     # 3. an orderly stop restarts nothing and leaves no process
-    assert restarts == 1 and not any("restarted" in line for line in log[-5:])
+    assert not any("restart" in line for line in log[mark:]), log[mark:]
     assert wait_dead([p for g in pgids for p in pids_in_group(g)], 30) == []
     assert http_status(cluster.metrics_url + "/metrics", timeout_s=1) is None
     assert sorted(p.name for p in Path(run_dir).glob("decode0.log*")) == ["decode0.log", "decode0.log.1"]
