@@ -12,7 +12,8 @@ random times (one per slot of the load window, in random order; seeded). Each re
 - ``correct``: the stream finished and its text equals the reference;
 - ``wrong``: the stream finished with another text (must be 0);
 - ``clear error``: an HTTP error with an OpenAI-style JSON body, or an SSE error event;
-- ``connection``: refused / reset by the router's port (while the router itself is dead);
+- ``refused``: the router's port refused the connection (the router itself was dead: nothing was started);
+- ``cut``: the connection broke mid-response (the router was killed while streaming it);
 - ``hung``: no end within ``--client-timeout`` (must be 0).
 
 After the load: wait until every in-flight request has ended, until full service (the router's /health is 200
@@ -21,8 +22,10 @@ x the worker's block count, from its /metrics; the connector exposes counters on
 SIGTERM the launcher and check it restarted nothing while stopping and left no process. "Time until full
 service" for a fault: from the fault until the first sample, after the faulted process was restarted (the
 launcher's ``pdserve_process_restarts_total`` went up) or SIGCONT'ed, at which there was full service; faults
-may overlap, so one recovery can include another fault's. Migrations: read from the router's /metrics (any
-``*migrat*`` counter) or a response header naming them; "n/a" when the router exposes neither.
+may overlap, so one recovery can include another fault's. "Back" is the faulted process alone: restarted and
+healthy (the launcher's ``pdserve_process_up``), or SIGCONT'ed and its /health answering. Migrations: read
+from the router's /metrics (any ``*migrat*`` counter) or a response header naming them; "n/a" when the router
+exposes neither.
 
 Prints a table, then a final JSON line.
 """
@@ -155,7 +158,7 @@ def stop_stack(stack: Stack) -> dict[str, Any]:
 class Outcome:
     prompt: int
     sent_at: float
-    kind: str = ""  # correct | wrong | clear_error | connection | hung
+    kind: str = ""  # correct | wrong | clear_error | refused | cut | hung
     detail: str = ""
     migrated: bool = False
 
@@ -190,7 +193,7 @@ async def one_request(session: Any, url: str, model: str, idx: int, prompt: list
                         msg = json.loads(raw)["error"]["message"]
                         o.kind, o.detail = "clear_error", f"{resp.status}: {msg}"
                     except (ValueError, KeyError, TypeError):
-                        o.kind, o.detail = "connection", f"{resp.status} without a JSON error body"
+                        o.kind, o.detail = "cut", f"{resp.status} without a JSON error body"
                     return o
                 async for line in resp.content:
                     s = line.decode("utf-8", "replace").strip()
@@ -209,13 +212,16 @@ async def one_request(session: Any, url: str, model: str, idx: int, prompt: list
     except TimeoutError:
         o.kind, o.detail = "hung", f"no end within {timeout_s:g} s"
         return o
+    except aiohttp.ClientConnectorError as e:
+        o.kind, o.detail = "refused", f"{type(e).__name__}: {e}"
+        return o
     except (aiohttp.ClientError, ConnectionError, OSError) as e:
-        o.kind, o.detail = "connection", f"{type(e).__name__}: {e}"
+        o.kind, o.detail = "cut", f"{type(e).__name__}: {e}"
         return o
     if error:
         o.kind, o.detail = "clear_error", f"error event: {error}"
     elif not done:
-        o.kind, o.detail = "connection", "stream ended without [DONE]"
+        o.kind, o.detail = "cut", "stream ended without [DONE]"
     else:
         o.kind = "correct" if text == expected else "wrong"
         if o.kind == "wrong":
@@ -235,6 +241,7 @@ class Fault:
     cont_at: float | None = None
     restarts_before: float = 0.0
     recovered_s: float | None = None
+    back_s: float | None = None
     note: str = ""
 
 
@@ -278,6 +285,16 @@ def full_service(stack: Stack) -> bool:
     return bool(ups) and all(v == 1 for v in ups)
 
 
+def process_back(stack: Stack, f: Fault, now: float) -> bool:
+    """The faulted process alone serves again: SIGCONT'ed and answering /health, or restarted and up."""
+    if f.kind == "stop_worker":
+        url = next(w["url"] for w in stack.manifest()["workers"] if w["name"] == f.target)
+        return f.cont_at is not None and now >= f.cont_at and http_status(url + "/health", timeout_s=2.0) == 200
+    restarts = launcher_metric(stack, "pdserve_process_restarts_total", f.target)
+    up = launcher_metric(stack, "pdserve_process_up", f.target)
+    return restarts is not None and restarts > f.restarts_before and up == 1
+
+
 async def monitor(stack: Stack, faults: list[Fault], until: dict[str, float]) -> None:
     """Sample full service every 0.5 s; a fault recovers at the first full-service sample after its process came
     back (restarted, or SIGCONT'ed). Ends once the load is over (``until`` gets a deadline) and every fired fault
@@ -288,14 +305,12 @@ async def monitor(stack: Stack, faults: list[Fault], until: dict[str, float]) ->
         now = time.monotonic()
         ok = await asyncio.to_thread(full_service, stack)
         for f in faults:
-            if f.fired_at is None or f.recovered_s is not None or not ok:
+            if f.fired_at is None or f.recovered_s is not None:
                 continue
-            if f.kind == "stop_worker":
-                back = f.cont_at is not None and now >= f.cont_at
-            else:
-                r = await asyncio.to_thread(launcher_metric, stack, "pdserve_process_restarts_total", f.target)
-                back = r is not None and r > f.restarts_before
-            if back:
+            back = await asyncio.to_thread(process_back, stack, f, now)
+            if back and f.back_s is None:
+                f.back_s = round(now - f.fired_at, 1)
+            if back and ok:
                 f.recovered_s = round(now - f.fired_at, 1)
         await asyncio.sleep(0.5)
 
@@ -380,7 +395,8 @@ def build_model(args: argparse.Namespace, tmp: Path) -> Path:
 def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault], held: dict[str, Any],
            stop: dict[str, Any], restarts: dict[str, float | None], migrations: float | None,
            log: list[str]) -> dict[str, Any]:
-    by = {k: [o for o in outcomes if o.kind == k] for k in ("correct", "wrong", "clear_error", "connection", "hung")}
+    kinds = ("correct", "wrong", "clear_error", "refused", "cut", "hung")
+    by = {k: [o for o in outcomes if o.kind == k] for k in kinds}
     held_total = sum(int(h["held_blocks"]) for h in held.values() if h is not None)
     header_migrated = sum(1 for o in by["correct"] if o.migrated)
     migrated: Any = header_migrated if header_migrated or migrations is not None else "n/a"
@@ -389,19 +405,20 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
         "rate_rps": args.rate, "max_tokens": args.max_tokens, "seed": args.seed,
         "requests_sent": len(outcomes), "completed_correct": len(by["correct"]),
         "completed_after_migration": migrated, "router_migrations_total": migrations,
-        "failed_clear_error": len(by["clear_error"]), "failed_connection": len(by["connection"]),
+        "failed_clear_error": len(by["clear_error"]), "failed_refused": len(by["refused"]),
+        "failed_cut": len(by["cut"]),
         "hung": len(by["hung"]), "wrong_output": len(by["wrong"]),
         "kv_blocks_held_after_drain": held_total,
         "kv_held_per_worker": {n: (None if h is None else int(h["held_blocks"])) for n, h in held.items()},
         "lease_expiries": sum(h["released_lease"] for h in held.values() if h is not None),
-        "faults": [{"fault": f.kind, "target": f.target, "at_s": f.at_s, "full_service_after_s": f.recovered_s}
-                   for f in faults],
+        "faults": [{"fault": f.kind, "target": f.target, "at_s": f.at_s, "back_after_s": f.back_s,
+                    "full_service_after_s": f.recovered_s} for f in faults],
         "restarts": restarts, **stop,
     }
     print("\nevents:")
     for line in log:
         print("  " + line)
-    errors = sorted({o.detail[:110] for o in by["clear_error"] + by["connection"]})
+    errors = sorted({o.detail[:110] for o in by["clear_error"] + by["refused"] + by["cut"]})
     if errors:
         print("distinct errors (first 8):")
         for e in errors[:8]:
@@ -410,11 +427,15 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
         print(f"  WRONG prompt {o.prompt} at {o.sent_at:.1f} s: {o.detail[:200]}")
     rows = [("requests sent", len(outcomes)), ("completed correctly", len(by["correct"])),
             ("  of which after a migration", migrated), ("failed with a clear error", len(by["clear_error"])),
-            ("failed: connection refused/reset", len(by["connection"])), ("hung (must be 0)", len(by["hung"])),
+            ("failed: refused (router down)", len(by["refused"])),
+            ("failed: cut mid-response (router killed)", len(by["cut"])), ("hung (must be 0)", len(by["hung"])),
             ("wrong output (must be 0)", len(by["wrong"])),
             ("KV blocks held after drain (must be 0)", held_total)]
-    rows += [(f"full service after {f.kind} ({f.target} @ {f.at_s:.0f} s)",
-              "not within the wait" if f.recovered_s is None else f"{f.recovered_s:.1f} s") for f in faults]
+    def secs(v: float | None) -> str:
+        return "not within the wait" if v is None else f"{v:.1f} s"
+
+    rows += [(f"{f.kind} ({f.target} @ {f.at_s:.0f} s): back / full service",
+              f"{secs(f.back_s)} / {secs(f.recovered_s)}") for f in faults]
     rows += [("launcher restarts", ", ".join(f"{k}={v:g}" for k, v in restarts.items() if v)),
              ("restarts during SIGTERM stop (must be 0)", stop["restarts_during_stop"]),
              ("processes left after stop (must be 0)", stop["processes_left"])]
