@@ -116,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks per decode worker (default 1); may differ from --prefill-tp")
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
+    s.add_argument("--no-restart", dest="restart", action="store_false", default=d,
+                   help="do not restart processes that exit (default: restart with backoff)")
+    s.add_argument("--restart-backoff", dest="restart_backoff_s", type=float, default=d, metavar="S",
+                   help="seconds before the first restart; doubled per exit in a row (default 1)")
+    s.add_argument("--restart-backoff-max", dest="restart_backoff_max_s", type=float, default=d, metavar="S",
+                   help="longest wait before a restart (default 30)")
+    s.add_argument("--restart-reset", dest="restart_reset_s", type=float, default=d, metavar="S",
+                   help="seconds healthy after which the backoff starts over (default 300)")
+    s.add_argument("--crash-loop-restarts", type=_positive_int, default=d, metavar="N",
+                   help="restarts within --crash-loop-window after which the next exit gives a process up (5)")
+    s.add_argument("--crash-loop-window", dest="crash_loop_window_s", type=float, default=d, metavar="S",
+                   help="the crash-loop window in seconds (default 600)")
+    s.add_argument("--metrics-port", type=_positive_int, default=d,
+                   help="port of the launcher's own /metrics (process restarts), on --host (default 0: a free one)")
     return parser
 
 
@@ -247,21 +261,23 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(cluster, say) -> int:
-    """Serve until a signal arrives; a dead worker is reported (the router routes around it), a dead router or
-    the loss of every worker ends the launch."""
-    reported: set[str] = set()
+    """Serve until a signal arrives. The cluster's supervisor restarts processes that exit (backoff, crash-loop
+    give-up); the launch ends only when the router or every worker has been given up. Signals are held during
+    a step so that a restart in progress is never cut between its spawn and its bookkeeping."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     while True:
         time.sleep(0.5)
-        for c in cluster.poll():
-            if c.name in reported:
-                continue
-            reported.add(c.name)
-            say(f"{c.name} (pid {c.pid}) exited with code {c.proc.returncode}; log {c.log_path}:\n{c.log_tail(20)}")
-        if cluster.router is not None and not cluster.router.alive():
-            print("pdserve: the router exited; stopping", file=sys.stderr)
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            cluster.supervise_step()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        gone = set(cluster.given_up())
+        if cluster.router is not None and cluster.router.name in gone:
+            print("pdserve: the router exited and is not restarted; stopping", file=sys.stderr)
             return 1
-        if cluster.workers and all(not w.alive() for w in cluster.workers):
-            print("pdserve: every worker exited; stopping", file=sys.stderr)
+        if cluster.workers and all(w.name in gone for w in cluster.workers):
+            print("pdserve: every worker exited and none is restarted; stopping", file=sys.stderr)
             return 1
 
 

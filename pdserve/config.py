@@ -225,6 +225,10 @@ class LauncherConfig:
     (default: on whenever the connector is); pool_mem / pool_disk: host memory / SSD bytes the node lends
     (e.g. ``1GiB``; pool_disk 0 = no SSD tier); pool_disk_dir: the SSD tier's folder (default: ``pool-ssd``
     in the run folder, removed at stop); pool_port: the master's port (0 = a free one).
+    restart: the launcher restarts any process that exits once the launch is up (pdserve/launch/supervisor.py):
+    after restart_backoff_s, doubled per exit in a row up to restart_backoff_max_s; the streak resets after
+    restart_reset_s healthy; crash_loop_restarts restarts within crash_loop_window_s and the next exit gives
+    that process up. metrics_port: the launcher's own /metrics (restart counts) on ``host`` (0 = a free one).
     """
 
     model: str = ""
@@ -264,7 +268,7 @@ class LauncherConfig:
     # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
     # default) or "nixl" (vLLM's NixlConnector; the router speaks its hand-off, no KV pool). gpus: device ids for
     # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
-    # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, NixlConnector only).
+    # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, one GPU per rank).
     # share_gpu: several workers per GPU, splitting gpu_memory_utilization (default 0.9) evenly between them.
     kv_connector: str = "pdserve"
     gpus: tuple[str, ...] = ()
@@ -275,6 +279,14 @@ class LauncherConfig:
     # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
     prefill_tp: int = 1
     decode_tp: int = 1
+    # supervision (pdserve/launch/supervisor.py): restarts with backoff, crash-loop give-up, launcher /metrics
+    restart: bool = True
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    restart_reset_s: float = 300.0
+    crash_loop_restarts: int = 5
+    crash_loop_window_s: float = 600.0
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConfigError)
@@ -344,6 +356,7 @@ class LauncherConfig:
                 raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
         _check_tp(self)
         _check_pool(self)
+        _check_supervision(self)
 
     # ------------------------------------------------------------------ derived
 
@@ -475,6 +488,24 @@ def _check_pool(cfg: LauncherConfig) -> None:
     if cfg.pool and "pool_master" in cfg.connector_extra:
         raise ConfigError("connector_extra.pool_master is set by the launcher when pool=true; set pool=false to "
                           "point workers at a pool of your own")
+
+
+def _check_supervision(cfg: LauncherConfig) -> None:
+    """Restart settings of the launcher's supervisor (pdserve/launch/supervisor.py)."""
+    if not isinstance(cfg.restart, bool):
+        raise ConfigError(f"restart={cfg.restart!r}: use true (restart processes that exit) or false")
+    for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_reset_s", "crash_loop_window_s"):
+        v = getattr(cfg, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+    if cfg.restart_backoff_max_s < cfg.restart_backoff_s:
+        raise ConfigError(f"restart_backoff_max_s={cfg.restart_backoff_max_s:g} is below restart_backoff_s="
+                          f"{cfg.restart_backoff_s:g}: the cap must be at least the first wait (defaults 30 and 1)")
+    n = cfg.crash_loop_restarts
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"crash_loop_restarts={n!r}: use a whole number >= 1 (restarts within "
+                          "crash_loop_window_s before a process is given up; default 5)")
+    _check_port("metrics_port", cfg.metrics_port)
 
 
 def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:

