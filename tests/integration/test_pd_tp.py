@@ -26,9 +26,7 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500),
-              pytest.mark.skipif(os.environ.get("PDSERVE_TEST_SLOW") != "1",
-                                 reason="TP=2 vLLM stacks take minutes on 2 cores: set PDSERVE_TEST_SLOW=1")]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500), pytest.mark.slow]
 
 try:  # vLLM present and importable
     import vllm  # noqa: F401
