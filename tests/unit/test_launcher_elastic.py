@@ -80,3 +80,14 @@ def test_cli_elastic_dry_run_prints_the_plan(model_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("mode: elastic")
     assert "[elastic0]" in out and "[elastic1]" in out and "--elastic http://127.0.0.1:8001 http://127.0.0.1:8002" in out
+
+
+def test_bench_compare_knows_elastic_n():
+    from pdserve.bench.compare import CompareSettings, launcher_config
+
+    s = CompareSettings(model="", cores=(0, 1), max_model_len=2048)
+    e = launcher_config("elastic2", s)
+    assert (e.elastic, e.cores_per_worker, e.policy, e.connector, e.mode) == (2, 1, "conductor", True, "elastic")
+    assert launcher_config("elastic1", s).cores_per_worker == 2
+    with pytest.raises(ConfigError, match="elastic needs at least one worker"):
+        launcher_config("elastic0", s)
