@@ -14,9 +14,10 @@ delay it adds for the new request and for everyone it stalls). The lowest cost c
 prefills; colocated on w and split with P=w cost the same, and the prompt's length breaks that tie.
 
 A prompt is **long** when its uncached part is over ``local_prefill_tokens`` (when set) or its predicted
-prefill is over ``local_stall_s``. Long prompts prefer split: the decode goes to another worker, so the
-prefilling worker stays free of decodes and the next long prefill there stalls nobody (Splitwise's mixed pool).
-Short prompts prefer colocated: no hand-off, and the stall is negligible. A worker with a long prefill queued or
+prefill is over both ``local_stall_s`` and the hand-off (fixed cost + KV transfer) a split would add. Long
+prompts prefer split: the decode goes to another worker, so the prefilling worker stays free of decodes and the
+next long prefill there stalls nobody (Splitwise's mixed pool). Short prompts prefer colocated: no hand-off,
+and the stall is small. A worker with a long prefill queued or
 running gets **no new decode** (neither colocated nor as D) while another worker can take it.
 
 Options that miss the TTFT/TPOT target (or, with a TPOT target, find no KV room) are dropped; with none left the
@@ -46,12 +47,15 @@ class _Candidate:
 
 
 def is_long(c: Conductor, new_tokens: int, cached_tokens: int) -> bool:
-    """A prefill long enough to stall the decodes batched with it beyond ``local_stall_s`` (or over
-    ``local_prefill_tokens`` uncached tokens when that threshold is set)."""
+    """A prefill that stalls the decodes batched with it for longer than ``local_stall_s`` and longer than a
+    hand-off (fixed cost + KV transfer) would delay the request itself; or, when ``local_prefill_tokens`` is
+    set, one over that many uncached tokens."""
     thr = c.config.local_prefill_tokens
     if thr is not None:
         return new_tokens > thr
-    return c.cost.prefill_s(new_tokens, cached_tokens) > c.config.local_stall_s
+    cost = c.cost
+    hand = cost.handoff_s + cost.transfer_s((new_tokens + cached_tokens) * cost.kv_bytes_per_token)
+    return cost.prefill_s(new_tokens, cached_tokens) > max(c.config.local_stall_s, hand)
 
 
 def prefilling_long(c: Conductor, w: WorkerLoad) -> bool:

@@ -1,6 +1,7 @@
 """Elastic roles (pdserve.conductor.elastic): every worker may prefill or decode; the conductor picks colocated or
 split per request. Cost model as in test_conductor_policy: 1 ms per new prompt token, decode step 10 ms + 1 ms per
-sequence, 50 ms hand-off; ``local_stall_s`` 50 ms, so a prompt over 50 uncached tokens is long."""
+sequence, 50 ms hand-off, 1 GB/s for 1000 B/token; ``local_stall_s`` 50 ms, so a prompt over 50 uncached tokens
+is long."""
 
 import pytest
 
@@ -144,6 +145,15 @@ def test_local_prefill_tokens_threshold_sets_long():
     assert not is_long(c, 160, 0) and is_long(c, 201, 0)
     d = c.place(req("long", LONG))
     assert d.kind == "local"
+
+
+def test_long_means_longer_than_the_stall_limit_and_the_hand_off():
+    c = make()
+    assert not is_long(c, 50, 0) and is_long(c, 51, 0)  # 50 ms stall limit, 50 ms hand-off + ~0 transfer
+    c.cost.handoff_s = 0.2  # hand-offs observed slow: a split pays only for prefills over 200 ms
+    assert not is_long(c, 160, 0) and is_long(c, 201, 0)
+    d = c.place(req("long", LONG))
+    assert (d.kind, d.decode) == ("local", "e0")
 
 
 def test_baselines_place_whole_requests_round_robin():
