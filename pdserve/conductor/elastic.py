@@ -11,7 +11,8 @@ conductor (policy ``conductor``) weighs two kinds of option over the live worker
 Every option also carries its **harm**: the prefill stalls each decode already running on the worker that
 computes it, so harm = predicted prefill seconds x running decodes there. An option's cost is TTFT + harm (the
 delay it adds for the new request and for everyone it stalls). The lowest cost chooses the worker that
-prefills; colocated on w and split with P=w cost the same, and the prompt's length breaks that tie.
+prefills; colocated on w and split with P=w cost the same, and the prompt's length breaks that tie. Split options
+are built for the ``SPLIT_CANDIDATES`` cheapest prefill workers only (the decision stays linear in workers).
 
 A prompt is **long** when its uncached part is over ``local_prefill_tokens`` (when set) or its predicted
 prefill is over both ``local_stall_s`` and the hand-off (fixed cost + KV transfer) a split would add. Long
@@ -35,6 +36,9 @@ from .load import WorkerLoad
 
 if TYPE_CHECKING:
     from .policy import Conductor, Decision, PlacementRequest, _Option
+
+
+SPLIT_CANDIDATES = 4  # split options are built for this many prefill workers, the cheapest ones
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision
     long = is_long(c, best.new, best.cached)
     decoders = [w for w in ws if not prefilling_long(c, w)] or ws
     cands = [_colocated(c, req, options[w.worker_id], now, rank=1 if long else 0) for w in decoders]
-    for p in ws:
+    # a split with P=p costs what colocated on p costs: only the cheapest few P can win (linear, not quadratic)
+    cheapest = sorted(ws, key=lambda w: (_prefill_cost(c, options[w.worker_id]), w.worker_id))[:SPLIT_CANDIDATES]
+    for p in cheapest:
         split = _split(c, req, options[p.worker_id], [d for d in decoders if d is not p], now,
                        rank=0 if long else 1)
         if split is not None:
@@ -83,6 +89,11 @@ def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision
     top = min(cands, key=_order)
     rej = c._reject_reason(top.decision, decoders, fits=top.fits)
     return rej if rej is not None else top.decision
+
+
+def _prefill_cost(c: Conductor, o: _Option) -> float:
+    """TTFT + harm of prefilling on o's worker, the cost every option with that prefill worker has."""
+    return o.ttft_s + _extra_s(c, o.worker) + _stall_s(c, o) * o.worker.running_decodes()
 
 
 def _order(x: _Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
@@ -106,13 +117,12 @@ def _colocated(c: Conductor, req: PlacementRequest, o: _Option, now: float, rank
 
     w = o.worker
     ttft = o.ttft_s + _extra_s(c, w)
-    harm = _stall_s(c, o) * w.running_decodes()
     d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=c._tpot(w, now, now + ttft, req),
                  cached_tokens=o.cached, fetch_tokens=o.fetched,
                  reason=f"elastic colocated on {w.worker_id}: {o.new} uncached prompt tokens "
                         f"({'long' if rank else 'short'}), stalls {w.running_decodes()} running decode(s) "
                         f"by {_stall_s(c, o) * 1e3:.0f} ms")
-    return _Candidate(rank, ttft + harm, (w.worker_id,), d, c._fits(w, req, now))
+    return _Candidate(rank, _prefill_cost(c, o), (w.worker_id,), d, c._fits(w, req, now))
 
 
 def _split(c: Conductor, req: PlacementRequest, o: _Option, decode: list[WorkerLoad], now: float, rank: int
@@ -127,13 +137,12 @@ def _split(c: Conductor, req: PlacementRequest, o: _Option, decode: list[WorkerL
     fitting = [d for d in decode if c._fits(d, req, now)]
     tpots = {d.worker_id: c._tpot(d, now, at, req) for d in (fitting or decode)}
     d_id = min(tpots, key=lambda wid: (tpots[wid], wid))
-    harm = _stall_s(c, o) * p.running_decodes()
     dec = Decision("disaggregated", req.request_id, p.worker_id, d_id, ttft_s=ttft, tpot_s=tpots[d_id],
                    cached_tokens=o.cached, fetch_tokens=o.fetched,
                    reason=f"elastic split: prefill {o.new} uncached tokens ({'short' if rank else 'long'}) on "
                           f"{p.worker_id} ({p.running_decodes()} running decode(s)), decode on {d_id}"
                           + ("" if fitting else "; no decode worker has KV room"))
-    return _Candidate(rank, ttft + harm, (p.worker_id, d_id), dec, bool(fitting))
+    return _Candidate(rank, _prefill_cost(c, o), (p.worker_id, d_id), dec, bool(fitting))
 
 
 def _meets(c: Conductor, x: _Candidate) -> bool:

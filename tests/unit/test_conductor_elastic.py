@@ -182,3 +182,12 @@ def test_replace_decode_moves_an_elastic_decode():
     assert d.kind == "disaggregated"
     new = c.replace_decode("long", frozenset())
     assert new != d.decode and "long" in c.workers[new].decodes
+
+
+def test_many_workers_long_prompt_goes_to_an_idle_prefiller_and_a_decoder():
+    c = make(n=64)
+    for i in range(63):
+        decoding(c, f"e{i}", 1 + i % 3)
+    d = c.place(req("long", LONG))
+    assert (d.kind, d.prefill) == ("disaggregated", "e63")  # the only worker with no decode to stall
+    assert d.decode in {f"e{i}" for i in range(0, 63, 3)}  # among the least busy decoders (one decode each)
