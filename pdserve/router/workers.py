@@ -191,6 +191,8 @@ class WorkerClient:
 
 def _sse_data(event: bytes) -> bytes | None:
     """The data of one SSE event (lines 'data: ...' joined), or None for comments/empty events."""
+    if event.startswith(b"data: ") and b"\n" not in event and not event.startswith(b"data:  "):
+        return event[6:]  # vLLM's every event: one data line
     lines = [ln[5:].lstrip(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n") if ln.startswith(b"data:")]
     if not lines:
         return None
