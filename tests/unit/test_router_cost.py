@@ -155,3 +155,60 @@ def test_one_deadline_timer_per_request_cancels_a_silent_stream():
     assert timers <= 2  # the deadline's one timer (asyncio.sleep's own is the other), not one per token
     with pytest.raises(RouterError):
         asyncio.run(g._next(worker()))  # expired: the next await fails at once
+
+
+def test_stream_idle_timeout_without_a_timer_per_chunk():
+    """A worker silent mid-body fails the stream with kind "timeout" after the idle timeout; a router busy longer
+    than that between reads (the data already there) does not; aiohttp's per-chunk sock_read timer is off."""
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdserve.router.workers import WorkerClient, WorkerError
+
+    event = b"data: " + json.dumps({"choices": [{"text": "x", "token_ids": [1]}]}).encode() + b"\n\n"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(event)
+            await asyncio.sleep(0.01)
+        if request.query.get("mode") == "silent":
+            await asyncio.sleep(1.5)  # silent (short: the server's cleanup waits for this handler)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    class Q(WorkerClient):
+        mode = "ok"
+
+        async def _post(self, url: str, path: str, body: dict) -> aiohttp.ClientResponse:
+            return await super()._post(url, path + "?mode=" + self.mode, body)
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = Q(session, 2.0, 0.3)
+                got = []
+                async for obj in client.stream(url, {}, Wait()):
+                    got.append(obj)
+                    await asyncio.sleep(0.4)  # busy past the idle timeout: not the worker's silence
+                assert len(got) == 3
+                client.mode = "silent"
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                with pytest.raises(WorkerError) as e:
+                    _ = [x async for x in client.stream(url, {}, Wait())]
+                assert e.value.kind == "timeout" and 0.25 < loop.time() - t0 < 1.2
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
