@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 PROGRESS_EVERY_TOKENS = 16  # report decode progress at least every this many tokens of a ticket ...
-PROGRESS_EVERY_S = 0.05  # ... or once this long has passed since the last report (and always at close)
+PROGRESS_EVERY_S = 0.25  # ... or once this long has passed since the last report (and always at close)
 
 
 class PlacementTicket:
