@@ -586,7 +586,8 @@ class Generation:
                         obj = await (objs.__anext__() if started else self._first(objs, handoff))
                     except StopAsyncIteration:
                         break
-                    _transfer_stats(obj, self.t)
+                    if "kv_transfer_params" in obj:
+                        _transfer_stats(obj, self.t)
                     choices = obj.get("choices") or []
                     if not choices:
                         continue  # usage chunk

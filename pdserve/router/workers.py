@@ -145,13 +145,13 @@ class WorkerClient:
                     dog.since = None
                     wait.seconds += time.perf_counter() - t0
             buf = b""
-            it = resp.content.iter_any().__aiter__()
+            content = resp.content
             while True:
                 t0 = dog.since = time.perf_counter()
                 try:
-                    data = await it.__anext__()
-                except StopAsyncIteration:
-                    raise WorkerError(url, "closed", "stream ended without [DONE]") from None
+                    data = await content.readany()
+                    if not data:
+                        raise WorkerError(url, "closed", "stream ended without [DONE]")
                 except asyncio.TimeoutError:
                     raise WorkerError(url, "timeout", f"stream silent for {self.idle_timeout_s} s") from None
                 except aiohttp.ClientError as e:
@@ -175,7 +175,9 @@ class WorkerClient:
                         obj = json.loads(payload)
                     except ValueError:
                         raise WorkerError(url, "protocol", f"bad SSE event: {payload[:200]!r}") from None
-                    if isinstance(obj, dict) and "error" in obj:
+                    if not isinstance(obj, dict):
+                        raise WorkerError(url, "protocol", f"SSE event is not an object: {payload[:200]!r}")
+                    if "error" in obj:
                         raise WorkerError(url, "stream_error", str(obj["error"]), None, obj)
                     yield obj
         finally:
