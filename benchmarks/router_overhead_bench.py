@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             result["baseline"]["root"] = str(Path(args.baseline_root).resolve())
             result["vs_baseline"] = {k: round(result[k] / result["baseline"][k], 3) if result["baseline"][k] else None
                                      for k in ("router_cpu_ms_per_token_p50", "router_cpu_ms_per_token_mean")}
+            # per round: this router's CPU per token over the baseline's on the request sent next to it (same load)
+            paired = [a / b for a, b in zip(runs["router_cpu_s"], runs["baseline_cpu_s"]) if b > 0]
+            result["vs_baseline"]["cpu_ratio_paired_p50"] = round(statistics.median(paired), 3) if paired else None
             result["vs_baseline"]["added_ttft_ms"] = [result["added_ttft_ms"], result["baseline"]["added_ttft_ms"]]
         loops = [lp for lp in args.profile_loops.split(",") if lp and args.profile_requests]
         if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
@@ -413,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 {b['router_overhead_ms_p50']}")
         v = result["vs_baseline"]
         print(f"this router / baseline, CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
-              f"{v['router_cpu_ms_per_token_mean']} (mean)")
+              f"{v['router_cpu_ms_per_token_mean']} (mean), {v['cpu_ratio_paired_p50']} (median of the rounds' "
+              f"ratios)")
     result["profiles"] = profs
     for prof in profs:
         print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "
