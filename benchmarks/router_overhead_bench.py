@@ -1,7 +1,7 @@
 """What the router adds per request and per streamed token, against the same vLLM worker called directly.
 
     python benchmarks/router_overhead_bench.py [--requests 20] [--prompt 100] [--output 64] [--model DIR]
-                                               [--profile-requests 10] [--out DIR]
+                                               [--profile-requests 10] [--baseline-root DIR] [--out DIR]
 
 Starts the ``pdserve serve --colocated 1 --cores-per-worker 2`` stack (one real vLLM worker on up to two cores,
 fp32, and the router in front of it) with a small random Llama from ``pdserve.models`` (or ``--model``). Sends
@@ -9,7 +9,9 @@ fp32, and the router in front of it) with a small random Llama from ``pdserve.mo
 ``--output`` tokens) one at a time, alternately to the router and straight to the worker, and reports TTFT p50
 and end-to-end p50 for both, the ms the router adds to TTFT, and the ms it adds per streamed token
 ((e2e_router - e2e_direct) / output tokens, medians), plus the router process's CPU time per streamed token
-(from /proc, read around each routed request).
+(from /proc, read around each routed request). With ``--baseline-root DIR`` (another pdserve source tree, e.g.
+``git archive REV pdserve | tar -x -C DIR``) a router from DIR runs in front of the same worker in the same
+rotation, and the result compares the two (CPU per token p50 / mean ratios, the median of the rounds' ratios).
 
 Then it finds where the router's time goes: a second router process in front of the same worker runs under
 cProfile (switched on and off by signals around ``--profile-requests`` requests only, so start-up and health
