@@ -1,7 +1,7 @@
 """What the router adds per request and per streamed token, against the same vLLM worker called directly.
 
     python benchmarks/router_overhead_bench.py [--requests 20] [--prompt 100] [--output 64] [--model DIR]
-                                               [--profile-requests 10] [--out DIR]
+                                               [--profile-requests 10] [--baseline-root DIR] [--out DIR]
 
 Starts the ``pdserve serve --colocated 1 --cores-per-worker 2`` stack (one real vLLM worker on up to two cores,
 fp32, and the router in front of it) with a small random Llama from ``pdserve.models`` (or ``--model``). Sends
@@ -9,7 +9,9 @@ fp32, and the router in front of it) with a small random Llama from ``pdserve.mo
 ``--output`` tokens) one at a time, alternately to the router and straight to the worker, and reports TTFT p50
 and end-to-end p50 for both, the ms the router adds to TTFT, and the ms it adds per streamed token
 ((e2e_router - e2e_direct) / output tokens, medians), plus the router process's CPU time per streamed token
-(from /proc, read around each routed request).
+(from /proc, read around each routed request). With ``--baseline-root DIR`` (another pdserve source tree, e.g.
+``git archive REV pdserve | tar -x -C DIR``) a router from DIR runs in front of the same worker in the same
+rotation, and the result compares the two (CPU per token p50 / mean ratios, the median of the rounds' ratios).
 
 Then it finds where the router's time goes: a second router process in front of the same worker runs under
 cProfile (switched on and off by signals around ``--profile-requests`` requests only, so start-up and health
@@ -120,25 +122,31 @@ async def _one(session: Any, url: str, payload: dict[str, Any], timings: bool) -
     return rec
 
 
-async def alternate(router: str, worker: str, payload: dict[str, Any], n: int, router_pid: int,
+async def alternate(targets: list[tuple[str, str, int | None]], payload: dict[str, Any], n: int,
                     warmup: int = 2) -> dict[str, list[Any]]:
-    """``n`` requests to each, alternating (router first on even rounds, worker first on odd ones)."""
+    """``n`` requests to each ``(name, url, pid)`` target, in rounds whose order rotates (each target first in
+    turn), so a load change on the cores hits them alike. Routers (a pid) send timings and get their process's CPU
+    time read around each request (``NAME_cpu_s``)."""
     import aiohttp
 
-    out: dict[str, list[Any]] = {"router": [], "direct": [], "router_cpu_s": []}
+    out: dict[str, list[Any]] = {}
+    for name, _, pid in targets:
+        out[name] = []
+        if pid is not None:
+            out[name + "_cpu_s"] = []
     async with aiohttp.ClientSession() as session:
         for _ in range(warmup):
-            await _one(session, router, payload, True)
-            await _one(session, worker, payload, False)
+            for _name, url, pid in targets:
+                await _one(session, url, payload, pid is not None)
         for i in range(n):
-            order = ("router", "direct") if i % 2 == 0 else ("direct", "router")
-            for which in order:
-                if which == "router":
-                    c0 = _cpu_s(router_pid)
-                    out["router"].append(await _one(session, router, payload, True))
-                    out["router_cpu_s"].append(_cpu_s(router_pid) - c0)
-                else:
-                    out["direct"].append(await _one(session, worker, payload, False))
+            k = i % len(targets)
+            for name, url, pid in targets[k:] + targets[:k]:
+                if pid is None:
+                    out[name].append(await _one(session, url, payload, False))
+                    continue
+                c0 = _cpu_s(pid)
+                out[name].append(await _one(session, url, payload, True))
+                out[name + "_cpu_s"].append(_cpu_s(pid) - c0)
     return out
 
 
@@ -153,8 +161,8 @@ def _p50_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1000.0, 3)
 
 
-def summarize(runs: dict[str, list[Any]], output: int) -> dict[str, Any]:
-    r, d = runs["router"], runs["direct"]
+def summarize(runs: dict[str, list[Any]], output: int, router: str = "router") -> dict[str, Any]:
+    r, d = runs[router], runs["direct"]
     tokens = [x.output_tokens for x in r]
     if any(t != output for t in tokens + [x.output_tokens for x in d]):
         raise RuntimeError(f"expected {output} tokens per request, got router {tokens}")
@@ -166,7 +174,8 @@ def summarize(runs: dict[str, list[Any]], output: int) -> dict[str, Any]:
     itl_r = [b - a for x in r for a, b in zip(x.chunk_times, x.chunk_times[1:])]
     itl_d = [b - a for x in d for a, b in zip(x.chunk_times, x.chunk_times[1:])]
     overhead = [x.timings.get("router_overhead_ms") for x in r if x.timings]
-    cpu_per_tok = [c * 1000.0 / output for c in runs["router_cpu_s"]]
+    client_wait = [x.timings.get("client_wait_ms") for x in r if x.timings]
+    cpu_per_tok = [c * 1000.0 / output for c in runs[router + "_cpu_s"]]
     return {
         "requests": len(r), "output_tokens": output,
         "ttft_p50_ms": {"router": ttft_r, "direct": ttft_d},
@@ -177,9 +186,11 @@ def summarize(runs: dict[str, list[Any]], output: int) -> dict[str, Any]:
         "added_ms_per_token_from_p50s": round((e2e_r - e2e_d) / output, 4),
         "e2e_ratio": round(e2e_r / e2e_d, 4),
         "router_cpu_ms_per_token_p50": round(statistics.median(cpu_per_tok), 4),
-        "router_cpu_ms_per_token_mean": round(sum(runs["router_cpu_s"]) * 1000.0 / sum(tokens), 4),
+        "router_cpu_ms_per_token_mean": round(sum(runs[router + "_cpu_s"]) * 1000.0 / sum(tokens), 4),
         "router_overhead_ms_p50": round(statistics.median(o for o in overhead if o is not None), 3)
         if overhead else None,
+        "client_wait_ms_p50": round(statistics.median(c for c in client_wait if c is not None), 3)
+        if any(c is not None for c in client_wait) else None,
     }
 
 
@@ -213,6 +224,45 @@ def _wait_for(path: Path, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{path} did not appear within {timeout_s} s")
         time.sleep(0.05)
+
+
+def start_router(cluster: Any, root: Path, out_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
+    """A router process from the source tree ``root`` (e.g. an older commit's ``git archive``) in front of the
+    cluster's worker; returns (process, url) once its /health answers 200."""
+    import urllib.request
+
+    from pdserve.procs import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.router", "--model-dir", str(cluster.model_dir), "--colocated",
+            cluster.worker_urls()[0], "--port", str(port), "--served-model-name", cluster.model_name,
+            "--log-level", "warning"]
+    log = open(out_dir / f"router-{name}.log", "wb")  # noqa: SIM115 - the process owns it until it ends
+    proc = subprocess.Popen(argv, cwd=str(root), env=dict(os.environ, PYTHONPATH=str(root)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"the {name} router did not start; see {log.name}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
 
 
 def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, timer: str, loop: str
@@ -301,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile's clock: the router thread's CPU time (default; robust to busy cores) or wall")
     ap.add_argument("--profile-loops", default="asyncio,uvloop",
                     help="event loops to run the profiled router on, in turn (asyncio as shipped; uvloop if installed)")
+    ap.add_argument("--baseline-root", default="", help="a source tree holding another pdserve (e.g. `git archive "
+                    "REV pdserve | tar -x -C DIR`): its router runs in front of the same worker, in the same "
+                    "alternation, and the result gives this router's figures against it")
     ap.add_argument("--out", default="", help="folder for router.prof and logs (default: a temporary one)")
     args = ap.parse_args(argv)
     from pdserve.config import LauncherConfig
@@ -318,11 +371,28 @@ def main(argv: list[str] | None = None) -> int:
     with Cluster(cfg, log=say) as cluster:
         payload["model"] = cluster.model_name
         assert cluster.router is not None
-        say(f"{args.requests} requests each, alternating router {cluster.router_url} / worker "
-            f"{cluster.worker_urls()[0]}")
-        runs = asyncio.run(alternate(cluster.router_url, cluster.worker_urls()[0], payload, args.requests,
-                                     cluster.router.pid))
+        targets: list[tuple[str, str, int | None]] = [("router", cluster.router_url, cluster.router.pid),
+                                                      ("direct", cluster.worker_urls()[0], None)]
+        base = None
+        if args.baseline_root:
+            base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
+            targets.insert(1, ("baseline", base_url, base.pid))
+        say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
+        try:
+            runs = asyncio.run(alternate(targets, payload, args.requests))
+        finally:
+            if base is not None:
+                stop(base)
         result = summarize(runs, args.output)
+        if base is not None:
+            result["baseline"] = summarize(runs, args.output, "baseline")
+            result["baseline"]["root"] = str(Path(args.baseline_root).resolve())
+            result["vs_baseline"] = {k: round(result[k] / result["baseline"][k], 3) if result["baseline"][k] else None
+                                     for k in ("router_cpu_ms_per_token_p50", "router_cpu_ms_per_token_mean")}
+            # per round: this router's CPU per token over the baseline's on the request sent next to it (same load)
+            paired = [a / b for a, b in zip(runs["router_cpu_s"], runs["baseline_cpu_s"]) if b > 0]
+            result["vs_baseline"]["cpu_ratio_paired_p50"] = round(statistics.median(paired), 3) if paired else None
+            result["vs_baseline"]["added_ttft_ms"] = [result["added_ttft_ms"], result["baseline"]["added_ttft_ms"]]
         loops = [lp for lp in args.profile_loops.split(",") if lp and args.profile_requests]
         if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
             say("uvloop is not installed: profiling on asyncio only")
@@ -339,7 +409,17 @@ def main(argv: list[str] | None = None) -> int:
           f"p50s {result['added_ms_per_token_from_p50s']:.3f} ms), e2e ratio {result['e2e_ratio']:.3f}; router "
           f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
           f"{result['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 "
-          f"{result['router_overhead_ms_p50']}")
+          f"{result['router_overhead_ms_p50']}, client_wait_ms p50 {result['client_wait_ms_p50']}")
+    if "baseline" in result:
+        b = result["baseline"]
+        print(f"baseline router ({b['root']}): TTFT p50 {b['ttft_p50_ms']['router']:.2f} ms (added "
+              f"{b['added_ttft_ms']:.2f}), e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
+              f"{b['added_ms_per_token']:.3f} ms; CPU {b['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
+              f"{b['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 {b['router_overhead_ms_p50']}")
+        v = result["vs_baseline"]
+        print(f"this router / baseline, CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
+              f"{v['router_cpu_ms_per_token_mean']} (mean), {v['cpu_ratio_paired_p50']} (median of the rounds' "
+              f"ratios)")
     result["profiles"] = profs
     for prof in profs:
         print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "

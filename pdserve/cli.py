@@ -3,6 +3,7 @@
     pdserve serve                                   # 1 prefill + 1 decode worker, router on 127.0.0.1:8000
     pdserve serve --prefill 1 --decode 1 --model DIR --port 8000
     pdserve serve --colocated 1 --cores-per-worker 2  # the baseline: one plain worker on both cores
+    pdserve serve --elastic 2                         # two workers, each request colocated or split P -> D
     pdserve serve --config deploy/pdserve.example.yaml --port 9000   # flags override the file
     pdserve serve --dry-run                         # print the commands, start nothing
 """
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode", type=_positive_int, metavar="M", default=d, help="decode workers (default 1)")
     s.add_argument("--colocated", type=_positive_int, metavar="K", default=d,
                    help="run K plain workers instead (the colocated baseline)")
+    s.add_argument("--elastic", type=_positive_int, metavar="N", default=d,
+                   help="run N workers with no fixed role instead (all kv_both with pdserve's connector); the "
+                        "conductor runs each request colocated on one or split P -> D over two (default policy "
+                        "then: conductor)")
     s.add_argument("--host", default=d, help="router address (default 127.0.0.1)")
     s.add_argument("--port", type=_positive_int, default=d, help="router port (default 8000; 0 = a free port)")
     s.add_argument("--worker-host", default=d, help="address workers bind (default 127.0.0.1)")
@@ -152,7 +157,22 @@ def config_from_args(args: argparse.Namespace, discover: Callable[[], tuple[str,
         config = LauncherConfig.from_yaml(args.config, **overrides)
     else:
         config = LauncherConfig.from_mapping(overrides, source="flags")
+    if config.elastic and "policy" not in overrides and not _file_sets(args.config, "policy"):
+        config = config.with_overrides(policy="conductor")  # elastic roles are the conductor's choice per request
     return with_discovered_gpus(config, args, discover)
+
+
+def _file_sets(path: str | None, key: str) -> bool:
+    """The YAML file at ``path`` names ``key``."""
+    if not path:
+        return False
+    try:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, ValueError, ImportError):
+        return False
+    return isinstance(data, dict) and key in data
 
 
 def with_discovered_gpus(config: LauncherConfig, args: argparse.Namespace,

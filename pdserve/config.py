@@ -19,7 +19,7 @@ from typing import Any
 
 from .rules import check_policy, check_slo, check_slo_needs_conductor
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated", "elastic")
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 CONNECTOR_NAME = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.vllm.connector"
@@ -287,6 +287,9 @@ class LauncherConfig:
     crash_loop_restarts: int = 5
     crash_loop_window_s: float = 600.0
     metrics_port: int = 0
+    # elastic roles (issue 16): N workers, all kv_both with pdserve's connector, none with a fixed role; the
+    # router's conductor places each request colocated on one or split P -> D over two (0: off)
+    elastic: int = 0
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConfigError)
@@ -297,7 +300,9 @@ class LauncherConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ConfigError(f"{name}={v!r}: use a whole number of workers >= 0")
-        if self.colocated:
+        if self.elastic:
+            _check_elastic(self)
+        elif self.colocated:
             if self.prefill or self.decode:
                 raise ConfigError(
                     f"colocated={self.colocated} with prefill={self.prefill}, decode={self.decode}: choose one mode "
@@ -362,11 +367,11 @@ class LauncherConfig:
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
+        return "elastic" if self.elastic else "colocated" if self.colocated else "disaggregated"
 
     @property
     def num_workers(self) -> int:
-        return self.colocated or ((self.prefill or 0) + (self.decode or 0))
+        return self.elastic or self.colocated or ((self.prefill or 0) + (self.decode or 0))
 
     @property
     def model_dir(self) -> Path:
@@ -433,6 +438,11 @@ class LauncherConfig:
             merged.pop("decode", None)
         if ("prefill" in overrides or "decode" in overrides) and "colocated" not in overrides:
             merged.pop("colocated", None)
+        if overrides.get("elastic"):  # a --elastic flag replaces the file's fixed roles
+            for key in ("prefill", "decode", "colocated"):
+                merged.pop(key, None)
+        elif "prefill" in overrides or "decode" in overrides or overrides.get("colocated"):
+            merged.pop("elastic", None)
         return cls.from_mapping(merged, source=str(p))
 
     def with_overrides(self, **overrides: Any) -> LauncherConfig:
@@ -457,6 +467,28 @@ def _check_tp(cfg: LauncherConfig) -> None:
                               "only; add --no-pool")
         if cfg.pool is None:
             object.__setattr__(cfg, "pool", False)
+
+
+def _check_elastic(cfg: LauncherConfig) -> None:
+    """elastic=N: N >= 1 workers, alone (no prefill/decode/colocated counts), with pdserve's connector, TP=1."""
+    n = cfg.elastic
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"elastic={n!r}: use a whole number of workers >= 1 (0 turns elastic roles off)")
+    if cfg.prefill or cfg.decode or cfg.colocated:
+        raise ConfigError(f"elastic={n} with prefill={cfg.prefill}, decode={cfg.decode}, colocated={cfg.colocated}: "
+                          "elastic workers take either role per request; give only --elastic N (or fixed roles "
+                          "with --prefill N --decode M, or --colocated K)")
+    if cfg.connector is False:
+        raise ConfigError("connector=false with elastic workers: a request split P -> D needs pdserve's connector "
+                          "in every worker; drop --no-connector")
+    if cfg.kv_connector != "pdserve":
+        raise ConfigError(f"kv_connector={cfg.kv_connector!r} with elastic workers: elastic roles use pdserve's "
+                          "connector (kv_both in every worker); drop --kv-connector or use --prefill/--decode")
+    if cfg.prefill_tp > 1 or cfg.decode_tp > 1 or cfg.prefill_args or cfg.decode_args:
+        raise ConfigError("prefill_tp/decode_tp and prefill_args/decode_args apply to fixed-role workers: elastic "
+                          "workers have no role; use --worker-args for flags every worker gets")
+    object.__setattr__(cfg, "prefill", 0)
+    object.__setattr__(cfg, "decode", 0)
 
 
 def worker_tp(cfg: LauncherConfig, role: str) -> int:

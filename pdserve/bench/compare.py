@@ -7,6 +7,8 @@ Configuration names (:func:`launcher_config`):
 - ``PpDd`` (``1p1d``, ``1p2d`` ...): disaggregated, one core per worker, the router's default policy.
 - ``PpDd-POLICY`` (``1p1d-conductor``, ``1p1d-least_loaded``): the same with the router's placement policy
   ``POLICY`` (needs ``LauncherConfig.policy``; a clear error otherwise).
+- ``elasticN``: N workers with no fixed role (``pdserve serve --elastic N``), the cores split evenly between
+  them, the conductor choosing colocated or split P -> D per request.
 
 Each configuration is started once with :class:`pdserve.launcher.Cluster`, health-gated, warmed up, then every
 workload runs against it in order; counters (decode workers' ``vllm:pdserve_kv_*``, the router's
@@ -33,7 +35,7 @@ from .prom import delta, scrape
 from .runner import RunOptions, RunResult, run
 from .workload import build_workload, parse_spec
 
-_NAME = re.compile(r"^(?:colocated(?P<c>\d+)|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
+_NAME = re.compile(r"^(?:colocated(?P<c>\d+)|elastic(?P<e>\d+)|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,8 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
     """The :class:`LauncherConfig` a configuration name stands for (see the module docstring)."""
     m = _NAME.match(name)
     if not m:
-        raise ConfigError(f"configuration {name!r} unknown: use colocatedN (e.g. colocated2), PpDd (e.g. 1p1d) or "
-                          "PpDd-POLICY (e.g. 1p1d-conductor)")
+        raise ConfigError(f"configuration {name!r} unknown: use colocatedN (e.g. colocated2), PpDd (e.g. 1p1d), "
+                          "PpDd-POLICY (e.g. 1p1d-conductor) or elasticN (e.g. elastic2)")
     cores = s.cores or available_cores()
     common: dict[str, Any] = dict(model=s.model, port=0, cores=cores, max_model_len=s.max_model_len,
                                   kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -107,6 +109,11 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
         if n < 1:
             raise ConfigError(f"{name}: colocated needs at least one worker")
         return LauncherConfig(colocated=n, cores_per_worker=max(1, len(cores) // n), **common)
+    if m.group("e"):
+        n = int(m.group("e"))
+        if n < 1:
+            raise ConfigError(f"{name}: elastic needs at least one worker")
+        return LauncherConfig(elastic=n, policy="conductor", cores_per_worker=max(1, len(cores) // n), **common)
     policy = m.group("policy")
     if policy:
         if "policy" not in {f.name for f in fields(LauncherConfig)}:

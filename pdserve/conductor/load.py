@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "both", "colocated")
+ROLES = ("prefill", "decode", "both", "colocated", "elastic")
 
 
 @dataclass
@@ -52,11 +52,11 @@ class WorkerLoad:
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return self.role in ("prefill", "both", "elastic")
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return self.role in ("decode", "both", "elastic")
 
     def queue_s(self, now: float) -> float:
         """Predicted seconds until a prefill enqueued now would start (work already queued here)."""

@@ -13,7 +13,8 @@ Per request (policy ``conductor``):
 5. Reject (Retry-After) when the best predicted TTFT or TPOT misses its target.
 
 ``round_robin`` and ``least_loaded`` are the baselines: same interface, never local, never reject.
-Colocated workers (role ``colocated``) only ever get whole requests ("local").
+Colocated workers (role ``colocated``) only ever get whole requests ("local"). Elastic workers (role
+``elastic``, no fixed role) get, per request, a whole request or a prefill or a decode: see :mod:`.elastic`.
 """
 
 from __future__ import annotations
@@ -143,7 +144,11 @@ class Conductor:
         rejected (kind "reject", Retry-After)."""
         live = [w for w in self.workers.values() if w.healthy and w.worker_id not in exclude]
         colocated = [w for w in live if w.role == "colocated"]
-        if colocated:
+        elastic = [w for w in live if w.role == "elastic"]
+        if elastic:
+            free = self._free(elastic)
+            d = self._elastic(req, free) if free else self._busy(req, elastic)
+        elif colocated:
             free = self._free(colocated)
             d = self._colocated(req, free) if free else self._busy(req, colocated)
         else:
@@ -241,6 +246,15 @@ class Conductor:
             if rej is not None:
                 return rej
         return d
+
+    def _elastic(self, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
+        """Workers without a fixed role: colocated or split per request (:mod:`.elastic`); the baselines place
+        whole requests."""
+        if self.config.policy != "conductor":
+            return self._colocated(req, ws)
+        from . import elastic
+
+        return elastic.place(self, req, ws)
 
     # -- the conductor --
     def _own_cached(self, req: PlacementRequest, w: WorkerLoad, prefix: dict[str, int] | None = None) -> int:

@@ -130,6 +130,8 @@ def router_command(
             "--model-dir", str(model_dir)]
     if config.colocated:
         argv += ["--colocated", *[w.url for w in workers]]
+    elif config.elastic:  # no fixed roles: the conductor places each request colocated or split
+        argv += ["--elastic", *[w.url for w in workers]]
     else:
         argv += ["--prefill", *[w.url for w in workers if w.role == "prefill"]]
         argv += ["--decode", *[w.url for w in workers if w.role == "decode"]]

@@ -207,7 +207,7 @@ def plan_workers(
     pool_master: str = "",
     nixl_side_channels: Sequence[int] | None = None,
 ) -> list[WorkerConfig]:
-    """One WorkerConfig per worker: prefill workers first, then decode (or the colocated ones).
+    """One WorkerConfig per worker: prefill workers first, then decode (or the colocated, or the elastic ones).
 
     ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
     ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
@@ -218,6 +218,8 @@ def plan_workers(
     """
     if config.colocated:
         roles = [("colocated", i) for i in range(config.colocated)]
+    elif config.elastic:
+        roles = [("elastic", i) for i in range(config.elastic)]
     else:
         roles = [("prefill", i) for i in range(config.prefill or 0)] + [("decode", i) for i in
                                                                       range(config.decode or 0)]
@@ -238,7 +240,8 @@ def plan_workers(
     extra_config = dict(config.connector_extra)
     if pool_master:
         extra_config["pool_master"] = pool_master
-    role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": ()}
+    role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": (),
+                 "elastic": ()}
     slots = assign_gpus(len(roles), config.gpus, config.gpus_per_worker, config.share_gpu,
                         config.gpu_memory_utilization)
     side: tuple[int, ...] = ()

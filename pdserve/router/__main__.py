@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... and they must span at least this long (default 10); refused connections count at once")
     p.add_argument("--tool-call-parser", default="", metavar="NAME",
                    help="vLLM tool parser for tool_choice auto (e.g. hermes), as `vllm serve --tool-call-parser`")
+    p.add_argument("--elastic", nargs="+", action="extend", default=[], metavar="URL",
+                   help="workers with no fixed role (kv_both): each request runs colocated on one or split P -> D "
+                        "over two, chosen per request (use with --policy conductor; instead of --prefill/--decode)")
     return p
 
 
@@ -100,7 +103,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         handoff_timeout_s=a.handoff_timeout_s, max_inflight=a.max_inflight or None,
                         max_inflight_per_worker=a.max_inflight_per_worker or None,
                         probe_failures=a.probe_failures, probe_window_s=a.probe_window_s,
-                        tool_call_parser=a.tool_call_parser)
+                        tool_call_parser=a.tool_call_parser, elastic=tuple(a.elastic))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -434,10 +434,21 @@ class Router:
                 item: tuple[Choice, Delta] | None = first
                 out = b"".join(sse(builder.chunk("", role=True, index=c.index)) for c in choices) \
                     if builder.chat else b""
+                t = choices[0].gen.t
+                plain = not req.continuous_usage and req.logprobs is None
                 while item is not None:
                     c, d = item
                     text = d.text
                     is_first = not c.started
+                    if plain and not is_first and d.finish_reason is None and c.tools is None:
+                        # the common delta: its SSE bytes straight from the text (ResponseBuilder.text_chunk)
+                        c.tokens += len(d.token_ids)
+                        t0 = time.perf_counter()
+                        await resp.write(out + builder.text_chunk(text, d.token_ids, c.index))
+                        t.client.seconds += time.perf_counter() - t0
+                        out = b""
+                        item = await deltas.__anext__()
+                        continue
                     if is_first and req.echo:
                         text = echo_prefix(c, req.return_token_ids) + text
                     delta, finish = None, d.finish_reason
@@ -459,7 +470,6 @@ class Router:
                     if d.finish_reason is not None:
                         live -= 1
                     if live == 0:
-                        t = choices[0].gen.t
                         t.end = time.perf_counter()
                         tail = builder.usage_chunk(*sum_usage(choices)) if req.include_usage else None
                         if req.timings:
@@ -468,7 +478,9 @@ class Router:
                         await resp.write(out)
                         break
                     out += sse(chunk)
+                    t0 = time.perf_counter()
                     await resp.write(out)
+                    t.client.seconds += time.perf_counter() - t0
                     out = b""
                     item = await deltas.__anext__()
             except (RouterError, WorkerError, StopAsyncIteration) as e:

@@ -56,12 +56,12 @@ class PromptScoredGeneration(Generation):
     output arrives as one delta. Through P and D, P's unstreamed answer carries them already (the parent's path).
     """
 
-    async def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
+    def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         if "prompt_logprobs" not in self.req.sampling:
-            async with aclosing(super()._one_worker(ticket)) as deltas:
-                async for d in deltas:
-                    yield d
-            return
+            return super()._one_worker(ticket)
+        return self._one_worker_unstreamed(ticket)
+
+    async def _one_worker_unstreamed(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         import time
 
         w = ticket.decode

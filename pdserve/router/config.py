@@ -100,6 +100,9 @@ class RouterConfig:
     handoff_timeout_s: P's answer -> D's first token; past it the request fails with 504 / an error event.
     max_inflight: requests in flight in the router, all workers together (429 + Retry-After above; None: none).
     max_inflight_per_worker: requests placed on one worker; every policy skips full workers, 429 when all are.
+    elastic: workers with no fixed role (pdserve's connector as ``kv_both``); the conductor places each request
+        colocated on one of them or split P -> D over two (:mod:`pdserve.conductor.elastic`); disaggregated mode
+        for the router (it detokenizes), alone (not with ``prefill``/``decode``/``colocated``).
     probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
         many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """
@@ -139,9 +142,10 @@ class RouterConfig:
     probe_failures: int = 3
     probe_window_s: float = 10.0
     tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
+    elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated"):
+        for name in ("prefill", "decode", "colocated", "elastic"):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -161,13 +165,18 @@ class RouterConfig:
         if self.colocated and (self.prefill or self.decode):
             raise RouterConfigError("--colocated cannot be combined with --prefill/--decode: choose colocated "
                                     "(baseline) or disaggregated mode")
+        if self.elastic and (self.prefill or self.decode or self.colocated or self.mode_hint == "colocated"):
+            raise RouterConfigError("--elastic cannot be combined with --prefill/--decode/--colocated: an elastic "
+                                    "pool's workers take either role per request; list every worker under "
+                                    "--elastic")
         if self.mode_hint not in ("", "colocated", "disaggregated"):
             raise RouterConfigError(f"--mode {self.mode_hint!r}: colocated or disaggregated")
         if self.mode_hint and (self.colocated if self.mode_hint == "disaggregated" else (self.prefill or self.decode)):
             raise RouterConfigError(f"--mode {self.mode_hint} contradicts the worker flags given")
-        if not self.mode_hint and not self.colocated and not (self.prefill and self.decode):
+        if not self.mode_hint and not self.colocated and not (self.prefill and self.decode) and not self.elastic:
             raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
-                                    "--colocated URL... (baseline), or --mode to start empty and let workers "
+                                    "--colocated URL... (baseline), or --elastic URL... (no fixed roles), or "
+                                    "--mode to start empty and let workers "
                                     "join through POST /v1/pdserve/workers")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", self.model_dir)
@@ -242,4 +251,6 @@ class RouterConfig:
         """(role, url) for every configured worker, a URL listed once per role."""
         if self.colocated:
             return [("colocated", u) for u in self.colocated]
+        if self.elastic:  # able to prefill and decode (so /ready and the role metrics see both), marked elastic
+            return [(role, u) for u in self.elastic for role in ("prefill", "decode", "elastic")]
         return [("prefill", u) for u in self.prefill] + [("decode", u) for u in self.decode]

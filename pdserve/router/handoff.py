@@ -61,8 +61,10 @@ class Timings:
     tpot_ms: (last token - first token) / (tokens - 1); None below two tokens.
     decode_ms: D (or the colocated worker) request sent -> its last token.
     e2e_ms: arrival -> final chunk / response built.
-    router_overhead_ms: e2e minus the time spent awaiting workers (parsing, tokenizing, detokenizing, stop
-        matching, JSON/SSE, writes to the client, event-loop scheduling).
+    client_wait_ms: time spent in writes to the client (streamed answers: ``StreamResponse.write``, which waits
+        when the client reads slower than the router sends).
+    router_overhead_ms: e2e minus the time spent awaiting workers and the client (parsing, tokenizing,
+        detokenizing, stop matching, JSON/SSE, event-loop scheduling, waits for a core).
     """
 
     arrive: float
@@ -83,6 +85,7 @@ class Timings:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     wait: Wait = field(default_factory=Wait)
+    client: Wait = field(default_factory=Wait)  # awaiting writes to the client
 
     def report(self) -> dict[str, Any]:
         end = self.end if self.end is not None else time.perf_counter()
@@ -107,7 +110,8 @@ class Timings:
             "tpot_ms": tpot,
             "decode_ms": ms(self.d_sent, self.d_end),
             "e2e_ms": round(e2e, 3),
-            "router_overhead_ms": round(max(0.0, e2e - self.wait.seconds * 1000.0), 3),
+            "client_wait_ms": round(self.client.seconds * 1000.0, 3),
+            "router_overhead_ms": round(max(0.0, e2e - (self.wait.seconds + self.client.seconds) * 1000.0), 3),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.tokens,
         }
@@ -220,6 +224,10 @@ class Generation:
         self.request_timeout_s = request_timeout_s
         self.handoff_timeout_s = handoff_timeout_s
         self._deadline: float | None = None  # loop time by which the request must end
+        self._timer: asyncio.TimerHandle | None = None  # fires _expire at the deadline
+        self._waiter: asyncio.Task | None = None  # the task awaiting a worker delta in _next, if any
+        self._expired = False  # the deadline passed
+        self._cancelled = False  # _expire cancelled _waiter (not yet turned into the 504)
         self._handoff_since: float | None = None  # loop time P answered, until D's first token
         self._done = 0  # tokens streamed before the current attempt
 
@@ -308,114 +316,143 @@ class Generation:
             self._deadline = loop.time() - (time.perf_counter() - self.t.arrive) + self.request_timeout_s
         return self._deadline
 
+    def _expire(self) -> None:
+        """The request's deadline passed (one timer per request, not one per awaited token): cancel the await on
+        the worker stream if one is in progress, else the next one fails at once."""
+        self._expired = True
+        if self._waiter is not None:
+            self._cancelled = True
+            self._waiter.cancel()
+
+    def _deadline_error(self) -> RouterError:
+        self.metrics.deadlines.labels("request").inc()
+        return deadline_exceeded(f"the request did not finish within its deadline of {self.request_timeout_s:g}"
+                                 " s (router --request-timeout-s)", "request_timeout")
+
     async def _next(self, raws: AsyncGenerator[Delta, None]) -> Delta:
         """The next raw delta, within the request's deadline (its cancellation closes the worker streams, so
-        vLLM aborts them and frees their KV; the tickets are closed in _raw's finally)."""
-        deadline = self._deadline_at()
-        if deadline is None:
-            return await raws.__anext__()
+        vLLM aborts them and frees their KV; the tickets are closed in run's finally)."""
+        if self._expired:
+            raise self._deadline_error()
+        if self._timer is None:
+            deadline = self._deadline_at()
+            if deadline is None:
+                return await raws.__anext__()
+            self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+        task = self._waiter = asyncio.current_task()
         try:
-            return await within(raws.__anext__(), deadline)
-        except asyncio.TimeoutError:
-            self.metrics.deadlines.labels("request").inc()
-            raise deadline_exceeded(f"the request did not finish within its deadline of {self.request_timeout_s:g}"
-                                    " s (router --request-timeout-s)", "request_timeout") from None
+            return await raws.__anext__()
+        except asyncio.CancelledError:
+            if self._cancelled and task is not None:
+                self._cancelled = False
+                uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 cannot tell, takes it as ours
+                if uncancel is None or uncancel() == 0:  # ours alone (not also the client's or the server's)
+                    raise self._deadline_error() from None
+            raise
+        finally:
+            self._waiter = None
 
     # ---- the run ----
+    def _accept(self, raw: Delta) -> Delta:
+        """A worker's delta -> the client's: stop strings, token accounting, the conductor's progress."""
+        ids = raw.token_ids
+        if ids:
+            self.token_ids.extend(ids)
+            self.t.tokens += len(ids)
+            now = time.perf_counter()
+            if self.t.first_token is None:
+                self.t.first_token = now
+            self.t.last_token = now
+            if self.ticket is not None:
+                self.ticket.progress(self.t.tokens, now)
+        if not self.stopper.stops and raw.finish_reason is None:
+            return raw  # nothing to cut or hold back: the worker's delta as it is
+        text, hit = self.stopper.feed(raw.text)
+        if hit is not None:
+            self.finish_reason, self.stop_reason = "stop", hit
+            return Delta(text, ids, "stop", hit, raw.logprobs)
+        if raw.finish_reason is not None:
+            self.finish_reason, self.stop_reason = raw.finish_reason, raw.stop_reason
+            return Delta(text + self.stopper.flush(), ids, raw.finish_reason, raw.stop_reason, raw.logprobs)
+        return Delta(text, ids, logprobs=raw.logprobs)
+
     async def run(self) -> AsyncGenerator[Delta, None]:
         """Yield client-ready deltas; the last has finish_reason set. Raises RouterError before the first delta
-        (the app answers with its status) and RouterError/WorkerError after (the app sends an error event)."""
-        async with aclosing(self._raw()) as raws:
-            while True:
-                try:
-                    raw = await self._next(raws)
-                except StopAsyncIteration:
-                    break
-                text, hit = self.stopper.feed(raw.text)
-                self.token_ids.extend(raw.token_ids)
-                self.t.tokens += len(raw.token_ids)
-                now = time.perf_counter()
-                if raw.token_ids:
-                    if self.t.first_token is None:
-                        self.t.first_token = now
-                    self.t.last_token = now
-                    if self.ticket is not None:
-                        self.ticket.progress(self.t.tokens)
-                if hit is not None:
-                    self.finish_reason, self.stop_reason = "stop", hit
-                    yield Delta(text, raw.token_ids, "stop", hit, raw.logprobs)
-                    return  # leaving _raw() closes D's stream: vLLM aborts it
-                if raw.finish_reason is not None:
-                    self.finish_reason, self.stop_reason = raw.finish_reason, raw.stop_reason
-                    yield Delta(text + self.stopper.flush(), raw.token_ids, raw.finish_reason, raw.stop_reason,
-                                raw.logprobs)
-                    return
-                yield Delta(text, raw.token_ids, logprobs=raw.logprobs)
-        raise upstream_failed("worker stream ended without a finish_reason")
+        (the app answers with its status) and RouterError/WorkerError after (the app sends an error event).
 
-    async def _raw(self) -> AsyncGenerator[Delta, None]:
-        """Place the request and run it, attempt after attempt, each on a fresh ticket closed here exactly once.
-
+        Places the request and runs it, attempt after attempt, each on a fresh ticket closed here exactly once.
         A worker that never accepted the request is left out of the next placement: for good when it refused the
         connection, for this round only when it was merely slow to accept (if nothing else is left the request
         waits on it again, within its deadline). A worker that died with the request is left out and the request
-        migrated: the next attempt gets the prompt plus the tokens streamed so far."""
+        migrated: the next attempt gets the prompt plus the tokens streamed so far. One generator from the worker
+        stream's reader to the client: each streamed token passes three async-generator hops (two before D)."""
         dead: set[str] = set()
         slow: set[str] = set()
         lost: _Migrate | None = None  # the last worker failure that moved the request
-        while True:
-            self._done = len(self.token_ids)
-            self._handoff_since = None
-            if self._done:
-                self._catch_up_detok()
-            if self._left <= 0:  # every token is out, only the finish was lost with the worker
-                yield Delta("", [], "length")
-                return
-            try:
-                ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id,
-                                               self._left)
-            except RouterError as e:
-                if e.status == 503 and slow:
-                    slow.clear()  # only slow workers were left out: wait on them rather than fail
-                    continue
-                if e.status == 503 and lost is not None:
-                    raise upstream_failed(f"{lost.role} worker {lost.url} failed with the request ({lost.reason}) "
-                                          f"and no other worker can take it over: {e.message}") from None
-                raise
-            self.ticket = ticket
-            ticket.tokens_before = self._done
-            try:
-                gen = self._one_worker(ticket) if self.colocated or ticket.prefill is None \
-                    else self._pd(ticket, dead)
-                async with aclosing(gen) as deltas:
-                    async for d in deltas:
-                        yield d
-                return
-            except _Retry as r:
-                (dead if r.dead else slow).add(r.url)
-            except _Migrate as m:
-                dead.add(m.url)
-                lost = m
-                self.migrations += 1
-                if self.migrations > self.migration_limit:
-                    raise upstream_failed(f"the request lost its worker {self.migrations} times, more than the "
-                                          f"migration limit of {self.migration_limit} (router --migration-limit); "
-                                          f"last: {m.reason}", "migration_limit") from None
-                self.metrics.migrations.labels(m.role).inc()
-                log.warning("request %s: %s worker %s failed after %d token(s) (%s); migrating it (%d of at most "
-                            "%d)", self.req.request_id, m.role, m.url, len(self.token_ids), m.reason,
-                            self.migrations, self.migration_limit)
-            finally:
-                ticket.close()
+        try:
+            while True:
+                if self._expired:
+                    raise self._deadline_error()
+                self._done = len(self.token_ids)
+                self._handoff_since = None
+                if self._done:
+                    self._catch_up_detok()
+                if self._left <= 0:  # every token is out, only the finish was lost with the worker
+                    yield self._accept(Delta("", [], "length"))
+                    return
+                try:
+                    ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id,
+                                                   self._left)
+                except RouterError as e:
+                    if e.status == 503 and slow:
+                        slow.clear()  # only slow workers were left out: wait on them rather than fail
+                        continue
+                    if e.status == 503 and lost is not None:
+                        raise upstream_failed(f"{lost.role} worker {lost.url} failed with the request ({lost.reason})"
+                                              f" and no other worker can take it over: {e.message}") from None
+                    raise
+                self.ticket = ticket
+                ticket.tokens_before = self._done
+                try:
+                    gen = self._one_worker(ticket) if self.colocated or ticket.prefill is None \
+                        else self._pd(ticket, dead)
+                    async with aclosing(gen) as raws:
+                        while True:
+                            try:
+                                raw = await self._next(raws)
+                            except StopAsyncIteration:
+                                break
+                            out = self._accept(raw)
+                            yield out
+                            if out.finish_reason is not None:
+                                return  # leaving closes D's stream (a stop string's hit: vLLM aborts it)
+                    raise upstream_failed("worker stream ended without a finish_reason")
+                except _Retry as r:
+                    (dead if r.dead else slow).add(r.url)
+                except _Migrate as m:
+                    dead.add(m.url)
+                    lost = m
+                    self.migrations += 1
+                    if self.migrations > self.migration_limit:
+                        raise upstream_failed(f"the request lost its worker {self.migrations} times, more than the "
+                                              f"migration limit of {self.migration_limit} (router "
+                                              f"--migration-limit); last: {m.reason}", "migration_limit") from None
+                    self.metrics.migrations.labels(m.role).inc()
+                    log.warning("request %s: %s worker %s failed after %d token(s) (%s); migrating it (%d of at "
+                                "most %d)", self.req.request_id, m.role, m.url, len(self.token_ids), m.reason,
+                                self.migrations, self.migration_limit)
+                finally:
+                    ticket.close()
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
 
-    async def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
+    def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
+        """The whole request on ticket.decode: its stream as it is (no generator of its own in between)."""
         w = ticket.decode
         self.t.decode_worker = w.url
         body = self._body(self._prompt, self._left, True)
-        async with aclosing(self._decode_stream(ticket, w, body, "colocated" if self.colocated else "decode")
-                            ) as deltas:
-            async for d in deltas:
-                yield d
+        return self._decode_stream(ticket, w, body, "colocated" if self.colocated else "decode")
 
     async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncGenerator[Delta, None]:
         p = ticket.prefill
@@ -549,7 +586,8 @@ class Generation:
                         obj = await (objs.__anext__() if started else self._first(objs, handoff))
                     except StopAsyncIteration:
                         break
-                    _transfer_stats(obj, self.t)
+                    if "kv_transfer_params" in obj:
+                        _transfer_stats(obj, self.t)
                     choices = obj.get("choices") or []
                     if not choices:
                         continue  # usage chunk

@@ -439,6 +439,10 @@ class ResponseBuilder:
         self.model = model_name
         self.created = int(time.time())
         self.chat = req.kind == "chat"
+        base = dumps(self._base("chat.completion.chunk" if self.chat else "text_completion"))[:-1]
+        self._text_head = (base + ',"choices":[{"index":').encode()
+        self._text_mid = b',"delta":{"content":' if self.chat else b',"text":'
+        self._text_tail = (b'},' if self.chat else b',') + b'"logprobs":null,"finish_reason":null'
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -503,6 +507,14 @@ class ResponseBuilder:
                     choice["prompt_token_ids"] = prompt_ids
         out["choices"] = [choice]
         return out
+
+    def text_chunk(self, text: str, token_ids: list[int], index: int = 0) -> bytes:
+        """``sse(self.chunk(text, token_ids, index=index))`` byte for byte, for the common streamed delta (no
+        finish, logprobs, role, prompt ids or tool delta), without building and encoding the whole object."""
+        out = self._text_head + str(index).encode() + self._text_mid + dumps(text).encode() + self._text_tail
+        if self.req.return_token_ids:
+            out += b',"token_ids":' + dumps(token_ids).encode()
+        return b"data: " + out + b"}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         out = self._base("chat.completion.chunk" if self.chat else "text_completion")

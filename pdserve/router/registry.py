@@ -34,6 +34,8 @@ def role_of(roles: set[str]) -> str:
     """The conductor's role for a worker's set of router roles."""
     if "colocated" in roles:
         return "colocated"
+    if "elastic" in roles:  # listed as prefill + decode + elastic: no fixed role, chosen per request
+        return "elastic"
     if {"prefill", "decode"} <= roles:
         return "both"
     return next(iter(roles))

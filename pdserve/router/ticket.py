@@ -10,6 +10,7 @@ close, do nothing.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from ..conductor import Conductor, Decision
@@ -19,6 +20,10 @@ from .workers import Worker
 
 if TYPE_CHECKING:
     from .registry import WorkerRegistry
+
+
+PROGRESS_EVERY_TOKENS = 16  # report decode progress at least every this many tokens of a ticket ...
+PROGRESS_EVERY_S = 0.25  # ... or once this long has passed since the last report (and always at close)
 
 
 class PlacementTicket:
@@ -36,6 +41,9 @@ class PlacementTicket:
         self.closed = False
         self._prefilled = False
         self.tokens_before = 0  # output tokens streamed before this ticket (a migrated request's earlier workers)
+        self._pending = 0  # this ticket's tokens known to the router ...
+        self._reported = 0  # ... and told to the conductor
+        self._reported_at = 0.0  # perf_counter of the last report
 
     def prefill_done(self) -> None:
         """The prompt is computed (P answered, or a whole request's first token arrived); once."""
@@ -44,11 +52,32 @@ class PlacementTicket:
         self._prefilled = True
         self._conductor.prefill_done(self.request_id)
 
-    def progress(self, tokens: int) -> None:
+    def progress(self, tokens: int, now: float | None = None) -> None:
         """``tokens`` output tokens of the request so far, the first included; the conductor hears those of this
-        ticket only (a migrated request's earlier tokens were another placement's)."""
-        if not self.closed and tokens > self.tokens_before:
-            self._conductor.decode_progress(self.request_id, tokens - self.tokens_before)
+        ticket only (a migrated request's earlier tokens were another placement's).
+
+        Coalesced: the ticket's first two tokens are reported at once (they time the hand-off and start the decode
+        step clock), then at most one report per :data:`PROGRESS_EVERY_TOKENS` tokens or
+        :data:`PROGRESS_EVERY_S` seconds (``now``: the caller's perf_counter, read when omitted), and the rest at
+        :meth:`close`. The conductor divides a step time by the tokens reported, so its estimates stay per token,
+        while the router no longer calls it on every streamed token."""
+        if self.closed or tokens <= self.tokens_before:
+            return
+        own = tokens - self.tokens_before
+        self._pending = own
+        if own <= 2 or own - self._reported >= PROGRESS_EVERY_TOKENS:
+            self._report(time.perf_counter() if now is None else now)
+            return
+        if now is None:
+            now = time.perf_counter()
+        if now - self._reported_at >= PROGRESS_EVERY_S:
+            self._report(now)
+
+    def _report(self, now: float) -> None:
+        if self._pending > self._reported:
+            self._reported = self._pending
+            self._reported_at = now
+            self._conductor.decode_progress(self.request_id, self._pending)
 
     def replace_decode(self, exclude: frozenset[str] = frozenset()) -> Worker:
         """D failed before it accepted the decode: place the decode again (P, its KV lease and its prefill report
@@ -68,5 +97,6 @@ class PlacementTicket:
         """Release everything reserved for the request; only the first call does anything."""
         if self.closed:
             return
+        self._report(time.perf_counter())  # tokens a coalesced progress report still held
         self.closed = True
         self._conductor.finished(self.request_id)

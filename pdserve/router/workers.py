@@ -130,26 +130,34 @@ class WorkerClient:
             resp = await self._post(url, "/v1/completions", body)
         finally:
             wait.seconds += time.perf_counter() - t0
+        # aiohttp's sock_read timer (the wait for the answer's head) would be cancelled and scheduled anew on every
+        # chunk received: the body's idle timeout is one _Watchdog instead
+        proto = resp.connection.protocol if resp.connection is not None else None
+        if proto is not None:
+            proto.read_timeout = None
+        dog = _Watchdog(resp, self.idle_timeout_s)
         try:
             if resp.status != 200:
-                t0 = time.perf_counter()
+                t0 = dog.since = time.perf_counter()
                 try:
                     raise await self._error_from(url, resp)
                 finally:
+                    dog.since = None
                     wait.seconds += time.perf_counter() - t0
             buf = b""
-            it = resp.content.iter_any().__aiter__()
+            content = resp.content
             while True:
-                t0 = time.perf_counter()
+                t0 = dog.since = time.perf_counter()
                 try:
-                    data = await it.__anext__()
-                except StopAsyncIteration:
-                    raise WorkerError(url, "closed", "stream ended without [DONE]") from None
+                    data = await content.readany()
+                    if not data:
+                        raise WorkerError(url, "closed", "stream ended without [DONE]")
                 except asyncio.TimeoutError:
                     raise WorkerError(url, "timeout", f"stream silent for {self.idle_timeout_s} s") from None
                 except aiohttp.ClientError as e:
                     raise WorkerError(url, "closed", f"stream broken: {e}") from None
                 finally:
+                    dog.since = None
                     wait.seconds += time.perf_counter() - t0
                 buf += data
                 while True:
@@ -167,10 +175,13 @@ class WorkerClient:
                         obj = json.loads(payload)
                     except ValueError:
                         raise WorkerError(url, "protocol", f"bad SSE event: {payload[:200]!r}") from None
-                    if isinstance(obj, dict) and "error" in obj:
+                    if not isinstance(obj, dict):
+                        raise WorkerError(url, "protocol", f"SSE event is not an object: {payload[:200]!r}")
+                    if "error" in obj:
                         raise WorkerError(url, "stream_error", str(obj["error"]), None, obj)
                     yield obj
         finally:
+            dog.stop()
             resp.close()  # no-op after release; an unfinished stream is dropped, so vLLM aborts the request
 
     async def health(self, url: str, timeout_s: float) -> tuple[bool, str]:
@@ -189,8 +200,39 @@ class WorkerClient:
             return Probe(False, f"unreachable: {e}", refused(e))
 
 
+class _Watchdog:
+    """A stream's idle timeout: one timer that looks every ``idle_s`` at whether the reader has been waiting
+    (``since``: perf_counter when the current read began; None between reads, while the router is busy with what it
+    read) for ``idle_s`` or more, and then fails the read with asyncio.TimeoutError. Rescheduling a timer per chunk,
+    as aiohttp's sock_read does, costs the event loop a heap push per chunk."""
+
+    __slots__ = ("resp", "idle_s", "since", "handle")
+
+    def __init__(self, resp: aiohttp.ClientResponse, idle_s: float) -> None:
+        self.resp = resp
+        self.idle_s = idle_s
+        self.since: float | None = None
+        self.handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(idle_s, self._check)
+
+    def _check(self) -> None:
+        self.handle = None
+        since = self.since
+        left = self.idle_s if since is None else self.idle_s - (time.perf_counter() - since)
+        if left <= 0:
+            self.resp.content.set_exception(asyncio.TimeoutError())
+            return
+        self.handle = asyncio.get_running_loop().call_later(left, self._check)
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
 def _sse_data(event: bytes) -> bytes | None:
     """The data of one SSE event (lines 'data: ...' joined), or None for comments/empty events."""
+    if event.startswith(b"data: ") and b"\n" not in event and not event.startswith(b"data:  "):
+        return event[6:]  # vLLM's every event: one data line
     lines = [ln[5:].lstrip(b" ") for ln in event.replace(b"\r\n", b"\n").split(b"\n") if ln.startswith(b"data:")]
     if not lines:
         return None
