@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(900),
+    pytest.mark.slow,  # two vLLM starts of its own; the same placement runs on test_pd_router.py's stack in CI
 ]
 
 LONG_FROM = 256  # --local-prefill-tokens: a prompt over this many uncached tokens is long (split preferred)

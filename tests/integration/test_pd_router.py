@@ -358,3 +358,60 @@ def test_client_leaving_n_stream_frees_blocks(cluster, client):
     except urllib.error.HTTPError as e:
         health = json.loads(e.read())
     assert health["status"] == "ok"
+
+
+def test_elastic_router_over_the_same_workers_equals_one_worker(cluster, tmp_path):
+    """Elastic roles (issue 16) on this stack's two kv_both workers: a second router started with ``--elastic``
+    places each request colocated on one worker or split P -> D over both (the conductor's choice); a mixed batch
+    equals one worker's output. `pdserve serve --elastic 2` itself (the launcher's plan) is in
+    tests/integration/test_elastic_vllm.py (slow tier) and tests/unit/test_launcher_elastic.py."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.procs import free_port
+
+    urls = [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]]
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "elastic-router.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
+                             "--model-dir", str(cluster.model_dir), "--served-model-name", "rl",
+                             "--max-model-len", "2048", "--policy", "conductor", "--no-calibrate",
+                             "--local-prefill-tokens", "256", "--elastic", *urls],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(router + "/health", timeout=5).status == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic-router.log").read_text()
+            time.sleep(0.3)
+
+        def body(length: int, seed: int) -> dict:
+            rng = random.Random(seed)
+            return {"model": "rl", "prompt": [rng.randrange(1000, 40000) for _ in range(length)], "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}
+
+        first = [body(1000, 1), body(40, 2)]  # idle pool: the long prompt is split, the short one colocated
+        batch = [body(n, 10 + i) for i, n in enumerate((1000, 60, 900, 30))]
+        routed = [_post(router + "/v1/completions", b) for b in first]
+        with ThreadPoolExecutor(len(batch)) as pool:
+            routed += list(pool.map(lambda b: _post(router + "/v1/completions", b), batch))
+        for b, out in zip(first + batch, routed):
+            assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", b)["choices"][0]["text"]
+            assert out["usage"]["completion_tokens"] == 8
+        got = scrape(router, "pdserve_conductor_decisions_total", labels=True)
+        kinds = {k: sum(v for key, v in got.items() if f'kind="{k}"' in key) for k in ("local", "disaggregated")}
+        assert kinds["disaggregated"] >= 1 and kinds["local"] >= 1, kinds
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()

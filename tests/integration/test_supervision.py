@@ -28,6 +28,9 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(900),
+    # ~55 s of vLLM restarts: slow tier (PDSERVE_TEST_SLOW=1). In CI the same launcher supervision runs on real
+    # (non-vLLM) processes in tests/unit/test_supervisor_cluster.py, and real vLLM faults in test_router_faults.py
+    pytest.mark.slow,
 ]
 
 START_TIMEOUT_S = 400
