@@ -162,8 +162,8 @@ def config_from_args(args: argparse.Namespace, discover: Callable[[], tuple[str,
     return with_discovered_gpus(config, args, discover)
 
 
-def _file_sets(path: str | None, key: str) -> bool:
-    """The YAML file at ``path`` names ``key``."""
+def _file_sets(path: str | None, key: str, unless: str | None = None) -> bool:
+    """The YAML file at ``path`` names ``key`` (with a value other than ``unless``, compared case-blind)."""
     if not path:
         return False
     try:
@@ -172,7 +172,9 @@ def _file_sets(path: str | None, key: str) -> bool:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, ValueError, ImportError):
         return False
-    return isinstance(data, dict) and key in data
+    if not isinstance(data, dict) or key not in data:
+        return False
+    return unless is None or str(data[key]).strip().lower() != unless
 
 
 def with_discovered_gpus(config: LauncherConfig, args: argparse.Namespace,
@@ -180,7 +182,7 @@ def with_discovered_gpus(config: LauncherConfig, args: argparse.Namespace,
     """``gpus`` from discovery unless ``--gpus`` or the config file named them (``auto`` asks for discovery);
     no GPU found keeps the CPU plan as it was."""
     given = getattr(args, "gpus", None)
-    from_file = _file_sets_gpus(getattr(args, "config", None))
+    from_file = _file_sets(getattr(args, "config", None), "gpus", unless="auto")
     if (given is not None and given.strip().lower() != "auto") or (given is None and from_file):
         return config
     if discover is None:
@@ -191,16 +193,6 @@ def with_discovered_gpus(config: LauncherConfig, args: argparse.Namespace,
     return config.with_overrides(gpus=found) if found else config
 
 
-def _file_sets_gpus(path: str | None) -> bool:
-    if not path:
-        return False
-    try:
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, ValueError, ImportError):
-        return False
-    return isinstance(data, dict) and "gpus" in data and str(data["gpus"]).strip().lower() != "auto"
 
 
 def describe_devices(config: LauncherConfig, plan: Any) -> str:
