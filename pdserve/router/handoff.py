@@ -459,6 +459,9 @@ class Generation:
         assert p is not None
         self.t.prefill_worker = p.url
         body = self._body(self._prompt, 1, False)
+        if not self.first_from_prefill:  # P's token is thrown away: no grammar for P to compile
+            body.pop("structured_outputs", None)
+            body.pop("response_format", None)
         body["kv_transfer_params"] = dict(self.prefill_kv_params)
         now = time.perf_counter()
         if self.t.dispatch is None:
