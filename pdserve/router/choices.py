@@ -15,7 +15,8 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from .handoff import _RETRYABLE, Delta, Generation, _Retry
+from .failures import RETRYABLE, Retry, as_router_error
+from .handoff import Delta, Generation
 from .logprobs import LogprobTrack
 from .ticket import PlacementTicket
 from .tools import ToolCalls
@@ -76,9 +77,9 @@ class PromptScoredGeneration(Generation):
             resp = await self.client.complete(w.url, body, self.t.wait)
         except WorkerError as e:
             self._fail(w, role, e)
-            if e.kind in _RETRYABLE:
-                raise _Retry(w.url) from None
-            raise self._as_router_error(e) from None
+            if e.kind in RETRYABLE:
+                raise Retry(w.url) from None
+            raise as_router_error(e) from None
         self.t.d_first = self.t.d_end = time.perf_counter()
         ticket.prefill_done()
         c0 = (resp.get("choices") or [{}])[0]

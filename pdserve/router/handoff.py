@@ -20,20 +20,21 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .deadline import within
-from .errors import RouterError, deadline_exceeded, from_worker, upstream_failed
+from .errors import RouterError, deadline_exceeded, upstream_failed
+from .failures import RETRYABLE, Migrate, Retry, as_router_error, migratable
 from .metrics import RouterMetrics
 from .placement import Placement
 from .protocol import GenerationRequest
+from .stops import StopStrings
 from .ticket import PlacementTicket
+from .timings import Timings, transfer_stats
 from .tokenizer import IncrementalDetokenizer
-from .workers import Wait, Worker, WorkerClient, WorkerError
+from .workers import Worker, WorkerClient, WorkerError
 
-_RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
-_MIGRATABLE = ("closed", "timeout")  # the worker accepted it and then went away (or went silent)
 DEFAULT_MIGRATION_LIMIT = 2
 
 log = logging.getLogger("pdserve.router")
@@ -46,133 +47,6 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: Any = None
     logprobs: Any = None  # the worker choice's raw ``logprobs`` for these tokens (vLLM completions shape), if asked
-
-
-@dataclass
-class Timings:
-    """Monotonic timestamps (perf_counter seconds) of one request's phases, reported in milliseconds as:
-
-    queue_ms: arrival -> first worker request sent (body parse, chat template, tokenization, placement).
-    prefill_ms: P's round trip (request sent -> its one-token answer parsed).
-    kv_transfer_bytes / kv_transfer_ms: what D's connector reports (``kv_transfer_params.pdserve``); None
-        when the worker does not say (vLLM 0.32 omits kv_transfer_params from streamed answers).
-    handoff_ms: P's answer -> D's first token at the router (includes D's queue, KV fetch, first step).
-    ttft_ms: arrival -> first token known to the router (t1 from P in disaggregated mode).
-    tpot_ms: (last token - first token) / (tokens - 1); None below two tokens.
-    decode_ms: D (or the colocated worker) request sent -> its last token.
-    e2e_ms: arrival -> final chunk / response built.
-    client_wait_ms: time spent in writes to the client (streamed answers: ``StreamResponse.write``, which waits
-        when the client reads slower than the router sends).
-    router_overhead_ms: e2e minus the time spent awaiting workers and the client (parsing, tokenizing,
-        detokenizing, stop matching, JSON/SSE, event-loop scheduling, waits for a core).
-    """
-
-    arrive: float
-    mode: str = "disaggregated"
-    dispatch: float | None = None
-    p_sent: float | None = None
-    p_done: float | None = None
-    d_sent: float | None = None
-    d_first: float | None = None
-    d_end: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    end: float | None = None
-    tokens: int = 0
-    prompt_tokens: int = 0
-    kv_bytes: int | None = None
-    kv_ms: float | None = None
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    wait: Wait = field(default_factory=Wait)
-    client: Wait = field(default_factory=Wait)  # awaiting writes to the client
-
-    def report(self) -> dict[str, Any]:
-        end = self.end if self.end is not None else time.perf_counter()
-
-        def ms(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else round((b - a) * 1000.0, 3)
-
-        tpot = None
-        if self.tokens >= 2 and self.first_token is not None and self.last_token is not None:
-            tpot = round((self.last_token - self.first_token) * 1000.0 / (self.tokens - 1), 3)
-        e2e = (end - self.arrive) * 1000.0
-        return {
-            "mode": self.mode,
-            "prefill_worker": self.prefill_worker,
-            "decode_worker": self.decode_worker,
-            "queue_ms": ms(self.arrive, self.dispatch),
-            "prefill_ms": ms(self.p_sent, self.p_done),
-            "kv_transfer_bytes": self.kv_bytes,
-            "kv_transfer_ms": self.kv_ms,
-            "handoff_ms": ms(self.p_done, self.d_first),
-            "ttft_ms": ms(self.arrive, self.first_token),
-            "tpot_ms": tpot,
-            "decode_ms": ms(self.d_sent, self.d_end),
-            "e2e_ms": round(e2e, 3),
-            "client_wait_ms": round(self.client.seconds * 1000.0, 3),
-            "router_overhead_ms": round(max(0.0, e2e - (self.wait.seconds + self.client.seconds) * 1000.0), 3),
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.tokens,
-        }
-
-
-class StopStrings:
-    """Stop-string matching over the whole output text, holding back what could begin a stop string."""
-
-    def __init__(self, stops: list[str], include: bool) -> None:
-        self.stops = stops
-        self.include = include
-        self.maxlen = max((len(s) for s in stops), default=0)
-        self.hold = 0 if include or not stops else self.maxlen - 1
-        self.text = ""
-        self.sent = 0
-
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Add text; return (text that may go out now, the stop string hit or None)."""
-        if not self.stops:
-            return delta, None
-        start = max(0, len(self.text) - self.maxlen + 1)
-        self.text += delta
-        hit, at = None, -1
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0 and (at < 0 or i < at):
-                hit, at = s, i
-        if hit is not None:
-            end = at + (len(hit) if self.include else 0)
-            out = self.text[self.sent:end]
-            self.text = self.text[:end]
-            self.sent = end
-            return out, hit
-        upto = len(self.text) - self.hold
-        if upto > self.sent:
-            out = self.text[self.sent:upto]
-            self.sent = upto
-            return out, None
-        return "", None
-
-    def flush(self) -> str:
-        out = self.text[self.sent:]
-        self.sent = len(self.text)
-        return out
-
-
-def _transfer_stats(obj: Any, t: Timings) -> None:
-    """Read KV transfer bytes/ms where the pdserve connector reports them: D's ``kv_transfer_params`` =
-    ``{"pdserve": {"bytes", "ms", "blocks", "ok"}}`` (set in request_finished). vLLM 0.32 puts
-    kv_transfer_params only in non-streaming answers, so for streamed decodes they stay None."""
-    if not isinstance(obj, dict):
-        return
-    kvp = obj.get("kv_transfer_params")
-    stats = kvp.get("pdserve") if isinstance(kvp, dict) else None
-    if not isinstance(stats, dict):
-        return
-    b, m = stats.get("bytes"), stats.get("ms")
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
-        t.kv_bytes = int(b)
-    if isinstance(m, (int, float)) and not isinstance(m, bool):
-        t.kv_ms = float(m)
 
 
 class Generation:
@@ -269,26 +143,6 @@ class Generation:
         self.metrics.worker_errors.labels(role, e.kind).inc()
         if e.dead:
             self.placement.registry.mark_dead(w.url, str(e))
-
-    @staticmethod
-    def _migratable(e: WorkerError) -> bool:
-        """The worker accepted the request and then failed in a way another worker may not: it went away, went
-        silent, or answered a server error. A 4xx (the request itself) is not retried."""
-        if e.kind in _MIGRATABLE:
-            return True
-        if e.kind == "http":
-            return e.status is not None and e.status >= 500
-        if e.kind == "stream_error":
-            err = e.payload.get("error") if isinstance(e.payload, dict) else None
-            code = err.get("code") if isinstance(err, dict) else None
-            return not (isinstance(code, int) and 400 <= code < 500)
-        return False
-
-    @staticmethod
-    def _as_router_error(e: WorkerError) -> RouterError:
-        if e.kind == "http" and e.status is not None:
-            return from_worker(e.status, e.payload)
-        return upstream_failed(str(e))
 
     def _text(self, ids: list[int], c0: dict[str, Any], own: bool) -> str:
         """Text of ``ids``: the router's detokenizer when ``own`` (P -> D, or a migrated attempt), else the
@@ -388,7 +242,7 @@ class Generation:
         stream's reader to the client: each streamed token passes three async-generator hops (two before D)."""
         dead: set[str] = set()
         slow: set[str] = set()
-        lost: _Migrate | None = None  # the last worker failure that moved the request
+        lost: Migrate | None = None  # the last worker failure that moved the request
         try:
             while True:
                 if self._expired:
@@ -427,9 +281,9 @@ class Generation:
                             if out.finish_reason is not None:
                                 return  # leaving closes D's stream (a stop string's hit: vLLM aborts it)
                     raise upstream_failed("worker stream ended without a finish_reason")
-                except _Retry as r:
+                except Retry as r:
                     (dead if r.dead else slow).add(r.url)
-                except _Migrate as m:
+                except Migrate as m:
                     dead.add(m.url)
                     lost = m
                     self.migrations += 1
@@ -471,11 +325,11 @@ class Generation:
             resp = await self.client.complete(p.url, body, self.t.wait)
         except WorkerError as e:
             self._fail(p, "prefill", e)
-            if e.kind in _RETRYABLE:
-                raise _Retry(p.url, e.dead) from None
-            if self._migratable(e):  # P took the request and died before its first token: place it again
-                raise _Migrate(p.url, "prefill", str(e)) from None
-            raise self._as_router_error(e) from None
+            if e.kind in RETRYABLE:
+                raise Retry(p.url, e.dead) from None
+            if migratable(e):  # P took the request and died before its first token: place it again
+                raise Migrate(p.url, "prefill", str(e)) from None
+            raise as_router_error(e) from None
         self.t.p_done = time.perf_counter()
         self._handoff_since = asyncio.get_running_loop().time()
         ticket.prefill_done()
@@ -491,7 +345,7 @@ class Generation:
             self.metrics.worker_errors.labels("prefill", "protocol").inc()
             raise upstream_failed(f"prefill worker {p.url} answered an unexpected completion: {e}") from None
         kvp = resp.get("kv_transfer_params")
-        _transfer_stats(resp, self.t)
+        transfer_stats(resp, self.t)
         if not self._done:
             self.prompt_logprobs = c0.get("prompt_logprobs")
         if not self.first_from_prefill:
@@ -554,12 +408,12 @@ class Generation:
                     async for delta in deltas:
                         yield delta
                 return
-            except _Retry as r:  # D unreachable: P's blocks are still leased, move only the decode
+            except Retry as r:  # D unreachable: P's blocks are still leased, move only the decode
                 tries.add(r.url)
                 try:
                     ticket.replace_decode(frozenset(exclude | tries))
                 except RouterError as e:
-                    raise _Migrate(r.url, "decode", e.message) from None
+                    raise Migrate(r.url, "decode", e.message) from None
 
     async def _first(self, objs: AsyncGenerator[dict, None], handoff: bool) -> dict:
         """D's first event within the hand-off deadline (P's answer + handoff_timeout_s)."""
@@ -590,7 +444,7 @@ class Generation:
                     except StopAsyncIteration:
                         break
                     if "kv_transfer_params" in obj:
-                        _transfer_stats(obj, self.t)
+                        transfer_stats(obj, self.t)
                     choices = obj.get("choices") or []
                     if not choices:
                         continue  # usage chunk
@@ -616,32 +470,13 @@ class Generation:
                             c0.get("logprobs"))
         except WorkerError as e:
             self._fail(w, role, e)
-            if e.kind in _RETRYABLE and not started:
-                raise _Retry(w.url, e.dead) from None
-            if self._migratable(e):
-                raise _Migrate(w.url, role, str(e)) from None
+            if e.kind in RETRYABLE and not started:
+                raise Retry(w.url, e.dead) from None
+            if migratable(e):
+                raise Migrate(w.url, role, str(e)) from None
             if not after_first and not started and not self._done:
-                raise self._as_router_error(e) from None
+                raise as_router_error(e) from None
             raise upstream_failed(f"{role} worker {w.url} failed mid-request: {e}") from None
         finally:
             if self.t.d_end is None:
                 self.t.d_end = time.perf_counter()
-
-
-class _Retry(Exception):
-    """The worker never accepted the request (``dead``: it refused the connection; else it was too slow to)."""
-
-    def __init__(self, url: str, dead: bool = True) -> None:
-        super().__init__(url)
-        self.url = url
-        self.dead = dead
-
-
-class _Migrate(Exception):
-    """The worker took the request and then failed: run what is left of it elsewhere."""
-
-    def __init__(self, url: str, role: str, reason: str) -> None:
-        super().__init__(url)
-        self.url = url
-        self.role = role
-        self.reason = reason

@@ -13,7 +13,8 @@ import pytest
 from pdserve.router import ticket as ticket_mod
 from pdserve.router.errors import RouterError
 from pdserve.router.handoff import Delta, Timings
-from pdserve.router.protocol import ResponseBuilder, parse_chat, parse_completion, sse
+from pdserve.router.protocol import parse_chat, parse_completion
+from pdserve.router.response import ResponseBuilder, sse
 from pdserve.router.workers import Wait, _sse_data
 
 TEXTS = ["", " hello", 'quote " and \\ back', "new\nline\ttab\r", "é 中文 🙂", "\x00\x1f\u2028\u2029", "</script>"]
