@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import KV_CONNECTORS, ConfigError, LauncherConfig, parse_cpu_list
+from .config import ConfigError, LauncherConfig, parse_cpu_list
+from .config_devices import KV_CONNECTORS
 from .procs import LaunchError
 from .rules import POLICIES
 

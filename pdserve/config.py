@@ -17,6 +17,17 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .config_devices import (
+    check_gpus_and_data_plane,
+    check_tp,
+    check_worker_gpu,
+    check_worker_tp,
+    cpu_list_text,
+    gpu_ids,
+    parse_cpu_list,
+)
+from .config_fields import ConfigError, check_port
+from .config_services import check_pool, check_supervision
 from .rules import check_policy, check_slo, check_slo_needs_conductor
 
 ROLES = ("prefill", "decode", "colocated", "elastic")
@@ -26,12 +37,7 @@ CONNECTOR_MODULE = "pdserve.vllm.connector"
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # same name as pdserve.transfer.config.SECRET_ENV
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _ARG_FIELDS = ("worker_args", "prefill_args", "decode_args", "router_args")
-KV_CONNECTORS = ("pdserve", "nixl")  # the workers' KV data plane (same names as the router's --kv-connector)
 NIXL_CONNECTOR_NAME = "NixlConnector"
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message says which and how to fix it."""
 
 
 def _repo_root() -> Path:
@@ -51,11 +57,6 @@ def default_model_dir() -> Path:
     if (root / "pyproject.toml").is_file():
         return root / "models" / DEFAULT_MODEL_NAME
     return Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
-
-
-def _check_port(name: str, port: Any) -> None:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ConfigError(f"{name}={port!r}: use a TCP port 1-65535, or 0 to pick a free one")
 
 
 def _check_str_tuple(name: str, value: Any) -> None:
@@ -115,14 +116,14 @@ class WorkerConfig:
             raise ConfigError(f"worker index {self.index!r} must be an integer >= 0")
         if not self.model:
             raise ConfigError("worker model is empty: pass the model folder (--model DIR)")
-        _check_port(f"{self.name}.port", self.port)
+        check_port(f"{self.name}.port", self.port)
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith("tcp://"):
             raise ConfigError(f"{self.name}.kv_events_endpoint={self.kv_events_endpoint!r}: use tcp://HOST:PORT")
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
-        _check_worker_gpu(self)
-        _check_worker_tp(self)
+        check_worker_gpu(self)
+        check_worker_tp(self)
 
     @property
     def name(self) -> str:
@@ -151,24 +152,7 @@ class WorkerConfig:
         """``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank, separated by ``|`` (``"0|1"``)."""
         if self.tp == 1:
             return self.omp_bind
-        return "|".join(_cpu_list_text(c) for c in self.rank_cores)
-
-
-def _cpu_list_text(cores: tuple[int, ...]) -> str:
-    ordered = sorted(set(cores))
-    if len(ordered) > 1 and ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"{ordered[0]}-{ordered[-1]}"
-    return ",".join(str(c) for c in ordered)
-
-
-def _check_worker_tp(w: WorkerConfig) -> None:
-    if not isinstance(w.tp, int) or isinstance(w.tp, bool) or w.tp < 1:
-        raise ConfigError(f"{w.name}.tp={w.tp!r}: use a whole number of tensor-parallel ranks >= 1")
-    if w.tp > 1 and not w.gpus and len(w.cores) % w.tp:
-        raise ConfigError(f"{w.name}.cores={w.cores!r} cannot be split evenly over tp={w.tp} ranks: give "
-                          f"{w.tp} x cores-per-rank CPU ids")
-    if w.tp > 1 and w.connector_extra.get("pool_master"):
-        raise ConfigError(f"{w.name}: tp={w.tp} with the KV pool: the pool supports TP=1 workers only")
+        return "|".join(cpu_list_text(c) for c in self.rank_cores)
 
 
 def _check_common(cfg: Any, prefix: str = "") -> None:
@@ -326,7 +310,7 @@ class LauncherConfig:
             v = getattr(self, name)
             if isinstance(v, list):
                 object.__setattr__(self, name, tuple(v))
-        _check_port("port", self.port)
+        check_port("port", self.port)
         for name in ("host", "worker_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be an address such as 127.0.0.1")
@@ -342,7 +326,7 @@ class LauncherConfig:
                 "lower cores_per_worker or list more cores"
             )
         _check_common(self)
-        _check_gpus_and_data_plane(self)
+        check_gpus_and_data_plane(self)
         if self.connector and self.kv_connector == "pdserve":
             _check_connector_extra(self.lease_s, self.connector_extra)
             if self.connector_extra.get("transfer_port") and self.num_workers > 1:
@@ -359,9 +343,9 @@ class LauncherConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
-        _check_tp(self)
-        _check_pool(self)
-        _check_supervision(self)
+        check_tp(self)
+        check_pool(self)
+        check_supervision(self)
 
     # ------------------------------------------------------------------ derived
 
@@ -397,7 +381,7 @@ class LauncherConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
                 raise ConfigError(f"{source}: unknown setting {key!r}{hint}")
             if k == "gpus":
-                value = _gpu_ids(value)
+                value = gpu_ids(value)
             elif k in ("cores",) + _ARG_FIELDS and isinstance(value, (list, tuple)):
                 value = tuple(value)
             elif k in _ARG_FIELDS and isinstance(value, str):
@@ -449,26 +433,6 @@ class LauncherConfig:
         return replace(self, **overrides)
 
 
-def _check_tp(cfg: LauncherConfig) -> None:
-    """prefill_tp / decode_tp: whole numbers >= 1, disaggregated only; the KV pool needs TP=1 (off by default)."""
-    for name in ("prefill_tp", "decode_tp"):
-        v = getattr(cfg, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{name}={v!r}: use a whole number of tensor-parallel ranks >= 1 (vLLM's "
-                              "--tensor-parallel-size)")
-    if cfg.colocated and (cfg.prefill_tp > 1 or cfg.decode_tp > 1):
-        raise ConfigError("prefill_tp/decode_tp apply to prefill and decode workers: for colocated workers pass "
-                          "--worker-args '--tensor-parallel-size N'")
-    on_gpus = cfg.gpus_per_worker if cfg.gpus and isinstance(cfg.gpus_per_worker, int) else 1
-    if max(cfg.prefill_tp, cfg.decode_tp, on_gpus) > 1:
-        if cfg.pool:
-            raise ConfigError(f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp}, gpus_per_worker={on_gpus} "
-                              "with the KV pool: the pool stores one shard per block and supports TP=1 workers "
-                              "only; add --no-pool")
-        if cfg.pool is None:
-            object.__setattr__(cfg, "pool", False)
-
-
 def _check_elastic(cfg: LauncherConfig) -> None:
     """elastic=N: N >= 1 workers, alone (no prefill/decode/colocated counts), with pdserve's connector, TP=1."""
     n = cfg.elastic
@@ -489,55 +453,6 @@ def _check_elastic(cfg: LauncherConfig) -> None:
                           "workers have no role; use --worker-args for flags every worker gets")
     object.__setattr__(cfg, "prefill", 0)
     object.__setattr__(cfg, "decode", 0)
-
-
-def worker_tp(cfg: LauncherConfig, role: str) -> int:
-    """Tensor-parallel ranks of a worker of ``role`` (colocated workers: 1, or via worker_args)."""
-    return {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role, 1)
-
-
-def _check_pool(cfg: LauncherConfig) -> None:
-    """KV pool settings (pdserve.store): on by default with the connector, sizes parse, a port."""
-    from .store.config import StoreConfigError, parse_size
-
-    if cfg.pool is None:
-        object.__setattr__(cfg, "pool", bool(cfg.connector) and cfg.kv_connector == "pdserve")
-    if cfg.pool and cfg.kv_connector != "pdserve":
-        raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: the KV pool saves and loads through "
-                          "pdserve's connector; use --no-pool with --kv-connector nixl")
-    if cfg.pool and not cfg.connector:
-        raise ConfigError("pool=true needs the connector (it saves and loads KV through it): add --connector, "
-                          "or pool=false")
-    try:
-        mem, disk = parse_size(cfg.pool_mem, "pool_mem"), parse_size(cfg.pool_disk, "pool_disk")
-    except StoreConfigError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.pool and mem < 1 << 20:
-        raise ConfigError(f"pool_mem={cfg.pool_mem!r}: lend the pool at least 1MiB (e.g. 1GiB), or pool=false")
-    if disk < 0:
-        raise ConfigError(f"pool_disk={cfg.pool_disk!r}: a size >= 0 (0 = no SSD tier)")
-    _check_port("pool_port", cfg.pool_port)
-    if cfg.pool and "pool_master" in cfg.connector_extra:
-        raise ConfigError("connector_extra.pool_master is set by the launcher when pool=true; set pool=false to "
-                          "point workers at a pool of your own")
-
-
-def _check_supervision(cfg: LauncherConfig) -> None:
-    """Restart settings of the launcher's supervisor (pdserve/launch/supervisor.py)."""
-    if not isinstance(cfg.restart, bool):
-        raise ConfigError(f"restart={cfg.restart!r}: use true (restart processes that exit) or false")
-    for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_reset_s", "crash_loop_window_s"):
-        v = getattr(cfg, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
-    if cfg.restart_backoff_max_s < cfg.restart_backoff_s:
-        raise ConfigError(f"restart_backoff_max_s={cfg.restart_backoff_max_s:g} is below restart_backoff_s="
-                          f"{cfg.restart_backoff_s:g}: the cap must be at least the first wait (defaults 30 and 1)")
-    n = cfg.crash_loop_restarts
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"crash_loop_restarts={n!r}: use a whole number >= 1 (restarts within "
-                          "crash_loop_window_s before a process is given up; default 5)")
-    _check_port("metrics_port", cfg.metrics_port)
 
 
 def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:
@@ -562,87 +477,3 @@ def _check_model_dir(model: str) -> None:
         )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model folder {p} has no config.json: is it a Hugging Face model folder?")
-
-
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """``"0,2-3"`` -> ``(0, 2, 3)``; the format of ``taskset -c`` and ``VLLM_CPU_OMP_THREADS_BIND``."""
-    out: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ConfigError(f"CPU list {text!r}: use ids and ranges such as '0,2-3'") from None
-    return tuple(out)
-
-
-# ---------------------------------------------------------------- GPUs and the data plane (issue 13)
-
-def _gpu_ids(value: Any) -> tuple[str, ...]:
-    """GPU ids from YAML or flags: ``[0, 1]``, ``"0,1"``, ``"GPU-uuid"``; ``none`` / ``""`` / ``[]``: no GPU;
-    ``auto``: none here (the config stays pure), ``pdserve serve`` then fills in what it discovers."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "cpu", "auto")):
-        return ()
-    if isinstance(value, str):
-        value = [v for v in value.split(",") if v.strip()]
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"gpus={value!r}: give GPU ids such as [0, 1] or '0,1' (or none for CPU workers)")
-    return tuple(str(v).strip() for v in value)
-
-
-def _check_gpus_and_data_plane(cfg: LauncherConfig) -> None:
-    if cfg.kv_connector not in KV_CONNECTORS:
-        raise ConfigError(f"kv_connector={cfg.kv_connector!r}: choose pdserve (pdserve's KV connector, the default) "
-                          "or nixl (vLLM's NixlConnector)")
-    if isinstance(cfg.gpus, (list, str, int)) or cfg.gpus is None:
-        object.__setattr__(cfg, "gpus", _gpu_ids(cfg.gpus))
-    if not all(isinstance(g, str) and g and "," not in g for g in cfg.gpus):
-        raise ConfigError(f"gpus={cfg.gpus!r}: give GPU ids such as ('0', '1') or GPU UUIDs")
-    if len(set(cfg.gpus)) != len(cfg.gpus):
-        raise ConfigError(f"gpus={cfg.gpus!r} lists a GPU twice")
-    if isinstance(cfg.gpus_per_worker, bool) or not isinstance(cfg.gpus_per_worker, int) or cfg.gpus_per_worker < 1:
-        raise ConfigError(f"gpus_per_worker={cfg.gpus_per_worker!r}: use an integer >= 1")
-    if not isinstance(cfg.share_gpu, bool):
-        raise ConfigError(f"share_gpu={cfg.share_gpu!r}: true or false")
-    _check_memory_utilization(cfg.gpu_memory_utilization, "gpu_memory_utilization")
-    if cfg.gpus and max(cfg.prefill_tp, cfg.decode_tp) > 1 and cfg.gpus_per_worker != max(cfg.prefill_tp,
-                                                                                        cfg.decode_tp):
-        raise ConfigError(
-            f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp} on GPUs with gpus_per_worker="
-            f"{cfg.gpus_per_worker}: on a GPU host every worker gets gpus_per_worker GPUs and runs that many "
-            "tensor-parallel ranks; pass --gpus-per-worker N alone (the chart's prefill/decode.tensorParallelSize "
-            "sizes the pools apart)")
-    if cfg.gpus:
-        from .launch.gpus import assign_gpus
-
-        assign_gpus(cfg.num_workers, cfg.gpus, cfg.gpus_per_worker, cfg.share_gpu, cfg.gpu_memory_utilization)
-
-
-def _check_memory_utilization(value: Any, name: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{name}={value!r}: the fraction of a GPU's memory vLLM may use, in (0, 1], e.g. 0.9")
-
-
-def _check_worker_gpu(w: WorkerConfig) -> None:
-    if w.kv_connector not in KV_CONNECTORS:
-        raise ConfigError(f"{w.name}.kv_connector={w.kv_connector!r}: choose one of {KV_CONNECTORS}")
-    if not isinstance(w.gpus, tuple) or not all(isinstance(g, str) and g for g in w.gpus):
-        raise ConfigError(f"{w.name}.gpus={w.gpus!r}: a tuple of GPU ids (strings)")
-    _check_memory_utilization(w.gpu_memory_utilization, f"{w.name}.gpu_memory_utilization")
-    if w.connector and w.kv_connector == "nixl":
-        _check_port(f"{w.name}.nixl_side_channel_port", w.nixl_side_channel_port)
-        if not w.nixl_side_channel_port:
-            raise ConfigError(f"{w.name}.nixl_side_channel_port=0: NixlConnector binds and advertises this port "
-                              "(VLLM_NIXL_SIDE_CHANNEL_PORT); give each worker a free one")

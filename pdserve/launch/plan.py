@@ -19,7 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig, worker_tp
+from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from ..config_devices import worker_tp
 from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
