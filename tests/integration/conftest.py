@@ -63,3 +63,38 @@ def spawn_peer():
     yield spawn
     for peer in peers:
         peer.stop()
+
+
+def membership_router(tmp_path_factory, name: str, token: str, health_interval_s: float):
+    """A real router (``python -m pdserve.router``, tiny random Llama, no workers yet) whose membership API takes
+    ``token``; yields its URL once the API answers and stops it afterwards. For module fixtures."""
+    import time
+
+    from pdserve.discovery import HttpRouterApi, RouterApiError
+    from pdserve.models import build_random_llama
+    from pdserve.procs import free_port
+
+    model = build_random_llama(tmp_path_factory.mktemp(f"{name}-model") / "random-llama")
+    port = free_port()
+    log = tmp_path_factory.mktemp(f"{name}-logs") / "router.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
+                                 "--model-dir", str(model), "--mode", "disaggregated", "--served-model-name", "rl",
+                                 "--max-model-len", "2048", "--health-interval-s", str(health_interval_s)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    api = HttpRouterApi(url, token=token)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            api.list_workers()
+            break
+        except RouterApiError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"router did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)

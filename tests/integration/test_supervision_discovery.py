@@ -7,9 +7,6 @@ Reconciler is given (127.0.0.1 and 127.0.0.2 stand for two pod IPs)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler, RouterApiError
-from pdserve.procs import free_port, http_status
+from pdserve.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler
+from pdserve.procs import http_status
+from tests.integration.conftest import membership_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -59,32 +57,7 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    from pdserve.models import build_random_llama
-
-    model = build_random_llama(tmp_path_factory.mktemp("sup-disc-model") / "random-llama")
-    port = free_port()
-    log = tmp_path_factory.mktemp("sup-disc-logs") / "router.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_ADMIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
-                                 "--model-dir", str(model), "--mode", "disaggregated", "--served-model-name", "rl",
-                                 "--max-model-len", "2048", "--health-interval-s", "0.5"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    api = HttpRouterApi(url, token=TOKEN)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            api.list_workers()
-            break
-        except RouterApiError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"router did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
+    yield from membership_router(tmp_path_factory, "sup-disc", TOKEN, 0.5)
 
 
 def _ready(router: str) -> tuple[int | None, dict]:
