@@ -314,13 +314,7 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
         table["profiled_e2e_p50_ms"] = _p50_ms([r.latency_s for r in recs])
         return table
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+        stop(proc)
         log.close()
 
 
