@@ -308,6 +308,11 @@ class Conductor:
         options = self._prefill_options(req, prefill, prefix, now)
         best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
         at = now + best.ttft_s
+        # a worker that can both prefill and decode (role "both") is never D of its own prefill: it runs the
+        # request locally when it is the only decode worker
+        decode = [d for d in decode if d is not best.worker] or decode
+        if decode == [best.worker]:
+            return self._whole_on(req, best.worker, now, prefix, "the prefill worker is the only decode worker")
         fitting = [d for d in decode if self._fits(d, req, now)]
         tpots = {w.worker_id: self._tpot(w, now, at, req) for w in (fitting or decode)}
         d = self.workers[min(tpots, key=lambda wid: (tpots[wid], wid))]
@@ -318,6 +323,13 @@ class Conductor:
         local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
         return self._reject_reason(chosen, decode, fits=bool(fitting)) or chosen
+
+    def _whole_on(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int], why: str
+                  ) -> Decision:
+        ttft, cached = self._local_ttft(req, w, now, prefix)
+        d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
+                     req), cached_tokens=cached, reason=why)
+        return self._reject_reason(d, [w], fits=self._fits(w, req, now)) or d
 
     def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float,
                       prefix: dict[str, int]) -> Decision | None:
@@ -407,12 +419,18 @@ class Conductor:
     def replace_decode(self, request_id: str, exclude: frozenset[str] = frozenset()) -> str:
         """Move a placed request's decode to another worker (its D failed before answering): the prefill side
         (P, its queue, its prefill observation) is untouched; the new D is chosen the way the policy picks a
-        decode worker (round-robin ring, least loaded, or lowest predicted TPOT among those with KV room).
-        Raises :class:`NoWorker` when no live decode worker is left, KeyError for an unknown request."""
+        decode worker (round-robin ring, least loaded, or lowest predicted TPOT among those with KV room), never
+        the request's prefill worker. Raises :class:`NoWorker` when no live decode worker is left, KeyError for an
+        unknown request."""
         pl = self._placed[request_id]
         old = self.workers.get(pl.decode_worker or "")
         job = old.decodes.pop(request_id, None) if old is not None else None
         skip = exclude | {pl.decode_worker or ""}
+        if pl.decision.kind == "disaggregated" and pl.prefill_worker:
+            # never P itself: its KV is leased for the hand-off (a worker that can both prefill and decode, as in
+            # an elastic pool, would otherwise be asked to load its own blocks); with no other D left the router
+            # migrates the request (the whole of it on another worker)
+            skip |= {pl.prefill_worker}
         decode = [w for w in self.workers.values() if w.healthy and w.can_decode and w.worker_id not in skip]
         if not decode:
             if job is not None and old is not None:
