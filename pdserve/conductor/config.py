@@ -29,6 +29,10 @@ class ConductorConfig:
     kv_reserve: fraction of each worker's KV kept free when checking that a request fits.
     max_inflight_per_worker: at most this many placed requests per worker (prefills queued and decodes running
         there); a request whose candidates are all at the limit is rejected (429 + Retry-After). None: no limit.
+    chunk_tokens: the workers' per-step token budget (vLLM ``--max-num-batched-tokens``; vLLM V1 always chunks
+        prefills to it). Elastic placement then models a prefill on a decoding worker as chunked into its decode
+        steps (:mod:`.elastic`). None: unknown, a prefill is modelled as one step that stalls the decodes batched
+        with it for its whole length.
     """
 
     policy: str = "conductor"
@@ -42,6 +46,7 @@ class ConductorConfig:
     load_staleness_s: float = 3.0
     kv_reserve: float = 0.02
     max_inflight_per_worker: int | None = None
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConductorConfigError)
@@ -61,4 +66,8 @@ class ConductorConfig:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ConductorConfigError(f"max_inflight_per_worker={limit!r}: a request count >= 1, or None for "
                                        "no per-worker limit")
+        chunk = self.chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConductorConfigError(f"chunk_tokens={chunk!r}: the workers' --max-num-batched-tokens (tokens per "
+                                       "step, >= 1), or None when unknown")
         object.__setattr__(self, "fetchable", tuple(self.fetchable))

@@ -59,6 +59,7 @@ class Decision:
     cached_tokens: int = 0  # prompt tokens the chosen prefill worker will not compute
     fetch_tokens: int = 0  # of those, tokens loaded from a fetchable holder (the pool)
     code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
+    placement: str = ""  # elastic pools: "colocated", "chunked" (into a decoding worker) or "split" (P -> D)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Conductor:
         self._placed: dict[str, _Placed] = {}
         self._rr = {"prefill": 0, "decode": 0, "colocated": 0, "survivor": 0}
         self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
+        self.placements = {"colocated": 0, "chunked": 0, "split": 0}  # elastic decisions by placement kind
 
     # ---- membership ----
     def add_worker(self, worker_id: str, role: str, kv_capacity_tokens: int) -> None:
@@ -169,6 +171,8 @@ class Conductor:
                 else:
                     d = self._conduct(req, fp, fd)
         self.counts[d.kind] += 1
+        if d.placement:
+            self.placements[d.placement] += 1
         if d.kind != "reject":
             self._reserve(req, d)
         return d
