@@ -146,6 +146,9 @@ def router_command(
         argv += ["--tpot-slo-ms", str(config.tpot_slo_ms)]
     if config.kv_connector != "pdserve":
         argv += ["--kv-connector", config.kv_connector]
+    step = step_tokens(workers) if config.elastic else None
+    if step is not None:  # the conductor's chunk model (elastic placement only)
+        argv += ["--max-num-batched-tokens", str(step)]
     argv += list(config.router_args)
     if pool_master:
         argv += ["--pool-master", pool_master]
@@ -162,3 +165,23 @@ def pool_node_argv(master: str, mem: str, disk: str, disk_dir: str, python: str 
     if disk != "0":
         argv += ["--disk-dir", disk_dir, "--disk", disk]
     return argv
+
+
+VLLM_CPU_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens for an OpenAI server on CPU, per TP rank
+
+
+def step_tokens(workers: Sequence[WorkerConfig]) -> int | None:
+    """The per-step token budget every worker runs with (vLLM ``--max-num-batched-tokens``): the one given, else
+    vLLM's CPU default (2048 per tensor-parallel rank); None when the workers differ or one is unknown (a GPU
+    worker's default depends on its device; a worker whose extra arguments set it)."""
+    found = set()
+    for w in workers:
+        if any(a.split("=")[0] == "--max-num-batched-tokens" for a in w.extra_args):
+            return None
+        if w.max_num_batched_tokens is not None:
+            found.add(w.max_num_batched_tokens)
+        elif w.gpus:
+            return None
+        else:
+            found.add(VLLM_CPU_STEP_TOKENS * max(1, w.tp))
+    return found.pop() if len(found) == 1 else None

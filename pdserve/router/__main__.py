@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", nargs="+", action="extend", default=[], metavar="URL",
                    help="workers with no fixed role (kv_both): each request runs colocated on one or split P -> D "
                         "over two, chosen per request (use with --policy conductor; instead of --prefill/--decode)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="the workers' vLLM --max-num-batched-tokens (per-step token budget): elastic placement "
+                        "models a prefill on a decoding worker as chunked into its steps (default: unknown)")
     return p
 
 
@@ -103,7 +106,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         handoff_timeout_s=a.handoff_timeout_s, max_inflight=a.max_inflight or None,
                         max_inflight_per_worker=a.max_inflight_per_worker or None,
                         probe_failures=a.probe_failures, probe_window_s=a.probe_window_s,
-                        tool_call_parser=a.tool_call_parser, elastic=tuple(a.elastic))
+                        tool_call_parser=a.tool_call_parser, elastic=tuple(a.elastic),
+                        max_num_batched_tokens=a.max_num_batched_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,6 +103,9 @@ class RouterConfig:
     elastic: workers with no fixed role (pdserve's connector as ``kv_both``); the conductor places each request
         colocated on one of them or split P -> D over two (:mod:`pdserve.conductor.elastic`); disaggregated mode
         for the router (it detokenizes), alone (not with ``prefill``/``decode``/``colocated``).
+    max_num_batched_tokens: the workers' per-step token budget (their vLLM ``--max-num-batched-tokens``): the
+        conductor's ``chunk_tokens``, with which elastic placement models a prefill chunked into a decoding
+        worker. None: unknown (a prefill is modelled as one step).
     probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
         many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """
@@ -143,6 +146,7 @@ class RouterConfig:
     probe_window_s: float = 10.0
     tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
+    max_num_batched_tokens: int | None = None  # the workers' per-step token budget (the conductor's chunk_tokens)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated", "elastic"):
@@ -224,6 +228,10 @@ class RouterConfig:
             raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
                                     "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
         self._check_reliability()
+        mnbt = self.max_num_batched_tokens
+        if mnbt is not None and (isinstance(mnbt, bool) or not isinstance(mnbt, int) or mnbt < 1):
+            raise RouterConfigError(f"--max-num-batched-tokens {mnbt!r}: the workers' vLLM --max-num-batched-tokens "
+                                    "(tokens per step, >= 1), or leave it unset when unknown")
 
     def _check_reliability(self) -> None:
         if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
