@@ -15,7 +15,8 @@ router's membership API (``GET/POST/DELETE /v1/pdserve/workers``):
   own preStop drain, ``pdserve.drain``); it is not added back for ``tombstone_s`` seconds or until its name
   stops resolving, so a draining worker is not resurrected from a stale DNS answer.
 
-Members of other roles (``colocated``) are left alone. The chart runs this as a sidecar of each router pod.
+An elastic router's one pool (``--elastic-dns``) is followed the same way, its workers added with role
+``elastic``. Members of other roles (``colocated``) are left alone. The chart runs this as a sidecar of each router pod.
 The router's admin token is read from $PDSERVE_ADMIN_TOKEN.
 """
 
@@ -41,7 +42,7 @@ from urllib.parse import urlsplit
 log = logging.getLogger("pdserve.discovery")
 
 WORKERS_PATH = "/v1/pdserve/workers"
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "elastic")  # elastic: one pool of workers with no fixed role (router --mode elastic)
 TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"  # the router's membership API wants it as a bearer token (or a loopback client)
 
 __all__ = [
@@ -111,10 +112,14 @@ class DiscoveryConfig:
                                        "http://127.0.0.1:8000 (no path)")
         object.__setattr__(self, "router", self.router.rstrip("/"))
         if not self.pools:
-            raise DiscoveryConfigError("nothing to follow: give --prefill-dns and/or --decode-dns NAME:PORT")
+            raise DiscoveryConfigError("nothing to follow: give --prefill-dns and/or --decode-dns NAME:PORT (or "
+                                       "--elastic-dns NAME:PORT for an elastic router)")
         roles = [p.role for p in self.pools]
         if len(set(roles)) != len(roles) or not set(roles) <= set(ROLES):
             raise DiscoveryConfigError(f"pools {roles}: one pool per role, roles among {ROLES}")
+        if "elastic" in roles and len(roles) > 1:
+            raise DiscoveryConfigError("--elastic-dns with --prefill-dns/--decode-dns: an elastic router's workers "
+                                       "have no fixed role; follow its one pool with --elastic-dns alone")
         if not self.interval_s > 0:
             raise DiscoveryConfigError(f"--interval {self.interval_s}: must be > 0 seconds")
         if not isinstance(self.absent_rounds, int) or self.absent_rounds < 1:
@@ -350,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--prefill-dns", metavar="NAME:PORT", help="DNS name:port of the prefill pool")
     p.add_argument("--decode-dns", metavar="NAME:PORT", help="DNS name:port of the decode pool")
+    p.add_argument("--elastic-dns", metavar="NAME:PORT",
+                   help="DNS name:port of the elastic pool (workers with no fixed role; router --mode elastic), "
+                        "instead of --prefill-dns/--decode-dns")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between reconciliations (default 5)")
     p.add_argument("--absent-rounds", type=int, default=2,
                    help="remove a worker missing from DNS this many rounds in a row (default 2)")
@@ -368,6 +376,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[DiscoveryConfig, ar
         pools.append(PoolTarget.parse("prefill", a.prefill_dns))
     if a.decode_dns:
         pools.append(PoolTarget.parse("decode", a.decode_dns))
+    if a.elastic_dns:
+        pools.append(PoolTarget.parse("elastic", a.elastic_dns))
     cfg = DiscoveryConfig(router=a.router, pools=tuple(pools), interval_s=a.interval,
                           absent_rounds=a.absent_rounds, tombstone_s=a.tombstone, timeout_s=a.timeout)
     return cfg, a

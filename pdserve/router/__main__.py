@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode worker base URL(s) (repeatable)")
     p.add_argument("--colocated", nargs="+", action="extend", default=[], metavar="URL",
                    help="baseline: workers that serve whole requests, round-robin (instead of --prefill/--decode)")
-    p.add_argument("--mode", dest="mode_hint", default="", choices=("", "colocated", "disaggregated"),
+    p.add_argument("--mode", dest="mode_hint", default="", choices=("", "colocated", "disaggregated", "elastic"),
                    help="start with no workers in this mode; workers join via POST /v1/pdserve/workers")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)

@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 from ..rules import check_local_prefill_tokens, check_policy, check_slo
 from .limits import DEFAULT_MAX_BODY_BYTES
 
+ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
+
 # config.json keys that bound the context length, in the order vLLM consults them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "model_max_length")
@@ -132,7 +134,7 @@ class RouterConfig:
     calibrate: bool = True
     load_interval_s: float = 1.0
     admin_token: str = ""
-    mode_hint: str = ""  # "colocated" | "disaggregated": lets a router start with no workers (they join later)
+    mode_hint: str = ""  # "colocated" | "disaggregated" | "elastic": a router may start with no workers (they join)
     pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -173,9 +175,14 @@ class RouterConfig:
             raise RouterConfigError("--elastic cannot be combined with --prefill/--decode/--colocated: an elastic "
                                     "pool's workers take either role per request; list every worker under "
                                     "--elastic")
-        if self.mode_hint not in ("", "colocated", "disaggregated"):
-            raise RouterConfigError(f"--mode {self.mode_hint!r}: colocated or disaggregated")
-        if self.mode_hint and (self.colocated if self.mode_hint == "disaggregated" else (self.prefill or self.decode)):
+        if self.mode_hint not in ("", "colocated", "disaggregated", "elastic"):
+            raise RouterConfigError(f"--mode {self.mode_hint!r}: colocated, disaggregated or elastic")
+        if self.mode_hint == "elastic" and (self.prefill or self.decode or self.colocated):
+            raise RouterConfigError("--mode elastic contradicts --prefill/--decode/--colocated: an elastic router's "
+                                    "workers have no fixed role (list them under --elastic, or let them join with "
+                                    "role elastic)")
+        if self.mode_hint in ("colocated", "disaggregated") and (
+                self.colocated if self.mode_hint == "disaggregated" else (self.prefill or self.decode)):
             raise RouterConfigError(f"--mode {self.mode_hint} contradicts the worker flags given")
         if not self.mode_hint and not self.colocated and not (self.prefill and self.decode) and not self.elastic:
             raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
@@ -255,10 +262,16 @@ class RouterConfig:
     def mode(self) -> str:
         return "colocated" if self.colocated or self.mode_hint == "colocated" else "disaggregated"
 
+    @property
+    def is_elastic(self) -> bool:
+        """Workers have no fixed role (``--elastic URL...``, or ``--mode elastic`` to start empty); ``mode`` is
+        then ``disaggregated`` (the router detokenizes, as for a P -> D hand-off)."""
+        return bool(self.elastic) or self.mode_hint == "elastic"
+
     def all_workers(self) -> list[tuple[str, str]]:
         """(role, url) for every configured worker, a URL listed once per role."""
         if self.colocated:
             return [("colocated", u) for u in self.colocated]
         if self.elastic:  # able to prefill and decode (so /ready and the role metrics see both), marked elastic
-            return [(role, u) for u in self.elastic for role in ("prefill", "decode", "elastic")]
+            return [(role, u) for u in self.elastic for role in ELASTIC_ROLES]
         return [("prefill", u) for u in self.prefill] + [("decode", u) for u in self.decode]

@@ -1,7 +1,8 @@
 """Worker membership at run time: ``/v1/pdserve/workers``.
 
 GET lists workers with health and the conductor's load view; POST ``{"url", "role"}`` adds a
-worker (or a role to it); DELETE ``{"url"}`` (or ``?url=``) removes one: it gets no new requests from that
+worker (or a role to it; role ``elastic`` in an elastic router, ``colocated`` in a colocated one, else ``prefill``
+or ``decode``); DELETE ``{"url"}`` (or ``?url=``) removes one: it gets no new requests from that
 moment, its in-flight requests finish. Used by the Kubernetes discovery sidecar and by drain hooks.
 Guarded: a bearer token (``RouterConfig.admin_token`` / $PDSERVE_ADMIN_TOKEN) or, when none is set, clients on
 this host only.
@@ -55,6 +56,22 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _check_role(config: RouterConfig, role: Any) -> str:
+    """``role`` when this router's mode takes it (colocated; prefill or decode; elastic), else a 400."""
+    if config.is_elastic:
+        if role != "elastic":
+            raise bad_request(f"role {role!r}: this router is elastic (started with --elastic or --mode elastic): its "
+                              "workers have no fixed role, register them with role elastic", "role")
+        return role
+    allowed = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+    if role == "elastic":
+        raise bad_request(f"role 'elastic' needs a router started in elastic mode (--elastic URL... or --mode "
+                          f"elastic); this router is {config.mode}: use role {' or '.join(allowed)}", "role")
+    if not isinstance(role, str) or role not in allowed:
+        raise bad_request(f"role must be one of {', '.join(allowed)} (this router is {config.mode})", "role")
+    return role
+
+
 class Membership:
     """The membership API over the app's registry; the conductor follows the registry by itself."""
 
@@ -74,12 +91,15 @@ class Membership:
                                     "last_error": w.last_error or None}
             item.update({k: v for k, v in snap.get(w.url, {}).items() if k not in ("worker", "role", "healthy")})
             workers.append(item)
-        out: dict[str, Any] = {"policy": self.config.policy, "mode": self.config.mode, "workers": workers}
+        out: dict[str, Any] = {"policy": self.config.policy, "mode": self.config.mode, "workers": workers,
+                               "elastic": self.config.is_elastic}
         if conductor is not None:
             describe = getattr(conductor.cost, "describe", None)
             if describe is not None:
                 out["cost_model"] = describe()
             out["decisions"] = dict(conductor.counts)
+            if self.config.is_elastic:
+                out["placements"] = dict(conductor.placements)  # colocated / chunked / split
             out["indexed_blocks"] = len(conductor.index)
         calibration = self.calibration()
         if calibration is not None:
@@ -93,11 +113,7 @@ class Membership:
     async def add_worker(self, request: web.Request) -> web.Response:
         _authorize(self.config, request)
         body = await _body(request)
-        role = body.get("role")
-        allowed = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
-        if not isinstance(role, str) or role not in allowed:
-            raise bad_request(f"role must be one of {', '.join(allowed)} (this router is {self.config.mode})",
-                              "role")
+        role = _check_role(self.config, body.get("role"))
         try:
             url = _check_url("url", str(body.get("url") or ""))
         except RouterConfigError as e:

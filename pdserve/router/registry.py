@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+from .config import ELASTIC_ROLES
 from .workers import Probe, Worker
 
 log = logging.getLogger("pdserve.router")
@@ -84,9 +85,11 @@ class WorkerRegistry:
             listener.worker_added(w)
 
     def add(self, url: str, role: str) -> Worker:
-        """Register ``url`` (or give it one more role); it counts as healthy until a probe or call says not."""
+        """Register ``url`` (or give it one more role); it counts as healthy until a probe or call says not. Role
+        ``elastic`` (no fixed role) gives it prefill, decode and elastic at once, as ``--elastic`` lists it, so
+        the conductor never sees it with a fixed role."""
         w = self._workers.get(url) or Worker(url)
-        w.roles.add(role)
+        w.roles.update(ELASTIC_ROLES if role == "elastic" else (role,))
         w.healthy, w.last_error = True, ""
         self._failing.pop(url, None)
         self._workers[url] = w
