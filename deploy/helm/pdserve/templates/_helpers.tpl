@@ -39,8 +39,37 @@ app.kubernetes.io/component: {{ index . 1 }}
       key: PDSERVE_ADMIN_TOKEN
 {{- end -}}
 
+{{/* Elastic roles (elastic.replicas > 0): one pool of kv_both workers with no fixed role instead of prefill + decode. */}}
+{{- define "pdserve.elastic" -}}
+{{- if gt (int (default 0 .Values.elastic.replicas)) 0 }}true{{ end -}}
+{{- end -}}
+
+{{/* The worker pools this release runs: elastic alone, or prefill and decode. */}}
+{{- define "pdserve.pools" -}}
+{{- if include "pdserve.elastic" . }}elastic{{ else }}prefill decode{{ end -}}
+{{- end -}}
+
+{{/* The router's --policy: the conductor in elastic mode (it chooses each request's kind), else router.policy. */}}
+{{- define "pdserve.policy" -}}
+{{- if include "pdserve.elastic" . }}conductor{{ else }}{{ .Values.router.policy }}{{ end -}}
+{{- end -}}
+
 {{- define "pdserve.conductor" -}}
-{{- if eq .Values.router.policy "conductor" }}true{{ end -}}
+{{- if eq (include "pdserve.policy" .) "conductor" }}true{{ end -}}
+{{- end -}}
+
+{{/* The elastic workers' per-step token budget for the conductor's chunk model: model.maxNumBatchedTokens, else
+vLLM's CPU default (2048 per tensor-parallel rank) on CPU pods; empty on GPU pods (their default depends on the
+device) or when elastic.extraArgs sets it. */}}
+{{- define "pdserve.elasticStepTokens" -}}
+{{- $e := .Values.elastic -}}
+{{- if not (regexMatch "--max-num-batched-tokens" (join " " $e.extraArgs)) -}}
+{{- if .Values.model.maxNumBatchedTokens -}}
+{{- .Values.model.maxNumBatchedTokens -}}
+{{- else if eq (int $e.gpus) 0 -}}
+{{- mul 2048 (int (default 1 $e.tensorParallelSize)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "pdserve.servedName" -}}
@@ -139,8 +168,22 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and (eq (include "pdserve.kvConnector" .) "nixl") .Values.store.enabled -}}
 {{- fail "store.enabled with kvConnector=nixl: the KV pool saves and loads through pdserve's connector; turn the store off or use kvConnector=pdserve" -}}
 {{- end -}}
+{{- if and (include "pdserve.elastic" .) (gt (int .Values.router.replicas) 1) -}}
+{{- fail (printf "elastic.replicas=%v with router.replicas=%v: elastic roles are placed by the conductor, whose KV event sink is per router; use router.replicas=1" .Values.elastic.replicas .Values.router.replicas) -}}
+{{- end -}}
 {{- if and (eq .Values.router.policy "conductor") (gt (int .Values.router.replicas) 1) -}}
 {{- fail (printf "router.policy=conductor with router.replicas=%v: each worker's vLLM publishes its KV events to one sink, so only one router would see them; use router.replicas=1 with the conductor (or least_loaded with several routers)" .Values.router.replicas) -}}
+{{- end -}}
+{{- if include "pdserve.elastic" . -}}
+{{- if eq (include "pdserve.kvConnector" .) "nixl" -}}
+{{- fail "elastic.replicas > 0 with kvConnector=nixl: elastic roles split requests through pdserve's connector; use kvConnector=pdserve" -}}
+{{- end -}}
+{{- if ne .Values.elastic.kvRole "kv_both" -}}
+{{- fail (printf "elastic.kvRole=%q: elastic workers prefill and decode, per request; use kv_both" .Values.elastic.kvRole) -}}
+{{- end -}}
+{{- if .Values.autoscaling.enabled -}}
+{{- fail "autoscaling.enabled with elastic.replicas > 0: the autoscalers follow the prefill and decode pools' signals; scale the elastic pool with elastic.replicas (or kubectl scale)" -}}
+{{- end -}}
 {{- end -}}
 {{- if not (has .Values.router.policy (list "round_robin" "least_loaded" "conductor")) -}}
 {{- fail (printf "router.policy=%q: choose round_robin, least_loaded or conductor" .Values.router.policy) -}}
@@ -151,7 +194,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if and .Values.efa.enabled (ne .Values.transfer.backend "mooncake") (ne .Values.transfer.backend "nixl") -}}
 {{- fail "efa.enabled needs transfer.backend mooncake or nixl: the tcp backend cannot use EFA devices" -}}
 {{- end -}}
-{{- range $role := list "prefill" "decode" -}}
+{{- range $role := splitList " " (include "pdserve.pools" .) -}}
 {{- $p := index $.Values $role -}}
 {{- if not (has $p.kvRole (list "kv_both" "kv_producer" "kv_consumer")) -}}
 {{- fail (printf "%s.kvRole=%q: choose kv_both, kv_producer or kv_consumer" $role $p.kvRole) -}}
