@@ -105,9 +105,9 @@ class RouterConfig:
     elastic: workers with no fixed role (pdserve's connector as ``kv_both``); the conductor places each request
         colocated on one of them or split P -> D over two (:mod:`pdserve.conductor.elastic`); disaggregated mode
         for the router (it detokenizes), alone (not with ``prefill``/``decode``/``colocated``).
-    max_num_batched_tokens: the workers' per-step token budget (their vLLM ``--max-num-batched-tokens``): the
-        conductor's ``chunk_tokens``, with which elastic placement models a prefill chunked into a decoding
-        worker. None: unknown (a prefill is modelled as one step).
+    max_num_batched_tokens: the workers' per-step token budget (their vLLM ``--max-num-batched-tokens``), for
+        the conductor's ``chunk_tokens`` (elastic placement models a prefill chunked into a decoding worker with
+        it; the app building the ConductorConfig must pass it on). None: unknown (a prefill is one step).
     probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
         many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """
