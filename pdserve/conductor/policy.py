@@ -220,8 +220,11 @@ class Conductor:
             p = self._pick_rr("prefill", prefill)
         else:
             p = min(prefill, key=lambda w: (w.queued_prefill_tokens(), len(w.prefills), w.worker_id))
-        d = self._baseline_decode(decode, now)
         cached = self._own_cached(req, p)
+        if decode == [p]:  # a both-role worker is never D of its own prefill (see _conduct)
+            return self._whole_on(req, p, now, self.index.prefix_lengths(req.block_keys),
+                                  f"{self.config.policy}: the prefill worker is the only decode worker")
+        d = self._baseline_decode([w for w in decode if w is not p] or decode, now)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
                         tpot_s=self._tpot(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
@@ -330,9 +333,13 @@ class Conductor:
 
     def _whole_on(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int], why: str
                   ) -> Decision:
+        """The whole request on w (kind "local"); the conductor rejects it when it misses a target, the
+        baselines never reject."""
         ttft, cached = self._local_ttft(req, w, now, prefix)
         d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
                      req), cached_tokens=cached, reason=why)
+        if self.config.policy != "conductor":
+            return d
         return self._reject_reason(d, [w], fits=self._fits(w, req, now)) or d
 
     def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float,

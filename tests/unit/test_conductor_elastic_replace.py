@@ -58,3 +58,16 @@ def test_single_both_role_worker_runs_the_request_locally():
     assert (d.kind, d.prefill, d.decode) == ("local", None, "b0")
     assert d.reason == "the prefill worker is the only decode worker"
     assert d.ttft_s == pytest.approx(0.160)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_baselines_never_pair_a_both_role_worker_with_itself(policy):
+    c = make(n=0, policy=policy)
+    for i in range(2):
+        c.add_worker(f"b{i}", "both", 100_000)
+    pairs = [(d.prefill, d.decode) for d in (c.place(req(f"r{i}", LONG)) for i in range(4))]
+    assert all(p is not None and p != d for p, d in pairs), pairs
+    alone = make(n=0, policy=policy)
+    alone.add_worker("b0", "both", 100_000)
+    d = alone.place(req("r", LONG))
+    assert (d.kind, d.decode, d.reason) == ("local", "b0", f"{policy}: the prefill worker is the only decode worker")
