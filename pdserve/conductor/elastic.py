@@ -50,10 +50,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .decision import Decision, PlacementRequest, _Option
 from .load import WorkerLoad
 
 if TYPE_CHECKING:
-    from .policy import Conductor, Decision, PlacementRequest, _Option
+    from .policy import Conductor
 
 
 SPLIT_CANDIDATES = 4  # split options are built for this many prefill workers, the cheapest ones
@@ -164,8 +165,6 @@ def _order(x: _Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
 
 
 def _colocated(c: Conductor, req: PlacementRequest, s: Prefill, now: float) -> _Candidate:
-    from .policy import Decision
-
     o, w = s.option, s.option.worker
     long = _is_long_on(c, w, o.new, o.cached)
     kind = "chunked" if s.chunked else "colocated"
@@ -184,8 +183,6 @@ def _colocated(c: Conductor, req: PlacementRequest, s: Prefill, now: float) -> _
 
 def _split(c: Conductor, req: PlacementRequest, s: Prefill, decode: list[WorkerLoad], now: float
            ) -> _Candidate | None:
-    from .policy import Decision
-
     if not decode:
         return None
     o, p = s.option, s.option.worker
@@ -216,8 +213,6 @@ def _meets(c: Conductor, x: _Candidate) -> bool:
 def _reject_stall(c: Conductor, x: _Candidate, now: float) -> Decision | None:
     """The best option meets the targets for the new request but slows the prefilling worker's running decodes
     past the TPOT target: reject, retry when the first of them is predicted to finish."""
-    from .policy import Decision
-
     slo = c.config.tpot_slo_s
     s = x.prefill
     if slo is None or s.step_s <= slo:

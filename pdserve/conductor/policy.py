@@ -21,63 +21,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from .config import ConductorConfig
 from .cost_model import CostModel
+from .decision import Decision, NoWorker, PlacementRequest, _Option, _Placed
 from .index import PrefixIndex
 from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
-
-
-class NoWorker(Exception):
-    """No live worker can take the request (role given in ``role``)."""
-
-    def __init__(self, role: str, message: str) -> None:
-        super().__init__(message)
-        self.role = role
-
-
-@dataclass(frozen=True)
-class PlacementRequest:
-    request_id: str
-    prompt_tokens: int
-    block_keys: Sequence[int] = ()
-    max_tokens: int = 16
-
-
-@dataclass(frozen=True)
-class Decision:
-    kind: str  # "disaggregated" | "local" | "reject"
-    request_id: str
-    prefill: str | None = None
-    decode: str | None = None
-    ttft_s: float = 0.0
-    tpot_s: float = 0.0
-    retry_after_s: float = 0.0
-    reason: str = ""
-    cached_tokens: int = 0  # prompt tokens the chosen prefill worker will not compute
-    fetch_tokens: int = 0  # of those, tokens loaded from a fetchable holder (the pool)
-    code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
-    placement: str = ""  # elastic pools: "colocated", "chunked" (into a decoding worker) or "split" (P -> D)
-
-
-@dataclass
-class _Option:
-    worker: WorkerLoad
-    ttft_s: float
-    cached: int
-    fetched: int
-    new: int
-
-
-@dataclass
-class _Placed:
-    decision: Decision
-    prefill_worker: str | None
-    decode_worker: str | None
-    prefill_done_at: float | None = None
-    first_decode_seen: bool = False
 
 
 class Conductor:
