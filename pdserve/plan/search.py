@@ -8,14 +8,16 @@ from typing import Any
 
 from pdserve.conductor.cost_model import CostModel
 
-from .simulator import Cluster, SimSettings, simulate
+from .simulator import Cluster, SimSettings, config_kind, simulate
 from .traffic import Request
 
 TIE = 0.03  # goodputs within 3% count as equal; then colocated (simpler), then the lower TPOT p99 wins
 
 
-def candidates(budget_devices: int, devices_per_worker: int, all_sizes: bool = False) -> list[Cluster]:
-    """Colocated xN and every xPyD that fits the budget (by default only those using all N workers)."""
+def candidates(budget_devices: int, devices_per_worker: int, all_sizes: bool = False, elastic: bool = False
+               ) -> list[Cluster]:
+    """Colocated xN, elastic xN (when ``elastic``) and every xPyD that fits the budget (by default only those
+    using all N workers)."""
     n = budget_devices // devices_per_worker
     if n < 1:
         raise ValueError(f"a budget of {budget_devices} devices holds no instance of {devices_per_worker}")
@@ -23,22 +25,24 @@ def candidates(budget_devices: int, devices_per_worker: int, all_sizes: bool = F
     out = []
     for k in sizes:
         out.append(Cluster(colocated=k, devices_per_worker=devices_per_worker))
+        if elastic and k > 1:  # one elastic worker is one colocated worker
+            out.append(Cluster(elastic=k, devices_per_worker=devices_per_worker))
         out += [Cluster(prefill=p, decode=k - p, devices_per_worker=devices_per_worker) for p in range(1, k)]
     return out
 
 
 def parse_clusters(text: str, devices_per_worker: int) -> list[Cluster]:
-    """``"colocated:2,1P1D,2P1D"`` (also ``colocatedx2``) -> clusters."""
+    """``"colocated:2,elastic:2,1P1D,2P1D"`` (also ``colocatedx2``, ``elastic2``) -> clusters."""
     out = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        colo = re.fullmatch(r"colocated\s*[:x]?\s*(\d+)", part, re.I)
+        shape = re.fullmatch(r"(colocated|elastic)\s*[:x]?\s*(\d+)", part, re.I)
         pd = re.fullmatch(r"(\d+)p(\d+)d", part, re.I)
-        if colo:
-            out.append(Cluster(colocated=int(colo[1]), devices_per_worker=devices_per_worker))
+        if shape:
+            out.append(Cluster(**{shape[1].lower(): int(shape[2])}, devices_per_worker=devices_per_worker))
         elif pd:
             out.append(Cluster(prefill=int(pd[1]), decode=int(pd[2]), devices_per_worker=devices_per_worker))
         else:
-            raise ValueError(f"configuration {part!r}: use colocated:N or xPyD (e.g. 2P1D)")
+            raise ValueError(f"configuration {part!r}: use colocated:N, elastic:N or xPyD (e.g. 2P1D)")
     return out
 
 
@@ -58,7 +62,8 @@ def rank(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         return []
     top = max(r["goodput_rps"] for r in results)
     tied = [r for r in results if r["goodput_rps"] >= top * (1 - TIE)]
-    best = min(tied, key=lambda r: (not r["config"].startswith("colocated"), _tpot99(r), r["config"]))
+    simple = {"colocated": 0, "pd": 1, "elastic": 1}  # colocated has the fewest moving parts
+    best = min(tied, key=lambda r: (simple[config_kind(r["config"])], _tpot99(r), r["config"]))
     rest = sorted((r for r in results if r is not best), key=lambda r: (-r["goodput_rps"], _tpot99(r)))
     return [best, *rest]
 
@@ -68,10 +73,14 @@ def _ms(v: float | None) -> str:
 
 
 def reason(ranked: Sequence[dict[str, Any]], requests: Sequence[Request]) -> str:
-    """One sentence: why the first of ``ranked`` beats the best of the other kind."""
+    """One sentence: why the first of ``ranked`` beats the best of the other fixed kind (colocated vs xPyD);
+    an elastic pick is compared with both (:func:`elastic_summary` says why)."""
     best = ranked[0]
-    is_pd = not best["config"].startswith("colocated")
-    other = next((r for r in ranked[1:] if r["config"].startswith("colocated") == is_pd), None)
+    kind = config_kind(best["config"])
+    if kind == "elastic":
+        return elastic_summary(ranked) or f"{best['config']} has the highest goodput ({best['goodput_rps']:.2f} req/s)"
+    is_pd = kind == "pd"
+    other = next((r for r in ranked[1:] if config_kind(r["config"]) == ("colocated" if is_pd else "pd")), None)
     prompts = sorted(r.prompt_tokens for r in requests)
     p90 = prompts[int(0.9 * (len(prompts) - 1))] if prompts else 0
     size = f"{p90 / 1000:.0f}K" if p90 >= 1000 else str(p90)
@@ -90,6 +99,69 @@ def reason(ranked: Sequence[dict[str, Any]], requests: Sequence[Request]) -> str
             f"keeps every device on both phases and skips the hand-off{skipped}"
             f", {g:.2f} vs {go:.2f} req/s goodput for the best split ({other['config']}: TPOT p99 {_ms(to)}, "
             f"colocated {_ms(t)})")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b <= 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def _p(r: dict[str, Any], metric: str, p: str) -> float | None:
+    v = r[metric][p]
+    return None if v is None else float(v)
+
+
+def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
+    """What elastic roles do here, in two sentences: the best elastic configuration against the best fixed split
+    and the best colocated one (goodput, TPOT p99, TTFT p50/p99, each as a ratio), and why, from the figures:
+    prefill bursts absorbed by every worker (TTFT against the split's prefill pool), long prompts split off the
+    decoding workers (TPOT against colocated), and what the hand-off and the remaining colocated stalls cost.
+    None when no elastic configuration was simulated."""
+    pick = {k: next((r for r in ranked if config_kind(r["config"]) == k), None) for k in ("elastic", "pd",
+                                                                                          "colocated")}
+    e, pd, co = pick["elastic"], pick["pd"], pick["colocated"]
+    if e is None:
+        return None
+    d = e["decisions"]
+    head = (f"{e['config']} ({d['local']} requests colocated, {d['disaggregated']} split"
+            + (f", {d['reject']} rejected" if d["reject"] else "") + f"): goodput {e['goodput_rps']:.2f} req/s")
+    figs, why = [], []
+    te, ttf50, ttf99 = _p(e, "tpot_s", "p99"), _p(e, "ttft_s", "p50"), _p(e, "ttft_s", "p99")
+    for other in (pd, co):
+        if other is None:
+            continue
+        figs.append(f"{_ratio(e['goodput_rps'], other['goodput_rps'])} the goodput of {other['config']} "
+                    f"({other['goodput_rps']:.2f}), TPOT p99 {_ratio(te, _p(other, 'tpot_s', 'p99'))} "
+                    f"({_ms(te)} vs {_ms(_p(other, 'tpot_s', 'p99'))}), TTFT p50 "
+                    f"{_ratio(ttf50, _p(other, 'ttft_s', 'p50'))}")
+    if co is not None and te is not None:
+        tc = _p(co, "tpot_s", "p99")
+        if tc is not None and te < 0.9 * tc:
+            why.append(f"splitting long prompts keeps their prefills off the workers that decode them "
+                       f"(TPOT p99 {_ms(tc)} colocated -> {_ms(te)})")
+        elif d["disaggregated"] == 0:
+            why.append("no prompt was long enough to split, so it ran as colocated workers do")
+        else:
+            why.append(f"short prompts still prefill beside running decodes, so the colocated TPOT tail stays "
+                       f"({_ms(te)} vs {_ms(tc)})")
+    if pd is not None and ttf99 is not None:
+        tp99, tpp = _p(pd, "ttft_s", "p99"), _p(pd, "tpot_s", "p99")
+        n_p = pd["config"].split("P")[0]
+        if tp99 is not None and ttf99 < 0.9 * tp99:
+            why.append(f"prefill bursts are absorbed by all {e['config'].split('x')[-1]} workers instead of "
+                       f"{pd['config']}'s {n_p} prefill worker(s) (TTFT p99 {_ms(tp99)} -> {_ms(ttf99)})")
+        elif tp99 is not None:
+            why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers "
+                       f"(TTFT p99 {_ms(ttf99)} vs {_ms(tp99)})")
+        if te is not None and tpp is not None and te > 1.1 * tpp:
+            xfer = e.get("transfer")
+            cost = "" if not xfer else (f"; each split also pays a {_ms(xfer['mean_s'])} KV transfer + "
+                                        f"{_ms(xfer.get('handoff_s'))} hand-off")
+            why.append(f"decodes on elastic workers still share steps with prefills, which {pd['config']}'s "
+                       f"decode workers never do (TPOT p99 {_ms(te)} vs {_ms(tpp)}){cost}")
+    return (head + (": " + "; ".join(figs) if figs else "") + ". Why: " + "; ".join(why) + "."
+            if why else head + (": " + "; ".join(figs) if figs else "") + ".")
 
 
 def sweep(clusters: Sequence[Cluster], cost: CostModel, settings: SimSettings,
