@@ -101,67 +101,74 @@ def reason(ranked: Sequence[dict[str, Any]], requests: Sequence[Request]) -> str
             f"colocated {_ms(t)})")
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b <= 0:
-        return "-"
-    return f"{a / b:.2f}x"
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
 
 
-def _p(r: dict[str, Any], metric: str, p: str) -> float | None:
+def _p(r: dict[str, Any], metric: str, p: str) -> float:
     v = r[metric][p]
-    return None if v is None else float(v)
+    return float("inf") if v is None else float(v)
+
+
+def _n(v: float) -> str:
+    return "-" if v == float("inf") else f"{v * 1e3:.1f}" if v < 0.1 else f"{v * 1e3:.0f}"
 
 
 def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
     """What elastic roles do here, in two sentences: the best elastic configuration against the best fixed split
-    and the best colocated one (goodput, TPOT p99, TTFT p50/p99, each as a ratio), and why, from the figures:
-    prefill bursts absorbed by every worker (TTFT against the split's prefill pool), long prompts split off the
-    decoding workers (TPOT against colocated), and what the hand-off and the remaining colocated stalls cost.
+    and the best colocated one (goodput ratio, TPOT p99, TTFT p50/p99), then why, read off the figures: long
+    prompts split off the decoding workers (TPOT against colocated), prefill bursts spread over the pool or piled
+    on a few workers (TTFT against the split's prefill pool, and where the split prefills ran), decodes that still
+    share steps with prefills and the hand-off each split pays (TPOT against the split's decode pool).
     None when no elastic configuration was simulated."""
-    pick = {k: next((r for r in ranked if config_kind(r["config"]) == k), None) for k in ("elastic", "pd",
-                                                                                          "colocated")}
+    pick = {k: next((r for r in ranked if config_kind(r["config"]) == k), None)
+            for k in ("elastic", "pd", "colocated")}
     e, pd, co = pick["elastic"], pick["pd"], pick["colocated"]
     if e is None:
         return None
     d = e["decisions"]
+    others = [r for r in (pd, co) if r is not None]
+    fig = lambda r: (f"{_n(_p(r, 'tpot_s', 'p99'))} ms, TTFT p50/p99 {_n(_p(r, 'ttft_s', 'p50'))}/"  # noqa: E731
+                     f"{_n(_p(r, 'ttft_s', 'p99'))} ms")
     head = (f"{e['config']} ({d['local']} requests colocated, {d['disaggregated']} split"
-            + (f", {d['reject']} rejected" if d["reject"] else "") + f"): goodput {e['goodput_rps']:.2f} req/s")
-    figs, why = [], []
-    te, ttf50, ttf99 = _p(e, "tpot_s", "p99"), _p(e, "ttft_s", "p50"), _p(e, "ttft_s", "p99")
-    for other in (pd, co):
-        if other is None:
-            continue
-        figs.append(f"{_ratio(e['goodput_rps'], other['goodput_rps'])} the goodput of {other['config']} "
-                    f"({other['goodput_rps']:.2f}), TPOT p99 {_ratio(te, _p(other, 'tpot_s', 'p99'))} "
-                    f"({_ms(te)} vs {_ms(_p(other, 'tpot_s', 'p99'))}), TTFT p50 "
-                    f"{_ratio(ttf50, _p(other, 'ttft_s', 'p50'))}")
-    if co is not None and te is not None:
+            + (f", {d['reject']} rejected" if d["reject"] else "") + f"): goodput {e['goodput_rps']:.2f} req/s"
+            + "".join(f", {_ratio(e['goodput_rps'], r['goodput_rps'])} {r['config']}'s" for r in others)
+            + f"; TPOT p99 {fig(e)}" + (" (" + "; ".join(f"{r['config']}: {fig(r)}" for r in others) + ")"
+                                        if others else ""))
+    why: list[str] = []
+    te, t99 = _p(e, "tpot_s", "p99"), _p(e, "ttft_s", "p99")
+    if co is not None:
         tc = _p(co, "tpot_s", "p99")
-        if tc is not None and te < 0.9 * tc:
-            why.append(f"splitting long prompts keeps their prefills off the workers that decode them "
-                       f"(TPOT p99 {_ms(tc)} colocated -> {_ms(te)})")
-        elif d["disaggregated"] == 0:
-            why.append("no prompt was long enough to split, so it ran as colocated workers do")
+        if d["disaggregated"] == 0:
+            why.append("no prompt was long enough to split, so the pool ran as colocated workers")
+        elif te < 0.9 * tc:
+            why.append(f"splitting long prompts keeps their prefills off the workers that decode them (TPOT p99 "
+                       f"{_n(tc)} ms colocated -> {_n(te)} ms)")
         else:
-            why.append(f"short prompts still prefill beside running decodes, so the colocated TPOT tail stays "
-                       f"({_ms(te)} vs {_ms(tc)})")
-    if pd is not None and ttf99 is not None:
-        tp99, tpp = _p(pd, "ttft_s", "p99"), _p(pd, "tpot_s", "p99")
-        n_p = pd["config"].split("P")[0]
-        if tp99 is not None and ttf99 < 0.9 * tp99:
-            why.append(f"prefill bursts are absorbed by all {e['config'].split('x')[-1]} workers instead of "
-                       f"{pd['config']}'s {n_p} prefill worker(s) (TTFT p99 {_ms(tp99)} -> {_ms(ttf99)})")
-        elif tp99 is not None:
-            why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers "
-                       f"(TTFT p99 {_ms(ttf99)} vs {_ms(tp99)})")
-        if te is not None and tpp is not None and te > 1.1 * tpp:
+            why.append(f"prefills still stall decodes on the elastic workers (TPOT p99 {_n(te)} vs {_n(tc)} ms "
+                       "colocated)")
+    split = e.get("split_prefills") or {}
+    n_workers = int(e["config"].split("x")[-1])
+    if pd is not None and d["disaggregated"]:
+        tp99 = _p(pd, "ttft_s", "p99")
+        counts = sorted(split.values(), reverse=True)
+        k = next((i + 1 for i in range(len(counts)) if sum(counts[: i + 1]) >= 0.8 * sum(counts)), n_workers)
+        piled = (f"; the split prefills piled on {k} of {n_workers} workers ({sum(counts[:k])} of {sum(counts)}: "
+                 f"those with the fewest decodes to stall) and queued there" if counts and k < n_workers / 2 else "")
+        if t99 < 0.9 * tp99:
+            why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s "
+                       f"{pd['config'].split('P')[0]} prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
+        else:
+            why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers (TTFT p99 "
+                       f"{_n(t99)} vs {_n(tp99)} ms){piled}")
+        tpp = _p(pd, "tpot_s", "p99")
+        if te > 1.1 * tpp:
             xfer = e.get("transfer")
-            cost = "" if not xfer else (f"; each split also pays a {_ms(xfer['mean_s'])} KV transfer + "
-                                        f"{_ms(xfer.get('handoff_s'))} hand-off")
-            why.append(f"decodes on elastic workers still share steps with prefills, which {pd['config']}'s "
-                       f"decode workers never do (TPOT p99 {_ms(te)} vs {_ms(tpp)}){cost}")
-    return (head + (": " + "; ".join(figs) if figs else "") + ". Why: " + "; ".join(why) + "."
-            if why else head + (": " + "; ".join(figs) if figs else "") + ".")
+            pays = "" if not xfer else (f"; each split also pays a {_n(xfer['mean_s'])} ms KV transfer + "
+                                        f"{_n(xfer['handoff_s'])} ms hand-off")
+            why.append(f"decodes on elastic workers still share steps with prefills, which {pd['config']}'s decode "
+                       f"workers never do (TPOT p99 {_n(te)} vs {_n(tpp)} ms){pays}")
+    return head + "." + (" Why: " + "; ".join(why) + "." if why else "")
 
 
 def sweep(clusters: Sequence[Cluster], cost: CostModel, settings: SimSettings,

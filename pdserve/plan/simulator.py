@@ -250,6 +250,9 @@ class Simulation:
         out["devices"] = self.cluster.devices
         out["policy"] = self.settings.policy
         out["decisions"] = dict(self.conductor.counts)
+        if self.cluster.elastic:  # where the split requests' prefills ran (the pool's emergent prefill workers)
+            split = [j.prefill_worker for j in jobs if j.kind == "disaggregated"]
+            out["split_prefills"] = {w: split.count(w) for w in self.workers if w in split}
         if self.transfers:
             out["transfer"] = {"count": len(self.transfers),
                                "mean_bytes": sum(b for b, _ in self.transfers) / len(self.transfers),
