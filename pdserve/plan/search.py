@@ -151,10 +151,11 @@ def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
     n_workers = int(e["config"].split("x")[-1])
     if pd is not None and d["disaggregated"]:
         tp99 = _p(pd, "ttft_s", "p99")
-        counts = sorted(split.values(), reverse=True)
-        k = next((i + 1 for i in range(len(counts)) if sum(counts[: i + 1]) >= 0.8 * sum(counts)), n_workers)
-        piled = (f"; the split prefills piled on {k} of {n_workers} workers ({sum(counts[:k])} of {sum(counts)}: "
-                 f"those with the fewest decodes to stall) and queued there" if counts and k < n_workers / 2 else "")
+        top_w, top_n = max(split.items(), key=lambda kv: (kv[1], kv[0]), default=("", 0))
+        total = sum(split.values())
+        piled = (f"; the conductor sends split prefills to the workers with the fewest decodes to stall, so they "
+                 f"queue there ({top_w} prefilled {top_n} of {total}, an even share is {total / n_workers:.0f})"
+                 if total and top_n > 2 * total / n_workers else "")
         if t99 < 0.9 * tp99:
             why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s "
                        f"{pd['config'].split('P')[0]} prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
