@@ -156,12 +156,22 @@ def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
         piled = (f"; the conductor sends split prefills to the workers with the fewest decodes to stall, so they "
                  f"queue there ({top_w} prefilled {top_n} of {total}, an even share is {total / n_workers:.0f})"
                  if total and top_n > 2 * total / n_workers else "")
+        t50, tp50 = _p(e, "ttft_s", "p50"), _p(pd, "ttft_s", "p50")
+        n_p = pd["config"].split("P")[0]
         if t99 < 0.9 * tp99:
-            why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s "
-                       f"{pd['config'].split('P')[0]} prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
+            why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s {n_p} "
+                       f"prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
+        elif t50 < 0.9 * tp50:
+            why.append(f"all {n_workers} workers prefill, so the typical request starts sooner than on "
+                       f"{pd['config']}'s {n_p} prefill worker(s) (TTFT p50 {_n(t50)} vs {_n(tp50)} ms), but the tail "
+                       f"queues (TTFT p99 {_n(t99)} vs {_n(tp99)} ms){piled}")
         else:
             why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers (TTFT p99 "
                        f"{_n(t99)} vs {_n(tp99)} ms){piled}")
+        if e["goodput_rps"] > (1 + TIE) * pd["goodput_rps"] and t99 > tp99:
+            why.append(f"yet more requests meet both targets ({e['slo_attainment']:.0%} vs "
+                       f"{pd['slo_attainment']:.0%}): the queueing falls on the longest prompts, which the "
+                       "placement sends where they stall the fewest decodes, while shorter ones take the free workers")
         tpp = _p(pd, "tpot_s", "p99")
         if te > 1.1 * tpp:
             xfer = e.get("transfer")
