@@ -116,11 +116,8 @@ def _n(v: float) -> str:
 
 def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
     """What elastic roles do here, in two sentences: the best elastic configuration against the best fixed split
-    and the best colocated one (goodput ratio, TPOT p99, TTFT p50/p99), then why, read off the figures: long
-    prompts split off the decoding workers (TPOT against colocated), prefill bursts spread over the pool or piled
-    on a few workers (TTFT against the split's prefill pool, and where the split prefills ran), decodes that still
-    share steps with prefills and the hand-off each split pays (TPOT against the split's decode pool).
-    None when no elastic configuration was simulated."""
+    and the best colocated one (goodput ratio, TPOT p99, TTFT p50/p99), then why, read off the figures
+    (:func:`_why_vs_colocated`, :func:`_why_vs_split`). None when no elastic configuration was simulated."""
     pick = {k: next((r for r in ranked if config_kind(r["config"]) == k), None)
             for k in ("elastic", "pd", "colocated")}
     e, pd, co = pick["elastic"], pick["pd"], pick["colocated"]
@@ -135,51 +132,58 @@ def elastic_summary(ranked: Sequence[dict[str, Any]]) -> str | None:
             + "".join(f", {_ratio(e['goodput_rps'], r['goodput_rps'])} {r['config']}'s" for r in others)
             + f"; TPOT p99 {fig(e)}" + (" (" + "; ".join(f"{r['config']}: {fig(r)}" for r in others) + ")"
                                         if others else ""))
-    why: list[str] = []
-    te, t99 = _p(e, "tpot_s", "p99"), _p(e, "ttft_s", "p99")
-    if co is not None:
-        tc = _p(co, "tpot_s", "p99")
-        if d["disaggregated"] == 0:
-            why.append("no prompt was long enough to split, so the pool ran as colocated workers")
-        elif te < 0.9 * tc:
-            why.append(f"splitting long prompts keeps their prefills off the workers that decode them (TPOT p99 "
-                       f"{_n(tc)} ms colocated -> {_n(te)} ms)")
-        else:
-            why.append(f"prefills still stall decodes on the elastic workers (TPOT p99 {_n(te)} vs {_n(tc)} ms "
-                       "colocated)")
-    split = e.get("split_prefills") or {}
-    n_workers = int(e["config"].split("x")[-1])
-    if pd is not None and d["disaggregated"]:
-        tp99 = _p(pd, "ttft_s", "p99")
-        top_w, top_n = max(split.items(), key=lambda kv: (kv[1], kv[0]), default=("", 0))
-        total = sum(split.values())
-        piled = (f"; the conductor sends split prefills to the workers with the fewest decodes to stall, so they "
-                 f"queue there ({top_w} prefilled {top_n} of {total}, an even share is {total / n_workers:.0f})"
-                 if total and top_n > 2 * total / n_workers else "")
-        t50, tp50 = _p(e, "ttft_s", "p50"), _p(pd, "ttft_s", "p50")
-        n_p = pd["config"].split("P")[0]
-        if t99 < 0.9 * tp99:
-            why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s {n_p} "
-                       f"prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
-        elif t50 < 0.9 * tp50:
-            why.append(f"all {n_workers} workers prefill, so the typical request starts sooner than on "
-                       f"{pd['config']}'s {n_p} prefill worker(s) (TTFT p50 {_n(t50)} vs {_n(tp50)} ms), but the tail "
-                       f"queues (TTFT p99 {_n(t99)} vs {_n(tp99)} ms){piled}")
-        else:
-            why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers (TTFT p99 "
-                       f"{_n(t99)} vs {_n(tp99)} ms){piled}")
-        if e["goodput_rps"] > (1 + TIE) * pd["goodput_rps"] and t99 > tp99:
-            why.append(f"yet more requests meet both targets ({e['slo_attainment']:.0%} vs "
-                       f"{pd['slo_attainment']:.0%}): the queueing falls on the longest prompts, which the "
-                       "placement sends where they stall the fewest decodes, while shorter ones take the free workers")
-        tpp = _p(pd, "tpot_s", "p99")
-        if te > 1.1 * tpp:
-            xfer = e.get("transfer")
-            pays = "" if not xfer else (f"; each split also pays a {_n(xfer['mean_s'])} ms KV transfer + "
-                                        f"{_n(xfer['handoff_s'])} ms hand-off")
-            why.append(f"decodes on elastic workers still share steps with prefills, which {pd['config']}'s decode "
-                       f"workers never do (TPOT p99 {_n(te)} vs {_n(tpp)} ms){pays}")
+    why = (_why_vs_colocated(e, co) if co is not None else []) + (
+        _why_vs_split(e, pd) if pd is not None and d["disaggregated"] else [])
     return head + "." + (" Why: " + "; ".join(why) + "." if why else "")
+
+
+def _why_vs_colocated(e: dict[str, Any], co: dict[str, Any]) -> list[str]:
+    """Long prompts split off the decoding workers, or not: TPOT p99 against colocated."""
+    te, tc = _p(e, "tpot_s", "p99"), _p(co, "tpot_s", "p99")
+    if e["decisions"]["disaggregated"] == 0:
+        return ["no prompt was long enough to split, so the pool ran as colocated workers"]
+    if te < 0.9 * tc:
+        return [f"splitting long prompts keeps their prefills off the workers that decode them (TPOT p99 "
+                f"{_n(tc)} ms colocated -> {_n(te)} ms)"]
+    return [f"prefills still stall decodes on the elastic workers (TPOT p99 {_n(te)} vs {_n(tc)} ms colocated)"]
+
+
+def _why_vs_split(e: dict[str, Any], pd: dict[str, Any]) -> list[str]:
+    """Against the split: prefill bursts spread over the pool or piled on a few workers (TTFT, and where the split
+    prefills ran), more requests within the targets, decodes that still share steps with prefills and the
+    hand-off each split pays (TPOT)."""
+    why = []
+    n_workers = int(e["config"].split("x")[-1])
+    n_p = pd["config"].split("P")[0]
+    split = e.get("split_prefills") or {}
+    top_w, top_n = max(split.items(), key=lambda kv: (kv[1], kv[0]), default=("", 0))
+    total = sum(split.values())
+    piled = (f"; the conductor sends split prefills to the workers with the fewest decodes to stall, so they "
+             f"queue there ({top_w} prefilled {top_n} of {total}, an even share is {total / n_workers:.0f})"
+             if total and top_n > 2 * total / n_workers else "")
+    t50, t99, tp50, tp99 = (_p(r, "ttft_s", q) for r, q in ((e, "p50"), (e, "p99"), (pd, "p50"), (pd, "p99")))
+    if t99 < 0.9 * tp99:
+        why.append(f"prefill bursts spread over all {n_workers} workers instead of {pd['config']}'s {n_p} "
+                   f"prefill worker(s) (TTFT p99 {_n(tp99)} -> {_n(t99)} ms){piled}")
+    elif t50 < 0.9 * tp50:
+        why.append(f"all {n_workers} workers prefill, so the typical request starts sooner than on "
+                   f"{pd['config']}'s {n_p} prefill worker(s) (TTFT p50 {_n(t50)} vs {_n(tp50)} ms), but the tail "
+                   f"queues (TTFT p99 {_n(t99)} vs {_n(tp99)} ms){piled}")
+    else:
+        why.append(f"the pool absorbs prefill bursts no better than {pd['config']}'s prefill workers (TTFT p99 "
+                   f"{_n(t99)} vs {_n(tp99)} ms){piled}")
+    if e["goodput_rps"] > (1 + TIE) * pd["goodput_rps"] and t99 > tp99:
+        why.append(f"yet more requests meet both targets ({e['slo_attainment']:.0%} vs "
+                   f"{pd['slo_attainment']:.0%}): the queueing falls on the longest prompts, which the "
+                   "placement sends where they stall the fewest decodes, while shorter ones take the free workers")
+    te, tpp = _p(e, "tpot_s", "p99"), _p(pd, "tpot_s", "p99")
+    if te > 1.1 * tpp:
+        xfer = e.get("transfer")
+        pays = "" if not xfer else (f"; each split also pays a {_n(xfer['mean_s'])} ms KV transfer + "
+                                    f"{_n(xfer['handoff_s'])} ms hand-off")
+        why.append(f"decodes on elastic workers still share steps with prefills, which {pd['config']}'s decode "
+                   f"workers never do (TPOT p99 {_n(te)} vs {_n(tpp)} ms){pays}")
+    return why
 
 
 def sweep(clusters: Sequence[Cluster], cost: CostModel, settings: SimSettings,
