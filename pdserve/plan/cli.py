@@ -22,8 +22,8 @@ from .cost import HardwareCostModel, Parallelism, min_parallel
 from .hardware import Accelerator, HardwareError, Link, accelerator, link, load_catalogue
 from .kvsize import ModelConfigError, ModelSpec, format_bytes, load_model
 from .results import Targets
-from .search import candidates, evaluate, parse_clusters, rank, reason, sweep
-from .simulator import SimSettings
+from .search import candidates, elastic_summary, evaluate, parse_clusters, rank, reason, sweep
+from .simulator import SimSettings, config_kind
 from .traffic import LengthMix, Request, load_trace, poisson
 
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tpot", type=float, default=0.1, help="TPOT target, seconds")
     s.add_argument("--policy", default="conductor", choices=["conductor", "round_robin", "least_loaded"])
     s.add_argument("--reject", action="store_true", help="let the conductor reject requests predicted to miss")
-    s.add_argument("--configs", help="evaluate only these, e.g. colocated:2,1P1D,2P1D")
+    s.add_argument("--configs", help="evaluate only these, e.g. colocated:2,elastic:2,1P1D,2P1D (elastic: every "
+                                     "worker prefills or decodes per request; needs --policy conductor)")
     s.add_argument("--all-sizes", action="store_true", help="also configurations using fewer workers")
     s.add_argument("--chunk-tokens", type=int, default=8192, help="per-step token budget (max_num_batched_tokens)")
     s.add_argument("--max-seqs", type=int, default=256, help="decodes per step (max_num_seqs)")
@@ -171,11 +172,16 @@ def _print_kv(kv: dict[str, Any], devices: int, hardware: str, network: str) -> 
 
 def _print_table(ranked: Sequence[dict[str, Any]], targets: Targets, top: int) -> None:
     cols = ["config", "devices", "goodput/s", "SLO %", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p99", "util P/D or C", "local/PD/rej"]
+            "ITL p99", "util P/D or C/E", "local/PD/rej"]
     rows = []
-    for r in ranked[:top]:
+    shown = list(ranked[:top])
+    for kind in ("colocated", "elastic", "pd"):  # the best of each shape is always listed
+        best = next((r for r in ranked if config_kind(r["config"]) == kind), None)
+        if best is not None and best not in shown:
+            shown.append(best)
+    for r in shown:
         u = r["utilization"]
-        util = "/".join(f"{u[k]:.0%}" for k in ("prefill", "decode", "colocated") if k in u)
+        util = "/".join(f"{u[k]:.0%}" for k in ("prefill", "decode", "colocated", "elastic") if k in u)
         d = r["decisions"]
         rows.append([r["config"], str(r["devices"]), f"{r['goodput_rps']:.2f}", f"{r['slo_attainment']:.0%}",
                      _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]),
@@ -232,8 +238,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = SimSettings(targets, policy=args.policy, chunk_tokens=args.chunk_tokens, max_seqs=args.max_seqs,
                            kv_capacity_tokens=capacity, reject=args.reject)
     clusters = (parse_clusters(args.configs, par.devices) if args.configs
-                else candidates(args.gpus, par.devices, args.all_sizes))
+                else candidates(args.gpus, par.devices, args.all_sizes, elastic=args.policy == "conductor"))
     ranked = rank(evaluate(clusters, cost, settings, requests))
+    elastic = elastic_summary(ranked)
+    if elastic is not None:
+        out["elastic"] = elastic
     out.update(recommended=ranked[0]["config"], reason=reason(ranked, requests), candidates=ranked,
                traffic={"requests": len(requests), "rate": ranked[0]["offered_rate"],
                         "mean_prompt": sum(r.prompt_tokens for r in requests) / len(requests),
@@ -271,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
               f"mean output {t['mean_output']:.0f} tokens")
         _print_table(out["candidates"], Targets(args.ttft, args.tpot), args.top)
         print(f"recommended: {out['recommended']} -- {out['reason']}")
+        if "elastic" in out and not out["recommended"].startswith("elastic"):
+            print(f"elastic roles: {out['elastic']}")
         if args.plot:
             print(f"plot: {args.plot}")
     return 0

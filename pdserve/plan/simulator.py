@@ -23,31 +23,62 @@ from .worker import Job, SimWorker
 
 @dataclass(frozen=True)
 class Cluster:
-    """Worker counts of one configuration; each worker (instance) spans ``devices_per_worker`` devices."""
+    """Worker counts of one configuration; each worker (instance) spans ``devices_per_worker`` devices.
+
+    One shape per cluster: ``colocated`` workers (whole requests), ``prefill`` + ``decode`` workers (xPyD, every
+    request handed over), or ``elastic`` workers (no fixed role: the conductor places each request colocated on
+    one of them or split P -> D between two, :mod:`pdserve.conductor.elastic`)."""
 
     colocated: int = 0
     prefill: int = 0
     decode: int = 0
     devices_per_worker: int = 1
+    elastic: int = 0
 
     def __post_init__(self) -> None:
-        if self.colocated and (self.prefill or self.decode):
-            raise ValueError("a cluster is either colocated workers or prefill + decode workers")
-        if not self.colocated and not (self.prefill and self.decode):
-            raise ValueError("give colocated >= 1, or prefill >= 1 and decode >= 1")
+        counts = {"colocated": self.colocated, "prefill": self.prefill, "decode": self.decode,
+                  "elastic": self.elastic, "devices_per_worker": self.devices_per_worker}
+        bad = [f"{k}={v!r}" for k, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad or self.devices_per_worker < 1:
+            raise ValueError(f"worker counts must be whole numbers >= 0 and devices_per_worker >= 1, got "
+                             f"{', '.join(bad) or f'devices_per_worker={self.devices_per_worker}'}")
+        shapes = [name for name, on in (("colocated", self.colocated), ("elastic", self.elastic),
+                                        ("prefill + decode", self.prefill or self.decode)) if on]
+        if len(shapes) > 1:
+            raise ValueError(f"a cluster is one shape: colocated workers, elastic workers, or prefill + decode "
+                             f"workers; got {' and '.join(shapes)} (e.g. colocated:4, elastic:4 or 2P2D)")
+        if not shapes or (shapes == ["prefill + decode"] and not (self.prefill and self.decode)):
+            raise ValueError("give colocated >= 1, elastic >= 1, or prefill >= 1 and decode >= 1 "
+                             f"(got prefill={self.prefill}, decode={self.decode})")
+
+    @property
+    def kind(self) -> str:
+        """"colocated", "elastic" or "pd"."""
+        return "colocated" if self.colocated else "elastic" if self.elastic else "pd"
 
     @property
     def label(self) -> str:
-        return f"colocated x{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
+        if self.colocated:
+            return f"colocated x{self.colocated}"
+        if self.elastic:
+            return f"elastic x{self.elastic}"
+        return f"{self.prefill}P{self.decode}D"
 
     @property
     def devices(self) -> int:
-        return (self.colocated + self.prefill + self.decode) * self.devices_per_worker
+        return (self.colocated + self.prefill + self.decode + self.elastic) * self.devices_per_worker
 
     def roles(self) -> list[tuple[str, str]]:
         if self.colocated:
             return [(f"c{i}", "colocated") for i in range(self.colocated)]
+        if self.elastic:
+            return [(f"e{i}", "elastic") for i in range(self.elastic)]
         return [(f"p{i}", "prefill") for i in range(self.prefill)] + [(f"d{i}", "decode") for i in range(self.decode)]
+
+
+def config_kind(label: str) -> str:
+    """The shape of a configuration label: "colocated", "elastic" or "pd"."""
+    return "colocated" if label.startswith("colocated") else "elastic" if label.startswith("elastic") else "pd"
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,10 @@ class SimSettings:
 
 class Simulation:
     def __init__(self, cluster: Cluster, cost: CostModel, settings: SimSettings) -> None:
+        if cluster.elastic and settings.policy != "conductor":
+            raise ValueError(f"{cluster.label}: elastic workers get their role per request from the conductor "
+                             f"policy; with policy {settings.policy!r} they would be colocated workers "
+                             "(use --policy conductor, or simulate colocated:N)")
         self.cluster, self.cost, self.settings = cluster, cost, settings
         self.now = 0.0
         s = settings
@@ -215,10 +250,14 @@ class Simulation:
         out["devices"] = self.cluster.devices
         out["policy"] = self.settings.policy
         out["decisions"] = dict(self.conductor.counts)
+        if self.cluster.elastic:  # where the split requests' prefills ran (the pool's emergent prefill workers)
+            split = [j.prefill_worker for j in jobs if j.kind == "disaggregated"]
+            out["split_prefills"] = {w: split.count(w) for w in self.workers if w in split}
         if self.transfers:
             out["transfer"] = {"count": len(self.transfers),
                                "mean_bytes": sum(b for b, _ in self.transfers) / len(self.transfers),
-                               "mean_s": sum(s for _, s in self.transfers) / len(self.transfers)}
+                               "mean_s": sum(s for _, s in self.transfers) / len(self.transfers),
+                               "handoff_s": self.cost.handoff_s}
         return out
 
 

@@ -3,7 +3,9 @@
 Each engine step takes every running decode (one token each) and fills the rest of the token budget with
 prefill chunks, first come first served, the way vLLM v1 schedules. On a colocated worker a long prefill
 therefore shares (and stretches) the steps of every decode running there; a prefill-only worker runs prefill
-steps; a decode-only worker runs decode steps plus the one-token KV completion of requests handed over."""
+steps; a decode-only worker runs decode steps plus the one-token KV completion of requests handed over. An
+elastic worker does all of these at once: the prefills of requests it runs whole or only prefills (split), the
+decodes of requests it runs whole or received, all in the same steps (the colocated step-cost model)."""
 
 from __future__ import annotations
 
@@ -102,9 +104,14 @@ class SimWorker:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.incoming)
 
-    def _fits(self, job: Job) -> bool:
-        need = job.req.prompt_tokens + job.req.output_tokens
-        return self.kv_used + need <= self.kv_capacity_tokens or (self.kv_used == 0)
+    def _need(self, job: Job, prefilling: bool) -> int:
+        """KV tokens ``job`` reserves here: the prompt, plus its output where it also decodes (a split request's
+        prefill worker hands the KV over after the prompt; on an elastic worker either can happen)."""
+        decodes_here = not prefilling or job.kind != "disaggregated"
+        return job.req.prompt_tokens + (job.req.output_tokens if decodes_here else 0)
+
+    def _fits(self, job: Job, prefilling: bool = False) -> bool:
+        return self.kv_used + self._need(job, prefilling) <= self.kv_capacity_tokens or (self.kv_used == 0)
 
     def plan_step(self) -> StepPlan | None:
         """What the next step runs, admitting handed-over requests and prefills while KV room lasts."""
@@ -119,10 +126,10 @@ class SimWorker:
             if budget <= 0 or len(decodes) + len(chunks) >= self.max_seqs:
                 break
             if job.cached < 0:  # first scheduled: look up the prefix, reserve KV
-                if not self._fits(job):
+                if not self._fits(job, prefilling=True):
                     break
                 job.cached = min(self.cached_prefix(job.req.block_keys), job.req.prompt_tokens - 1)
-                self.kv_used += job.req.prompt_tokens + (job.req.output_tokens if self.role != "prefill" else 0)
+                self.kv_used += self._need(job, prefilling=True)
             n = min(job.prefill_left, budget)
             chunks.append((job, n))
             budget -= n

@@ -38,8 +38,8 @@ def test_cli_json_and_text(capsys):
             "--rate", "2", "--lengths", "0.5:4000:50,0.5:200:50", "--requests", "100", "--ttft", "2", "--tpot", "0.05"]
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["recommended"] in {"colocated x2", "1P1D"}
-    assert {c["config"] for c in out["candidates"]} == {"colocated x2", "1P1D"}
+    assert out["recommended"] in {"colocated x2", "1P1D", "elastic x2"}
+    assert {c["config"] for c in out["candidates"]} == {"colocated x2", "1P1D", "elastic x2"}
     assert out["kv"]["kv_bytes_per_token"] == 131072
     assert main(args) == 0
     text = capsys.readouterr().out
@@ -62,4 +62,4 @@ def test_cli_plot(tmp_path, capsys):
     assert main(["--model", "llama-3-8b", "--hardware", "H100", "--network", "efa-p5", "--gpus", "2", "--rate", "2",
                  "--lengths", "2000:50", "--requests", "60", "--plot", str(png), "--rates", "1,2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert png.stat().st_size > 1000 and set(out["sweep"]) == {"colocated x2", "1P1D"}
+    assert png.stat().st_size > 1000 and set(out["sweep"]) == {"colocated x2", "1P1D", "elastic x2"}
