@@ -297,7 +297,7 @@ def _supervise(cluster, say) -> int:
 # Subcommands that own their parser live next to their code: ``pdserve NAME ...`` calls ``MODULE.main(rest)``.
 SUBCOMMANDS = {
     "bench": ("pdserve.bench.cli", "run a workload against an OpenAI-compatible URL, or compare configurations"),
-    "plan": ("pdserve.plan.cli", "size KV, simulate and recommend colocated vs xPyD for a model and traffic"),
+    "plan": ("pdserve.plan.cli", "size KV, simulate and recommend colocated, elastic or xPyD for a model and traffic"),
     "store": ("pdserve.store.cli", "run a KV pool master or store node"),
 }
 

@@ -109,7 +109,8 @@ class Simulation:
         self.conductor = Conductor(
             ConductorConfig(policy=s.policy, block_size=s.block_size,
                             ttft_slo_s=s.targets.ttft_s if s.reject else None,
-                            tpot_slo_s=s.targets.tpot_s if s.reject else None),
+                            tpot_slo_s=s.targets.tpot_s if s.reject else None,
+                            chunk_tokens=s.chunk_tokens),
             cost, clock=lambda: self.now)
         self.workers: dict[str, SimWorker] = {}
         for wid, role in cluster.roles():
