@@ -1,4 +1,6 @@
-"""`pdserve serve` / :class:`pdserve.launcher.Cluster` with real vLLM servers (a tiny random-weight Llama).
+"""`pdserve serve` with real vLLM servers (a tiny random-weight Llama), through the CLI. The Python API's 1P1D
+launch (connector on both workers, pool, stop without SIGKILL) is checked in test_store_launcher.py, on the
+stack that test starts anyway.
 
 Each test runs at most 2 vLLM servers and stops them; every check ends by proving that no process of the
 launch (vLLM API servers, their engine-core children, the router, the reaper) is left.
@@ -18,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import LauncherConfig
-from pdserve.launcher import Cluster
 from pdserve.procs import http_status, pids_in_group, wait_dead
 
 pytestmark = [
@@ -131,35 +131,3 @@ def test_cli_colocated_health_gates_on_workers_and_kill_9_leaves_nothing(tiny_mo
     assert wait_dead(pids, 30.0) == []
     assert _group_pids(pgids) == []
     assert sorted(x.name for x in run_dir.iterdir()) == ["colocated0.log", "launch.json", "router.log"]
-
-
-def test_cluster_1p1d_serves_through_the_connector_and_stop_leaves_nothing(tiny_model, tmp_path):
-    """Python API, 1 prefill + 1 decode: both workers load the pdserve connector (kv_both) on their own core, a
-    request goes through the router (P -> D hand-off), and stop() (SIGTERM to every process group, SIGKILL
-    only after stop_timeout_s) ends every process."""
-    cfg = LauncherConfig(model=str(tiny_model), prefill=1, decode=1, port=0, run_dir=str(tmp_path / "run"),
-                         worker_timeout_s=START_TIMEOUT_S)
-    log: list[str] = []
-    cluster = Cluster(cfg, log=log.append)
-    t0 = time.monotonic()
-    with cluster:
-        print(f"1P1D ready in {time.monotonic() - t0:.1f} s")
-        assert [w.name for w in cluster.workers] == ["prefill0", "decode0"]
-        for w in cluster.plan.workers:
-            assert w.connector
-        if len(os.sched_getaffinity(0)) > 1:
-            assert cluster.plan.workers[0].cores != cluster.plan.workers[1].cores
-        for c in cluster.workers:
-            ktc = json.loads(c.argv[c.argv.index("--kv-transfer-config") + 1])
-            assert ktc["kv_connector"] == "PdserveConnector" and ktc["kv_role"] == "kv_both"
-            assert cluster.secret not in " ".join(c.argv)
-        assert http_status(cluster.router_url + "/health") == 200
-        out = _complete(cluster.router_url, cluster.model_name, max_tokens=4)
-        assert out["choices"][0]["text"] is not None
-        pgids = cluster.pgids()
-        pids = _group_pids(pgids) + [cluster._reaper.proc.pid]
-        t1 = time.monotonic()
-    print(f"stopped in {time.monotonic() - t1:.1f} s")
-    assert wait_dead(pids, 30.0) == []
-    assert _group_pids(pgids) == []
-    assert not any("got SIGKILL" in line for line in log), log  # vLLM and the router exit on SIGTERM

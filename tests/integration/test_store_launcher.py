@@ -1,14 +1,17 @@
 """`Cluster` (what `pdserve serve` runs) with its default KV pool, 1P1D through the router.
 
-The launch starts a pool master + node; P saves each prompt's full blocks to the pool while the decode
+Both workers load the pdserve connector (kv_both) on their own core, with the transfer secret kept out of their
+argv. The launch starts a pool master + node; P saves each prompt's full blocks to the pool while the decode
 worker reads them, and frees them only when both are done (P's KV usage returns to 0); the output through
-the pool-enabled path equals a plain worker's; stopping the cluster leaves no pool process behind.
+the pool-enabled path equals a plain worker's; stop() (SIGTERM to every process group, SIGKILL only after
+stop_timeout_s) ends every process of the launch, pool included, with no SIGKILL needed.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import time
 import urllib.request
@@ -18,7 +21,7 @@ import pytest
 
 from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
-from pdserve.procs import pids_in_group, wait_dead
+from pdserve.procs import http_status, pids_in_group, wait_dead
 
 from .test_pd_exactness import _prompt
 
@@ -52,8 +55,18 @@ def test_serve_starts_a_pool_and_pd_requests_save_to_it(tmp_path: Path) -> None:
     cfg = LauncherConfig(model=str(model), port=0, dtype="float32", pool_mem="64MiB", pool_disk="64MiB",
                          run_dir=str(tmp_path / "run"), worker_timeout_s=400)
     prompt = _prompt(600, seed=11)  # 4 full blocks
-    with Cluster(cfg) as c:
+    log: list[str] = []
+    with Cluster(cfg, log=log.append) as c:
         assert [p.name for p in c.pool] == ["pool-master", "pool-node"] and all(p.alive() for p in c.pool)
+        assert [w.name for w in c.workers] == ["prefill0", "decode0"]
+        assert all(w.connector for w in c.plan.workers)
+        if len(os.sched_getaffinity(0)) > 1:
+            assert c.plan.workers[0].cores != c.plan.workers[1].cores
+        for w in c.workers:
+            ktc = json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+            assert ktc["kv_connector"] == "PdserveConnector" and ktc["kv_role"] == "kv_both"
+            assert c.secret not in " ".join(w.argv)
+        assert http_status(c.router_url + "/health") == 200
         pd = _complete(c.router_url, c.model_name, prompt, 8)
         p_url = c.worker_urls("prefill")[0]
         deadline = time.time() + 30
@@ -69,8 +82,10 @@ def test_serve_starts_a_pool_and_pd_requests_save_to_it(tmp_path: Path) -> None:
         assert _sum(pool_metrics, "pdserve_store_puts_total") >= 4
         # the same prompt again: same tokens (P's local cache and the pool agree)
         assert _complete(c.router_url, c.model_name, prompt, 8) == pd
-        pgids = [p.pgid for p in c.pool]
+        pgids = c.pgids()
+        pids = sorted({p for g in pgids for p in pids_in_group(g)}) + [c._reaper.proc.pid]
         ssd = tmp_path / "run" / "pool-ssd"
-    pids = sorted({p for g in pgids for p in pids_in_group(g)})
-    assert wait_dead(pids, 10) == [], "pool processes left behind"
+    assert wait_dead(pids, 30) == [], "processes of the launch left behind"
+    assert sorted({p for g in pgids for p in pids_in_group(g)}) == []
+    assert not any("got SIGKILL" in line for line in log), log  # vLLM, the router and the pool exit on SIGTERM
     assert not ssd.exists(), "the launcher's own SSD folder is removed at stop"

@@ -1,10 +1,10 @@
-"""KV pool end to end with vLLM: a prefix computed by one worker is loaded from the pool by another.
+"""KV pool end to end with vLLM: a prefix computed once is loaded from the pool when the worker's own cache misses.
 
 A real pool (master + one node process) and a vLLM CPU server whose PdserveConnector has ``pool_master``
 set. A 1000-token prompt is served once (its 7 full blocks are saved to the pool after the request), the
-server is restarted (its own cache is gone), and the same prompt is served again: the new server loads the
-7 blocks from the pool (``vllm:pdserve_kv_pool_loaded_tokens_total`` = 896) and its greedy output equals the
-first one's. Negative control: the pooled objects are replaced with random bytes under the same keys; a
+same prompt is served again under a fresh ``cache_salt`` (so the server's own prefix cache misses, as after a
+restart, while the pool's keys are the prompt's alone): the server loads the 7 blocks from the pool
+(``vllm:pdserve_kv_pool_loaded_tokens_total`` = 896) and its greedy output equals the first one's. Negative control: the pooled objects are replaced with random bytes under the same keys; a
 request that bypasses the local prefix cache (fresh cache_salt) then loads them and its output differs, so
 the tokens really came from the pool's bytes.
 """
@@ -96,31 +96,29 @@ def _by_source(server: Server, source: str) -> float:
     return sum(float(v) for v in re.findall(pat, text, re.M))
 
 
-def test_prefix_loaded_from_pool_after_restart_equals_computed(model_dir, pool, tmp_path) -> None:
+def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> None:
     port, client = pool
     extra = {"secret": SECRET, "pool_master": f"127.0.0.1:{port}"}
     prompt = _prompt(1000, seed=5)
     keys = block_hashes(prompt, BLOCK)
     assert len(keys) == 7
 
-    first = Server(model_dir, 0, tmp_path / "first.log", extra)
+    server = Server(model_dir, 0, tmp_path / "server.log", extra)
     try:
-        first.wait_ready(time.monotonic() + START_TIMEOUT_S)
-        computed = _tokens(first.complete(prompt, GEN))
+        server.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        computed = _tokens(server.complete(prompt, GEN))
         _wait_pooled(client, keys)
-        assert _wait_metric(first, "vllm:pdserve_kv_pool_saved_blocks_total", 7) == 7
-        assert first.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
-    finally:
-        first.stop()
+        assert _wait_metric(server, "vllm:pdserve_kv_pool_saved_blocks_total", 7) == 7
+        assert server.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
+        ext0, local0 = _by_source(server, "external_kv_transfer"), _by_source(server, "local_compute")
 
-    second = Server(model_dir, 0, tmp_path / "second.log", extra)  # a fresh process: its own cache is empty
-    try:
-        second.wait_ready(time.monotonic() + START_TIMEOUT_S)
-        loaded = _tokens(second.complete(prompt, GEN))
-        assert _wait_metric(second, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
-        assert second.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
-        assert _by_source(second, "external_kv_transfer") == 7 * BLOCK  # vLLM's own count: loaded, not computed
-        assert _by_source(second, "local_compute") == 1000 - 7 * BLOCK
+        # a fresh cache_salt misses the worker's own prefix cache (as a restarted worker would), while the pool's
+        # keys are the prompt's alone: the 7 full blocks come from the pool
+        loaded = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
+        assert server.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
+        assert _by_source(server, "external_kv_transfer") - ext0 == 7 * BLOCK  # vLLM's own count: loaded
+        assert _by_source(server, "local_compute") - local0 == 1000 - 7 * BLOCK  # ... not computed
         assert loaded == computed
 
         # negative control: same keys, random bytes -> a request that misses the local cache loads garbage
@@ -135,8 +133,8 @@ def test_prefix_loaded_from_pool_after_restart_equals_computed(model_dir, pool, 
             writer.close()
         finally:
             engine.close()
-        garbage = _tokens(second.complete(prompt, GEN, cache_salt=_salt()))
-        assert _wait_metric(second, "vllm:pdserve_kv_pool_loaded_tokens_total", 14 * BLOCK) == 14 * BLOCK
+        garbage = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 14 * BLOCK) == 14 * BLOCK
         assert garbage != computed, "output unchanged with corrupted pool blocks: the KV did not come from the pool"
     finally:
-        second.stop()
+        server.stop()
