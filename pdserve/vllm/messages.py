@@ -32,6 +32,10 @@ class RecvJob:
     ``load`` False: vLLM expects nothing (local prefix hit covers the prompt, or the request ended
     before it was scheduled); only notify P so it frees its blocks now. ``error``: the scheduler
     could not plan the read; the worker reports the load failed so vLLM recomputes.
+
+    ``sync`` True: vLLM scheduled the request in this very step (a synchronous load): the worker reads
+    before the step's forward returns from ``start_load_kv``, reports nothing in finished_recving, and
+    on failure only the blocks as invalid (vLLM then recomputes from the first bad block).
     """
 
     req_id: str
@@ -39,6 +43,7 @@ class RecvJob:
     plan: BlockPlan
     load: bool = True
     error: str = ""
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,4 @@ class PdserveHandshake:
     rank: int = 0  # tensor-parallel rank of this worker
     kv_heads: int = 0  # the model's total KV heads (each rank holds its share)
     unit: str = ""  # TP-independent layout signature (pdserve.vllm.shards.unit_signature)
+    block_bytes: int = 0  # bytes of one block over every layer of this rank's shard (0: unknown, never sync)

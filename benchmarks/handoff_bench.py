@@ -1,0 +1,246 @@
+"""Hand-off time (issue 16, item 2): P's answer -> D's first token, and where it goes, under load, with D's
+connector loading P's KV synchronously (small reads, the default) against the asynchronous load of before
+(``sync_load_max_bytes=0``), on the same prompts, in the same run.
+
+    PYTHONPATH=$PWD python benchmarks/handoff_bench.py [--requests 40] [--concurrency 4] [--output 32]
+
+For each mode a real 1P1D stack is started through the launcher (router, P and D vLLM CPU workers, one core
+each; KV pool off unless ``--pool``) on a random fp32 Llama from ``pdserve.models`` (``--layers``,
+``--hidden``). ``--concurrency`` closed-loop clients stream completions of ``--min-prompt``..``--max-prompt``
+random token ids with ``--output`` tokens each (greedy, ignore_eos), so D is decoding other requests while a
+hand-off lands. Per request:
+
+* the router's ``handoff_ms`` (``pdserve_timings``: P's answer -> D's first token at the router);
+* the client's hand-off: the arrival of the first token (P's, streamed at once) -> the second (D's first);
+* D's stamps from its connector's ``hand-off`` log line (``pdserve.vllm.stamps``; same host, same wall clock),
+  joined on the prompt's hash, split into phases that add up to the client's hand-off:
+  ``to_d`` (client's t1 -> D's vLLM has the request: router -> D HTTP, D's input processing),
+  ``to_admit`` (-> D's scheduler first considers it), ``admit_to_sched`` (-> the step that computes its first
+  token is scheduled: for async loads the read, the step that reports it and the next schedule),
+  ``sched_to_done`` (that step: for sync loads the read plus the forward), ``done_to_client`` (D's output ->
+  API process -> router -> client); and inside them ``read`` (the READ itself), ``read_begin_lag`` (alloc ->
+  the read starts) and ``report_lag`` (the read ends -> the scheduler hears it).
+
+Prints a table per mode (p50 / p99 ms), the ratio sync / async of the hand-off, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.vllm.params import prompt_hash  # noqa: E402
+
+MODES = {"async": {"sync_load_max_bytes": 0}, "sync": {}}  # sync: the connector's default threshold
+PHASES = ("to_d", "to_admit", "admit_to_sched", "sched_to_done", "done_to_client", "read", "read_begin_lag",
+          "report_lag")
+
+
+def percentile(vals: list[float], q: float) -> float | None:
+    if not vals:
+        return None
+    s = sorted(vals)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 3)
+
+
+def stream_one(host: str, port: int, model: str, prompt: list[int], output: int) -> dict[str, Any]:
+    """One streamed completion through the router: wall-clock arrival of every token chunk, and its timings."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+            "stream": True, "pdserve_timings": True}
+    conn = http.client.HTTPConnection(host, port, timeout=300)
+    t0 = time.time()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"router answered {resp.status}: {resp.read()[:300]!r}")
+    stamps: list[float] = []
+    timings: dict[str, Any] = {}
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            break
+        now = time.time()
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.splitlines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if obj.get("pdserve_timings"):
+                    timings = obj["pdserve_timings"]
+                for c in obj.get("choices") or []:
+                    if c.get("text"):
+                        stamps.append(now)
+    conn.close()
+    return {"t0": t0, "stamps": stamps, "timings": timings, "hash": prompt_hash(prompt, len(prompt))}
+
+
+def run_load(url: str, model: str, prompts: list[list[int]], output: int, concurrency: int) -> list[dict]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    out: dict[int, dict] = {}
+    errors: list[str] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, prompt = todo.pop(0)
+            try:
+                out[i] = stream_one(host, int(port), model, prompt, output)
+            except Exception as exc:  # counted and reported, never silently dropped
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        print(f"[handoff_bench] {len(errors)} failed requests, first: {errors[0]}", file=sys.stderr)
+    return [out[i] for i in sorted(out)]
+
+
+def d_stamps(run_dir: Path) -> dict[str, dict]:
+    """prompt hash -> D's connector ``hand-off`` line (the last one for that prompt)."""
+    found: dict[str, dict] = {}
+    for log in sorted(run_dir.glob("decode*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            at = line.find("] hand-off {")
+            if at >= 0:
+                rec = json.loads(line[at + len("] hand-off "):])
+                found[rec["prompt_hash"]] = rec
+    return found
+
+
+def phases(rec: dict, st: dict | None) -> dict[str, float]:
+    """One request's hand-off phases in ms (client clock = D's clock: same host)."""
+    out: dict[str, float] = {}
+    if len(rec["stamps"]) < 2:
+        return out
+    c1, c2 = rec["stamps"][0], rec["stamps"][1]
+    out["client_handoff"] = (c2 - c1) * 1e3
+    t = rec["timings"].get("handoff_ms")
+    if t is not None:
+        out["router_handoff"] = float(t)
+    if not st:
+        return out
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else (b - a) * 1e3
+
+    pairs = {"to_d": (c1, st.get("arrive")), "to_admit": (st.get("arrive"), st.get("admit")),
+             "admit_to_sched": (st.get("admit"), st.get("sched")), "sched_to_done": (st.get("sched"), st.get("done")),
+             "done_to_client": (st.get("done"), c2), "read": (st.get("read_start"), st.get("read_end")),
+             "read_begin_lag": (st.get("alloc"), st.get("read_start")),
+             "report_lag": (st.get("read_end"), st.get("seen"))}
+    for name, (a, b) in pairs.items():
+        v = span(a, b)
+        if v is not None:
+            out[name] = v
+    out["bytes"] = float(st.get("bytes") or 0)
+    return out
+
+
+def run_mode(mode: str, model: Path, prompts: list[list[int]], warmup: list[list[int]], a: argparse.Namespace
+             ) -> dict[str, Any]:
+    from pdserve.bench.compare import CompareSettings, launcher_config
+    from pdserve.launcher import Cluster
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"handoff-{mode}-"))
+    cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=a.max_model_len,
+                                                  run_dir=str(run_dir)))
+    cfg = dataclasses.replace(cfg, pool=a.pool, connector_extra={**cfg.connector_extra, **MODES[mode]})
+    t0 = time.monotonic()
+    with Cluster(cfg) as c:
+        print(f"[handoff_bench] {mode}: up in {time.monotonic() - t0:.0f} s; {len(prompts)} requests, "
+              f"concurrency {a.concurrency}", file=sys.stderr)
+        run_load(c.router_url, c.model_name, warmup, a.output, a.concurrency)
+        t1 = time.monotonic()
+        recs = run_load(c.router_url, c.model_name, prompts, a.output, a.concurrency)
+        wall = time.monotonic() - t1
+        logs = Path(c.run_dir or run_dir)
+    stamps = d_stamps(logs)
+    rows = [phases(r, stamps.get(r["hash"])) for r in recs]
+    modes = [stamps[r["hash"]]["mode"] for r in recs if r["hash"] in stamps]
+    out: dict[str, Any] = {"requests": len(recs), "wall_s": round(wall, 1), "joined": len(modes),
+                           "load_modes": {m: modes.count(m) for m in set(modes)}}
+    for key in ("router_handoff", "client_handoff") + PHASES:
+        vals = [r[key] for r in rows if key in r]
+        out[key] = {"p50": percentile(vals, 0.5), "p99": percentile(vals, 0.99), "n": len(vals)}
+    kv = [r["bytes"] for r in rows if r.get("bytes")]
+    out["kv_bytes_mean"] = round(statistics.mean(kv)) if kv else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="async,sync")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--min-prompt", type=int, default=80)
+    p.add_argument("--max-prompt", type=int, default=400)
+    p.add_argument("--output", type=int, default=32)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--pool", action="store_true", help="keep the KV pool on (off by default: only P -> D)")
+    p.add_argument("--model", default="", help="model folder (default: a random Llama built here)")
+    a = p.parse_args(argv)
+    from pdserve.models import build_random_llama
+
+    model = Path(a.model) if a.model else build_random_llama(
+        Path(tempfile.mkdtemp(prefix="handoff-bench-")) / "random-llama", layers=a.layers, hidden=a.hidden,
+        heads=a.hidden // 64, kv_heads=max(1, a.hidden // 128), intermediate=3 * a.hidden)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(16)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(1000, vocab) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]
+
+    warmup = [prompt() for _ in range(a.warmup)]
+    prompts = [prompt() for _ in range(a.requests)]
+    results = {m: run_mode(m, model, prompts, warmup, a) for m in a.modes.split(",")}
+    print(f"{a.requests} requests x {a.output} tokens, prompts {a.min_prompt}-{a.max_prompt} tokens, concurrency "
+          f"{a.concurrency}, model {a.layers} layers x {a.hidden} fp32; ms, p50 / p99")
+    names = list(results)
+    print("| phase | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for key in ("router_handoff", "client_handoff") + PHASES:
+        cells = [f"{r[key]['p50']} / {r[key]['p99']}" for r in results.values()]
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    print("| load modes (D's log) | " + " | ".join(str(r["load_modes"]) for r in results.values()) + " |")
+    ratio: dict[str, Any] = {}
+    if "async" in results and "sync" in results:
+        for q in ("p50", "p99"):
+            b, s = results["async"]["router_handoff"][q], results["sync"]["router_handoff"][q]
+            ratio[f"router_handoff_{q}"] = round(s / b, 3) if b and s else None
+        print(f"sync / async router hand-off: p50 {ratio['router_handoff_p50']}x, p99 {ratio['router_handoff_p99']}x")
+    print(json.dumps({"bench": "handoff", "requests": a.requests, "concurrency": a.concurrency, "output": a.output,
+                      "prompt_tokens": [a.min_prompt, a.max_prompt], "model": {"layers": a.layers, "hidden": a.hidden},
+                      "results": results, "sync_over_async": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
