@@ -13,6 +13,8 @@ shared machine weighs on both alike. ``--concurrency`` closed-loop clients strea
 is decoding other requests while a hand-off lands. Per request:
 
 * the router's ``handoff_ms`` (``pdserve_timings``: P's answer -> D's first token at the router);
+* ``handoff_over_tpot``: that hand-off over the same request's TPOT (the hand-off counted in D's decode steps,
+  which a machine shared with other work slows for both modes alike);
 * the client's hand-off: the arrival of the first token (P's, streamed at once) -> the second (D's first);
 * D's stamps from its connector's ``hand-off`` log line (``pdserve.vllm.stamps``; same host, same wall clock),
   joined on the prompt's hash, split into phases that add up to the client's hand-off:
@@ -213,9 +215,11 @@ def phases(rec: dict, st: dict | None) -> dict[str, float]:
         return out
     c1, c2 = rec["stamps"][0], rec["stamps"][1]
     out["client_handoff"] = (c2 - c1) * 1e3
-    t = rec["timings"].get("handoff_ms")
+    t, tpot = rec["timings"].get("handoff_ms"), rec["timings"].get("tpot_ms")
     if t is not None:
         out["router_handoff"] = float(t)
+        if tpot:  # the hand-off in D's decode steps of that request: what a busy shared machine cannot tilt
+            out["handoff_over_tpot"] = float(t) / float(tpot)
     if not st:
         return out
 
@@ -255,7 +259,7 @@ def summarize(recs: list[dict], logs: Path, wall: float) -> dict[str, Any]:
     modes = [stamps[r["hash"]]["mode"] for r in recs if r["hash"] in stamps]
     out: dict[str, Any] = {"requests": len(recs), "wall_s": round(wall, 1), "joined": len(modes),
                            "load_modes": {m: modes.count(m) for m in set(modes)}}
-    for key in ("router_handoff", "client_handoff") + PHASES:
+    for key in ("router_handoff", "client_handoff", "handoff_over_tpot") + PHASES:
         vals = [r[key] for r in rows if key in r]
         out[key] = {"p50": percentile(vals, 0.5), "p99": percentile(vals, 0.99), "n": len(vals)}
     tpot = [float(r["timings"]["tpot_ms"]) for r in recs if r["timings"].get("tpot_ms") is not None]
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(results)
     print("| phase | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
-    for key in ("router_handoff", "client_handoff") + PHASES + ("tpot",):
+    for key in ("router_handoff", "client_handoff", "handoff_over_tpot") + PHASES + ("tpot",):
         cells = [f"{r[key]['p50']} / {r[key]['p99']}" for r in results.values()]
         print(f"| {key} | " + " | ".join(cells) + " |")
     print("| load modes (D's log) | " + " | ".join(str(r["load_modes"]) for r in results.values()) + " |")
