@@ -88,9 +88,9 @@ class PdserveWorkerMeta:
 
 
 def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
-    """One request's read stats over tensor-parallel ranks: bytes add up, the slowest rank's time counts,
-    ok only if every rank's read was; ``ranks`` counts the ranks merged, ``per_rank`` keeps each one's
-    [bytes, ms]; the first error is kept."""
+    """One request's read stats over tensor-parallel ranks: bytes add up, the slowest rank's time counts
+    (``t0``/``t1``: the earliest start, the latest end), ok only if every rank's read was; ``ranks`` counts the
+    ranks merged, ``per_rank`` keeps each one's [bytes, ms]; the first error is kept."""
     if mine is None:
         return dict(other)
     out = {**mine, "bytes": mine["bytes"] + other["bytes"], "ms": max(mine["ms"], other["ms"]),
@@ -100,6 +100,8 @@ def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str,
         out["per_rank"] = {**mine.get("per_rank", {}), **other.get("per_rank", {})}
     if "error" in other and "error" not in mine:
         out["error"] = other["error"]
+    if "t0" in mine and "t0" in other:  # wall clock: the first rank's start, the slowest rank's end
+        out["t0"], out["t1"] = min(mine["t0"], other["t0"]), max(mine.get("t1", 0.0), other.get("t1", 0.0))
     return out
 
 

@@ -241,3 +241,12 @@ def test_failed_sync_read_reports_only_invalid_blocks():
     assert w.take_invalid_blocks() == {7, 8, 9}
     assert w.take_worker_meta().reads["d1"]["ok"] is False
     assert engine.submitted[0][2] <= 0.5  # the sync deadline, not transfer_deadline_s
+
+
+def test_read_stats_merge_over_ranks_keeps_the_span():
+    from pdserve.vllm.messages import merge_reads
+
+    a = {"bytes": 10, "ms": 2.0, "ok": True, "ranks": 1, "t0": 5.0, "t1": 5.002, "mode": "sync"}
+    b = {"bytes": 10, "ms": 3.0, "ok": True, "ranks": 1, "t0": 5.001, "t1": 5.004, "mode": "sync"}
+    m = merge_reads(a, b)
+    assert (m["t0"], m["t1"], m["bytes"], m["ms"], m["ranks"]) == (5.0, 5.004, 20, 3.0, 2)
