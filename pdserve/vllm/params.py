@@ -108,9 +108,6 @@ class ConnectorConfig:
         when this rank's read is at most this many bytes; larger reads stay asynchronous (the request
         waits in WAITING_FOR_REMOTE_KVS, so a long transfer never stalls the running decodes). 0 = always
         asynchronous (the behaviour before issue 16).
-    sync_load_max_ms: and when the read would take at most this long at the read rate this worker measured
-        (a running average over its reads; before the first read only the byte limit applies): the bound on
-        how long a synchronous read may stall the step of every running decode. 0 = the byte limit alone.
     sync_load_deadline_s: longest a synchronous read may hold D's step; past it the read fails and vLLM
         recomputes the prompt, as for any failed read.
     """
@@ -135,12 +132,11 @@ class ConnectorConfig:
     pool_backoff_s: float = 5.0
     sync_load_max_bytes: int = 32 << 20
     sync_load_deadline_s: float = 2.0
-    sync_load_max_ms: float = 20.0
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
-            "sync_load_max_bytes", "sync_load_deadline_s", "sync_load_max_ms")
+            "sync_load_max_bytes", "sync_load_deadline_s")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -196,7 +192,6 @@ class ConnectorConfig:
             pool_backoff_s=_as_float(extra, "pool_backoff_s", 5.0, 0.0, 3600.0),
             sync_load_max_bytes=_as_int(extra, "sync_load_max_bytes", 32 << 20, 0, 1 << 40),
             sync_load_deadline_s=_as_float(extra, "sync_load_deadline_s", 2.0, 0.01, 60.0),
-            sync_load_max_ms=_as_float(extra, "sync_load_max_ms", 20.0, 0.0, 60000.0),
         )
 
     @property

@@ -53,8 +53,6 @@ log = connector_log()
 # RequestStatus names of a request that ran to its end (not aborted, not failed): only these hand off KV.
 COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 MAX_READ_STATS = 10000  # D reads whose stats wait for their request to finish (aborted ones never do)
-RATE_WEIGHT = 0.2  # weight of the newest read in the running average of the read rate
-RATE_MIN_BYTES = 64 << 10  # reads smaller than this time mostly their fixed costs: not counted in the rate
 
 
 class PoolLookup(Protocol):
@@ -88,7 +86,6 @@ class SchedulerSide:
         self._held: set[str] = set()  # P requests whose lease has not ended (pacing only: any rank's end counts)
         self._matched: dict[str, int] = {}  # D request -> local hit tokens seen by get_num_new_matched
         self._sync: set[str] = set()  # D requests whose read get_num_new_matched chose to run synchronously
-        self.read_bytes_per_ms: float | None = None  # running average of one rank's read rate (sync_load_max_ms)
         self.stamps = HandoffStamps()  # D hand-offs' timestamps (one log line each)
         self._recv: list[RecvJob] = []
         self._send: dict[str, float] = {}
@@ -260,10 +257,9 @@ class SchedulerSide:
 
     def _sync_load(self, request: Request, remote: RemoteParams, hit: int, count: int) -> bool:
         """Read inside the next forward (vLLM's synchronous load) when this rank's read is small: at most
-        ``sync_load_max_bytes`` and, once a read rate is measured, ``sync_load_max_ms`` long; this engine's
-        block size in bytes known, the request not forced to ``async`` and expecting more than one token (vLLM
-        finishes a request before it hears the step's connector output, so a one-token decode loaded in its
-        only step could not carry the read's stats in its answer)."""
+        ``sync_load_max_bytes``, this engine's block size in bytes known, the request not forced to ``async``
+        and expecting more than one token (vLLM finishes a request before it hears the step's connector output,
+        so a one-token decode loaded in its only step could not carry the read's stats in its answer)."""
         hs = self.handshake
         limit = self.config.sync_load_max_bytes
         if limit <= 0 or hs is None or hs.block_bytes <= 0 or remote.load == "async":
@@ -271,21 +267,8 @@ class SchedulerSide:
         params = getattr(request, "sampling_params", None)
         if params is not None and getattr(params, "max_tokens", None) == 1:
             return False
-        nbytes = (-(-(hit + count) // self.block_size) - hit // self.block_size) * hs.block_bytes
-        if nbytes > limit:
-            return False
-        rate, max_ms = self.read_bytes_per_ms, self.config.sync_load_max_ms
-        return not (max_ms > 0 and rate and nbytes / rate > max_ms)
-
-    def _observe_rate(self, stats: dict[str, Any]) -> None:
-        """Fold one finished read (merged over ranks) into the per-rank read rate."""
-        ranks = max(1, int(stats.get("ranks", 1)))
-        nbytes, ms = stats.get("bytes", 0) / ranks, stats.get("ms", 0.0)
-        if not stats.get("ok") or nbytes < RATE_MIN_BYTES or ms <= 0:
-            return
-        rate = nbytes / ms
-        old = self.read_bytes_per_ms
-        self.read_bytes_per_ms = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
+        blocks = -(-(hit + count) // self.block_size) - hit // self.block_size
+        return blocks * hs.block_bytes <= limit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -413,7 +396,6 @@ class SchedulerSide:
                 continue
             self._keep_read(req_id, merged)
             self.stamps.read(req_id, merged)
-            self._observe_rate(merged)
             reads_done += 1
         loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
         self.reading = max(0, self.reading - reads_done - loads_done)

@@ -74,9 +74,6 @@ def test_config_validates_the_threshold():
         ConnectorConfig.from_extra({"secret": SECRET, "sync_load_max_bytes": "lots"})
     with pytest.raises(ConfigError, match="sync_load_deadline_s"):
         ConnectorConfig.from_extra({"secret": SECRET, "sync_load_deadline_s": 0})
-    assert ConnectorConfig.from_extra({"secret": SECRET}).sync_load_max_ms == 20.0
-    with pytest.raises(ConfigError, match="sync_load_max_ms"):
-        ConnectorConfig.from_extra({"secret": SECRET, "sync_load_max_ms": -1})
 
 
 def test_pdserve_load_is_validated():
@@ -101,25 +98,6 @@ def test_small_read_is_synchronous_and_planned_for_this_step():
 def test_threshold_is_the_bytes_this_rank_reads(limit, expect_async):
     s = side(sync_load_max_bytes=limit)
     assert s.get_num_new_matched_tokens(d_request(10), 0) == (10, expect_async)
-
-
-def test_measured_read_rate_bounds_the_stall():
-    s = side(sync_load_max_ms=10)
-    assert s.get_num_new_matched_tokens(d_request(10, "a"), 0) == (10, False)  # no rate yet: bytes alone
-    # one rank read 128 KiB in 1 ms: 3000 B would take ~0.02 ms
-    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PdserveWorkerMeta(
-        reads={"x": {"bytes": 128 << 10, "ms": 1.0, "ok": True, "ranks": 1}})))
-    assert s.read_bytes_per_ms == 128 << 10
-    assert s.get_num_new_matched_tokens(d_request(10, "b"), 0) == (10, False)
-    s.read_bytes_per_ms = 100.0  # 3000 B at 100 B/ms = 30 ms > 10 ms: async
-    assert s.get_num_new_matched_tokens(d_request(10, "c"), 0) == (10, True)
-    # failed, tiny or instant reads do not move the rate; a slower read pulls it down by RATE_WEIGHT
-    for stats in ({"bytes": 1 << 20, "ms": 1.0, "ok": False}, {"bytes": 100, "ms": 1.0, "ok": True},
-                  {"bytes": 1 << 20, "ms": 0.0, "ok": True}):
-        s._observe_rate(stats)
-    assert s.read_bytes_per_ms == 100.0
-    s._observe_rate({"bytes": 2 << 20, "ms": 1.0, "ok": True, "ranks": 2})
-    assert s.read_bytes_per_ms == pytest.approx(0.8 * 100 + 0.2 * (1 << 20))
 
 
 def test_local_prefix_hit_counts_only_the_blocks_read():
