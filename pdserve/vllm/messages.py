@@ -32,6 +32,10 @@ class RecvJob:
     ``load`` False: vLLM expects nothing (local prefix hit covers the prompt, or the request ended
     before it was scheduled); only notify P so it frees its blocks now. ``error``: the scheduler
     could not plan the read; the worker reports the load failed so vLLM recomputes.
+
+    ``sync`` True: vLLM scheduled the request in this very step (a synchronous load): the worker reads
+    before the step's forward returns from ``start_load_kv``, reports nothing in finished_recving, and
+    on failure only the blocks as invalid (vLLM then recomputes from the first bad block).
     """
 
     req_id: str
@@ -39,6 +43,7 @@ class RecvJob:
     plan: BlockPlan
     load: bool = True
     error: str = ""
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,9 @@ class PdserveWorkerMeta:
 
 
 def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
-    """One request's read stats over tensor-parallel ranks: bytes add up, the slowest rank's time counts,
-    ok only if every rank's read was; ``ranks`` counts the ranks merged, ``per_rank`` keeps each one's
-    [bytes, ms]; the first error is kept."""
+    """One request's read stats over tensor-parallel ranks: bytes add up, the slowest rank's time counts
+    (``t0``/``t1``: the earliest start, the latest end), ok only if every rank's read was; ``ranks`` counts the
+    ranks merged, ``per_rank`` keeps each one's [bytes, ms]; the first error is kept."""
     if mine is None:
         return dict(other)
     out = {**mine, "bytes": mine["bytes"] + other["bytes"], "ms": max(mine["ms"], other["ms"]),
@@ -95,6 +100,8 @@ def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str,
         out["per_rank"] = {**mine.get("per_rank", {}), **other.get("per_rank", {})}
     if "error" in other and "error" not in mine:
         out["error"] = other["error"]
+    if "t0" in mine and "t0" in other:  # wall clock: the first rank's start, the slowest rank's end
+        out["t0"], out["t1"] = min(mine["t0"], other["t0"]), max(mine.get("t1", 0.0), other.get("t1", 0.0))
     return out
 
 
@@ -109,3 +116,4 @@ class PdserveHandshake:
     rank: int = 0  # tensor-parallel rank of this worker
     kv_heads: int = 0  # the model's total KV heads (each rank holds its share)
     unit: str = ""  # TP-independent layout signature (pdserve.vllm.shards.unit_signature)
+    block_bytes: int = 0  # bytes of one block over every layer of this rank's shard (0: unknown, never sync)

@@ -28,6 +28,7 @@ LEASE_MIN_S = 0.1
 LEASE_MAX_S = 3600.0
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
 # the read (real corruption of the transferred KV); "fail" fails the read (D must recompute).
+LOAD_MODES = ("", "auto", "async")  # kv_transfer_params.pdserve_load: auto = by sync_load_max_bytes
 TEST_FAULTS = ("zero", "fail")  # "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R
 
 
@@ -102,6 +103,13 @@ class ConnectorConfig:
     pool_min_blocks: load from the pool only when at least this many blocks are pooled.
     pool_timeout_s: longest a control call to the pool master may take (the scheduler waits on it);
         after a failure the pool is skipped for ``pool_backoff_s``.
+    sync_load_max_bytes: D reads P's KV inside its next forward (vLLM's synchronous load: the request is
+        scheduled, its KV read before the step's forward and its first token computed in that same step)
+        when this rank's read is at most this many bytes; larger reads stay asynchronous (the request
+        waits in WAITING_FOR_REMOTE_KVS, so a long transfer never stalls the running decodes). 0 = always
+        asynchronous (the behaviour before issue 16).
+    sync_load_deadline_s: longest a synchronous read may hold D's step; past it the read fails and vLLM
+        recomputes the prompt, as for any failed read.
     """
 
     secret: str
@@ -122,10 +130,13 @@ class ConnectorConfig:
     pool_min_blocks: int = 1
     pool_timeout_s: float = 1.0
     pool_backoff_s: float = 5.0
+    sync_load_max_bytes: int = 32 << 20
+    sync_load_deadline_s: float = 2.0
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
-            "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s")
+            "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
+            "sync_load_max_bytes", "sync_load_deadline_s")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -179,6 +190,8 @@ class ConnectorConfig:
             pool_min_blocks=_as_int(extra, "pool_min_blocks", 1, 1, 1 << 20),
             pool_timeout_s=_as_float(extra, "pool_timeout_s", 1.0, 0.05, 60.0),
             pool_backoff_s=_as_float(extra, "pool_backoff_s", 5.0, 0.0, 3600.0),
+            sync_load_max_bytes=_as_int(extra, "sync_load_max_bytes", 32 << 20, 0, 1 << 40),
+            sync_load_deadline_s=_as_float(extra, "sync_load_deadline_s", 2.0, 0.01, 60.0),
         )
 
     @property
@@ -220,6 +233,7 @@ class RemoteParams:
     ranks: tuple[tuple[str, str, int], ...] = ()
     kv_heads: int = 0
     unit: str = ""
+    load: str = ""  # "async": D loads asynchronously whatever the size (pdserve_load, tests and A/B runs)
 
     @property
     def tp(self) -> int:
@@ -265,13 +279,16 @@ class RemoteParams:
             raise ValueError(f"kv_transfer_params: {len(blocks)} remote blocks cannot hold {num_tokens} "
                              f"tokens of {block_size} per block (P and D must use the same block size)")
         fault = params.get("pdserve_test_fault") or ""
+        load = params.get("pdserve_load") or ""
+        if load not in LOAD_MODES:
+            raise ValueError(f"kv_transfer_params.pdserve_load={load!r}: use one of {LOAD_MODES} (or leave it out)")
         ranks, heads = _parse_ranks(params.get("remote_ranks")), params.get("remote_kv_heads") or 0
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
             raise ValueError(f"kv_transfer_params.remote_kv_heads={heads!r}: pass P's kv_transfer_params unchanged")
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
                    str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
-                   str(params.get("remote_kv_unit") or ""))
+                   str(params.get("remote_kv_unit") or ""), load)
 
 
 MAX_TP = 1024

@@ -9,8 +9,10 @@ they are, and tells its worker the lease deadline; the worker's :class:`~pdserve
 reports them ``finished_sending`` later.
 
 D (request has ``do_remote_prefill``): ``get_num_new_matched_tokens`` claims the prompt tokens its prefix cache
-lacks as an async load; ``update_state_after_alloc`` pairs D's new blocks with P's block ids into a
-:class:`RecvJob`.
+lacks, as a synchronous load when this rank's read is at most ``sync_load_max_bytes`` (vLLM schedules the
+request at once; the worker reads before the step's forward, which computes the first token) or else as an
+async load (the request waits in WAITING_FOR_REMOTE_KVS until the read is reported, a step later);
+``update_state_after_alloc`` pairs D's new blocks with P's block ids into a :class:`RecvJob`.
 
 KV pool: ``get_num_new_matched_tokens`` asks the pool master how many full blocks after the local hit are
 pooled and ``update_state_after_alloc`` plans their load; ``request_finished`` plans a save of a finished
@@ -38,6 +40,7 @@ from pdserve.vllm.params import (
     same_layout,
 )
 from pdserve.vllm.shards import ShardError, plan_slices
+from pdserve.vllm.stamps import HandoffStamps
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -82,6 +85,8 @@ class SchedulerSide:
         self._partial: OrderedDict[str, dict[str, Any]] = OrderedDict()  # D reads some ranks have reported
         self._held: set[str] = set()  # P requests whose lease has not ended (pacing only: any rank's end counts)
         self._matched: dict[str, int] = {}  # D request -> local hit tokens seen by get_num_new_matched
+        self._sync: set[str] = set()  # D requests whose read get_num_new_matched chose to run synchronously
+        self.stamps = HandoffStamps()  # D hand-offs' timestamps (one log line each)
         self._recv: list[RecvJob] = []
         self._send: dict[str, float] = {}
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
@@ -241,7 +246,29 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._matched[request.request_id] = num_computed_tokens
-        return count, True
+        sync = self._sync_load(request, remote, num_computed_tokens, count)
+        if sync:
+            self._sync.add(request.request_id)
+        else:
+            self._sync.discard(request.request_id)
+        self.stamps.admit(request.request_id, getattr(request, "arrival_time", None), sync, remote.request_id,
+                          remote.prompt_hash, count)
+        return count, not sync
+
+    def _sync_load(self, request: Request, remote: RemoteParams, hit: int, count: int) -> bool:
+        """Read inside the next forward (vLLM's synchronous load) when this rank's read is small: at most
+        ``sync_load_max_bytes``, this engine's block size in bytes known, the request not forced to ``async``
+        and expecting more than one token (vLLM finishes a request before it hears the step's connector output,
+        so a one-token decode loaded in its only step could not carry the read's stats in its answer)."""
+        hs = self.handshake
+        limit = self.config.sync_load_max_bytes
+        if limit <= 0 or hs is None or hs.block_bytes <= 0 or remote.load == "async":
+            return False
+        params = getattr(request, "sampling_params", None)
+        if params is not None and getattr(params, "max_tokens", None) == 1:
+            return False
+        blocks = -(-(hit + count) // self.block_size) - hit // self.block_size
+        return blocks * hs.block_bytes <= limit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -254,11 +281,15 @@ class SchedulerSide:
         if remote is None:
             return
         hit = self._matched.pop(request.request_id, None)
+        sync = request.request_id in self._sync
+        self._sync.discard(request.request_id)
         if remote.test_fault and not known_test_fault(remote.test_fault):
             log.warning("unknown pdserve_test_fault %r ignored", remote.test_fault)
         if num_external_tokens <= 0:
+            self.stamps.drop(request.request_id)
             self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
             return
+        self.stamps.alloc(request.request_id)
         try:
             local_ids = blocks.get_block_ids()[0]
             if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
@@ -268,10 +299,15 @@ class SchedulerSide:
                         break
                     hit += self.block_size
             plan = plan_blocks(local_ids, hit, num_external_tokens, remote.block_ids, self.block_size)
-            self._recv.append(RecvJob(request.request_id, remote, plan))
+            self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync))
         except Exception as exc:  # never strand a request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: cannot plan the KV read", request.request_id)
-            self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), error=repr(exc)))
+            if sync:  # scheduled in this step: its blocks are reported invalid, so vLLM recomputes them
+                local = tuple(blocks.get_block_ids()[0][(hit or 0) // self.block_size:])
+                self._recv.append(RecvJob(request.request_id, remote, BlockPlan(local, ()), error=repr(exc),
+                                          sync=True))
+            else:
+                self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), error=repr(exc)))
 
     # ---- P ----
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -285,6 +321,8 @@ class SchedulerSide:
         """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks."""
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
+        self._sync.discard(request.request_id)
+        self.stamps.drop(request.request_id)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -337,6 +375,8 @@ class SchedulerSide:
             # empty-step loop that busy-spins the engine, worker and API processes (~1.5 cores here)
             # for up to a lease. Pace those steps; a request arriving meanwhile waits at most this.
             time.sleep(self.config.idle_wait_ms / 1e3)
+        if scheduler_output is not None:
+            self.stamps.step(getattr(r, "req_id", "") for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
         self.reading += sum(1 for job in self._recv if job.load)
         meta = PdserveMeta(self._recv, self._send, self._pool_jobs)
         self._recv, self._send, self._pool_jobs = [], {}, []
@@ -355,6 +395,7 @@ class SchedulerSide:
                     self._partial.popitem(last=False)
                 continue
             self._keep_read(req_id, merged)
+            self.stamps.read(req_id, merged)
             reads_done += 1
         loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
         self.reading = max(0, self.reading - reads_done - loads_done)

@@ -7,6 +7,10 @@ and reports what it releases as ``finished_sending``.
 
 D's read: one transfer batch, one entry per layer per block, with notify=remote_request_id (which ends P's
 lease), then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
+A synchronous read (``RecvJob.sync``: vLLM scheduled the request in this step) runs inside ``start_load_kv``,
+before the step's forward, within ``sync_load_deadline_s``; it is reported in neither set (the request is
+running), a failed one only by its block ids (vLLM recomputes from the first invalid block and drops the
+token the step sampled).
 
 Tensor parallelism: every rank is one WorkerSide with its own engine and KV shard. With P's TP equal to D's,
 D's rank r reads whole blocks from P's rank r; otherwise it reads its heads' slices from the P ranks holding
@@ -193,7 +197,7 @@ class WorkerSide:
     def handshake(self) -> PdserveHandshake:
         seg = self.engine.segment()
         return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout, self.rank, self.kv_heads,
-                                self.unit)
+                                self.unit, sum(g.block_bytes for g in self.layers))
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
@@ -204,12 +208,18 @@ class WorkerSide:
                 self._ledger.saving(pjob.req_id)
             threading.Thread(target=self._pool_run, args=(pjob,), name=f"pdserve-pool-{pjob.req_id[:24]}",
                              daemon=True).start()
+        now: list[threading.Thread] = []
         for job in meta.recv:
             if job.load:
                 with self._lock:
                     self._inflight[job.req_id] = job
-            threading.Thread(target=self._run, args=(job,), name=f"pdserve-read-{job.req_id[:24]}",
-                             daemon=True).start()
+            th = threading.Thread(target=self._run, args=(job,), name=f"pdserve-read-{job.req_id[:24]}",
+                                  daemon=True)
+            th.start()
+            if job.sync and job.load:
+                now.append(th)
+        for th in now:  # this step's forward uses these blocks: the reads end (or fail) before it starts
+            th.join()
 
     def _peer(self, remote: RemoteParams, rank: int = 0) -> Any:
         """P's rank ``rank``'s segment (fetched once per engine)."""
@@ -249,7 +259,8 @@ class WorkerSide:
     def _run(self, job: RecvJob) -> None:
         remote, plan = job.remote, job.plan
         t0 = time.perf_counter()
-        stats: dict[str, Any] = {"bytes": 0, "ms": 0.0, "blocks": len(plan), "ok": False, "ranks": 1}
+        stats: dict[str, Any] = {"bytes": 0, "ms": 0.0, "blocks": len(plan), "ok": False, "ranks": 1,
+                                 "mode": "sync" if job.sync else "async", "t0": time.time()}
         counts = self._notify_counts(remote)
         notified: set[int] = set()
         ok = False
@@ -262,7 +273,7 @@ class WorkerSide:
             if job.error:
                 raise TransferError("plan", job.error)
             batches = self._batches(remote, job)
-            deadline_s = self.config.transfer_deadline_s
+            deadline_s = self.config.sync_load_deadline_s if job.sync else self.config.transfer_deadline_s
             if remote.lease_deadline:
                 deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
                 if deadline_s <= 0:
@@ -273,16 +284,21 @@ class WorkerSide:
             stats["error"] = f"{type(exc).__name__}: {exc}"
             log.warning("request %s: KV read (rank %d) from %s:%s failed (%s); vLLM will recompute the prompt",
                         job.req_id, self.rank, remote.host, remote.port, stats["error"])
-            self._release_remote(remote, counts, notified, 2.0)
+            if job.sync:  # off the step: a P that does not answer must not hold D's forward any longer
+                threading.Thread(target=self._release_remote, args=(remote, counts, set(notified), 2.0),
+                                 name=f"pdserve-release-{job.req_id[:24]}", daemon=True).start()
+            else:
+                self._release_remote(remote, counts, notified, 2.0)
         finally:
             stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            stats["t1"] = time.time()
             stats["ok"] = ok
             stats["per_rank"] = {self.rank: [stats["bytes"], stats["ms"]]}
             with self._lock:
                 self._done.append((job, ok, stats))
         if ok:
-            log.info("request %s: rank %d read %d blocks (%d B) from %s in %.2f ms (%.2f GB/s)", job.req_id,
-                     self.rank, len(plan), stats["bytes"], remote.request_id, stats["ms"],
+            log.info("request %s: rank %d read %d blocks (%d B, %s) from %s in %.2f ms (%.2f GB/s)", job.req_id,
+                     self.rank, len(plan), stats["bytes"], stats["mode"], remote.request_id, stats["ms"],
                      stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
 
     def _read(self, remote: RemoteParams, batches: dict[int, list[tuple[str, int, str, int, int]]],
@@ -441,14 +457,16 @@ class WorkerSide:
             done, self._done = self._done, []
             for job, ok, stats in done:
                 self._inflight.pop(job.req_id, None)
-                recving.add(job.req_id)
+                if not job.sync:  # a synchronous load's request is running: vLLM expects no finished_recving
+                    recving.add(job.req_id)
                 self._meta.reads[job.req_id] = stats
                 if ok:
                     data["reads"] += 1
                     data["read_bytes"] += stats["bytes"]
                     data["read_seconds"].append(stats["ms"] / 1e3)
                 else:
-                    failed.add(job.req_id)
+                    if not job.sync:
+                        failed.add(job.req_id)
                     self._invalid.update(job.plan.local)
                     data["read_failures"] += 1
 

@@ -317,3 +317,20 @@ def test_connector_metrics_exported(servers):
     assert d.metric("vllm:pdserve_kv_read_seconds_count") >= 5
     assert p.metric("vllm:pdserve_kv_released_notified_total") >= 5
     assert p.metric("vllm:pdserve_kv_released_lease_total") >= 1
+
+
+@pytest.mark.parametrize("load, fault", [("auto", ""), ("async", ""), ("async", "fail")])
+def test_sync_and_async_loads_are_exact(servers, load, fault):
+    """Issue 16: a small read loads inside D's next step (sync, the default here), a forced ``async`` one waits
+    for its read as before; both, and a failed async read (recomputed), answer exactly."""
+    p, d = servers
+    prompt = _prompt(600, seed=31 + len(load) + len(fault))
+    colocated = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = dict(pr["kv_transfer_params"], pdserve_load=load, **({"pdserve_test_fault": fault} if fault else {}))
+    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=_salt())
+    stats = dr["kv_transfer_params"]["pdserve"]
+    assert stats["mode"] == ("sync" if load == "auto" else "async") and stats["ok"] == (not fault), stats
+    assert _tokens(pr) + _tokens(dr) == colocated
+    assert _wait_usage_zero(p, 10.0) <= 1e-9
+    assert f'"p_req":"{params["remote_request_id"]}"' in d.log_text()  # the hand-off's timing line
