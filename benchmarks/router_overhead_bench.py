@@ -99,6 +99,81 @@ def profiled_router(prof_path: str, timer: str, loop: str, router_argv: list[str
     return router_main(router_argv)
 
 
+# ----------------------------------------------------------------------------- the floor (child mode)
+
+def bare_relay(port: int, host: str, worker_port: int) -> int:
+    """A TCP relay in CPython asyncio, the lower bound of any Python router on this loop: every client connection
+    gets its own connection to the worker, and bytes go either way as they come (``asyncio.Protocol``, one
+    ``transport.write`` per ``data_received``; no HTTP parsing, no rewriting, no coroutine per token)."""
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: Down) -> None:
+            self.down = down
+
+        def data_received(self, data: bytes) -> None:
+            self.down.transport.write(data)
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            self.down.transport.close()
+
+    class Down(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.transport = transport
+            self.up: asyncio.Transport | None = None
+            transport.pause_reading()
+            self.task = asyncio.ensure_future(self._connect())
+
+        async def _connect(self) -> None:
+            up, _ = await asyncio.get_running_loop().create_connection(lambda: Up(self), host, worker_port)
+            self.up = up
+            self.transport.resume_reading()
+
+        def data_received(self, data: bytes) -> None:
+            assert self.up is not None
+            self.up.write(data)
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(serve())
+    return 0
+
+
+def start_floor(cluster: Any, out_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The bare relay (:func:`bare_relay`) in front of the cluster's worker; returns (process, url) once a /health
+    through it answers 200."""
+    import urllib.parse
+    import urllib.request
+
+    from pdserve.procs import free_port
+
+    port = free_port()
+    w = urllib.parse.urlsplit(cluster.worker_urls()[0])
+    log = open(out_dir / "bare-relay.log", "wb")  # noqa: SIM115 - the process owns it until it ends
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare-relay", str(port),
+                             w.hostname or "127.0.0.1", str(w.port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"the bare relay did not start; see {log.name}")
+        time.sleep(0.2)
+
+
 # ----------------------------------------------------------------------------- measuring
 
 def _cpu_s(pid: int) -> float:
@@ -136,8 +211,8 @@ async def alternate(targets: list[tuple[str, str, int | None]], payload: dict[st
             out[name + "_cpu_s"] = []
     async with aiohttp.ClientSession() as session:
         for _ in range(warmup):
-            for _name, url, pid in targets:
-                await _one(session, url, payload, pid is not None)
+            for name, url, pid in targets:
+                await _one(session, url, payload, pid is not None and name != "floor")
         for i in range(n):
             k = i % len(targets)
             for name, url, pid in targets[k:] + targets[:k]:
@@ -145,7 +220,7 @@ async def alternate(targets: list[tuple[str, str, int | None]], payload: dict[st
                     out[name].append(await _one(session, url, payload, False))
                     continue
                 c0 = _cpu_s(pid)
-                out[name].append(await _one(session, url, payload, True))
+                out[name].append(await _one(session, url, payload, name != "floor"))
                 out[name + "_cpu_s"].append(_cpu_s(pid) - c0)
     return out
 
@@ -331,6 +406,8 @@ def _model(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--bare-relay"]:
+        return bare_relay(int(argv[1]), argv[2], int(argv[3]))
     if argv[:1] == ["--profiled-router"]:
         sep = argv.index("--")
         return profiled_router(argv[1], argv[2], argv[3], argv[sep + 1:])
@@ -348,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-root", default="", help="a source tree holding another pdserve (e.g. `git archive "
                     "REV pdserve | tar -x -C DIR`): its router runs in front of the same worker, in the same "
                     "alternation, and the result gives this router's figures against it")
+    ap.add_argument("--floor", action="store_true", help="also run a bare asyncio TCP relay (no HTTP parsing) in "
+                    "front of the same worker, in the same alternation: the lower bound of a Python router's CPU per "
+                    "token on this loop")
     ap.add_argument("--out", default="", help="folder for router.prof and logs (default: a temporary one)")
     args = ap.parse_args(argv)
     from pdserve.config import LauncherConfig
@@ -367,17 +447,27 @@ def main(argv: list[str] | None = None) -> int:
         assert cluster.router is not None
         targets: list[tuple[str, str, int | None]] = [("router", cluster.router_url, cluster.router.pid),
                                                       ("direct", cluster.worker_urls()[0], None)]
-        base = None
-        if args.baseline_root:
-            base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
-            targets.insert(1, ("baseline", base_url, base.pid))
-        say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
+        base = floor = None
         try:
+            if args.baseline_root:
+                base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
+                targets.insert(1, ("baseline", base_url, base.pid))
+            if args.floor:
+                floor, floor_url = start_floor(cluster, out_dir)
+                targets.insert(1, ("floor", floor_url, floor.pid))
+            say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
             runs = asyncio.run(alternate(targets, payload, args.requests))
         finally:
-            if base is not None:
-                stop(base)
+            for proc in (base, floor):
+                if proc is not None:
+                    stop(proc)
         result = summarize(runs, args.output)
+        if floor is not None:
+            result["floor"] = summarize(runs, args.output, "floor")
+            result["vs_floor"] = {k: round(result[k] / result["floor"][k], 3) if result["floor"][k] else None
+                                  for k in ("router_cpu_ms_per_token_p50", "router_cpu_ms_per_token_mean")}
+            result["vs_floor"]["cpu_ms_per_token_above_floor_p50"] = round(
+                result["router_cpu_ms_per_token_p50"] - result["floor"]["router_cpu_ms_per_token_p50"], 4)
         if base is not None:
             result["baseline"] = summarize(runs, args.output, "baseline")
             result["baseline"]["root"] = str(Path(args.baseline_root).resolve())
@@ -414,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"this router / baseline, CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
               f"{v['router_cpu_ms_per_token_mean']} (mean), {v['cpu_ratio_paired_p50']} (median of the rounds' "
               f"ratios)")
+    if "floor" in result:
+        f = result["floor"]
+        print(f"bare asyncio relay (the floor): TTFT p50 {f['ttft_p50_ms']['router']:.2f} ms (added "
+              f"{f['added_ttft_ms']:.2f}); CPU {f['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
+              f"{f['router_cpu_ms_per_token_mean']:.3f}); this router / floor: {result['vs_floor']}")
     result["profiles"] = profs
     for prof in profs:
         print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "

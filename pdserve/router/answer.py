@@ -97,7 +97,8 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                     if out:
                         await resp.write(out)
                         out = b""
-                    c.tokens += await d.relay.run(resp.write, *builder.relay_parts(c.index), req.return_token_ids)
+                    r_head, r_tail = builder.relay_parts(c.index)
+                    c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, req.return_token_ids)
                     item = await deltas.__anext__()
                     continue
                 text = d.text

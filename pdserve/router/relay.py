@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import StreamReader, web
 
 from .workers import WorkerStream
 
@@ -71,79 +73,228 @@ def parse_ids(raw: bytes, into: list[int]) -> int:
     return len(ids)
 
 
-Write = Callable[[bytes], Awaitable[None]]
+_WRITE_LIMIT = 1 << 16  # the client's unsent bytes past which the relay waits for it (coroutine path)
+_END_CHUNK = b"}]}\n\n"
+_INLINE: dict[int, Relay] = {}  # id(reader) -> the relay that takes its data in the socket callback
+
+
+class _RelayingReader(StreamReader):
+    """aiohttp's body reader, taking the data itself while a relay is inline (``_INLINE``): whole plain events go
+    to the client from the socket callback, without waking the request's task. The first event that is not plain,
+    the end of the stream or its failure hands everything from there on to the reader as usual and wakes the task.
+    (A worker stream's reader gets this class only when a relay first goes inline; same slots, no state of its
+    own.)"""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        relay = _INLINE.get(id(self))
+        if relay is None or not data:
+            return super().feed_data(data, size)
+        rest = relay.feed(data)
+        return super().feed_data(rest, size) if rest else False
+
+    def feed_eof(self) -> None:
+        relay = _INLINE.get(id(self))
+        if relay is not None:
+            relay.release(self)
+        super().feed_eof()
+
+    def set_exception(self, *args: Any, **kw: Any) -> None:
+        relay = _INLINE.get(id(self))
+        if relay is not None:
+            relay.release(self)
+        super().set_exception(*args, **kw)
 
 
 class Relay:
     """One pass-through stretch of a choice's stream, offered by ``Generation._decode_stream`` (as a
-    :class:`~.handoff.Delta` with ``relay`` set) and run by the answer (``answer.stream``)."""
+    :class:`~.handoff.Delta` with ``relay`` set) and run by the answer (``answer.stream``).
 
-    __slots__ = ("gen", "stream", "relayed")
+    What the worker's reader holds already is rewritten and written from the task (coroutine path); then, while the
+    client keeps up, the relay goes *inline*: the socket callback rewrites each read and writes it to the client's
+    transport (one event-loop iteration per read, no task wake-up, no aiohttp writer), and the task sleeps until the
+    first event that is not plain, the stream's end or failure, the deadline, or the client leaving."""
+
+    __slots__ = ("gen", "stream", "relayed", "tokens", "head", "tail", "with_ids", "transport", "chunked", "partial",
+                 "woken", "busy")
 
     def __init__(self, gen: Generation, stream: WorkerStream) -> None:
         self.gen = gen
         self.stream = stream
         self.relayed = 0  # events passed through
+        self.tokens = 0
+        self.head = self.tail = self.partial = b""
+        self.with_ids = False
+        self.transport: asyncio.Transport | None = None
+        self.chunked = False
+        self.woken: asyncio.Future[None] | None = None
+        self.busy = 0.0  # seconds spent in the socket callback (inline), not waiting on the worker
 
-    async def run(self, write: Write, head: bytes, tail: bytes, with_ids: bool) -> int:
+    def _rewrite(self, buf: bytes) -> tuple[bytes, int, bool]:
+        """(the client's bytes for the whole plain events at the start of ``buf``, where they end, whether an event
+        that is not plain comes next); counts their tokens."""
+        head, tail, with_ids = self.head, self.tail, self.with_ids
+        token_ids = self.gen.token_ids
+        pos = 0
+        out: list[bytes] = []
+        n = 0
+        stop = False
+        while True:
+            end = buf.find(b"\n\n", pos)
+            if end < 0:
+                break
+            parts = plain_event(buf[pos:end])
+            if parts is None:
+                stop = True
+                break
+            text, ids = parts
+            n += parse_ids(ids, token_ids)
+            out.append(head + text + tail + ids + _END_CHUNK if with_ids else head + text + tail + _END_CHUNK)
+            pos = end + 2
+        if not out:
+            return b"", pos, stop
+        self.relayed += len(out)
+        if n:
+            self.tokens += n
+            t = self.gen.t
+            t.tokens += n
+            t.relayed += n
+            now = t.last_token = time.perf_counter()
+            ticket = self.gen.ticket
+            if ticket is not None:
+                ticket.progress(t.tokens, now)
+        return out[0] if len(out) == 1 else b"".join(out), pos, stop
+
+    async def run(self, resp: web.StreamResponse, transport: asyncio.Transport | None, head: bytes, tail: bytes,
+                  with_ids: bool) -> int:
         """Pass plain events through as ``head + text + tail [+ ids] + "}]}\\n\\n"``; return the tokens relayed.
-        Returns at the first event that is not plain, a failed read, or the request's deadline."""
+        Returns at the first event that is not plain (left unread), a failed read (kept by the stream), the
+        request's deadline or the client leaving (raised)."""
+        self.head, self.tail, self.with_ids = head, tail, with_ids
+        self.transport = transport
+        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         gen, stream = self.gen, self.stream
         t = gen.t
-        ticket = gen.ticket
-        token_ids = gen.token_ids
-        tokens = 0
-        end_chunk = b"}]}\n\n"
         while True:
             buf = stream.buf
-            pos = 0
-            out: list[bytes] = []
-            n = 0
-            stop = False
-            while True:
-                end = buf.find(b"\n\n", pos)
-                if end < 0:
-                    break
-                parts = plain_event(buf[pos:end])
-                if parts is None:
-                    stop = True
-                    break
-                text, ids = parts
-                n += parse_ids(ids, token_ids)
-                out.append(head + text + tail + ids + end_chunk if with_ids else head + text + tail + end_chunk)
-                pos = end + 2
+            out, pos, stop = self._rewrite(buf)
             if pos:
                 stream.buf = buf[pos:]
             if out:
-                self.relayed += len(out)
-                tokens += n
-                if n:
-                    t.tokens += n
-                    t.relayed += n
-                    now = t.last_token = time.perf_counter()
-                    if ticket is not None:
-                        ticket.progress(t.tokens, now)
                 t0 = time.perf_counter()
-                await write(out[0] if len(out) == 1 else b"".join(out))
+                await resp.write(out)
                 t.client.seconds += time.perf_counter() - t0
             if stop or gen._expired:
-                return tokens
-            if not await self._fill():
-                return tokens
+                return self.tokens
+            got = stream.fill_nowait()
+            if got:
+                continue
+            if got is False:
+                return self.tokens
+            if not await (self._inline(resp) if self._can_inline() else self._fill()):
+                return self.tokens
+
+    def _can_inline(self) -> bool:
+        tr = self.transport
+        return tr is not None and not tr.is_closing() and tr.get_write_buffer_size() < _WRITE_LIMIT \
+            and type(self.stream.reader) in (StreamReader, _RelayingReader) and self.stream.watchdog is not None
+
+    def _guarded_cancel(self, task: asyncio.Task | None) -> bool:
+        """On a CancelledError while awaiting the worker: True when it was the request's deadline alone
+        (``Generation._expire``), which ends the relay; the full path then raises the 504."""
+        gen = self.gen
+        if gen._cancelled and task is not None:
+            gen._cancelled = False
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 takes it as ours
+            return uncancel is None or uncancel() == 0  # ours alone (not also the client's or the server's)
+        return False
 
     async def _fill(self) -> bool:
         """Read more from the worker within the request's deadline: ``Generation._expire`` cancels this task while
-        it awaits here (as it does in ``Generation._next``); the relay then ends and the full path raises the 504."""
+        it awaits here (as it does in ``Generation._next``)."""
         gen = self.gen
         task = gen._waiter = asyncio.current_task()
         try:
             return await self.stream.fill()
         except asyncio.CancelledError:
-            if gen._cancelled and task is not None:
-                gen._cancelled = False
-                uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 takes it as ours
-                if uncancel is None or uncancel() == 0:  # ours alone (not also the client's or the server's)
-                    return False
+            if self._guarded_cancel(task):
+                return False
             raise
         finally:
             gen._waiter = None
+
+    async def _inline(self, resp: web.StreamResponse) -> bool:
+        """Relay from the socket callback (:class:`_RelayingReader`) until it hands back; False at the deadline."""
+        gen, stream = self.gen, self.stream
+        reader, dog = stream.reader, stream.watchdog
+        assert reader is not None and dog is not None
+        if type(reader) is StreamReader:
+            reader.__class__ = _RelayingReader
+        self.partial, stream.buf = stream.buf, b""
+        self.woken = asyncio.get_running_loop().create_future()
+        self.busy = 0.0
+        _INLINE[id(reader)] = self
+        task = gen._waiter = asyncio.current_task()
+        t0 = dog.since = time.perf_counter()
+        try:
+            await self.woken
+            return True
+        except asyncio.CancelledError:
+            if self._guarded_cancel(task):
+                return False
+            raise
+        finally:
+            gen._waiter = None
+            dog.since = None
+            if _INLINE.pop(id(reader), None) is not None:  # ended from this side: the partial event stays ours
+                stream.buf = self.partial + stream.buf
+                self.partial = b""
+            stream.wait.seconds += time.perf_counter() - t0 - self.busy
+            self.woken = None
+            tr = self.transport
+            if tr is not None and tr.get_write_buffer_size() >= _WRITE_LIMIT and not tr.is_closing():
+                with warnings.catch_warnings():  # aiohttp deprecates drain; write() would not wait for our bytes
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    await resp.drain()
+
+    def feed(self, data: bytes) -> bytes:
+        """Inline: the worker's next bytes. Relays the whole plain events and keeps a partial one; returns the bytes
+        for the reader (from the first event that is not plain on) when the relay hands back, else b""."""
+        t0 = time.perf_counter()
+        buf = self.partial + data if self.partial else data
+        tr = self.transport
+        assert tr is not None
+        if tr.is_closing():  # the client is gone: the task is being cancelled
+            self._hand_back()
+            return buf
+        out, pos, stop = self._rewrite(buf)
+        if out:
+            tr.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+        if stop or self.gen._expired or tr.get_write_buffer_size() >= _WRITE_LIMIT:
+            self._hand_back()
+            rest = buf[pos:]
+        else:
+            self.partial = buf[pos:]
+            rest = b""
+        now = time.perf_counter()
+        dog = self.stream.watchdog
+        if dog is not None and dog.since is not None:
+            dog.since = now  # the worker is not silent
+        self.busy += now - t0
+        return rest
+
+    def _hand_back(self) -> None:
+        self.partial = b""
+        reader = self.stream.reader
+        if reader is not None:
+            _INLINE.pop(id(reader), None)
+        if self.woken is not None and not self.woken.done():
+            self.woken.set_result(None)
+
+    def release(self, reader: StreamReader) -> None:
+        """The stream ends or fails while inline: give the reader the partial event, then wake the task."""
+        partial = self.partial
+        self._hand_back()
+        if partial:
+            StreamReader.feed_data(reader, partial)

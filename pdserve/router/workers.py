@@ -211,6 +211,36 @@ class WorkerStream:
         self.buf += data
         return True
 
+    @property
+    def reader(self) -> aiohttp.StreamReader | None:
+        """aiohttp's reader of the body (None before the answer's head)."""
+        return self._resp.content if self._resp is not None else None
+
+    @property
+    def watchdog(self) -> _Watchdog | None:
+        return self._dog
+
+    def fill_nowait(self) -> bool | None:
+        """Move what the reader holds already onto ``buf`` without waiting: True when something came, None when
+        nothing is there yet, False when the stream failed or ended (the failure kept in ``pending``)."""
+        reader = self.reader
+        assert reader is not None
+        try:
+            data = reader.read_nowait()
+        except asyncio.TimeoutError:
+            self.pending = WorkerError(self.url, "timeout", f"stream silent for {self.client.idle_timeout_s} s")
+            return False
+        except aiohttp.ClientError as e:
+            self.pending = WorkerError(self.url, "closed", f"stream broken: {e}")
+            return False
+        if data:
+            self.buf += data
+            return True
+        if reader.is_eof():
+            self.pending = WorkerError(self.url, "closed", "stream ended without [DONE]")
+            return False
+        return None
+
     async def __anext__(self) -> dict:
         if self._finished:
             raise StopAsyncIteration

@@ -157,6 +157,25 @@ def _count_relays(monkeypatch, entered: list[int] | None = None) -> list[int]:
     return stretches
 
 
+def _count_inline(monkeypatch) -> list[int]:
+    """Wrap Relay.feed and Relay.release: one entry per read relayed from the socket callback (1) or stream end
+    or failure met there (0)."""
+    calls: list[int] = []
+    feed, release = relay_mod.Relay.feed, relay_mod.Relay.release
+
+    def fed(self, data: bytes) -> bytes:
+        calls.append(1)
+        return feed(self, data)
+
+    def released(self, reader: Any) -> None:
+        calls.append(0)
+        release(self, reader)
+
+    monkeypatch.setattr(relay_mod.Relay, "feed", fed)
+    monkeypatch.setattr(relay_mod.Relay, "release", released)
+    return calls
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypatch, endpoint):
     w = VllmShapedWorker("C", texts=TRICKY, delay_s=0.002)
@@ -167,6 +186,7 @@ def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypa
     else:
         body["messages"] = [{"role": "user", "content": "a"}]
     stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
 
     async def main() -> tuple[list[str], list[str]]:
         async with Env(model_dir, tokenizer, colocated=[w]) as env:
@@ -182,14 +202,17 @@ def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypa
     assert sum(stretches) == timings["relayed_tokens"] == 14  # all but the first event and the finish
     assert json.loads(relayed[-1])["usage"]["completion_tokens"] == 16
     assert _normalized(relayed) == _normalized(full)
+    assert inline.count(1) >= 5  # most reads relayed from the socket callback
+    assert not relay_mod._INLINE
     text = "".join((json.loads(c)["choices"] or [{}])[0].get("text") or
                    ((json.loads(c)["choices"] or [{}])[0].get("delta") or {}).get("content") or "" for c in relayed)
     assert ' "q"\n' in text and "😀" in text
 
 
 def test_worker_dies_while_relaying_the_request_migrates(model_dir, tokenizer, monkeypatch):
-    a, b = VllmShapedWorker("A", die_after=4), VllmShapedWorker("B")
+    a, b = VllmShapedWorker("A", die_after=4, delay_s=0.01), VllmShapedWorker("B")
     stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
 
     async def main() -> None:
         async with Env(model_dir, tokenizer, colocated=[a, b], policy="round_robin") as env:
@@ -205,11 +228,13 @@ def test_worker_dies_while_relaying_the_request_migrates(model_dir, tokenizer, m
 
     run(main())
     assert stretches and stretches[0] == 3  # tokens 2-4 relayed, then A's stream broke
+    assert 0 in inline and not relay_mod._INLINE  # the break met inline
 
 
 def test_deadline_while_relaying(model_dir, tokenizer, monkeypatch):
-    w = VllmShapedWorker("C", stall_after=3)
+    w = VllmShapedWorker("C", stall_after=3, delay_s=0.01)
     stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
 
     async def main() -> None:
         async with Env(model_dir, tokenizer, colocated=[w], request_timeout_s=0.8) as env:
@@ -222,7 +247,7 @@ def test_deadline_while_relaying(model_dir, tokenizer, monkeypatch):
             assert 'pdserve_router_deadline_exceeded_total{deadline="request"} 1.0' in metrics
 
     run(main())
-    assert stretches == [2]
+    assert stretches == [2] and inline.count(1) >= 1 and not relay_mod._INLINE
 
 
 def test_client_leaving_while_relaying_closes_the_worker_stream(model_dir, tokenizer, monkeypatch):
@@ -243,3 +268,37 @@ def test_client_leaving_while_relaying_closes_the_worker_stream(model_dir, token
 
     run(main())
     assert entered == [1] and stretches == []  # the client left while the relay ran
+    assert not relay_mod._INLINE
+
+
+def test_slow_client_gets_every_byte(model_dir, tokenizer, monkeypatch):
+    """Past 64 KiB unsent to the client the relay stops writing from the socket callback and waits for the client;
+    nothing is lost or reordered."""
+    big = {t: f" {t}" + "x" * 300000 for t in range(5, 100)}  # 12 MB: more than the sockets buffer
+    w = VllmShapedWorker("C", texts=big)
+    stretches = _count_relays(monkeypatch)
+    drains: list[int] = []
+    real_drain = web.StreamResponse.drain
+
+    async def drain(self: web.StreamResponse) -> None:
+        drains.append(1)
+        await real_drain(self)
+
+    monkeypatch.setattr(web.StreamResponse, "drain", drain)
+
+    async def main() -> None:
+        async with Env(model_dir, tokenizer, colocated=[w]) as env:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(env.url + "/v1/completions",
+                                  json={"prompt": "a", "max_tokens": 40, "stream": True}) as r:
+                    first = await r.content.readany()
+                    await asyncio.sleep(0.5)  # the router's writes back up meanwhile
+                    raw = (first + await r.read()).decode()
+            events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+            assert events[-1] == "[DONE]"
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+            want = "".join(big[5 + (12 - 4 + k) % 95] for k in range(40))
+            assert text == want
+
+    run(main())
+    assert sum(stretches) == 38 and drains  # it did wait for the client
