@@ -19,7 +19,9 @@ probes are left out) and the table lists its top functions by own time, per stre
 the candidate costs (worker SSE parsing, stop strings, chunk building and SSE encoding, socket writes, the event
 loop). Its clock is the router thread's CPU time by default (``--profile-timer cpu``), so other processes on
 busy cores do not inflate it. cProfile slows Python code down, so its times rank the costs; the unprofiled
-router's figures above are the ones to quote. Prints tables and one JSON line.
+router's figures above are the ones to quote. With ``--floor`` a bare asyncio TCP relay (no HTTP parsing, one
+``transport.write`` per read) runs in the same rotation: the lower bound of a CPython router's CPU per token on
+this machine. Prints tables and one JSON line.
 """
 
 from __future__ import annotations
@@ -248,6 +250,9 @@ def summarize(runs: dict[str, list[Any]], output: int, router: str = "router") -
     per_tok = round(statistics.median(paired), 4)
     itl_r = [b - a for x in r for a, b in zip(x.chunk_times, x.chunk_times[1:])]
     itl_d = [b - a for x in d for a, b in zip(x.chunk_times, x.chunk_times[1:])]
+    ttft_paired = [(a.ttft_s - b.ttft_s) * 1000.0 for a, b in zip(r, d)]
+    queue = [x.timings.get("queue_ms") for x in r if x.timings]
+    relayed = [x.timings.get("relayed_tokens") for x in r if x.timings]
     overhead = [x.timings.get("router_overhead_ms") for x in r if x.timings]
     client_wait = [x.timings.get("client_wait_ms") for x in r if x.timings]
     cpu_per_tok = [c * 1000.0 / output for c in runs[router + "_cpu_s"]]
@@ -257,6 +262,11 @@ def summarize(runs: dict[str, list[Any]], output: int, router: str = "router") -
         "e2e_p50_ms": {"router": e2e_r, "direct": e2e_d},
         "itl_p50_ms": {"router": _p50_ms(itl_r), "direct": _p50_ms(itl_d)},
         "added_ttft_ms": round(ttft_r - ttft_d, 3),
+        "added_ttft_ms_paired_p50": round(statistics.median(ttft_paired), 3),
+        "queue_ms_p50": round(statistics.median(q for q in queue if q is not None), 3)
+        if any(q is not None for q in queue) else None,
+        "relayed_tokens_p50": statistics.median(n for n in relayed if n is not None)
+        if any(n is not None for n in relayed) else None,
         "added_ms_per_token": per_tok,
         "added_ms_per_token_from_p50s": round((e2e_r - e2e_d) / output, 4),
         "e2e_ratio": round(e2e_r / e2e_d, 4),
@@ -492,12 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"added per streamed token: {result['added_ms_per_token']:.3f} ms (median of paired requests; from the "
           f"p50s {result['added_ms_per_token_from_p50s']:.3f} ms), e2e ratio {result['e2e_ratio']:.3f}; router "
           f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
-          f"{result['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 "
+          f"{result['router_cpu_ms_per_token_mean']:.3f}); TTFT added, median of paired requests "
+          f"{result['added_ttft_ms_paired_p50']:.2f} ms (queue_ms p50 {result['queue_ms_p50']}); relayed tokens p50 "
+          f"{result['relayed_tokens_p50']}; router_overhead_ms p50 "
           f"{result['router_overhead_ms_p50']}, client_wait_ms p50 {result['client_wait_ms_p50']}")
     if "baseline" in result:
         b = result["baseline"]
         print(f"baseline router ({b['root']}): TTFT p50 {b['ttft_p50_ms']['router']:.2f} ms (added "
-              f"{b['added_ttft_ms']:.2f}), e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
+              f"{b['added_ttft_ms']:.2f}; paired {b['added_ttft_ms_paired_p50']:.2f}), "
+              f"e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
               f"{b['added_ms_per_token']:.3f} ms; CPU {b['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
               f"{b['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 {b['router_overhead_ms_p50']}")
         v = result["vs_baseline"]
@@ -507,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     if "floor" in result:
         f = result["floor"]
         print(f"bare asyncio relay (the floor): TTFT p50 {f['ttft_p50_ms']['router']:.2f} ms (added "
-              f"{f['added_ttft_ms']:.2f}); CPU {f['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
+              f"{f['added_ttft_ms']:.2f}; paired {f['added_ttft_ms_paired_p50']:.2f}); "
+              f"CPU {f['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
               f"{f['router_cpu_ms_per_token_mean']:.3f}); this router / floor: {result['vs_floor']}")
     result["profiles"] = profs
     for prof in profs:
