@@ -19,7 +19,9 @@ probes are left out) and the table lists its top functions by own time, per stre
 the candidate costs (worker SSE parsing, stop strings, chunk building and SSE encoding, socket writes, the event
 loop). Its clock is the router thread's CPU time by default (``--profile-timer cpu``), so other processes on
 busy cores do not inflate it. cProfile slows Python code down, so its times rank the costs; the unprofiled
-router's figures above are the ones to quote. Prints tables and one JSON line.
+router's figures above are the ones to quote. With ``--floor`` a bare asyncio TCP relay (no HTTP parsing, one
+``transport.write`` per read) runs in the same rotation: the lower bound of a CPython router's CPU per token on
+this machine. Prints tables and one JSON line.
 """
 
 from __future__ import annotations
@@ -99,6 +101,81 @@ def profiled_router(prof_path: str, timer: str, loop: str, router_argv: list[str
     return router_main(router_argv)
 
 
+# ----------------------------------------------------------------------------- the floor (child mode)
+
+def bare_relay(port: int, host: str, worker_port: int) -> int:
+    """A TCP relay in CPython asyncio, the lower bound of any Python router on this loop: every client connection
+    gets its own connection to the worker, and bytes go either way as they come (``asyncio.Protocol``, one
+    ``transport.write`` per ``data_received``; no HTTP parsing, no rewriting, no coroutine per token)."""
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: Down) -> None:
+            self.down = down
+
+        def data_received(self, data: bytes) -> None:
+            self.down.transport.write(data)
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            self.down.transport.close()
+
+    class Down(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.transport = transport
+            self.up: asyncio.Transport | None = None
+            transport.pause_reading()
+            self.task = asyncio.ensure_future(self._connect())
+
+        async def _connect(self) -> None:
+            up, _ = await asyncio.get_running_loop().create_connection(lambda: Up(self), host, worker_port)
+            self.up = up
+            self.transport.resume_reading()
+
+        def data_received(self, data: bytes) -> None:
+            assert self.up is not None
+            self.up.write(data)
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(serve())
+    return 0
+
+
+def start_floor(cluster: Any, out_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The bare relay (:func:`bare_relay`) in front of the cluster's worker; returns (process, url) once a /health
+    through it answers 200."""
+    import urllib.parse
+    import urllib.request
+
+    from pdserve.procs import free_port
+
+    port = free_port()
+    w = urllib.parse.urlsplit(cluster.worker_urls()[0])
+    log = open(out_dir / "bare-relay.log", "wb")  # noqa: SIM115 - the process owns it until it ends
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare-relay", str(port),
+                             w.hostname or "127.0.0.1", str(w.port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"the bare relay did not start; see {log.name}")
+        time.sleep(0.2)
+
+
 # ----------------------------------------------------------------------------- measuring
 
 def _cpu_s(pid: int) -> float:
@@ -136,8 +213,8 @@ async def alternate(targets: list[tuple[str, str, int | None]], payload: dict[st
             out[name + "_cpu_s"] = []
     async with aiohttp.ClientSession() as session:
         for _ in range(warmup):
-            for _name, url, pid in targets:
-                await _one(session, url, payload, pid is not None)
+            for name, url, pid in targets:
+                await _one(session, url, payload, pid is not None and name != "floor")
         for i in range(n):
             k = i % len(targets)
             for name, url, pid in targets[k:] + targets[:k]:
@@ -145,7 +222,7 @@ async def alternate(targets: list[tuple[str, str, int | None]], payload: dict[st
                     out[name].append(await _one(session, url, payload, False))
                     continue
                 c0 = _cpu_s(pid)
-                out[name].append(await _one(session, url, payload, True))
+                out[name].append(await _one(session, url, payload, name != "floor"))
                 out[name + "_cpu_s"].append(_cpu_s(pid) - c0)
     return out
 
@@ -173,6 +250,9 @@ def summarize(runs: dict[str, list[Any]], output: int, router: str = "router") -
     per_tok = round(statistics.median(paired), 4)
     itl_r = [b - a for x in r for a, b in zip(x.chunk_times, x.chunk_times[1:])]
     itl_d = [b - a for x in d for a, b in zip(x.chunk_times, x.chunk_times[1:])]
+    ttft_paired = [(a.ttft_s - b.ttft_s) * 1000.0 for a, b in zip(r, d)]
+    queue = [x.timings.get("queue_ms") for x in r if x.timings]
+    relayed = [x.timings.get("relayed_tokens") for x in r if x.timings]
     overhead = [x.timings.get("router_overhead_ms") for x in r if x.timings]
     client_wait = [x.timings.get("client_wait_ms") for x in r if x.timings]
     cpu_per_tok = [c * 1000.0 / output for c in runs[router + "_cpu_s"]]
@@ -182,6 +262,11 @@ def summarize(runs: dict[str, list[Any]], output: int, router: str = "router") -
         "e2e_p50_ms": {"router": e2e_r, "direct": e2e_d},
         "itl_p50_ms": {"router": _p50_ms(itl_r), "direct": _p50_ms(itl_d)},
         "added_ttft_ms": round(ttft_r - ttft_d, 3),
+        "added_ttft_ms_paired_p50": round(statistics.median(ttft_paired), 3),
+        "queue_ms_p50": round(statistics.median(q for q in queue if q is not None), 3)
+        if any(q is not None for q in queue) else None,
+        "relayed_tokens_p50": statistics.median(n for n in relayed if n is not None)
+        if any(n is not None for n in relayed) else None,
         "added_ms_per_token": per_tok,
         "added_ms_per_token_from_p50s": round((e2e_r - e2e_d) / output, 4),
         "e2e_ratio": round(e2e_r / e2e_d, 4),
@@ -331,6 +416,8 @@ def _model(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--bare-relay"]:
+        return bare_relay(int(argv[1]), argv[2], int(argv[3]))
     if argv[:1] == ["--profiled-router"]:
         sep = argv.index("--")
         return profiled_router(argv[1], argv[2], argv[3], argv[sep + 1:])
@@ -348,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-root", default="", help="a source tree holding another pdserve (e.g. `git archive "
                     "REV pdserve | tar -x -C DIR`): its router runs in front of the same worker, in the same "
                     "alternation, and the result gives this router's figures against it")
+    ap.add_argument("--floor", action="store_true", help="also run a bare asyncio TCP relay (no HTTP parsing) in "
+                    "front of the same worker, in the same alternation: the lower bound of a Python router's CPU per "
+                    "token on this loop")
     ap.add_argument("--out", default="", help="folder for router.prof and logs (default: a temporary one)")
     args = ap.parse_args(argv)
     from pdserve.config import LauncherConfig
@@ -367,17 +457,27 @@ def main(argv: list[str] | None = None) -> int:
         assert cluster.router is not None
         targets: list[tuple[str, str, int | None]] = [("router", cluster.router_url, cluster.router.pid),
                                                       ("direct", cluster.worker_urls()[0], None)]
-        base = None
-        if args.baseline_root:
-            base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
-            targets.insert(1, ("baseline", base_url, base.pid))
-        say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
+        base = floor = None
         try:
+            if args.baseline_root:
+                base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
+                targets.insert(1, ("baseline", base_url, base.pid))
+            if args.floor:
+                floor, floor_url = start_floor(cluster, out_dir)
+                targets.insert(1, ("floor", floor_url, floor.pid))
+            say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
             runs = asyncio.run(alternate(targets, payload, args.requests))
         finally:
-            if base is not None:
-                stop(base)
+            for proc in (base, floor):
+                if proc is not None:
+                    stop(proc)
         result = summarize(runs, args.output)
+        if floor is not None:
+            result["floor"] = summarize(runs, args.output, "floor")
+            result["vs_floor"] = {k: round(result[k] / result["floor"][k], 3) if result["floor"][k] else None
+                                  for k in ("router_cpu_ms_per_token_p50", "router_cpu_ms_per_token_mean")}
+            result["vs_floor"]["cpu_ms_per_token_above_floor_p50"] = round(
+                result["router_cpu_ms_per_token_p50"] - result["floor"]["router_cpu_ms_per_token_p50"], 4)
         if base is not None:
             result["baseline"] = summarize(runs, args.output, "baseline")
             result["baseline"]["root"] = str(Path(args.baseline_root).resolve())
@@ -402,18 +502,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"added per streamed token: {result['added_ms_per_token']:.3f} ms (median of paired requests; from the "
           f"p50s {result['added_ms_per_token_from_p50s']:.3f} ms), e2e ratio {result['e2e_ratio']:.3f}; router "
           f"CPU {result['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
-          f"{result['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 "
+          f"{result['router_cpu_ms_per_token_mean']:.3f}); TTFT added, median of paired requests "
+          f"{result['added_ttft_ms_paired_p50']:.2f} ms (queue_ms p50 {result['queue_ms_p50']}); relayed tokens p50 "
+          f"{result['relayed_tokens_p50']}; router_overhead_ms p50 "
           f"{result['router_overhead_ms_p50']}, client_wait_ms p50 {result['client_wait_ms_p50']}")
     if "baseline" in result:
         b = result["baseline"]
         print(f"baseline router ({b['root']}): TTFT p50 {b['ttft_p50_ms']['router']:.2f} ms (added "
-              f"{b['added_ttft_ms']:.2f}), e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
+              f"{b['added_ttft_ms']:.2f}; paired {b['added_ttft_ms_paired_p50']:.2f}), "
+              f"e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
               f"{b['added_ms_per_token']:.3f} ms; CPU {b['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
               f"{b['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 {b['router_overhead_ms_p50']}")
         v = result["vs_baseline"]
         print(f"this router / baseline, CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
               f"{v['router_cpu_ms_per_token_mean']} (mean), {v['cpu_ratio_paired_p50']} (median of the rounds' "
               f"ratios)")
+    if "floor" in result:
+        f = result["floor"]
+        print(f"bare asyncio relay (the floor): TTFT p50 {f['ttft_p50_ms']['router']:.2f} ms (added "
+              f"{f['added_ttft_ms']:.2f}; paired {f['added_ttft_ms_paired_p50']:.2f}); "
+              f"CPU {f['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
+              f"{f['router_cpu_ms_per_token_mean']:.3f}); this router / floor: {result['vs_floor']}")
     result["profiles"] = profs
     for prof in profs:
         print(f"\nsecond router on {prof['loop']}: CPU {prof['unprofiled_cpu_ms_per_token_p50']:.3f} ms/token "

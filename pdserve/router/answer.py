@@ -93,6 +93,14 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
             plain = not req.continuous_usage and req.logprobs is None
             while item is not None:
                 c, d = item
+                if d.relay is not None:  # plain events as the worker's bytes, until one is not (pdserve.router.relay)
+                    if out:
+                        await resp.write(out)
+                        out = b""
+                    r_head, r_tail = builder.relay_parts(c.index)
+                    c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, req.return_token_ids)
+                    item = await deltas.__anext__()
+                    continue
                 text = d.text
                 is_first = not c.started
                 if plain and not is_first and d.finish_reason is None and c.tools is None:

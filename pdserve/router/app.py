@@ -343,6 +343,8 @@ class Router:
                 gen = self._generation(sub, prompt_ids, max_tokens, timings)
                 track = None if req.logprobs is None else LogprobTrack(req.kind == "chat", req.logprobs)
                 out.append(Choice(index, k, gen, prompt_ids, prompt_text, track))
+        if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools:
+            out[0].gen.passthrough = True  # per-token transform not needed: plain events relayed (.relay)
         return out
 
     def _generation(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, t: Timings

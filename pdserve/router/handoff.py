@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +29,12 @@ from .failures import RETRYABLE, Migrate, Retry, as_router_error, migratable
 from .metrics import RouterMetrics
 from .placement import Placement
 from .protocol import GenerationRequest
+from .relay import Relay
 from .stops import StopStrings
 from .ticket import PlacementTicket
 from .timings import Timings, transfer_stats
 from .tokenizer import IncrementalDetokenizer
-from .workers import Worker, WorkerClient, WorkerError
+from .workers import Worker, WorkerClient, WorkerError, WorkerStream
 
 DEFAULT_MIGRATION_LIMIT = 2
 
@@ -47,6 +48,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: Any = None
     logprobs: Any = None  # the worker choice's raw ``logprobs`` for these tokens (vLLM completions shape), if asked
+    relay: Relay | None = None  # no text: the stream's next plain events may be passed through (.relay)
 
 
 class Generation:
@@ -104,6 +106,9 @@ class Generation:
         self._cancelled = False  # _expire cancelled _waiter (not yet turned into the 504)
         self._handoff_since: float | None = None  # loop time P answered, until D's first token
         self._done = 0  # tokens streamed before the current attempt
+        # the answer relays plain events as bytes (.relay) where nothing needs the per-token transform: set by the
+        # app for a streamed single choice without stop strings, logprobs, tools or continuous usage
+        self.passthrough = False
 
     # ---- the current attempt ----
     @property
@@ -209,6 +214,8 @@ class Generation:
     # ---- the run ----
     def _accept(self, raw: Delta) -> Delta:
         """A worker's delta -> the client's: stop strings, token accounting, the conductor's progress."""
+        if raw.relay is not None:
+            return raw  # the relay does the accounting of what it passes through
         ids = raw.token_ids
         if ids:
             self.token_ids.extend(ids)
@@ -415,7 +422,7 @@ class Generation:
                 except RouterError as e:
                     raise Migrate(r.url, "decode", e.message) from None
 
-    async def _first(self, objs: AsyncGenerator[dict, None], handoff: bool) -> dict:
+    async def _first(self, objs: AsyncIterator[dict], handoff: bool) -> dict:
         """D's first event within the hand-off deadline (P's answer + handoff_timeout_s)."""
         if not handoff or self.handoff_timeout_s is None or self._handoff_since is None:
             return await objs.__anext__()
@@ -434,6 +441,8 @@ class Generation:
             self.t.dispatch = now
         self.t.d_sent = now
         own_text = after_first or self._done > 0  # the router's detokenizer carries the text on
+        # the worker's text as it is, nothing to cut: its plain events may go to the client as bytes
+        relay = self.passthrough and not own_text and not self.stopper.stops
         started = False
         last: tuple[list[int], dict[str, Any]] | None = None
         try:
@@ -461,6 +470,8 @@ class Generation:
                         self.prompt_logprobs = c0.get("prompt_logprobs")
                     if c0.get("finish_reason") is None:
                         yield Delta(self._text(ids, c0, own_text), ids, None, None, c0.get("logprobs"))
+                        if relay and started and isinstance(objs, WorkerStream):
+                            yield Delta("", [], relay=Relay(self, objs))
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
                         self.t.d_end = time.perf_counter()
                         last = (ids, c0)  # its text only when it goes out: a lost finish is regenerated

@@ -106,6 +106,14 @@ class ResponseBuilder:
             out += b',"token_ids":' + dumps(token_ids).encode()
         return b"data: " + out + b"}]}\n\n"
 
+    def relay_parts(self, index: int = 0) -> tuple[bytes, bytes]:
+        """(head, tail) of :meth:`text_chunk`'s bytes around the text's JSON string: ``head + json_text + tail +
+        [token_ids list if return_token_ids] + b"}]}\n\n"`` is ``text_chunk`` (the relay splices the worker's
+        raw JSON text and ids in)."""
+        head = b"data: " + self._text_head + str(index).encode() + self._text_mid
+        tail = self._text_tail + (b',"token_ids":' if self.req.return_token_ids else b"")
+        return head, tail
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         out = self._base("chat.completion.chunk" if self.chat else "text_completion")
         out["choices"] = []

@@ -25,6 +25,8 @@ class Timings:
     e2e_ms: arrival -> final chunk / response built.
     client_wait_ms: time spent in writes to the client (streamed answers: ``StreamResponse.write``, which waits
         when the client reads slower than the router sends).
+    relayed_tokens: tokens passed to the client as the worker's bytes (:mod:`.relay`), not through the per-token
+        path.
     router_overhead_ms: e2e minus the time spent awaiting workers and the client (parsing, tokenizing,
         detokenizing, stop matching, JSON/SSE, event-loop scheduling, waits for a core).
     """
@@ -41,6 +43,7 @@ class Timings:
     last_token: float | None = None
     end: float | None = None
     tokens: int = 0
+    relayed: int = 0  # of tokens, those the relay passed through
     prompt_tokens: int = 0
     kv_bytes: int | None = None
     kv_ms: float | None = None
@@ -76,6 +79,7 @@ class Timings:
             "router_overhead_ms": round(max(0.0, e2e - (self.wait.seconds + self.client.seconds) * 1000.0), 3),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.tokens,
+            "relayed_tokens": self.relayed,
         }
 
 

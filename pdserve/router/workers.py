@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,70 +118,14 @@ class WorkerClient:
             raise WorkerError(url, "protocol", f"answered {type(out).__name__}, expected an object")
         return out
 
-    async def stream(self, url: str, body: dict, wait: Wait) -> AsyncGenerator[dict, None]:
-        """POST /v1/completions with stream=true; yield each SSE event's JSON until [DONE].
+    def stream(self, url: str, body: dict, wait: Wait) -> WorkerStream:
+        """POST /v1/completions with stream=true; iterate it for each SSE event's JSON until [DONE].
 
         Raises WorkerError on an error event, a stream that ends without [DONE], or silence longer than the idle
-        timeout. Leaving the iteration early (break, exception, cancellation) closes the connection.
+        timeout. Leaving the iteration early (``aclose``: break under ``aclosing``, exception, cancellation) closes
+        the connection. The stream's raw bytes can also be relayed (:mod:`.relay`).
         """
-        t0 = time.perf_counter()
-        try:
-            resp = await self._post(url, "/v1/completions", body)
-        finally:
-            wait.seconds += time.perf_counter() - t0
-        # aiohttp's sock_read timer (the wait for the answer's head) would be cancelled and scheduled anew on every
-        # chunk received: the body's idle timeout is one _Watchdog instead
-        proto = resp.connection.protocol if resp.connection is not None else None
-        if proto is not None:
-            proto.read_timeout = None
-        dog = _Watchdog(resp, self.idle_timeout_s)
-        try:
-            if resp.status != 200:
-                t0 = dog.since = time.perf_counter()
-                try:
-                    raise await self._error_from(url, resp)
-                finally:
-                    dog.since = None
-                    wait.seconds += time.perf_counter() - t0
-            buf = b""
-            content = resp.content
-            while True:
-                t0 = dog.since = time.perf_counter()
-                try:
-                    data = await content.readany()
-                    if not data:
-                        raise WorkerError(url, "closed", "stream ended without [DONE]")
-                except asyncio.TimeoutError:
-                    raise WorkerError(url, "timeout", f"stream silent for {self.idle_timeout_s} s") from None
-                except aiohttp.ClientError as e:
-                    raise WorkerError(url, "closed", f"stream broken: {e}") from None
-                finally:
-                    dog.since = None
-                    wait.seconds += time.perf_counter() - t0
-                buf += data
-                while True:
-                    end = buf.find(b"\n\n")
-                    if end < 0:
-                        break
-                    event, buf = buf[:end], buf[end + 2:]
-                    payload = _sse_data(event)
-                    if payload is None:
-                        continue
-                    if payload == b"[DONE]":
-                        resp.release()  # complete: keep the connection for reuse
-                        return
-                    try:
-                        obj = json.loads(payload)
-                    except ValueError:
-                        raise WorkerError(url, "protocol", f"bad SSE event: {payload[:200]!r}") from None
-                    if not isinstance(obj, dict):
-                        raise WorkerError(url, "protocol", f"SSE event is not an object: {payload[:200]!r}")
-                    if "error" in obj:
-                        raise WorkerError(url, "stream_error", str(obj["error"]), None, obj)
-                    yield obj
-        finally:
-            dog.stop()
-            resp.close()  # no-op after release; an unfinished stream is dropped, so vLLM aborts the request
+        return WorkerStream(self, url, body, wait)
 
     async def health(self, url: str, timeout_s: float) -> tuple[bool, str]:
         p = await self.check(url, timeout_s)
@@ -198,6 +141,150 @@ class WorkerClient:
             return Probe(False, f"no answer within {timeout_s} s")
         except aiohttp.ClientError as e:
             return Probe(False, f"unreachable: {e}", refused(e))
+
+
+class WorkerStream:
+    """One worker's SSE stream: an async iterator of its events' JSON objects (see :meth:`WorkerClient.stream`)
+    whose undelivered bytes (``buf``) a relay may consume directly, reading more with :meth:`fill`.
+
+    A read that fails inside :meth:`fill` is kept (``pending``) and raised by the next ``__anext__``, so the
+    caller that owns failure handling (``Generation``: retry, migrate) sees it exactly as if it had read it."""
+
+    def __init__(self, client: WorkerClient, url: str, body: dict, wait: Wait) -> None:
+        self.client = client
+        self.url = url
+        self.body = body
+        self.wait = wait
+        self.buf = b""
+        self.pending: WorkerError | None = None
+        self._resp: aiohttp.ClientResponse | None = None
+        self._dog: _Watchdog | None = None
+        self._finished = False
+
+    def __aiter__(self) -> WorkerStream:
+        return self
+
+    async def _open(self) -> aiohttp.ClientResponse:
+        url, wait = self.url, self.wait
+        t0 = time.perf_counter()
+        try:
+            resp = self._resp = await self.client._post(url, "/v1/completions", self.body)
+        finally:
+            wait.seconds += time.perf_counter() - t0
+        # aiohttp's sock_read timer (the wait for the answer's head) would be cancelled and scheduled anew on every
+        # chunk received: the body's idle timeout is one _Watchdog instead
+        proto = resp.connection.protocol if resp.connection is not None else None
+        if proto is not None:
+            proto.read_timeout = None
+        dog = self._dog = _Watchdog(resp, self.client.idle_timeout_s)
+        if resp.status != 200:
+            t0 = dog.since = time.perf_counter()
+            try:
+                raise await self.client._error_from(url, resp)
+            finally:
+                dog.since = None
+                wait.seconds += time.perf_counter() - t0
+        return resp
+
+    async def fill(self) -> bool:
+        """Read what the worker sent next onto ``buf``; False (the failure kept in ``pending``) when the read
+        failed or the stream ended."""
+        resp, dog, url = self._resp, self._dog, self.url
+        assert resp is not None and dog is not None
+        t0 = dog.since = time.perf_counter()
+        try:
+            data = await resp.content.readany()
+            if not data:
+                raise WorkerError(url, "closed", "stream ended without [DONE]")
+        except asyncio.TimeoutError:
+            self.pending = WorkerError(url, "timeout", f"stream silent for {self.client.idle_timeout_s} s")
+            return False
+        except aiohttp.ClientError as e:
+            self.pending = WorkerError(url, "closed", f"stream broken: {e}")
+            return False
+        except WorkerError as e:
+            self.pending = e
+            return False
+        finally:
+            dog.since = None
+            self.wait.seconds += time.perf_counter() - t0
+        self.buf += data
+        return True
+
+    @property
+    def reader(self) -> aiohttp.StreamReader | None:
+        """aiohttp's reader of the body (None before the answer's head)."""
+        return self._resp.content if self._resp is not None else None
+
+    @property
+    def watchdog(self) -> _Watchdog | None:
+        return self._dog
+
+    def fill_nowait(self) -> bool | None:
+        """Move what the reader holds already onto ``buf`` without waiting: True when something came, None when
+        nothing is there yet, False when the stream failed or ended (the failure kept in ``pending``)."""
+        reader = self.reader
+        assert reader is not None
+        try:
+            data = reader.read_nowait()
+        except asyncio.TimeoutError:
+            self.pending = WorkerError(self.url, "timeout", f"stream silent for {self.client.idle_timeout_s} s")
+            return False
+        except aiohttp.ClientError as e:
+            self.pending = WorkerError(self.url, "closed", f"stream broken: {e}")
+            return False
+        if data:
+            self.buf += data
+            return True
+        if reader.is_eof():
+            self.pending = WorkerError(self.url, "closed", "stream ended without [DONE]")
+            return False
+        return None
+
+    async def __anext__(self) -> dict:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            if self._resp is None:
+                await self._open()
+            while True:
+                buf = self.buf
+                end = buf.find(b"\n\n")
+                if end < 0:
+                    if self.pending is None and await self.fill():
+                        continue
+                    err, self.pending = self.pending, None
+                    assert err is not None
+                    raise err
+                event, self.buf = buf[:end], buf[end + 2:]
+                payload = _sse_data(event)
+                if payload is None:
+                    continue
+                if payload == b"[DONE]":
+                    assert self._resp is not None
+                    self._resp.release()  # complete: keep the connection for reuse
+                    await self.aclose()
+                    raise StopAsyncIteration
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    raise WorkerError(self.url, "protocol", f"bad SSE event: {payload[:200]!r}") from None
+                if not isinstance(obj, dict):
+                    raise WorkerError(self.url, "protocol", f"SSE event is not an object: {payload[:200]!r}")
+                if "error" in obj:
+                    raise WorkerError(self.url, "stream_error", str(obj["error"]), None, obj)
+                return obj
+        except WorkerError:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop the stream: an unfinished one's connection is dropped, so vLLM aborts the request."""
+        self._finished = True
+        if self._dog is not None:
+            self._dog.stop()
+        if self._resp is not None:
+            self._resp.close()  # no-op after release
 
 
 class _Watchdog:

@@ -1,0 +1,300 @@
+"""The pass-through path: a worker's plain streamed events relayed to the client as bytes.
+
+Once a choice's first chunk is out and nothing needs the per-token transform (one choice, no stop strings, no
+logprobs, tools or continuous usage, the worker's own text: not a P -> D hand-off nor a migrated attempt, whose
+text the router's detokenizer makes), most of vLLM's events look alike::
+
+    data: {"id":...,"choices":[{"index":0,"text":"<json>","logprobs":null,"finish_reason":null,
+           "stop_reason":null,"prompt_token_ids":null,"token_ids":[<ids>]}]}
+
+:func:`plain_event` finds the raw JSON string of ``text`` and the raw ``token_ids`` list with ``bytes.find``
+(no ``json.loads``), and :class:`Relay` splices them into the router's prebuilt chunk (its own id, created and
+model), the very bytes ``ResponseBuilder.text_chunk`` writes, in one coroutine: read what the worker sent, rewrite
+every whole plain event in it, one write to the client. The first event that is not plain (a finish, usage, an
+error, anything unexpected) ends the relay with that event left unread, and the full path
+(``Generation._decode_stream``) takes over from it; so does a failed read (kept by the stream and raised on the
+full path: retry, migration) and the request's deadline (``Generation._expire``).
+
+Token ids are still parsed (``int`` per id), because usage, the conductor's progress and migration need them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import StreamReader, web
+
+from .workers import WorkerStream
+
+if TYPE_CHECKING:
+    from .handoff import Generation
+
+_CHOICES = b'"choices":[{"index":0,"text":'
+_TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
+_END = b"]}]}"
+
+
+def plain_event(event: bytes) -> tuple[bytes, bytes] | None:
+    """(the raw JSON string of ``text``, quotes included; the raw ``token_ids`` list, brackets included) of one of
+    vLLM's plain streamed completion events (``data: {...}`` without the blank line), or None for any other event.
+
+    Inside a JSON string a quote is always escaped, so neither marker can occur inside the text: the text is the
+    bytes between them, as vLLM (pydantic) encoded it, which is what ``json.dumps(text, ensure_ascii=False)``
+    writes (checked in tests/unit/test_router_relay.py against vLLM's own response classes)."""
+    if not event.startswith(b"data: {") or not event.endswith(_END):
+        return None
+    c = event.find(_CHOICES)
+    if c < 0:
+        return None
+    start = c + len(_CHOICES)
+    t = event.find(_TAIL, start)
+    if t < 0:
+        return None
+    text = event[start:t]
+    ids = event[t + len(_TAIL) - 1:-3]
+    if len(text) < 2 or text[0] != 0x22 or text[-1] != 0x22 or ids[-1:] != b"]":
+        return None
+    digits = ids[1:-1]
+    if digits and (not digits.replace(b",", b"").isdigit() or b",," in digits or digits[0] == 0x2C
+                   or digits[-1] == 0x2C):
+        return None
+    return text, ids
+
+
+def parse_ids(raw: bytes, into: list[int]) -> int:
+    """Append the ids of a raw ``[1,2]`` list to ``into``; return how many."""
+    if len(raw) <= 2:
+        return 0
+    ids = [int(x) for x in raw[1:-1].split(b",")]
+    into.extend(ids)
+    return len(ids)
+
+
+_WRITE_LIMIT = 1 << 16  # the client's unsent bytes past which the relay waits for it (coroutine path)
+_END_CHUNK = b"}]}\n\n"
+_INLINE: dict[int, Relay] = {}  # id(reader) -> the relay that takes its data in the socket callback
+
+
+class _RelayingReader(StreamReader):
+    """aiohttp's body reader, taking the data itself while a relay is inline (``_INLINE``): whole plain events go
+    to the client from the socket callback, without waking the request's task. The first event that is not plain,
+    the end of the stream or its failure hands everything from there on to the reader as usual and wakes the task.
+    (A worker stream's reader gets this class only when a relay first goes inline; same slots, no state of its
+    own.)"""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        relay = _INLINE.get(id(self))
+        if relay is None or not data:
+            return super().feed_data(data, size)
+        rest = relay.feed(data)
+        return super().feed_data(rest, size) if rest else False
+
+    def feed_eof(self) -> None:
+        relay = _INLINE.get(id(self))
+        if relay is not None:
+            relay.release(self)
+        super().feed_eof()
+
+    def set_exception(self, *args: Any, **kw: Any) -> None:
+        relay = _INLINE.get(id(self))
+        if relay is not None:
+            relay.release(self)
+        super().set_exception(*args, **kw)
+
+
+class Relay:
+    """One pass-through stretch of a choice's stream, offered by ``Generation._decode_stream`` (as a
+    :class:`~.handoff.Delta` with ``relay`` set) and run by the answer (``answer.stream``).
+
+    What the worker's reader holds already is rewritten and written from the task (coroutine path); then, while the
+    client keeps up, the relay goes *inline*: the socket callback rewrites each read and writes it to the client's
+    transport (one event-loop iteration per read, no task wake-up, no aiohttp writer), and the task sleeps until the
+    first event that is not plain, the stream's end or failure, the deadline, or the client leaving."""
+
+    __slots__ = ("gen", "stream", "relayed", "tokens", "head", "tail", "with_ids", "transport", "chunked", "partial",
+                 "woken", "busy")
+
+    def __init__(self, gen: Generation, stream: WorkerStream) -> None:
+        self.gen = gen
+        self.stream = stream
+        self.relayed = 0  # events passed through
+        self.tokens = 0
+        self.head = self.tail = self.partial = b""
+        self.with_ids = False
+        self.transport: asyncio.Transport | None = None
+        self.chunked = False
+        self.woken: asyncio.Future[None] | None = None
+        self.busy = 0.0  # seconds spent in the socket callback (inline), not waiting on the worker
+
+    def _rewrite(self, buf: bytes) -> tuple[bytes, int, bool]:
+        """(the client's bytes for the whole plain events at the start of ``buf``, where they end, whether an event
+        that is not plain comes next); counts their tokens."""
+        head, tail, with_ids = self.head, self.tail, self.with_ids
+        token_ids = self.gen.token_ids
+        pos = 0
+        out: list[bytes] = []
+        n = 0
+        stop = False
+        while True:
+            end = buf.find(b"\n\n", pos)
+            if end < 0:
+                break
+            parts = plain_event(buf[pos:end])
+            if parts is None:
+                stop = True
+                break
+            text, ids = parts
+            n += parse_ids(ids, token_ids)
+            out.append(head + text + tail + ids + _END_CHUNK if with_ids else head + text + tail + _END_CHUNK)
+            pos = end + 2
+        if not out:
+            return b"", pos, stop
+        self.relayed += len(out)
+        if n:
+            self.tokens += n
+            t = self.gen.t
+            t.tokens += n
+            t.relayed += n
+            now = t.last_token = time.perf_counter()
+            ticket = self.gen.ticket
+            if ticket is not None:
+                ticket.progress(t.tokens, now)
+        return out[0] if len(out) == 1 else b"".join(out), pos, stop
+
+    async def run(self, resp: web.StreamResponse, transport: asyncio.Transport | None, head: bytes, tail: bytes,
+                  with_ids: bool) -> int:
+        """Pass plain events through as ``head + text + tail [+ ids] + "}]}\\n\\n"``; return the tokens relayed.
+        Returns at the first event that is not plain (left unread), a failed read (kept by the stream), the
+        request's deadline or the client leaving (raised)."""
+        self.head, self.tail, self.with_ids = head, tail, with_ids
+        self.transport = transport
+        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        gen, stream = self.gen, self.stream
+        t = gen.t
+        while True:
+            buf = stream.buf
+            out, pos, stop = self._rewrite(buf)
+            if pos:
+                stream.buf = buf[pos:]
+            if out:
+                t0 = time.perf_counter()
+                await resp.write(out)
+                t.client.seconds += time.perf_counter() - t0
+            if stop or gen._expired:
+                return self.tokens
+            got = stream.fill_nowait()
+            if got:
+                continue
+            if got is False:
+                return self.tokens
+            if not await (self._inline(resp) if self._can_inline() else self._fill()):
+                return self.tokens
+
+    def _can_inline(self) -> bool:
+        tr = self.transport
+        return tr is not None and not tr.is_closing() and tr.get_write_buffer_size() < _WRITE_LIMIT \
+            and type(self.stream.reader) in (StreamReader, _RelayingReader) and self.stream.watchdog is not None
+
+    def _guarded_cancel(self, task: asyncio.Task | None) -> bool:
+        """On a CancelledError while awaiting the worker: True when it was the request's deadline alone
+        (``Generation._expire``), which ends the relay; the full path then raises the 504."""
+        gen = self.gen
+        if gen._cancelled and task is not None:
+            gen._cancelled = False
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 takes it as ours
+            return uncancel is None or uncancel() == 0  # ours alone (not also the client's or the server's)
+        return False
+
+    async def _fill(self) -> bool:
+        """Read more from the worker within the request's deadline: ``Generation._expire`` cancels this task while
+        it awaits here (as it does in ``Generation._next``)."""
+        gen = self.gen
+        task = gen._waiter = asyncio.current_task()
+        try:
+            return await self.stream.fill()
+        except asyncio.CancelledError:
+            if self._guarded_cancel(task):
+                return False
+            raise
+        finally:
+            gen._waiter = None
+
+    async def _inline(self, resp: web.StreamResponse) -> bool:
+        """Relay from the socket callback (:class:`_RelayingReader`) until it hands back; False at the deadline."""
+        gen, stream = self.gen, self.stream
+        reader, dog = stream.reader, stream.watchdog
+        assert reader is not None and dog is not None
+        if type(reader) is StreamReader:
+            reader.__class__ = _RelayingReader
+        self.partial, stream.buf = stream.buf, b""
+        self.woken = asyncio.get_running_loop().create_future()
+        self.busy = 0.0
+        _INLINE[id(reader)] = self
+        task = gen._waiter = asyncio.current_task()
+        t0 = dog.since = time.perf_counter()
+        try:
+            await self.woken
+            return True
+        except asyncio.CancelledError:
+            if self._guarded_cancel(task):
+                return False
+            raise
+        finally:
+            gen._waiter = None
+            dog.since = None
+            if _INLINE.pop(id(reader), None) is not None:  # ended from this side: the partial event stays ours
+                stream.buf = self.partial + stream.buf
+                self.partial = b""
+            stream.wait.seconds += time.perf_counter() - t0 - self.busy
+            self.woken = None
+            tr = self.transport
+            if tr is not None and tr.get_write_buffer_size() >= _WRITE_LIMIT and not tr.is_closing():
+                with warnings.catch_warnings():  # aiohttp deprecates drain; write() would not wait for our bytes
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    await resp.drain()
+
+    def feed(self, data: bytes) -> bytes:
+        """Inline: the worker's next bytes. Relays the whole plain events and keeps a partial one; returns the bytes
+        for the reader (from the first event that is not plain on) when the relay hands back, else b""."""
+        t0 = time.perf_counter()
+        buf = self.partial + data if self.partial else data
+        tr = self.transport
+        assert tr is not None
+        if tr.is_closing():  # the client is gone: the task is being cancelled
+            self._hand_back()
+            return buf
+        out, pos, stop = self._rewrite(buf)
+        if out:
+            tr.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+        if stop or self.gen._expired or tr.get_write_buffer_size() >= _WRITE_LIMIT:
+            self._hand_back()
+            rest = buf[pos:]
+        else:
+            self.partial = buf[pos:]
+            rest = b""
+        now = time.perf_counter()
+        dog = self.stream.watchdog
+        if dog is not None and dog.since is not None:
+            dog.since = now  # the worker is not silent
+        self.busy += now - t0
+        return rest
+
+    def _hand_back(self) -> None:
+        self.partial = b""
+        reader = self.stream.reader
+        if reader is not None:
+            _INLINE.pop(id(reader), None)
+        if self.woken is not None and not self.woken.done():
+            self.woken.set_result(None)
+
+    def release(self, reader: StreamReader) -> None:
+        """The stream ends or fails while inline: give the reader the partial event, then wake the task."""
+        partial = self.partial
+        self._hand_back()
+        if partial:
+            StreamReader.feed_data(reader, partial)

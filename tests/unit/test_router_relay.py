@@ -1,0 +1,304 @@
+"""The pass-through path (pdserve.router.relay) against a fake worker that writes vLLM's exact streamed bytes: the
+client gets the same bytes as through the per-token path, and migration, deadlines and a client leaving still work
+while events are relayed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdserve.router import relay as relay_mod
+from pdserve.router.protocol import parse_completion
+from pdserve.router.relay import parse_ids, plain_event
+from pdserve.router.response import ResponseBuilder
+from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
+
+TRICKY = {15: ' "q"\n', 16: " é\u2028\x01\\", 17: " \t</s>\x7f", 18: "", 19: " 😀/"}
+
+
+def vllm_chunk(index: int, text: str, finish: str | None, stop_reason: Any, prompt_ids: list[int] | None,
+               token_ids: list[int] | None) -> bytes:
+    """One streamed completion event as vLLM 0.32 writes it (``CompletionStreamResponse.model_dump_json(
+    exclude_unset=True)`` with every choice field set, in its field order)."""
+    from pydantic import BaseModel
+
+    class Choice(BaseModel):
+        index: int
+        text: str
+        logprobs: Any = None
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
+        prompt_token_ids: list[int] | None = None
+        token_ids: list[int] | None = None
+
+    class Chunk(BaseModel):
+        id: str
+        object: str
+        created: int
+        model: str
+        choices: list[Choice]
+
+    c = Chunk(id="cmpl-x1", object="text_completion", created=1700000000, model="worker-model",
+              choices=[Choice(index=index, text=text, logprobs=None, finish_reason=finish, stop_reason=stop_reason,
+                              prompt_token_ids=prompt_ids, token_ids=token_ids)])
+    return b"data: " + c.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+
+
+class VllmShapedWorker(FakeWorker):
+    """FakeWorker whose streams are vLLM's bytes (compact pydantic JSON, the first event with prompt_token_ids, a
+    usage event, [DONE]). ``stall_after``: go silent for 5 s after that many tokens."""
+
+    def __init__(self, name: str, stall_after: int | None = None, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.stall_after = stall_after
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return await super().completions(request)
+        self.requests.append(body)
+        prompt = body["prompt"]
+        gen = self.generate(prompt, body.get("max_tokens", 16), body.get("stop") or [], body.get("ignore_eos", False))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = 0
+        try:
+            for t, piece, finish, stop_reason in gen:
+                if self.die_after is not None and n == self.die_after:
+                    request.transport.close()
+                    return resp
+                if self.stall_after is not None and n == self.stall_after:
+                    await asyncio.sleep(5)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                await resp.write(vllm_chunk(0, piece, finish, stop_reason, prompt if n == 0 else None, [t]))
+                n += 1
+            usage = {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "worker-model",
+                     "choices": [], "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n,
+                                              "completion_tokens": n}}
+            await resp.write(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n")
+            self.finished += 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()
+            raise
+        return resp
+
+
+def test_plain_event_is_the_builders_text_chunk_byte_for_byte():
+    for chat in (False, True):
+        for rti in (False, True):
+            body: dict[str, Any] = {"prompt": "a", "stream": True, "return_token_ids": rti}
+            req = parse_completion(body)
+            if chat:
+                req.kind = "chat"
+            b = ResponseBuilder(req, "tiny")
+            for index in (0, 3):
+                head, tail = b.relay_parts(index)
+                for text in [*TRICKY.values(), "plain", '","logprobs":null,"finish_reason":null']:
+                    for ids in ([7], [7, 8, 9], []):
+                        got = plain_event(vllm_chunk(0, text, None, None, None, ids)[:-2])
+                        assert got is not None, text
+                        raw_text, raw_ids = got
+                        assert json.loads(raw_text) == text and json.loads(raw_ids) == ids
+                        spliced = head + raw_text + tail + (raw_ids if rti else b"") + b"}]}\n\n"
+                        assert spliced == b.text_chunk(text, ids, index)
+                        into: list[int] = []
+                        assert parse_ids(raw_ids, into) == len(ids) and into == ids
+
+
+def test_events_that_are_not_plain_go_the_full_path():
+    not_plain = [
+        vllm_chunk(0, "x", "length", None, None, [7]),  # a finish
+        vllm_chunk(0, "x", None, None, [1, 2], [7]),  # the first event: prompt ids
+        vllm_chunk(1, "x", None, None, None, [7]),  # another choice
+        vllm_chunk(0, "x", None, None, None, None),  # no token ids
+        b'data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens"'
+        b':1,"total_tokens":2,"completion_tokens":1}}\n\n',
+        b'data: {"error":{"message":"boom"}}\n\n',
+        b"data: [DONE]\n\n",
+        b": keep-alive\n\n",
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b'"logprobs":null', b'"logprobs":{"tokens":["x"]}'),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b"]}]}", b']}],"kv_transfer_params":{}}'),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b"[7]", b"[7,,8]"),
+    ]
+    for ev in not_plain:
+        assert plain_event(ev[:-2]) is None, ev
+
+
+def _normalized(chunks: list[str]) -> list[str]:
+    out = []
+    for c in chunks:
+        c = re.sub(r'"id":"[^"]*"', '"id":"ID"', c)
+        c = re.sub(r'"created":\d+', '"created":0', c)
+        c = re.sub(r'"pdserve_timings":\{[^}]*\}', '"pdserve_timings":{}', c)
+        out.append(c)
+    return out
+
+
+def _count_relays(monkeypatch, entered: list[int] | None = None) -> list[int]:
+    """Wrap Relay.run: the tokens of every relayed stretch that returned (``entered``: one entry per start)."""
+    stretches: list[int] = []
+    real = relay_mod.Relay.run
+
+    async def counted(self, *a: Any) -> int:
+        if entered is not None:
+            entered.append(1)
+        n = await real(self, *a)
+        stretches.append(n)
+        return n
+
+    monkeypatch.setattr(relay_mod.Relay, "run", counted)
+    return stretches
+
+
+def _count_inline(monkeypatch) -> list[int]:
+    """Wrap Relay.feed and Relay.release: one entry per read relayed from the socket callback (1) or stream end
+    or failure met there (0)."""
+    calls: list[int] = []
+    feed, release = relay_mod.Relay.feed, relay_mod.Relay.release
+
+    def fed(self, data: bytes) -> bytes:
+        calls.append(1)
+        return feed(self, data)
+
+    def released(self, reader: Any) -> None:
+        calls.append(0)
+        release(self, reader)
+
+    monkeypatch.setattr(relay_mod.Relay, "feed", fed)
+    monkeypatch.setattr(relay_mod.Relay, "release", released)
+    return calls
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypatch, endpoint):
+    w = VllmShapedWorker("C", texts=TRICKY, delay_s=0.002)
+    body: dict[str, Any] = {"max_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
+                            "return_token_ids": True}
+    if endpoint == "/v1/completions":
+        body["prompt"] = "a"
+    else:
+        body["messages"] = [{"role": "user", "content": "a"}]
+    stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with Env(model_dir, tokenizer, colocated=[w]) as env:
+            st, relayed = await env.stream(endpoint, body, headers={"X-Pdserve-Timings": "1"})
+            assert st == 200
+            monkeypatch.setattr(relay_mod, "plain_event", lambda ev: None)  # every event the full path
+            st, full = await env.stream(endpoint, body, headers={"X-Pdserve-Timings": "1"})
+            assert st == 200
+            return relayed, full
+
+    relayed, full = run(main())
+    timings = json.loads(relayed[-1])["pdserve_timings"]
+    assert sum(stretches) == timings["relayed_tokens"] == 14  # all but the first event and the finish
+    assert json.loads(relayed[-1])["usage"]["completion_tokens"] == 16
+    assert _normalized(relayed) == _normalized(full)
+    assert inline.count(1) >= 5  # most reads relayed from the socket callback
+    assert not relay_mod._INLINE
+    text = "".join((json.loads(c)["choices"] or [{}])[0].get("text") or
+                   ((json.loads(c)["choices"] or [{}])[0].get("delta") or {}).get("content") or "" for c in relayed)
+    assert ' "q"\n' in text and "😀" in text
+
+
+def test_worker_dies_while_relaying_the_request_migrates(model_dir, tokenizer, monkeypatch):
+    a, b = VllmShapedWorker("A", die_after=4, delay_s=0.01), VllmShapedWorker("B")
+    stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
+
+    async def main() -> None:
+        async with Env(model_dir, tokenizer, colocated=[a, b], policy="round_robin") as env:
+            st, chunks = await env.stream("/v1/completions", {"prompt": "a", "max_tokens": 10, "stream": True,
+                                                              "stream_options": {"include_usage": True}})
+            assert st == 200 and not any("error" in json.loads(c) for c in chunks)
+            text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if json.loads(c)["choices"])
+            assert text == " b c w15 w16 w17 w18 w19 w20 w21 w22"
+            assert json.loads(chunks[-1])["usage"]["completion_tokens"] == 10
+            assert b.requests[-1]["prompt"][-4:] == [13, 14, 15, 16] and b.requests[-1]["max_tokens"] == 6
+            _, metrics = await env.get("/metrics")
+            assert 'pdserve_router_migrations_total{role="colocated"} 1.0' in metrics
+
+    run(main())
+    assert stretches and stretches[0] == 3  # tokens 2-4 relayed, then A's stream broke
+    assert 0 in inline and not relay_mod._INLINE  # the break met inline
+
+
+def test_deadline_while_relaying(model_dir, tokenizer, monkeypatch):
+    w = VllmShapedWorker("C", stall_after=3, delay_s=0.01)
+    stretches = _count_relays(monkeypatch)
+    inline = _count_inline(monkeypatch)
+
+    async def main() -> None:
+        async with Env(model_dir, tokenizer, colocated=[w], request_timeout_s=0.8) as env:
+            st, chunks = await env.stream("/v1/completions", {"prompt": "a", "max_tokens": 8, "stream": True})
+            assert st == 200
+            err = json.loads(chunks[-1])
+            assert err["error"]["code"] == "request_timeout"
+            await asyncio.wait_for(w.aborted.wait(), 5)  # the worker's stream closed: vLLM frees its KV
+            _, metrics = await env.get("/metrics")
+            assert 'pdserve_router_deadline_exceeded_total{deadline="request"} 1.0' in metrics
+
+    run(main())
+    assert stretches == [2] and inline.count(1) >= 1 and not relay_mod._INLINE
+
+
+def test_client_leaving_while_relaying_closes_the_worker_stream(model_dir, tokenizer, monkeypatch):
+    w = VllmShapedWorker("C", delay_s=0.05)
+    entered: list[int] = []
+    stretches = _count_relays(monkeypatch, entered)
+
+    async def main() -> None:
+        async with Env(model_dir, tokenizer, colocated=[w]) as env:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(env.url + "/v1/completions",
+                                  json={"prompt": "a", "max_tokens": 40, "stream": True}) as r:
+                    got = b""
+                    while got.count(b"\n\n") < 4:
+                        got += await r.content.readany()
+            await asyncio.wait_for(w.aborted.wait(), 5)
+            assert w.finished == 0
+
+    run(main())
+    assert entered == [1] and stretches == []  # the client left while the relay ran
+    assert not relay_mod._INLINE
+
+
+def test_slow_client_gets_every_byte(model_dir, tokenizer, monkeypatch):
+    """Past 64 KiB unsent to the client the relay stops writing from the socket callback and waits for the client;
+    nothing is lost or reordered."""
+    big = {t: f" {t}" + "x" * 300000 for t in range(5, 100)}  # 12 MB: more than the sockets buffer
+    w = VllmShapedWorker("C", texts=big)
+    stretches = _count_relays(monkeypatch)
+    drains: list[int] = []
+    real_drain = web.StreamResponse.drain
+
+    async def drain(self: web.StreamResponse) -> None:
+        drains.append(1)
+        await real_drain(self)
+
+    monkeypatch.setattr(web.StreamResponse, "drain", drain)
+
+    async def main() -> None:
+        async with Env(model_dir, tokenizer, colocated=[w]) as env:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(env.url + "/v1/completions",
+                                  json={"prompt": "a", "max_tokens": 40, "stream": True}) as r:
+                    first = await r.content.readany()
+                    await asyncio.sleep(0.5)  # the router's writes back up meanwhile
+                    raw = (first + await r.read()).decode()
+            events = [e[len("data: "):] for e in raw.split("\n\n") if e]
+            assert events[-1] == "[DONE]"
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+            want = "".join(big[5 + (12 - 4 + k) % 95] for k in range(40))
+            assert text == want
+
+    run(main())
+    assert sum(stretches) == 38 and drains  # it did wait for the client
