@@ -170,11 +170,8 @@ class Conductor:
             p = self._pick_rr("prefill", prefill)
         else:
             p = min(prefill, key=lambda w: (w.queued_prefill_tokens(), len(w.prefills), w.worker_id))
+        d = self._baseline_decode(decode, now)
         cached = self._own_cached(req, p)
-        if decode == [p]:  # a both-role worker is never D of its own prefill (see _conduct)
-            return self._whole_on(req, p, now, self.index.prefix_lengths(req.block_keys),
-                                  f"{self.config.policy}: the prefill worker is the only decode worker")
-        d = self._baseline_decode([w for w in decode if w is not p] or decode, now)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
                         tpot_s=self._tpot(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
@@ -265,11 +262,6 @@ class Conductor:
         options = self._prefill_options(req, prefill, prefix, now)
         best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
         at = now + best.ttft_s
-        # a worker that can both prefill and decode (role "both") is never D of its own prefill: it runs the
-        # request locally when it is the only decode worker
-        decode = [d for d in decode if d is not best.worker] or decode
-        if decode == [best.worker]:
-            return self._whole_on(req, best.worker, now, prefix, "the prefill worker is the only decode worker")
         fitting = [d for d in decode if self._fits(d, req, now)]
         tpots = {w.worker_id: self._tpot(w, now, at, req) for w in (fitting or decode)}
         d = self.workers[min(tpots, key=lambda wid: (tpots[wid], wid))]
@@ -280,17 +272,6 @@ class Conductor:
         local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
         return self._reject_reason(chosen, decode, fits=bool(fitting)) or chosen
-
-    def _whole_on(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int], why: str
-                  ) -> Decision:
-        """The whole request on w (kind "local"); the conductor rejects it when it misses a target, the
-        baselines never reject."""
-        ttft, cached = self._local_ttft(req, w, now, prefix)
-        d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
-                     req), cached_tokens=cached, reason=why)
-        if self.config.policy != "conductor":
-            return d
-        return self._reject_reason(d, [w], fits=self._fits(w, req, now)) or d
 
     def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float,
                       prefix: dict[str, int]) -> Decision | None:
