@@ -8,6 +8,8 @@ started ONCE through the launcher (``pdserve.launcher.Cluster``) and then given,
 2. ``conv``: the packaged conversation trace scaled (``--conv-spec``: input x0.05, output x0.1, bursts
    spread), at ``--conv-rate`` (default: 70% of the first configuration's probed capacity, times the ratio of
    the mixed workload's mean prompt to the trace's, so both load the prefill side alike).
+   Before each workload the script waits (bounded) for the shared machine's CPU to be quiet, and any workload
+   cuts the requests arriving after ``--max-span-s``.
 3. ``short``: ``--short-spec`` (docs/bench.md's short-prompt workload: Poisson 1 req/s, 64-token prompts, 32
    output tokens).
 4. ``mixed``: Poisson arrivals, ``--long-frac`` of the prompts ``--long`` tokens (+-7%), the rest ``--short``
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.compare import CompareSettings, launcher_config
-from pdserve.bench.matrix import LoadSampler, elastic_goals, handoff_stats
+from pdserve.bench.matrix import LoadSampler, elastic_goals, handoff_stats, wait_for_quiet
 from pdserve.bench.metrics import SLO, goodput, phase_summary, summarize
 from pdserve.bench.prom import delta, scrape
 from pdserve.bench.runner import RunOptions, RunResult, run
@@ -95,7 +97,9 @@ class Matrix:
         self.results: dict[str, dict[str, Any]] = {}
         self.meta: dict[str, dict[str, Any]] = {}
 
-    def timed_run(self, cluster: Any, wl: Workload, span_s: float) -> tuple[RunResult, dict[str, Any]]:
+    def timed_run(self, cluster: Any, wl: Workload, span_s: float,
+                  quiet_wait_s: float = 0.0) -> tuple[RunResult, dict[str, Any]]:
+        quiet = wait_for_quiet(self.a.quiet_busy, quiet_wait_s) if quiet_wait_s > 0 else {}
         dec0, kv0 = _decisions(cluster.router_url), _kv(cluster.worker_urls())
         t0 = time.monotonic()
         opts = RunOptions(url=cluster.router_url, model=cluster.model_name, progress=True,
@@ -114,6 +118,7 @@ class Matrix:
         if reads:
             s["kv_read_mean_ms"] = round(kv.get("vllm:pdserve_kv_read_seconds_sum", 0.0) * 1e3 / reads, 2)
         s.update(self.load.window(t0, t1))
+        s.update(quiet)
         s["truncated"] = res.truncated
         errs = [r.error for r in res.records if not r.ok]
         if errs:
@@ -147,7 +152,7 @@ def run_config(name: str, m: Matrix, rates: dict[str, Any]) -> None:
         per: dict[str, Any] = {}
         probe = mixed_workload(a.probe_requests, 1.0, a.long, a.short, a.long_frac, a.output, vocab, seed=100,
                                concurrency=a.probe_concurrency, name="probe")
-        res, s = m.timed_run(c, probe, a.probe_max_s)
+        res, s = m.timed_run(c, probe, a.probe_max_s, quiet_wait_s=a.quiet_wait_probe_s)
         m.save(name, res)
         per["probe"] = s
         log(f"probe: {s['req_per_s']} req/s closed loop ({a.probe_concurrency} clients)")
@@ -171,8 +176,9 @@ def run_config(name: str, m: Matrix, rates: dict[str, Any]) -> None:
             if label not in a.workloads.split(","):
                 continue
             wl.name = label
+            wl.sessions = [x for x in wl.sessions if x.arrival_s <= a.max_span_s]  # a slow probe's low rate
             log(f"{label}: {wl.num_requests} requests at {wl.offered_rate or 0:.3f} req/s")
-            res, s = m.timed_run(c, wl, _span(wl))
+            res, s = m.timed_run(c, wl, _span(wl), quiet_wait_s=a.quiet_wait_s)
             s["offered_rate"] = round(wl.offered_rate or 0.0, 4)
             s["input_mean"] = round(float(wl.info.get("input_mean") or 0.0), 1)
             m.save(name, res)
@@ -258,6 +264,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conv-spec", default="trace:input_scale=0.05,output_scale=0.1,requests=30,spread=1")
     p.add_argument("--conv-rate", type=float, default=None)
     p.add_argument("--short-spec", default="poisson:rate=1,input=64,output=32,requests=30")
+    p.add_argument("--max-span-s", type=float, default=240.0,
+                   help="requests arriving later than this are left out (bounds a run whose rate came out low)")
+    p.add_argument("--quiet-busy", type=float, default=0.4,
+                   help="before a workload, wait for the machine's CPU to be at most this busy (shared machine)")
+    p.add_argument("--quiet-wait-probe-s", type=float, default=150.0, help="the longest wait before a probe")
+    p.add_argument("--quiet-wait-s", type=float, default=45.0, help="the longest wait before other workloads")
     p.add_argument("--tail-s", type=float, default=30.0, help="sending stops this long after the last arrival")
     p.add_argument("--drain-s", type=float, default=60.0, help="then in-flight requests get this long")
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0)

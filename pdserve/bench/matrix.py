@@ -157,3 +157,43 @@ def elastic_goals(results: dict[str, dict[str, Any]], elastic: str, mixed: str,
     flags = [g["met"] for g in mixed_goals.values() if isinstance(g, dict)] + [g["met"] for g in per_wl.values()]
     out["all_met"] = None if any(f is None for f in flags) or not flags else all(flags)
     return out
+
+
+def parse_proc_stat(text: str) -> tuple[float, float]:
+    """(busy, total) jiffies from the aggregate ``cpu`` line of ``/proc/stat`` (idle and iowait are not busy)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            vals = [float(x) for x in parts[1:9]]
+            total = sum(vals)
+            return total - vals[3] - (vals[4] if len(vals) > 4 else 0.0), total
+    raise ValueError("no aggregate 'cpu' line in /proc/stat")
+
+
+def _read_proc_stat() -> str:
+    with open("/proc/stat") as f:
+        return f.read()
+
+
+def cpu_busy(interval_s: float = 3.0, read: Callable[[], str] = _read_proc_stat,
+             sleep: Callable[[float], None] = time.sleep) -> float | None:
+    """The machine's busy fraction (all cores) over ``interval_s``; None without ``/proc/stat``."""
+    try:
+        b0, t0 = parse_proc_stat(read())
+        sleep(interval_s)
+        b1, t1 = parse_proc_stat(read())
+    except (OSError, ValueError):
+        return None
+    return round((b1 - b0) / (t1 - t0), 3) if t1 > t0 else None
+
+
+def wait_for_quiet(max_busy: float, max_wait_s: float, busy: Callable[[], float | None] = cpu_busy,
+                   clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """Wait (up to ``max_wait_s``) until the machine is at most ``max_busy`` busy, so a measurement on a shared
+    machine starts in a quiet moment when there is one; returns how long it waited and the last busy fraction."""
+    t0 = clock()
+    last = busy()
+    while last is not None and last > max_busy and clock() - t0 < max_wait_s:
+        last = busy()
+    return {"quiet_wait_s": round(clock() - t0, 1), "busy_at_start": last,
+            "quiet": None if last is None else last <= max_busy}

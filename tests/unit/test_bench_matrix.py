@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.matrix import LoadSampler, best_by_goodput, elastic_goals, handoff_stats, parse_loadavg
+from pdserve.bench.matrix import (
+    LoadSampler,
+    best_by_goodput,
+    cpu_busy,
+    elastic_goals,
+    handoff_stats,
+    parse_loadavg,
+    parse_proc_stat,
+    wait_for_quiet,
+)
 from pdserve.bench.metrics import RequestRecord
 
 
@@ -101,3 +110,32 @@ def test_elastic_goals_zero_goodput_baseline(elastic: float, base: float, gain_m
     g = elastic_goals(res, "elastic2", "mixed", ["colocated1"], ["1p1d"])
     assert g["mixed_vs_best_colocated"]["goodput_req_per_s"]["met"] is gain_met
     assert g["goodput_vs_better_fixed"]["mixed"]["met"] is floor_met
+
+
+STAT = "cpu  {u} 0 {s} {i} {w} 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1\n"
+
+
+def test_parse_proc_stat_and_cpu_busy() -> None:
+    assert parse_proc_stat(STAT.format(u=10, s=5, i=80, w=5)) == (15.0, 100.0)
+    with pytest.raises(ValueError, match="cpu"):
+        parse_proc_stat("intr 1\n")
+    reads = iter([STAT.format(u=10, s=5, i=80, w=5), STAT.format(u=70, s=15, i=110, w=5)])
+    assert cpu_busy(1.0, read=lambda: next(reads), sleep=lambda s: None) == pytest.approx(70 / 100)
+
+
+def test_wait_for_quiet_stops_when_quiet_or_at_the_bound() -> None:
+    now = [0.0]
+
+    def busy_seq(vals: list[float]):  # type: ignore[no-untyped-def]
+        it = iter(vals)
+
+        def f() -> float:
+            now[0] += 3.0
+            return next(it)
+        return f
+
+    got = wait_for_quiet(0.4, 60.0, busy=busy_seq([0.9, 0.8, 0.3]), clock=lambda: now[0])
+    assert got == {"quiet_wait_s": 9.0, "busy_at_start": 0.3, "quiet": True}
+    now[0] = 0.0
+    got = wait_for_quiet(0.4, 5.0, busy=busy_seq([0.9, 0.9, 0.9]), clock=lambda: now[0])
+    assert got == {"quiet_wait_s": 6.0, "busy_at_start": 0.9, "quiet": False}
