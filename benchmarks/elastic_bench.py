@@ -42,7 +42,7 @@ import numpy as np
 
 from pdserve.bench.compare import CompareSettings, launcher_config
 from pdserve.bench.matrix import LoadSampler, elastic_goals, handoff_stats, wait_for_quiet
-from pdserve.bench.metrics import SLO, goodput, phase_summary, summarize
+from pdserve.bench.metrics import SLO, goodput, phase_summary, record_from_dict, summarize
 from pdserve.bench.prom import delta, scrape
 from pdserve.bench.runner import RunOptions, RunResult, run
 from pdserve.bench.workload import Session, Turn, Workload, build_workload
@@ -244,6 +244,26 @@ def goal_report(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return goals
 
 
+def summarize_raw(dirs: list[Path], slo: SLO, slo2: SLO) -> dict[str, dict[str, Any]]:
+    """Every configuration's summaries again from the raw records that runs with ``--out`` kept (``DIR/raw/
+    CONFIG__WORKLOAD.json``); the figures a run scraped (conductor decisions, KV reads, load) come from
+    ``DIR/results.json`` when that run finished, and are missing otherwise."""
+    results: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        done = json.loads((d / "results.json").read_text())["results"] if (d / "results.json").is_file() else {}
+        for f in sorted((d / "raw").glob("*__*.json")):
+            config, label = f.stem.split("__", 1)
+            raw = json.loads(f.read_text())
+            recs = [record_from_dict(r) for r in raw["records"]]
+            sm = {**done.get(config, {}).get(label, {}), **summarize(recs, raw["wall_s"], slo)}
+            sm["goodput2_req_per_s"] = goodput(recs, raw["wall_s"], slo2)["goodput_req_per_s"]
+            sm.update(handoff_stats(recs))
+            sm["modes"] = phase_summary(recs).get("modes", {})
+            sm["source"] = str(d)
+            results.setdefault(config, {})[label] = sm
+    return results
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="the first one's probe sets the rates")
@@ -276,12 +296,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--slo2-ttft-ms", type=float, default=10000.0, help="a relaxed second target pair")
     p.add_argument("--slo2-tpot-ms", type=float, default=200.0)
+    p.add_argument("--from-raw", default="", help="DIR[,DIR...]: start nothing; the tables, goals and JSON line "
+                   "again from the raw records of earlier runs' --out folders (a matrix run in parts)")
     p.add_argument("--out", default="", help="folder for results.json and every request's record")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if a.from_raw:
+        dirs = [Path(d) for d in a.from_raw.split(",")]
+        res = summarize_raw(dirs, SLO(a.slo_ttft_ms, a.slo_tpot_ms), SLO(a.slo2_ttft_ms, a.slo2_tpot_ms))
+        order = [c for c in a.configs.split(",") if c in res] + [c for c in res if c not in a.configs.split(",")]
+        res = {c: res[c] for c in order}
+        print_tables(res, ["probe", *a.workloads.split(",")])
+        meta = {str(d): json.loads((d / "results.json").read_text()).get("rates") for d in dirs
+                if (d / "results.json").is_file()}
+        print(json.dumps({"bench": "elastic_matrix", "merged_from": [str(d) for d in dirs], "rates": meta,
+                          "slo": [a.slo_ttft_ms, a.slo_tpot_ms], "slo_relaxed": [a.slo2_ttft_ms, a.slo2_tpot_ms],
+                          "results": res, "goals": goal_report(res)}))
+        return 0
     configs = a.configs.split(",")
     for name in configs:  # every name valid before the first start-up
         launcher_config(name, CompareSettings(model=a.model))
