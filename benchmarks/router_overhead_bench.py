@@ -44,6 +44,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from relay_floor import start_floor  # noqa: E402  (benchmarks/relay_floor.py, next to this file)
+
 # where the router's per-token work lives: group -> (file fragment, function-name fragment) pairs; built-ins
 # have the file "~" and their name in the function ("<method 'poll' of 'select.epoll' objects>")
 GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -99,81 +101,6 @@ def profiled_router(prof_path: str, timer: str, loop: str, router_argv: list[str
     from pdserve.router.__main__ import main as router_main
 
     return router_main(router_argv)
-
-
-# ----------------------------------------------------------------------------- the floor (child mode)
-
-def bare_relay(port: int, host: str, worker_port: int) -> int:
-    """A TCP relay in CPython asyncio, the lower bound of any Python router on this loop: every client connection
-    gets its own connection to the worker, and bytes go either way as they come (``asyncio.Protocol``, one
-    ``transport.write`` per ``data_received``; no HTTP parsing, no rewriting, no coroutine per token)."""
-
-    class Up(asyncio.Protocol):
-        def __init__(self, down: Down) -> None:
-            self.down = down
-
-        def data_received(self, data: bytes) -> None:
-            self.down.transport.write(data)
-
-        def connection_lost(self, exc: BaseException | None) -> None:
-            self.down.transport.close()
-
-    class Down(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)
-            self.transport = transport
-            self.up: asyncio.Transport | None = None
-            transport.pause_reading()
-            self.task = asyncio.ensure_future(self._connect())
-
-        async def _connect(self) -> None:
-            up, _ = await asyncio.get_running_loop().create_connection(lambda: Up(self), host, worker_port)
-            self.up = up
-            self.transport.resume_reading()
-
-        def data_received(self, data: bytes) -> None:
-            assert self.up is not None
-            self.up.write(data)
-
-        def connection_lost(self, exc: BaseException | None) -> None:
-            if self.up is not None:
-                self.up.close()
-
-    async def serve() -> None:
-        server = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
-        await server.serve_forever()
-
-    asyncio.run(serve())
-    return 0
-
-
-def start_floor(cluster: Any, out_dir: Path) -> tuple[subprocess.Popen, str]:
-    """The bare relay (:func:`bare_relay`) in front of the cluster's worker; returns (process, url) once a /health
-    through it answers 200."""
-    import urllib.parse
-    import urllib.request
-
-    from pdserve.procs import free_port
-
-    port = free_port()
-    w = urllib.parse.urlsplit(cluster.worker_urls()[0])
-    log = open(out_dir / "bare-relay.log", "wb")  # noqa: SIM115 - the process owns it until it ends
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bare-relay", str(port),
-                             w.hostname or "127.0.0.1", str(w.port)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"the bare relay did not start; see {log.name}")
-        time.sleep(0.2)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -416,8 +343,6 @@ def _model(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--bare-relay"]:
-        return bare_relay(int(argv[1]), argv[2], int(argv[3]))
     if argv[:1] == ["--profiled-router"]:
         sep = argv.index("--")
         return profiled_router(argv[1], argv[2], argv[3], argv[sep + 1:])
@@ -463,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
                 targets.insert(1, ("baseline", base_url, base.pid))
             if args.floor:
-                floor, floor_url = start_floor(cluster, out_dir)
+                floor, floor_url = start_floor(cluster.worker_urls()[0], out_dir)
                 targets.insert(1, ("floor", floor_url, floor.pid))
             say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
             runs = asyncio.run(alternate(targets, payload, args.requests))
