@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,30 +62,14 @@ def start_floor(worker_url: str, out_dir: Path) -> tuple[subprocess.Popen, str]:
     """The bare relay (:func:`bare_relay`) in front of the worker at ``worker_url``; returns (process, url) once
     a /health through it answers 200."""
     import urllib.parse
-    import urllib.request
 
-    from pdserve.procs import free_port
+    from pdserve.procs import free_port, spawn_healthy
 
     port = free_port()
     w = urllib.parse.urlsplit(worker_url)
-    log = open(out_dir / "bare-relay.log", "wb")  # noqa: SIM115 - the process owns it until it ends
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port),
-                             w.hostname or "127.0.0.1", str(w.port)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise RuntimeError(f"the bare relay did not start; see {log.name}")
-        time.sleep(0.2)
+    argv = [sys.executable, str(Path(__file__).resolve()), str(port), w.hostname or "127.0.0.1", str(w.port)]
+    child = spawn_healthy("bare-relay", argv, f"http://127.0.0.1:{port}", 60, log_path=out_dir / "bare-relay.log")
+    return child.proc, child.url
 
 
 if __name__ == "__main__":

@@ -241,30 +241,15 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 def start_router(cluster: Any, root: Path, out_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
     """A router process from the source tree ``root`` (e.g. an older commit's ``git archive``) in front of the
     cluster's worker; returns (process, url) once its /health answers 200."""
-    import urllib.request
-
-    from pdserve.procs import free_port
+    from pdserve.procs import free_port, spawn_healthy
 
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.router", "--model-dir", str(cluster.model_dir), "--colocated",
             cluster.worker_urls()[0], "--port", str(port), "--served-model-name", cluster.model_name,
             "--log-level", "warning"]
-    log = open(out_dir / f"router-{name}.log", "wb")  # noqa: SIM115 - the process owns it until it ends
-    proc = subprocess.Popen(argv, cwd=str(root), env=dict(os.environ, PYTHONPATH=str(root)), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"the {name} router did not start; see {log.name}")
-        time.sleep(0.2)
+    child = spawn_healthy(f"{name} router", argv, f"http://127.0.0.1:{port}", 120, cwd=str(root),
+                          env=dict(os.environ, PYTHONPATH=str(root)), log_path=out_dir / f"router-{name}.log")
+    return child.proc, child.url
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -281,7 +266,7 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
                 ) -> dict[str, Any]:
     """A second router in front of the same worker, on event loop ``loop``: its CPU per token over ``n`` requests
     unprofiled, then a cProfile of ``n`` more requests only."""
-    from pdserve.procs import free_port
+    from pdserve.procs import free_port, spawn_healthy
 
     port = free_port()
     prof = out_dir / f"router-{loop}.prof"
@@ -289,24 +274,10 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
     argv = [sys.executable, str(Path(__file__).resolve()), "--profiled-router", str(prof), timer, loop, "--",
             "--model-dir", str(cluster.model_dir), "--colocated", cluster.worker_urls()[0], "--port", str(port),
             "--served-model-name", cluster.model_name, "--log-level", "warning"]
-    log = open(out_dir / f"profiled-router-{loop}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    child = spawn_healthy("profiled router", argv, f"http://127.0.0.1:{port}", 120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), log_path=out_dir / f"profiled-router-{loop}.log")
+    proc, url = child.proc, child.url
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        import urllib.request
-
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"profiled router did not start; see {log.name}")
-            time.sleep(0.2)
         asyncio.run(through(url, payload, 2))  # warm-up, not profiled
         cpu: list[float] = []
         for _ in range(n):
@@ -327,7 +298,6 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
         return table
     finally:
         stop(proc)
-        log.close()
 
 
 # ----------------------------------------------------------------------------- main

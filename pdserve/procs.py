@@ -420,6 +420,20 @@ def wait_healthy(
         time.sleep(poll_s)
 
 
+def spawn_healthy(name: str, argv: Sequence[str], url: str, timeout_s: float, env: Mapping[str, str] | None = None,
+                  log_path: Path | None = None, cwd: str | os.PathLike | None = None, poll_s: float = 0.2) -> Child:
+    """:func:`spawn` one child that serves ``url`` and :func:`wait_healthy` for its ``/health``; a child that exits
+    or stays unhealthy past ``timeout_s`` is stopped and :class:`LaunchError` (with its log tail) is raised."""
+    child = spawn(name, argv, env=env, log_path=log_path, cwd=cwd)
+    child.url = url
+    try:
+        wait_healthy([child], timeout_s, poll_s=poll_s)
+    except BaseException:
+        stop_children([child], timeout_s=15.0)
+        raise
+    return child
+
+
 def mem_available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where unknown)."""
     try:

@@ -25,6 +25,7 @@ from pdserve.procs import (
     pid_alive,
     pids_in_group,
     spawn,
+    spawn_healthy,
     stop_children,
     wait_dead,
     wait_healthy,
@@ -213,6 +214,27 @@ def test_wait_healthy_timeout_names_worker_and_shows_log(tmp_path):
             wait_healthy([c], timeout_s=0.5, poll_s=0.05)
     finally:
         stop_children([c], timeout_s=5)
+
+
+def test_spawn_healthy_returns_the_serving_child_and_stops_one_that_fails(tmp_path):
+    from pdserve.procs import free_port
+
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    port = free_port()
+    argv = [sys.executable, str(tmp_path / "fake_server.py"), "--port", str(port), "--fake-delay", "0.3"]
+    c = spawn_healthy("srv", argv, f"http://127.0.0.1:{port}", 30, env=dict(os.environ), log_path=tmp_path / "a.log")
+    try:
+        assert c.ready_at is not None and http_status(c.url + "/health") == 200
+    finally:
+        stop_children([c], timeout_s=5)
+    with pytest.raises(LaunchError, match=r"(?s)bad exited with code 3.*boom"):
+        spawn_healthy("bad", [*argv, "--fake-fail"], f"http://127.0.0.1:{port}", 30, env=dict(os.environ),
+                      log_path=tmp_path / "b.log")
+    log = tmp_path / "c.log"  # never healthy: stopped, its whole group with it, when the time is up
+    with pytest.raises(LaunchError, match=r"timed out after 5 s waiting for slow"):
+        spawn_healthy("slow", _sleeper_argv(), "http://127.0.0.1:9", 5, env=dict(os.environ), log_path=log)
+    grandchild = int(_wait_for_line(log, "GRANDCHILD").split()[1])
+    assert wait_dead([grandchild], 10) == []
 
 
 # ----------------------------------------------------------------- Cluster with fakes
