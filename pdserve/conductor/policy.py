@@ -144,19 +144,25 @@ class Conductor:
 
     def _survivor(self, req: PlacementRequest, ws: list[WorkerLoad], missing: str) -> Decision:
         """No live ``missing`` worker: the whole request on one of the others (P decodes locally, D prefills)."""
+        return self._whole(req, ws, "survivor", lambda w: f"degraded: no live {missing} worker, whole request on "
+                                                          f"{w.role} worker {w.worker_id}")
+
+    def _whole(self, req: PlacementRequest, ws: list[WorkerLoad], ring: str,
+               reason: Callable[[WorkerLoad], str]) -> Decision:
+        """The whole request (kind "local") on the worker of ``ws`` the policy picks: the next on round-robin
+        ``ring``, the least loaded, or (conductor) the lowest predicted TTFT."""
         now = self.clock()
-        prefix = self.index.prefix_lengths(req.block_keys)
+        prefix = self.index.prefix_lengths(req.block_keys)  # once: every candidate's TTFT reads it
         policy = self.config.policy
         if policy == "round_robin":
-            w = self._pick_rr("survivor", ws)
+            w = self._pick_rr(ring, ws)
         elif policy == "least_loaded":
             w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
         else:
             w = min(ws, key=lambda w: (self._local_ttft(req, w, now, prefix)[0], w.worker_id))
         ttft, cached = self._local_ttft(req, w, now, prefix)
         return Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft,
-                        tpot_s=self._tpot(w, now, now + ttft, req), cached_tokens=cached,
-                        reason=f"degraded: no live {missing} worker, whole request on {w.role} worker {w.worker_id}")
+                        tpot_s=self._tpot(w, now, now + ttft, req), cached_tokens=cached, reason=reason(w))
 
     # -- baselines --
     def _pick_rr(self, ring: str, ws: list[WorkerLoad]) -> WorkerLoad:
@@ -183,20 +189,10 @@ class Conductor:
         return min(decode, key=lambda w: (w.running_decodes(), w.kv_used_tokens(now, st), w.worker_id))
 
     def _colocated(self, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
-        now = self.clock()
         policy = self.config.policy
-        prefix = self.index.prefix_lengths(req.block_keys)  # once: every candidate's TTFT reads it
-        if policy == "round_robin":
-            w = self._pick_rr("colocated", ws)
-        elif policy == "least_loaded":
-            w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
-        else:
-            w = min(ws, key=lambda w: (self._local_ttft(req, w, now, prefix)[0], w.worker_id))
-        ttft, cached = self._local_ttft(req, w, now, prefix)
-        d = Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft, tpot_s=self._tpot(w, now, now + ttft,
-                     req), reason=f"colocated ({policy})", cached_tokens=cached)
+        d = self._whole(req, ws, "colocated", lambda w: f"colocated ({policy})")
         if policy == "conductor":
-            rej = self._reject_reason(d, [w])
+            rej = self._reject_reason(d, [self.workers[d.decode or ""]])
             if rej is not None:
                 return rej
         return d
