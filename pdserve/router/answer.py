@@ -12,8 +12,8 @@ from typing import Any
 from aiohttp import web
 
 from .choices import Choice, echo_prefix, merged, sum_usage
+from .delta import Delta
 from .errors import RouterError, upstream_failed
-from .handoff import Delta
 from .protocol import GenerationRequest
 from .response import SSE_DONE, ResponseBuilder, dumps, sse, usage_dict
 from .workers import WorkerError

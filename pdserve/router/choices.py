@@ -15,8 +15,9 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from .delta import Delta
 from .failures import RETRYABLE, Retry, as_router_error
-from .handoff import Delta, Generation
+from .handoff import Generation
 from .logprobs import LogprobTrack
 from .ticket import PlacementTicket
 from .tools import ToolCalls

@@ -20,10 +20,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from .deadline import within
+from .delta import Delta, tokens_to
 from .errors import RouterError, deadline_exceeded, upstream_failed
 from .failures import RETRYABLE, Migrate, Retry, as_router_error, migratable
 from .metrics import RouterMetrics
@@ -39,16 +39,6 @@ from .workers import Worker, WorkerClient, WorkerError, WorkerStream
 DEFAULT_MIGRATION_LIMIT = 2
 
 log = logging.getLogger("pdserve.router")
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    logprobs: Any = None  # the worker choice's raw ``logprobs`` for these tokens (vLLM completions shape), if asked
-    relay: Relay | None = None  # no text: the stream's next plain events may be passed through (.relay)
 
 
 class Generation:
@@ -149,14 +139,16 @@ class Generation:
         if e.dead:
             self.placement.registry.mark_dead(w.url, str(e))
 
-    def _text(self, ids: list[int], c0: dict[str, Any], own: bool) -> str:
-        """Text of ``ids``: the router's detokenizer when ``own`` (P -> D, or a migrated attempt), else the
-        worker's."""
+    def _delta(self, ids: list[int], c0: dict[str, Any], own: bool, final: bool = False) -> Delta:
+        """A worker event's delta. Its text: the router's detokenizer's when ``own`` (P -> D, or a migrated
+        attempt; each token's piece kept, so a stop string can cut the tokens too), else the worker's."""
+        finish, stop = (c0.get("finish_reason"), c0.get("stop_reason")) if final else (None, None)
         if own and self.detok is not None:
             self._detok_fed += len(ids)
-            return "".join(self.detok.step(t) for t in ids)
+            pieces = [self.detok.step(t) for t in ids]
+            return Delta("".join(pieces), ids, finish, stop, c0.get("logprobs"), pieces=pieces)
         text = c0.get("text")
-        return text if isinstance(text, str) else ""
+        return Delta(text if isinstance(text, str) else "", ids, finish, stop, c0.get("logprobs"))
 
     def _catch_up_detok(self) -> None:
         """Before a migrated attempt: give the detokenizer the streamed tokens whose text came from a worker
@@ -216,26 +208,35 @@ class Generation:
         """A worker's delta -> the client's: stop strings, token accounting, the conductor's progress."""
         if raw.relay is not None:
             return raw  # the relay does the accounting of what it passes through
-        ids = raw.token_ids
-        if ids:
-            self.token_ids.extend(ids)
-            self.t.tokens += len(ids)
-            now = time.perf_counter()
-            if self.t.first_token is None:
-                self.t.first_token = now
-            self.t.last_token = now
-            if self.ticket is not None:
-                self.ticket.progress(self.t.tokens, now)
         if not self.stopper.stops and raw.finish_reason is None:
+            self._count(raw.token_ids)
             return raw  # nothing to cut or hold back: the worker's delta as it is
+        before = len(self.stopper.text)
         text, hit = self.stopper.feed(raw.text)
-        if hit is not None:
+        if hit is not None:  # the tokens after the one that completes the stop string were not output (vLLM)
+            raw = raw.upto(tokens_to(raw.pieces, self.stopper.matched_end - before, len(raw.token_ids)))
+            self._count(raw.token_ids)
             self.finish_reason, self.stop_reason = "stop", hit
-            return Delta(text, ids, "stop", hit, raw.logprobs)
+            return Delta(text, raw.token_ids, "stop", hit, raw.logprobs)
+        self._count(raw.token_ids)
         if raw.finish_reason is not None:
             self.finish_reason, self.stop_reason = raw.finish_reason, raw.stop_reason
-            return Delta(text + self.stopper.flush(), ids, raw.finish_reason, raw.stop_reason, raw.logprobs)
-        return Delta(text, ids, logprobs=raw.logprobs)
+            return Delta(text + self.stopper.flush(), raw.token_ids, raw.finish_reason, raw.stop_reason,
+                         raw.logprobs)
+        return Delta(text, raw.token_ids, logprobs=raw.logprobs)
+
+    def _count(self, ids: list[int]) -> None:
+        """Output tokens: kept, timed, and reported to the placement (the conductor's progress)."""
+        if not ids:
+            return
+        self.token_ids.extend(ids)
+        self.t.tokens += len(ids)
+        now = time.perf_counter()
+        if self.t.first_token is None:
+            self.t.first_token = now
+        self.t.last_token = now
+        if self.ticket is not None:
+            self.ticket.progress(self.t.tokens, now)
 
     async def run(self) -> AsyncGenerator[Delta, None]:
         """Yield client-ready deltas; the last has finish_reason set. Raises RouterError before the first delta
@@ -361,7 +362,7 @@ class Generation:
                     yield delta
             return
         t1 = ids[0]
-        text = self._text([t1], c0, True)
+        text = self._delta([t1], c0, True).text
         logprobs = c0.get("logprobs")
         if finish == "stop" or self._left == 1:
             self.metrics.handoffs.labels("skipped").inc()
@@ -469,7 +470,7 @@ class Generation:
                             and c0.get("prompt_logprobs"):
                         self.prompt_logprobs = c0.get("prompt_logprobs")
                     if c0.get("finish_reason") is None:
-                        yield Delta(self._text(ids, c0, own_text), ids, None, None, c0.get("logprobs"))
+                        yield self._delta(ids, c0, own_text)
                         if relay and started and isinstance(objs, WorkerStream):
                             yield Delta("", [], relay=Relay(self, objs))
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
@@ -477,8 +478,7 @@ class Generation:
                         last = (ids, c0)  # its text only when it goes out: a lost finish is regenerated
             if last is not None:
                 ids, c0 = last
-                yield Delta(self._text(ids, c0, own_text), ids, c0.get("finish_reason"), c0.get("stop_reason"),
-                            c0.get("logprobs"))
+                yield self._delta(ids, c0, own_text, final=True)
         except WorkerError as e:
             self._fail(w, role, e)
             if e.kind in RETRYABLE and not started:

@@ -14,6 +14,7 @@ class StopStrings:
         self.hold = 0 if include or not stops else self.maxlen - 1
         self.text = ""
         self.sent = 0
+        self.matched_end = 0  # after a hit: where the stop string ends in the whole text (included or not)
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Add text; return (text that may go out now, the stop string hit or None)."""
@@ -27,6 +28,7 @@ class StopStrings:
             if i >= 0 and (at < 0 or i < at):
                 hit, at = s, i
         if hit is not None:
+            self.matched_end = at + len(hit)
             end = at + (len(hit) if self.include else 0)
             out = self.text[self.sent:end]
             self.text = self.text[:end]

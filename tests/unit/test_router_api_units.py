@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pdserve.router.choices import Choice, choice_seed, merged, sum_usage
+from pdserve.router.delta import Delta
 from pdserve.router.errors import RouterError
-from pdserve.router.handoff import Delta
 from pdserve.router.logprobs import LogprobTrack
 from pdserve.router.protocol import parse_chat, parse_completion
 

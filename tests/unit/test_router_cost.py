@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from pdserve.router import ticket as ticket_mod
+from pdserve.router.delta import Delta
 from pdserve.router.errors import RouterError
-from pdserve.router.handoff import Delta, Timings
+from pdserve.router.handoff import Timings
 from pdserve.router.protocol import parse_chat, parse_completion
 from pdserve.router.response import ResponseBuilder, sse
 from pdserve.router.workers import Wait, _sse_data
