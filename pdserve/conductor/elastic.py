@@ -35,20 +35,20 @@ A prefill is **long** on w -- split preferred, the new decode leaves w -- by wha
 
 1. The stall stretches their token gap past the target: with a TPOT target T, decode step + per-step stall
    (the whole prefill, or one chunk when chunked) > T; with none, per-step stall > ``local_stall_s``.
-2. The harm (above: prefill x inflation-weighted decodes) is over ``split_harm_handoffs`` (default 2) times the
+2. The harm (above: prefill x inflation-weighted decodes) is over ``split_harm_handoffs`` (default 1) times the
    hand-off the new request would pay instead: ``handoff_s`` + the KV transfer of its prompt.
 
 The decodes are w's (n > 0, counting those awaiting their KV); on an idle worker, one never-stalled decode: the
-one a colocated placement would leave there, which the next prefill like this one would stall. So a short
-prompt runs colocated on an idle worker or next to few decodes (no hand-off; the lowest-cost prefill worker is
-the one with the fewest, least stalled decodes, so decodes spread), while a prompt whose prefill costs a decode
-more than two hand-offs splits even from an idle worker, keeping that worker free for the next long prefill.
-The old rule ("prefill > max(local_stall_s, hand-off)" wherever it ran) split a 100-token prompt on one CPU
-core (~0.1 s, a hand-off ~60-130 ms): 29 of 40 mixed requests split, P was always the decode-free worker and D
-the other, so every decode went to one worker. With ``local_prefill_tokens`` set, long is simply "over that many
-uncached tokens" everywhere (the operator's override). Long prefills prefer split: the decode goes to another
-worker, so the prefilling worker sheds decodes and the next long prefill there stalls fewer (Splitwise's mixed
-pool). Short ones keep the decode where the prefill runs (colocated, or chunked into a decoding worker).
+one a colocated placement would leave there, which the next prefill like this one would stall. So a prompt
+whose prefill costs a decode more than a hand-off splits even from an idle worker, keeping that worker free for
+the next long prefill (Splitwise's mixed pool), and a prompt whose stall stays under the gap bound (a short
+prompt on a GPU, a chunked prefill) runs colocated. With ``local_prefill_tokens`` set, long is simply "over that
+many uncached tokens" everywhere (the operator's override). On one CPU core a 100-token prefill (~0.1 s) is
+over the 50 ms stall bound and about one hand-off (~60-130 ms), so such prompts split when the decodes next to
+them would pay more than a hand-off; ``split_harm_handoffs`` 2 keeps them colocated next to one decode and
+spreads the decodes, but measured a worse TPOT tail there (docs/bench.md, "Retuning"): on two workers, decodes
+spread onto both meet every 1.5K-token prefill, while decodes gathered on the worker that does not take the long
+prefills meet none of them.
 
 A worker with a prefill queued or running that is long next to its other decodes plus one new decode
 (:func:`prefilling_long`) gets **no new decode** (neither colocated nor as D) while another worker can take it.

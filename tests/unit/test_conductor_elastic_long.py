@@ -1,10 +1,11 @@
 """The elastic "long" rule and the stall-weighted harm (pdserve.conductor.elastic). Cost model as in
 test_conductor_elastic: 1 ms per new prompt token, decode step 10 ms + 1 ms per sequence, 50 ms hand-off, 1 GB/s
-for 1000 B/token (a 96-token prompt's KV moves in 0.096 ms), ``local_stall_s`` 50 ms, ``split_harm_handoffs`` 2.
+for 1000 B/token (a 96-token prompt's KV moves in 0.096 ms), ``local_stall_s`` 50 ms; ``split_harm_handoffs`` 2 where
+a test says so (``make2``), else the default 1.
 
 A prefill is long on w when it stretches the decodes' gap past the target (or stalls them over ``local_stall_s``)
-AND its harm (prefill x inflation-weighted decodes) is over two hand-offs; on an idle worker it is judged next to
-one fresh decode."""
+AND its harm (prefill x inflation-weighted decodes) is over ``split_harm_handoffs`` hand-offs; on an idle worker
+it is judged next to one fresh decode."""
 
 import pytest
 
@@ -15,16 +16,31 @@ from tests.unit.test_conductor_elastic import LONG, decoding, make, req
 P96 = list(range(3000, 3096))  # 96 ms: over the 50 ms stall limit, under two hand-offs (100.2 ms) next to 1 decode
 
 
+def make2(**cfg):
+    """A two-hand-off margin: a 96 ms prefill next to one decode (harm 96 ms < 100.2 ms) stays short."""
+    return make(split_harm_handoffs=2.0, **cfg)
+
+
 def shape(c, worker, tokens):
     """The Prefill a prompt of ``tokens`` would have on ``worker`` now."""
     return prefill_on(c, c._prefill_options(req("x", tokens), [c.workers[worker]], {}, c.clock())[0])
 
 
-def test_short_prompt_next_to_one_decode_runs_colocated_though_it_stalls_over_the_limit():
-    """On one CPU core a 100-token prefill (~0.1 s) is longer than the 50 ms stall limit and than one hand-off;
-    the old rule split it, and every split's decode landed on the other worker. Now one decode's harm (96 ms) is
-    under two hand-offs (100.2 ms): colocated, no hand-off."""
+def test_default_splits_a_prompt_whose_stall_costs_one_decode_more_than_a_hand_off():
     c = make()
+    decoding(c, "e0", 1)
+    decoding(c, "e1", 1)
+    assert c.config.split_harm_handoffs == 1.0
+    assert long_on(c, shape(c, "e0", P96))  # 96 ms > 50 ms stall limit, 96 ms > 50.1 ms hand-off
+    d = c.place(req("p", P96))
+    assert (d.kind, d.placement, d.prefill, d.decode) == ("disaggregated", "split", "e0", "e1")
+    assert "(long)" in d.reason
+
+
+def test_two_hand_off_margin_keeps_it_colocated_next_to_one_decode():
+    """On one CPU core a 100-token prefill (~0.1 s) is longer than the 50 ms stall limit and than one hand-off:
+    the default splits it. With a two-hand-off margin one decode's harm (96 ms) is under 100.2 ms: colocated."""
+    c = make2()
     decoding(c, "e0", 1)
     decoding(c, "e1", 1)
     s = shape(c, "e0", P96)
@@ -36,8 +52,8 @@ def test_short_prompt_next_to_one_decode_runs_colocated_though_it_stalls_over_th
     assert "(short)" in d.reason
 
 
-def test_the_same_prompt_next_to_two_decodes_splits():
-    c = make()
+def test_the_same_prompt_next_to_two_decodes_splits_even_with_the_margin():
+    c = make2()
     decoding(c, "e0", 2)
     decoding(c, "e1", 2)
     s = shape(c, "e0", P96)
@@ -61,21 +77,18 @@ def test_a_tpot_target_replaces_the_stall_limit_in_the_gap_test():
 
 
 def test_idle_worker_judges_the_prompt_next_to_one_fresh_decode():
-    c = make()
+    assert not is_long(make(), 50, 0) and is_long(make(), 51, 0)  # the 50 ms stall limit binds first
+    c = make2()
     assert not is_long(c, 100, 0) and is_long(c, 101, 0)  # 2 x (50 + 0.1) ms hand-off = 100.2 ms
     d = c.place(req("p", list(range(5000, 5100))))  # 100 tokens: colocated on the idle e0
     assert (d.kind, d.decode) == ("local", "e0")
-    c = make()
+    assert make().place(req("p", list(range(5000, 5100)))).placement == "split"  # the default splits it
+    c = make2()
     d = c.place(req("long", LONG))  # 160 ms: long even on an idle pool, so e0 stays free of decodes
     assert (d.kind, d.prefill, d.decode) == ("disaggregated", "e0", "e1")
 
 
-def test_split_harm_handoffs_sets_the_margin_and_is_validated():
-    c = make(split_harm_handoffs=1.0)  # split whenever the harm is over one hand-off
-    decoding(c, "e0", 1)
-    decoding(c, "e1", 1)
-    assert long_on(c, shape(c, "e0", P96))  # 96 ms > 50.1 ms
-    assert c.place(req("p", P96)).placement == "split"
+def test_split_harm_handoffs_is_validated():
     assert not is_long(make(split_harm_handoffs=4.0), 160, 0)  # 160 ms < 4 x 50.16 ms
     for bad in (0, -1.0, True, "2", None):
         with pytest.raises(ConductorConfigError, match="split_harm_handoffs"):
@@ -90,7 +103,7 @@ def test_local_prefill_tokens_overrides_the_rule_everywhere():
 
 
 def test_placing_a_prefill_charges_its_stall_to_the_decodes_it_slows():
-    c = make()
+    c = make2()
     decoding(c, "e0", 2)
     decoding(c, "e1", 1)
     d = c.place(req("p", P96))  # least harm on e1 (1 decode, 96 ms < 100.2 ms: short): colocated there
@@ -98,7 +111,7 @@ def test_placing_a_prefill_charges_its_stall_to_the_decodes_it_slows():
     assert c.workers["e1"].decodes["e1-run0"].stalled_s == pytest.approx(0.096)
     assert c.workers["e1"].decodes["p"].stalled_s == 0.0  # its own decode waits for it, it is not slowed by it
     assert all(j.stalled_s == 0.0 for j in c.workers["e0"].decodes.values())
-    rej = make(ttft_slo_s=0.01)
+    rej = make2(ttft_slo_s=0.01)
     assert rej.place(req("p", P96)).kind == "reject"  # nothing placed, nothing charged
     assert all(not w.decodes for w in rej.workers.values())
 
@@ -145,7 +158,7 @@ def test_the_next_long_prefill_spares_decodes_that_already_took_one():
 
 
 def test_prefilling_long_counts_the_new_decode_next_to_the_others():
-    c = make()
+    c = make2()
     c.place(req("p", P96))  # colocated on idle e0: next to one fresh decode, 96 ms < 100.2 ms: short
     assert not prefilling_long(c, c.workers["e0"])
     decoding(c, "e0", 1)  # now one more decode there: 2 x 96 ms > 100.2 ms
