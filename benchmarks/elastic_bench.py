@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.compare import CompareSettings, launcher_config
-from pdserve.bench.matrix import LoadSampler, elastic_goals, handoff_stats, wait_for_quiet
+from pdserve.bench.matrix import LoadSampler, decode_spread, elastic_goals, handoff_stats, wait_for_quiet
 from pdserve.bench.metrics import SLO, goodput, phase_summary, record_from_dict, summarize
 from pdserve.bench.prom import delta, scrape
 from pdserve.bench.runner import RunOptions, RunResult, run
@@ -109,6 +109,7 @@ class Matrix:
         s = summarize(res.records, res.wall_s, self.slo)
         s["goodput2_req_per_s"] = goodput(res.records, res.wall_s, self.slo2)["goodput_req_per_s"]
         s.update(handoff_stats(res.records))
+        s.update(decode_spread(res.records))
         s["modes"] = phase_summary(res.records).get("modes", {})
         dec = delta(dec0, _decisions(cluster.router_url))
         s["decisions"] = {k: int(v) for k, v in dec.items()}
@@ -193,6 +194,7 @@ COLS = (("TTFT p50/p99 (ms)", "ttft_p50_ms", "ttft_p99_ms"), ("TPOT p50/p99 (ms)
         ("goodput (req/s)", "goodput_req_per_s", None), ("goodput, relaxed", "goodput2_req_per_s", None),
         ("req/s", "req_per_s", None),
         ("hand-off p50/p99 (ms)", "handoff_p50_ms", "handoff_p99_ms"), ("split", "split_requests", None),
+        ("short / long split", "short_split", "long_split"), ("decodes per worker", "decodes_per_worker", None),
         ("errors", "errors", None), ("load1 mean", "load1_mean", None))
 
 
@@ -201,6 +203,8 @@ def _fmt(v: Any) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    if isinstance(v, list):
+        return "/".join(str(x) for x in v) or "-"
     return str(v)
 
 
@@ -258,6 +262,7 @@ def summarize_raw(dirs: list[Path], slo: SLO, slo2: SLO) -> dict[str, dict[str, 
             sm = {**done.get(config, {}).get(label, {}), **summarize(recs, raw["wall_s"], slo)}
             sm["goodput2_req_per_s"] = goodput(recs, raw["wall_s"], slo2)["goodput_req_per_s"]
             sm.update(handoff_stats(recs))
+            sm.update(decode_spread(recs))
             sm["modes"] = phase_summary(recs).get("modes", {})
             sm["source"] = str(d)
             results.setdefault(config, {})[label] = sm

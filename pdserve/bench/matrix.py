@@ -35,6 +35,24 @@ def handoff_stats(records: Iterable[RequestRecord]) -> dict[str, Any]:
             "handoff_p99_ms": None if pct[99] is None else round(pct[99], 2)}
 
 
+def decode_spread(records: Iterable[RequestRecord]) -> dict[str, Any]:
+    """Where the successful requests decoded (the router's ``decode_worker``): ``decodes_per_worker`` as counts,
+    largest first, and ``short_split`` / ``long_split``: how many prompts under / at least ``long_tokens`` (500)
+    were split P -> D (their timings name a prefill worker)."""
+    timed = [r for r in records if r.ok and r.timings]
+    per: dict[str, int] = {}
+    for r in timed:
+        w = (r.timings or {}).get("decode_worker")
+        if w:
+            per[w] = per.get(w, 0) + 1
+    split = [r.prompt_tokens for r in timed if (r.timings or {}).get("prefill_worker")]
+    return {"decodes_per_worker": sorted(per.values(), reverse=True),
+            "short_split": sum(n < LONG_TOKENS for n in split), "long_split": sum(n >= LONG_TOKENS for n in split)}
+
+
+LONG_TOKENS = 500  # a prompt this long or longer counts as "long" in decode_spread (the mixed workload: ~100 / ~1.5K)
+
+
 def parse_loadavg(text: str) -> float:
     """The 1-minute load average from a ``/proc/loadavg`` line (``"2.35 1.83 1.81 5/168 5553"`` -> 2.35)."""
     try:

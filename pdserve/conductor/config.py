@@ -33,6 +33,11 @@ class ConductorConfig:
         prefills to it). Elastic placement then models a prefill on a decoding worker as chunked into its decode
         steps (:mod:`.elastic`). None: unknown, a prefill is modelled as one step that stalls the decodes batched
         with it for its whole length.
+    split_harm_handoffs: elastic placement calls a prefill long (the new decode leaves its worker) only when its
+        harm to the decodes it stalls is over this many hand-offs (:mod:`.elastic`). The default 1 splits
+        whenever the stall costs the decodes more than the hand-off costs the request; 2 keeps a 100-token prompt
+        on one CPU core (~0.1 s, against a ~60-100 ms hand-off) colocated next to one decode, which spread the
+        decodes but measured a worse TPOT tail on the 2-core mixed workload (docs/bench.md, "Retuning").
     """
 
     policy: str = "conductor"
@@ -47,6 +52,7 @@ class ConductorConfig:
     kv_reserve: float = 0.02
     max_inflight_per_worker: int | None = None
     chunk_tokens: int | None = None
+    split_harm_handoffs: float = 1.0
 
     def __post_init__(self) -> None:
         check_policy(self.policy, "policy", ConductorConfigError)
@@ -70,4 +76,8 @@ class ConductorConfig:
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConductorConfigError(f"chunk_tokens={chunk!r}: the workers' --max-num-batched-tokens (tokens per "
                                        "step, >= 1), or None when unknown")
+        k = self.split_harm_handoffs
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+            raise ConductorConfigError(f"split_harm_handoffs={k!r}: a positive number of hand-offs (1, the default: "
+                                       "split when the stall costs more than one hand-off)")
         object.__setattr__(self, "fetchable", tuple(self.fetchable))

@@ -18,22 +18,40 @@ conductor (policy ``conductor``) weighs three kinds of option over the live work
   p's prefill ends, among those with KV room.
 
 Every option also carries its **harm**: the prefill's compute delays each decode already running on the worker
-that computes it, so harm = predicted prefill seconds x running decodes there. Chunking spreads the same compute
-over more steps, so it keeps the harm and bounds the per-token gap instead: with a TPOT target, an option whose
-prefill makes its worker's running decodes' step (decode step + the per-step stall) miss the target is dropped.
-An option's cost is TTFT + harm (the delay it adds for the new request and for everyone it slows). The lowest
-cost chooses the worker that prefills; colocated/chunked on w and split with P=w cost the same, and the kind
-preferred for that prompt on w breaks the tie. Split options are built for the ``SPLIT_CANDIDATES`` cheapest
-prefill workers only (the decision stays linear in workers).
+that computes it. harm = predicted prefill seconds x the sum, over those decodes, of their *inflation*
+1 + (stalls already placed next to it) / (its output's plain decode time, gaps x decode step): a decode that has
+not been stalled counts 1, one whose TPOT earlier prefills already stretched counts more, so the next long
+prefill goes to the worker whose decodes can still afford it rather than hitting the same decodes again. (Each
+decision charges its prefill's stall, steps x per-step stall, to every decode on its worker: ``stalled_s``.)
+Chunking spreads the same compute over more steps, so it keeps the harm and bounds the per-token gap instead:
+with a TPOT target, an option whose prefill makes its worker's running decodes' step (decode step + the per-step
+stall) miss the target is dropped. An option's cost is TTFT + harm (the delay it adds for the new request and
+for everyone it slows). The lowest cost chooses the worker that prefills; colocated/chunked on w and split with
+P=w cost the same, and the kind preferred for that prompt on w breaks the tie. Split options are built for the
+``SPLIT_CANDIDATES`` cheapest prefill workers only (the decision stays linear in workers).
 
-A prefill is **long** on w when the stall it puts on a decode there is: with chunking on a decoding w, when one
-chunk's compute is over ``local_stall_s``; otherwise when the uncached prompt is over ``local_prefill_tokens``
-(when set) or its predicted prefill is over both ``local_stall_s`` and the hand-off (fixed cost + KV transfer)
-a split would add. Long prefills prefer split: the decode goes to another worker, so the prefilling worker stays
-free of decodes and the next long prefill there stalls nobody (Splitwise's mixed pool). Short ones prefer to
-keep the decode where the prefill runs (colocated, or chunked into a decoding worker): no hand-off, and the
-stall is small. A worker with a long prefill queued or running gets **no new decode** (neither colocated nor as
-D) while another worker can take it.
+A prefill is **long** on w -- split preferred, the new decode leaves w -- by what it does to w's decodes
+(:func:`long_next_to`), when both hold:
+
+1. The stall stretches their token gap past the target: with a TPOT target T, decode step + per-step stall
+   (the whole prefill, or one chunk when chunked) > T; with none, per-step stall > ``local_stall_s``.
+2. The harm (above: prefill x inflation-weighted decodes) is over ``split_harm_handoffs`` (default 1) times the
+   hand-off the new request would pay instead: ``handoff_s`` + the KV transfer of its prompt.
+
+The decodes are w's (n > 0, counting those awaiting their KV); on an idle worker, one never-stalled decode: the
+one a colocated placement would leave there, which the next prefill like this one would stall. So a prompt
+whose prefill costs a decode more than a hand-off splits even from an idle worker, keeping that worker free for
+the next long prefill (Splitwise's mixed pool), and a prompt whose stall stays under the gap bound (a short
+prompt on a GPU, a chunked prefill) runs colocated. With ``local_prefill_tokens`` set, long is simply "over that
+many uncached tokens" everywhere (the operator's override). On one CPU core a 100-token prefill (~0.1 s) is
+over the 50 ms stall bound and about one hand-off (~60-130 ms), so such prompts split when the decodes next to
+them would pay more than a hand-off; ``split_harm_handoffs`` 2 keeps them colocated next to one decode and
+spreads the decodes, but measured a worse TPOT tail there (docs/bench.md, "Retuning"): on two workers, decodes
+spread onto both meet every 1.5K-token prefill, while decodes gathered on the worker that does not take the long
+prefills meet none of them.
+
+A worker with a prefill queued or running that is long next to its other decodes plus one new decode
+(:func:`prefilling_long`) gets **no new decode** (neither colocated nor as D) while another worker can take it.
 
 Options that miss the TTFT/TPOT target (or, with a TPOT target, find no KV room) are dropped; with none left the
 request is rejected (429 + Retry-After), exactly as the fixed-role conductor does.
@@ -72,6 +90,11 @@ class Prefill:
     step_s: float  # the running decodes' step time while it runs (their TPOT then; 0 when there are none)
 
     @property
+    def total_stall_s(self) -> float:
+        """What it adds to each running decode's time over all its steps."""
+        return self.steps * self.stall_s
+
+    @property
     def chunked(self) -> bool:
         return self.steps > 1
 
@@ -96,46 +119,86 @@ def step_budget(c: Conductor, running: int) -> int | None:
     return None if chunk is None else max(1, chunk - running)
 
 
+def _shape(c: Conductor, new: int, cached: int, running: int, context: int) -> tuple[int, float, float, float]:
+    """(steps, stall per step, the decodes' own step, whole prefill seconds) of a prefill of ``new`` tokens
+    over ``cached`` ones on a worker running ``running`` decodes over ``context`` tokens in all."""
+    cost = c.cost
+    whole = cost.prefill_s(new, cached)
+    if not running:
+        return 1, 0.0, 0.0, whole
+    decode_s = cost.decode_step_s(running, context)
+    budget = step_budget(c, running)
+    if budget is None or new <= budget:
+        return 1, whole, decode_s, whole
+    # vLLM fills each step with `budget` prompt tokens; the last chunk attends to the most context
+    return math.ceil(new / budget), cost.prefill_s(budget, cached + new - budget), decode_s, whole
+
+
 def prefill_on(c: Conductor, o: _Option) -> Prefill:
     """o's prefill on its worker: one step, or chunked into the worker's decode steps."""
     w = o.worker
     n = w.running_decodes()
     if not n:
         return Prefill(o, o.ttft_s, 0.0, 1, 0.0, 0.0)
+    steps, stall, decode_s, whole = _shape(c, o.new, o.cached, n, sum(j.context_tokens for j in w.decodes.values()))
+    return Prefill(o, o.ttft_s + steps * decode_s, whole * inflation(w, decode_s), steps, stall, decode_s + stall)
+
+
+def inflation(w: WorkerLoad, step_s: float) -> float:
+    """Sum over w's decodes of 1 + (stalls already placed next to it) / (its output's plain decode time): a
+    decode whose TPOT earlier prefills already stretched weighs more (each counts 1 when never stalled)."""
+    return sum(1.0 + j.stalled_s / (j.gaps * step_s) if step_s > 0 else 1.0 for j in w.decodes.values())
+
+
+def handoff_cost_s(c: Conductor, new_tokens: int, cached_tokens: int) -> float:
+    """What a split adds to the new request: the fixed hand-off plus the KV transfer of its prompt."""
     cost = c.cost
-    decode_s = cost.decode_step_s(n, sum(j.context_tokens for j in w.decodes.values()))
-    whole = cost.prefill_s(o.new, o.cached)
-    budget = step_budget(c, n)
-    if budget is None or o.new <= budget:
-        steps, stall = 1, whole
-    else:  # vLLM fills each step with `budget` prompt tokens; the last chunk attends to the most context
-        steps, stall = math.ceil(o.new / budget), cost.prefill_s(budget, o.cached + o.new - budget)
-    return Prefill(o, o.ttft_s + steps * decode_s, whole * n, steps, stall, decode_s + stall)
+    return cost.handoff_s + cost.transfer_s((new_tokens + cached_tokens) * cost.kv_bytes_per_token)
 
 
-def is_long(c: Conductor, new_tokens: int, cached_tokens: int) -> bool:
-    """A prefill that stalls the decodes batched with it for longer than ``local_stall_s`` and longer than a
-    hand-off (fixed cost + KV transfer) would delay the request itself; or, when ``local_prefill_tokens`` is
-    set, one over that many uncached tokens."""
+def gap_over(c: Conductor, stall_s: float, step_s: float) -> bool:
+    """The stall stretches the decodes' token gap past the TPOT target (``step_s``: their step with it), or,
+    with no target, it is over ``local_stall_s``."""
+    slo = c.config.tpot_slo_s
+    return step_s > slo if slo is not None else stall_s > c.config.local_stall_s
+
+
+def long_next_to(c: Conductor, new_tokens: int, cached_tokens: int, running: int, stall_s: float, step_s: float,
+                 harm_s: float) -> bool:
+    """The rule (module docstring): with ``local_prefill_tokens`` set, over that many uncached tokens; else the
+    prefill has ``running`` > 0 decodes next to it, stretches their gap past the target (:func:`gap_over`), and
+    its harm to them is over the hand-off the new request would pay instead."""
     thr = c.config.local_prefill_tokens
     if thr is not None:
         return new_tokens > thr
-    cost = c.cost
-    hand = cost.handoff_s + cost.transfer_s((new_tokens + cached_tokens) * cost.kv_bytes_per_token)
-    return cost.prefill_s(new_tokens, cached_tokens) > max(c.config.local_stall_s, hand)
+    return running > 0 and gap_over(c, stall_s, step_s) and \
+        harm_s > c.config.split_harm_handoffs * handoff_cost_s(c, new_tokens, cached_tokens)
 
 
-def _is_long_on(c: Conductor, w: WorkerLoad, new_tokens: int, cached_tokens: int) -> bool:
-    """Long for a decode on w: chunked into w's decodes, one chunk stalls them for over ``local_stall_s``."""
-    budget = step_budget(c, w.running_decodes())
-    if w.running_decodes() and budget is not None and new_tokens > budget:
-        return c.cost.prefill_s(budget, cached_tokens + new_tokens - budget) > c.config.local_stall_s
-    return is_long(c, new_tokens, cached_tokens)
+def long_on(c: Conductor, s: Prefill) -> bool:
+    """s's prefill is long on its worker: next to the decodes running there now, or, on an idle worker, next to
+    one never-stalled decode (the one a colocated placement would leave there)."""
+    o = s.option
+    if o.worker.running_decodes():
+        return long_next_to(c, o.new, o.cached, o.worker.running_decodes(), s.stall_s, s.step_s, s.harm_s)
+    return is_long(c, o.new, o.cached, 1, o.new + o.cached)
+
+
+def is_long(c: Conductor, new_tokens: int, cached_tokens: int, running: int = 1, context: int = 0) -> bool:
+    """Long next to ``running`` never-stalled decodes over ``context`` tokens (default: one decode, as a new
+    one would be)."""
+    steps, stall, decode_s, whole = _shape(c, new_tokens, cached_tokens, running, context)
+    return long_next_to(c, new_tokens, cached_tokens, running, stall, decode_s + stall, whole * running)
 
 
 def prefilling_long(c: Conductor, w: WorkerLoad) -> bool:
-    """w has a long prefill queued or running: it takes no new decode while another worker can."""
-    return any(_is_long_on(c, w, j.new_tokens, j.cached_tokens) for j in w.prefills.values())
+    """w has a prefill queued or running that is long next to w's other decodes plus one new decode: w takes
+    no new decode while another worker can."""
+    for rid, j in w.prefills.items():
+        others = [d for r, d in w.decodes.items() if r != rid]
+        if is_long(c, j.new_tokens, j.cached_tokens, len(others) + 1, sum(d.context_tokens for d in others)):
+            return True
+    return False
 
 
 def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
@@ -153,10 +216,18 @@ def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision
             cands.append(split)
     ok = [x for x in cands if _meets(c, x)]
     if ok:
-        return min(ok, key=_order).decision
+        return _charge(min(ok, key=_order))
     top = min(cands, key=_order)
     rej = c._reject_reason(top.decision, decoders, fits=top.fits) or _reject_stall(c, top, now)
-    return rej if rej is not None else top.decision
+    return rej if rej is not None else _charge(top)
+
+
+def _charge(x: _Candidate) -> Decision:
+    """The chosen prefill will stall the decodes running on its worker: note it on each (:func:`inflation`)."""
+    s = x.prefill
+    for j in s.option.worker.decodes.values():
+        j.stalled_s += s.total_stall_s
+    return x.decision
 
 
 def _order(x: _Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
@@ -166,7 +237,7 @@ def _order(x: _Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
 
 def _colocated(c: Conductor, req: PlacementRequest, s: Prefill, now: float) -> _Candidate:
     o, w = s.option, s.option.worker
-    long = _is_long_on(c, w, o.new, o.cached)
+    long = long_on(c, s)
     kind = "chunked" if s.chunked else "colocated"
     n = w.running_decodes()
     if s.chunked:
@@ -186,7 +257,7 @@ def _split(c: Conductor, req: PlacementRequest, s: Prefill, decode: list[WorkerL
     if not decode:
         return None
     o, p = s.option, s.option.worker
-    long = _is_long_on(c, p, o.new, o.cached)
+    long = long_on(c, s)
     at = now + s.ttft_s
     fitting = [d for d in decode if c._fits(d, req, now)]
     tpots = {d.worker_id: c._tpot(d, now, at, req) for d in (fitting or decode)}

@@ -27,6 +27,12 @@ class DecodeJob:
     started_at: float | None = None  # None until its prefill finished (KV not there yet)
     tokens_done: int = 0
     last_progress_at: float | None = None
+    stalled_s: float = 0.0  # predicted prefill stalls the conductor placed next to it (elastic workers)
+
+    @property
+    def gaps(self) -> int:
+        """Token gaps over its whole output (the TPOT denominator), at least 1."""
+        return max(1, self.tokens_done + self.remaining_tokens - 1)
 
 
 @dataclass

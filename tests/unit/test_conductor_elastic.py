@@ -1,7 +1,8 @@
 """Elastic roles (pdserve.conductor.elastic): every worker may prefill or decode; the conductor picks colocated or
 split per request. Cost model as in test_conductor_policy: 1 ms per new prompt token, decode step 10 ms + 1 ms per
-sequence, 50 ms hand-off, 1 GB/s for 1000 B/token; ``local_stall_s`` 50 ms, so a prompt over 50 uncached tokens
-is long."""
+sequence, 50 ms hand-off, 1 GB/s for 1000 B/token; ``local_stall_s`` 50 ms and ``split_harm_handoffs`` 1, so on an
+idle worker a prompt over 50 uncached tokens is long (its prefill stalls a decode next to it over the 50 ms limit
+and over one hand-off); the rule's own tests are in test_conductor_elastic_long."""
 
 import pytest
 

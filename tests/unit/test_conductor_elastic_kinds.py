@@ -22,15 +22,17 @@ def test_short_prompt_on_idle_pool_is_colocated():
     assert c.placements == {"colocated": 1, "chunked": 0, "split": 0}
 
 
-def test_long_prompt_while_another_worker_is_idle_is_split_with_p_on_the_idle_one():
+def test_long_prompt_while_another_worker_is_idle_runs_colocated_on_the_idle_one():
     c = make(chunk_tokens=CHUNK)
     decoding(c, "e0", 2)
     d = c.place(req("long", LONG))
-    # chunked into e0 would cost 160 ms + 6 shared steps of 12 ms, plus 2 x 160 ms of harm; e1 runs no decode
-    assert (d.kind, d.placement, d.prefill, d.decode) == ("disaggregated", "split", "e1", "e0")
+    # chunked into e0 would cost 160 ms + 6 shared steps of 12 ms, plus 2 x 160 ms of harm; e1 runs no decode.
+    # Next to one decode on e1 the prompt would be chunked 31 tokens a step (31 ms < the 50 ms stall limit):
+    # short, so its decode stays on e1 (no hand-off)
+    assert (d.kind, d.placement, d.prefill, d.decode) == ("local", "colocated", None, "e1")
     assert d.ttft_s == pytest.approx(0.160)
-    assert d.tpot_s == pytest.approx(0.013)  # e0's two decodes plus this one
-    assert c.placements == {"colocated": 0, "chunked": 0, "split": 1}
+    assert d.tpot_s == pytest.approx(0.011)  # alone on e1
+    assert c.placements == {"colocated": 1, "chunked": 0, "split": 0}
 
 
 def test_medium_prompt_when_every_worker_decodes_is_chunked_within_the_tpot_target():
