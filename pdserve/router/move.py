@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.router")
 
+POKE_S, POKE_TRIES = 0.002, 2500  # a move waits up to 5 s for the run to await the old worker's stream again
+
 
 class Moved(Exception):
     """Control flow: the generation's current attempt ends here and continues on its move ticket."""
@@ -129,23 +131,31 @@ class MovableRun:
 
     def movable_from(self, url: str) -> bool:
         """True while the request decodes on ``url`` (its prompt computed, its tokens streaming from there) with at
-        least two tokens left, and the run awaits that stream, so that it can stop at once."""
+        least two tokens left."""
         t = self.ticket
         return (self._moving is None and not self.colocated and self.first_from_prefill and t is not None
                 and not t.closed and t.decode.url == url and t.prefilled and self._handoff_since is None
-                and self._waiter is not None and self.finish_reason is None
-                and self.max_tokens - len(self.token_ids) >= 2)
+                and self.finish_reason is None and self.max_tokens - len(self.token_ids) >= 2)
 
     def request_move(self, ticket: PlacementTicket) -> bool:
         """Take ``ticket`` (P = the old worker, D = the new one) as the next attempt's: the current ticket is handed
         over (the conductor already holds the new placement) and the await on the old worker's stream cancelled
-        (``Generation._next`` turns that into :class:`Moved`, which closes the stream: vLLM aborts the request)."""
+        (``Generation._next`` turns that into :class:`Moved`, which closes the stream: vLLM aborts the request);
+        when the run is not awaiting the worker right now (writing to the client), as soon as it is."""
         src = ticket.prefill.url if ticket.prefill is not None else ""
-        if not self.movable_from(src) or self._waiter is None or self.ticket is None:
+        if not self.movable_from(src) or self.ticket is None:
             return False
         self.ticket.hand_over()
         self._moving = ticket
         self._move_at = time.perf_counter()
-        self._cancelled = True
-        self._waiter.cancel()
+        self._poke_move(ticket, POKE_TRIES)
         return True
+
+    def _poke_move(self, ticket: PlacementTicket, tries: int) -> None:
+        if self._moving is not ticket:
+            return  # taken (the run's next attempt runs it) or released (the request ended)
+        if self._waiter is not None:
+            self._cancelled = True
+            self._waiter.cancel()
+        elif tries > 0:  # the run checks _moving in its next _next; the relay needs the cancel: try again soon
+            asyncio.get_running_loop().call_later(POKE_S, self._poke_move, ticket, tries - 1)

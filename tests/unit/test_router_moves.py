@@ -111,17 +111,14 @@ def test_only_a_decode_streaming_from_the_worker_can_move():
     gen.ticket = t
     assert not gen.movable_from(E0)  # prompt not computed yet
     t.prefill_done()
-    assert not gen.movable_from(E0)  # not awaiting the stream (nothing to cancel)
 
     async def awaiting() -> None:
-        gen._waiter = asyncio.current_task()
         assert gen.movable_from(E0) and not gen.movable_from(E1)
         gen._handoff_since = 1.0  # a P -> D hand-off not yet answered by D
         assert not gen.movable_from(E0)
         gen._handoff_since = None
         gen.token_ids = list(range(11))  # one token left
         assert not gen.movable_from(E0)
-        gen._waiter = None
 
     asyncio.run(awaiting())
     t.close()
