@@ -110,6 +110,8 @@ def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
         assert not r.is_alive() and not s.is_alive() and not r.error and not s.error, (r.error, s.error)
         assert _metric(router, "pdserve_router_moves_total") == 1.0, (tmp / "moves-router.log").read_text()[-3000:]
         assert _metric(router, "pdserve_router_move_gap_seconds_count") == 1.0
+        print(f"move gap (stop on A -> first token after the move): "
+              f"{_metric(router, 'pdserve_router_move_gap_seconds_sum') * 1e3:.0f} ms")
         assert scrape(router, "pdserve_router_migrations_total") == {}  # not a failure
         # token for token what one worker alone produces
         assert r.text == _post(b, r_body)["choices"][0]["text"]

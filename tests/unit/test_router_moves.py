@@ -139,3 +139,25 @@ def test_a_move_that_comes_too_late_is_released():
     out = asyncio.run(go())
     assert [d.finish_reason for d in out] == ["length"]
     assert late.closed and gen._moving is None and pl.conductor.in_flight() == 0
+
+
+def test_wait_moves_returns_at_the_tail_prefill_or_the_timeout():
+    pl = elastic()
+    a = pl.choose(PROMPT, request_id="a", max_tokens=4)
+    b = pl.choose(PROMPT, request_id="b", max_tokens=4)
+    a.handed, b.handed = asyncio.Event(), asyncio.Event()
+
+    async def go() -> tuple[float, float]:
+        asyncio.get_running_loop().call_later(0.01, a.prefill_done)
+        asyncio.get_running_loop().call_later(0.02, b.close)  # a move whose run ended: nothing to wait for
+        done = await wait_moves((a, b), 5.0)
+        c = pl.choose(PROMPT, request_id="c", max_tokens=4)
+        c.handed = asyncio.Event()
+        timed_out = await wait_moves((c,), 0.05)
+        c.close()
+        return done, timed_out
+
+    done, timed_out = asyncio.run(go())
+    assert 0.015 <= done < 1.0 and 0.05 <= timed_out < 1.0
+    a.close()
+    assert pl.conductor.in_flight() == 0
