@@ -19,8 +19,10 @@ from pathlib import Path
 from pdserve.bench.prom import scrape
 from pdserve.procs import free_port
 
-R_PROMPT, S_PROMPT, L_PROMPT = 100, 250, 1000  # R and S short (colocated), L long (> 256: its prefill stalls R)
-R_TOKENS = 150
+# R and S short (colocated: R on a, then S on b, a being busy), L long (> 256 tokens: prefill on a, whose decode's
+# context is the smaller, so its steps are the cheaper; S's context (>= 250) always exceeds R's (<= 20 + 220))
+R_PROMPT, S_PROMPT, L_PROMPT = 20, 250, 1000
+R_TOKENS = 220
 
 
 def _post(url: str, body: dict) -> dict:
@@ -97,7 +99,7 @@ def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
     try:
         before = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures",
                                                                              "released_notified")} for u in urls}
-        r_body, s_body, l_body = _body(R_PROMPT, 31, R_TOKENS), _body(S_PROMPT, 32, 60), _body(L_PROMPT, 33, 4)
+        r_body, s_body, l_body = _body(R_PROMPT, 31, R_TOKENS), _body(S_PROMPT, 32, 120), _body(L_PROMPT, 33, 4)
         r = Streamed(router, r_body)
         r.start()
         assert r.started.wait(60), "R never started"
