@@ -18,6 +18,7 @@ from pdserve.router.move import wait_moves
 from pdserve.router.placement import ConductorPlacement
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.workers import Wait
+from tests.unit.test_router_app import model_dir  # noqa: F401  (fixture)
 from tests.unit.test_router_ticket import PROMPT, Clock, FakeClient, generation
 
 E0, E1 = "http://e0", "http://e1"
@@ -161,3 +162,10 @@ def test_wait_moves_returns_at_the_tail_prefill_or_the_timeout():
     assert 0.015 <= done < 1.0 and 0.05 <= timed_out < 1.0
     a.close()
     assert pl.conductor.in_flight() == 0
+
+
+def test_router_flag_turns_moves_off(model_dir):
+    from pdserve.router.__main__ import config_from_args
+
+    args = ["--model-dir", str(model_dir), "--elastic", E0, E1, "--policy", "conductor"]
+    assert config_from_args(args).moves and not config_from_args([*args, "--no-moves"]).moves
