@@ -9,9 +9,10 @@ reading it on w (vLLM aborts it there), asks w to prefill ``prompt + the tokens 
 computed) and hands its KV to d through the connector, exactly as a split request's P -> D. Its cost
 (:func:`move_cost_s`) is the hand-off's fixed cost + the KV transfer of the whole context + that tail prefill.
 
-A decode moves when the stall it would suffer is larger than its move's cost plus ``min_gain_s``, and a worker
-takes it: live, elastic, not w, not itself prefilling a long prompt, below the in-flight limit, with KV room for
-the context and the tokens left; of those the one with the lowest predicted TPOT. Decodes that gain the most
+A decode moves when the stall it would suffer is larger than its move's cost, plus what its tail prefill delays the
+new prefill (it runs first on w: :func:`tail_s`), plus ``min_gain_s``, and a worker takes it: live, elastic, not w,
+not itself prefilling a long prompt, below the in-flight limit, with KV room for the context and the tokens left;
+of those the one with the lowest predicted TPOT. Decodes that gain the most
 move first, at most ``max_moves`` per placed prefill; each move is recorded in the load view at once
 (:func:`apply_move`), so the next destination and every later decision see it.
 
@@ -84,6 +85,12 @@ def move_cost_s(c: Conductor, context: int) -> float:
             + cost.prefill_s(tail, context - tail))
 
 
+def tail_s(c: Conductor, context: int) -> float:
+    """Predicted seconds of a move's tail prefill on the source: what it delays the prefill placed there."""
+    tail = tail_tokens(context, c.config.block_size)
+    return c.cost.prefill_s(tail, context - tail)
+
+
 def stall_s(c: Conductor, w: WorkerLoad, job: PrefillJob) -> float:
     """What the prefill ``job`` adds to each of w's running decodes: its compute in one step, or chunked into w's
     decode steps, one chunk's compute (the last chunk, with the most context) in each of them."""
@@ -122,7 +129,7 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
         if j.request_id == request_id or j.started_at is None or j.remaining_tokens < 2:
             continue  # the prefill's own decode, one whose KV is not there yet, or one about to end
         cost = move_cost_s(c, j.context_tokens)
-        if stall > cost + config.min_gain_s:
+        if stall > cost + tail_s(c, j.context_tokens) + config.min_gain_s:
             ranked.append((cost - stall, j.request_id, j, cost))
     moves: list[Move] = []
     for _, rid, j, cost in sorted(ranked, key=lambda x: (x[0], x[1])):

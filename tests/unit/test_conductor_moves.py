@@ -1,7 +1,8 @@
 """Moving running decodes off a worker that starts a prefill (pdserve.conductor.moves). Cost model as in
 test_conductor_elastic: 1 ms per new prompt token, decode step 10 ms + 1 ms per sequence, 50 ms hand-off, 1 GB/s
 for 1000 B/token, block size 16. A move of a decode with 40 tokens of context costs 50 ms (hand-off) + 40 us
-(transfer) + 8 ms (its last partial block, 8 tokens, prefilled again on the old worker) = 58.04 ms."""
+(transfer) + 8 ms (its last partial block, 8 tokens, prefilled again on the old worker) = 58.04 ms, and delays the
+prefill that caused it by those 8 ms: it moves when the stall exceeds 66.04 ms."""
 
 import pytest
 
@@ -59,15 +60,20 @@ def test_a_short_prefill_moves_nothing():
     running(c, "e0", "r", context=40)
     prefill_on(c, "e0", "short", 50)  # a 50 ms stall < a 58 ms move
     assert plan_moves(c, "short", MoveConfig()) == []
+    prefill_on(c, "e0", "medium", 62)  # a 62 ms stall > the 58 ms move, but not once the 8 ms tail delays medium
+    assert plan_moves(c, "medium", MoveConfig()) == []
+    c.finished("medium")
+    assert plan_moves(c, "short", MoveConfig()) == []
     assert "r" in c.workers["e0"].decodes and c._placed["r"].decision.kind == "local"
 
 
 def test_min_gain_and_max_moves():
     c = make()
     running(c, "e0", "r", context=40)
-    prefill_on(c, "e0", "p", 100)  # gains 100 - 58 = 42 ms
-    assert plan_moves(c, "p", MoveConfig(min_gain_s=0.05)) == []
+    prefill_on(c, "e0", "p", 100)  # gains 100 - 58 - 8 = 34 ms
+    assert plan_moves(c, "p", MoveConfig(min_gain_s=0.035)) == []
     assert plan_moves(c, "p", MoveConfig(max_moves=0)) == []
+    assert [m.request_id for m in plan_moves(c, "p", MoveConfig(min_gain_s=0.03))] == ["r"]
     c = make()
     for i, ctx in enumerate((40, 20, 90)):
         running(c, "e0", f"r{i}", context=ctx)
