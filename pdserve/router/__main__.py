@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="the workers' vLLM --max-num-batched-tokens (per-step token budget): elastic placement "
                         "models a prefill on a decoding worker as chunked into its steps (default: unknown)")
+    c.add_argument("--no-moves", dest="moves", action="store_false",
+                   help="elastic: never move running decodes off a worker that starts a long prefill (default: move "
+                        "them when the conductor predicts it pays)")
     return p
 
 
@@ -107,7 +110,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
                         max_inflight_per_worker=a.max_inflight_per_worker or None,
                         probe_failures=a.probe_failures, probe_window_s=a.probe_window_s,
                         tool_call_parser=a.tool_call_parser, elastic=tuple(a.elastic),
-                        max_num_batched_tokens=a.max_num_batched_tokens)
+                        max_num_batched_tokens=a.max_num_batched_tokens, moves=a.moves)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from ..conductor import ConductorConfig
+from ..conductor.moves import MoveConfig
 from .admission import Admission
 from .answer import collect, stream
 from .calibration import calibrate
@@ -67,7 +68,8 @@ class Router:
             ttft_slo_s=None if config.ttft_slo_ms is None else config.ttft_slo_ms / 1000.0,
             tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1000.0,
             local_prefill_tokens=config.local_prefill_tokens, chunk_tokens=config.max_num_batched_tokens,
-            max_inflight_per_worker=config.max_inflight_per_worker), kv_bytes_per_token(config.model_dir))
+            max_inflight_per_worker=config.max_inflight_per_worker), kv_bytes_per_token(config.model_dir),
+            MoveConfig(enabled=config.moves))
         self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
         self.registry.probe_failures, self.registry.probe_window_s = config.probe_failures, config.probe_window_s
         self.admission = Admission(config.max_inflight, self.metrics)

@@ -108,6 +108,8 @@ class RouterConfig:
     max_num_batched_tokens: the workers' per-step token budget (their vLLM ``--max-num-batched-tokens``), for
         the conductor's ``chunk_tokens`` (elastic placement models a prefill chunked into a decoding worker with
         it; the app building the ConductorConfig must pass it on). None: unknown (a prefill is one step).
+    moves: elastic placement moves a worker's running decodes to other workers when it starts a prefill that would
+        stall them for longer than a move costs (:mod:`pdserve.conductor.moves`, :mod:`pdserve.router.move`).
     probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
         many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """
@@ -149,6 +151,7 @@ class RouterConfig:
     tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
     max_num_batched_tokens: int | None = None  # the workers' per-step token budget (the conductor's chunk_tokens)
+    moves: bool = True  # elastic: move running decodes off a worker that starts a long prefill when it pays
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated", "elastic"):

@@ -25,8 +25,10 @@ from typing import Any
 from .deadline import within
 from .delta import Delta, tokens_to
 from .errors import RouterError, deadline_exceeded, upstream_failed
+from .expiry import RequestDeadline
 from .failures import RETRYABLE, Migrate, Retry, as_router_error, migratable
 from .metrics import RouterMetrics
+from .move import MovableRun, Moved, wait_moves
 from .placement import Placement
 from .protocol import GenerationRequest
 from .relay import Relay
@@ -41,7 +43,7 @@ DEFAULT_MIGRATION_LIMIT = 2
 log = logging.getLogger("pdserve.router")
 
 
-class Generation:
+class Generation(RequestDeadline, MovableRun):
     """One request's run. Iterate :meth:`run` for client-ready deltas; read ``timings`` afterwards.
 
     Each attempt runs on one ticket: ``prompt_ids`` + the tokens streamed so far (``token_ids``), ``max_tokens``
@@ -158,38 +160,18 @@ class Generation:
                 self.detok.step(t)
             self._detok_fed = len(self.token_ids)
 
-    # ---- deadlines ----
-    def _deadline_at(self) -> float | None:
-        if self.request_timeout_s is None:
-            return None
-        if self._deadline is None:
-            loop = asyncio.get_running_loop()
-            self._deadline = loop.time() - (time.perf_counter() - self.t.arrive) + self.request_timeout_s
-        return self._deadline
-
-    def _expire(self) -> None:
-        """The request's deadline passed (one timer per request, not one per awaited token): cancel the await on
-        the worker stream if one is in progress, else the next one fails at once."""
-        self._expired = True
-        if self._waiter is not None:
-            self._cancelled = True
-            self._waiter.cancel()
-
-    def _deadline_error(self) -> RouterError:
-        self.metrics.deadlines.labels("request").inc()
-        return deadline_exceeded(f"the request did not finish within its deadline of {self.request_timeout_s:g}"
-                                 " s (router --request-timeout-s)", "request_timeout")
-
     async def _next(self, raws: AsyncGenerator[Delta, None]) -> Delta:
         """The next raw delta, within the request's deadline (its cancellation closes the worker streams, so
-        vLLM aborts them and frees their KV; the tickets are closed in run's finally)."""
+        vLLM aborts them and frees their KV; the tickets are closed in run's finally). A move (``request_move``)
+        cancels the await too: :class:`Moved` then ends the attempt."""
         if self._expired:
             raise self._deadline_error()
+        if self._moving is not None:
+            raise Moved(self._moving.prefill.url if self._moving.prefill is not None else "")
         if self._timer is None:
             deadline = self._deadline_at()
-            if deadline is None:
-                return await raws.__anext__()
-            self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+            if deadline is not None:
+                self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
         task = self._waiter = asyncio.current_task()
         try:
             return await raws.__anext__()
@@ -198,6 +180,8 @@ class Generation:
                 self._cancelled = False
                 uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 cannot tell, takes it as ours
                 if uncancel is None or uncancel() == 0:  # ours alone (not also the client's or the server's)
+                    if self._moving is not None and not self._expired:
+                        raise Moved(self._moving.prefill.url if self._moving.prefill is not None else "") from None
                     raise self._deadline_error() from None
             raise
         finally:
@@ -234,6 +218,9 @@ class Generation:
         now = time.perf_counter()
         if self.t.first_token is None:
             self.t.first_token = now
+        if self._move_at is not None:  # the first token after a move
+            self.metrics.move_gap.observe(now - self._move_at)
+            self._move_at = None
         self.t.last_token = now
         if self.ticket is not None:
             self.ticket.progress(self.t.tokens, now)
@@ -251,6 +238,9 @@ class Generation:
         dead: set[str] = set()
         slow: set[str] = set()
         lost: Migrate | None = None  # the last worker failure that moved the request
+        movers = getattr(self.placement, "movers", None)
+        if movers is not None:
+            movers.add(self.req.request_id, self)
         try:
             while True:
                 if self._expired:
@@ -263,8 +253,8 @@ class Generation:
                     yield self._accept(Delta("", [], "length"))
                     return
                 try:
-                    ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id,
-                                                   self._left)
+                    ticket, self._moving = self._moving or self.placement.choose(
+                        self._prompt, frozenset(dead | slow), self.req.request_id, self._left), None
                 except RouterError as e:
                     if e.status == 503 and slow:
                         slow.clear()  # only slow workers were left out: wait on them rather than fail
@@ -276,6 +266,8 @@ class Generation:
                 self.ticket = ticket
                 ticket.tokens_before = self._done
                 try:
+                    if ticket.waits:  # decodes moved off this prefill's worker: their tail prefills go first
+                        await wait_moves(ticket.waits, ticket.wait_s)
                     gen = self._one_worker(ticket) if self.colocated or ticket.prefill is None \
                         else self._pd(ticket, dead)
                     async with aclosing(gen) as raws:
@@ -291,6 +283,10 @@ class Generation:
                     raise upstream_failed("worker stream ended without a finish_reason")
                 except Retry as r:
                     (dead if r.dead else slow).add(r.url)
+                except Moved as mv:  # not a failure: no worker error, not against the migration limit
+                    self.metrics.moves.inc()
+                    log.info("request %s: moved off %s after %d token(s)", self.req.request_id, mv.url,
+                             len(self.token_ids))
                 except Migrate as m:
                     dead.add(m.url)
                     lost = m
@@ -308,6 +304,11 @@ class Generation:
         finally:
             if self._timer is not None:
                 self._timer.cancel()
+            if self._moving is not None:  # a move that came too late: the request ended first
+                self._moving.close()
+                self._moving = None
+            if movers is not None:
+                movers.remove(self.req.request_id, self)
 
     def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         """The whole request on ticket.decode: its stream as it is (no generator of its own in between)."""

@@ -56,6 +56,12 @@ class RouterMetrics:
         self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 while the router places requests on the "
                                     "worker (taken out on evidence of death or probes failing over a window).",
                                     ("role", "url"), registry=r)
+        self.moves = Counter("pdserve_router_moves_total", "Running decodes moved to another worker because theirs "
+                             "started a long prefill (the KV moves through the connector as a P->D hand-off).",
+                             registry=r)
+        self.move_gap = Histogram("pdserve_router_move_gap_seconds", "From the stop on the old worker to the first "
+                                  "token after a move.", buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10),
+                                  registry=r)
 
     def observe_timings(self, mode: str, timings: dict) -> None:
         for phase in PHASES:

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
+from ..conductor.moves import MoveConfig
 from ..conductor.policy import NoWorker
 from ..hashing import block_hashes
 from .errors import RouterError, unavailable
+from .move import Movers, move_off
 from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket
 from .workers import Worker
@@ -45,9 +47,11 @@ class ConductorPlacement:
     """The router's placement for every policy; listens to ``registry`` so the conductor knows every member and
     its health at the moment either changes."""
 
-    def __init__(self, conductor: Conductor, registry: WorkerRegistry) -> None:
+    def __init__(self, conductor: Conductor, registry: WorkerRegistry, moves: MoveConfig | None = None) -> None:
         self.conductor = conductor
         self.registry = registry
+        self.moves = moves or MoveConfig()  # moving running decodes off a worker that starts a prefill (elastic)
+        self.movers = Movers()  # the running generations, by request id
         self._ids = itertools.count()
         self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
         registry.subscribe(self)
@@ -84,12 +88,16 @@ class ConductorPlacement:
             self.decision_seconds.append(time.perf_counter() - t0)
         if d.kind == "reject":
             raise too_busy(d)
-        return PlacementTicket(c, self.registry, d)
+        ticket = PlacementTicket(c, self.registry, d)
+        if d.placement and self.moves.enabled and self.movers:  # elastic: move the decodes that pay
+            ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))
+            ticket.wait_s = self.moves.wait_s
+        return ticket
 
 
-def make_placement(registry: WorkerRegistry, config: ConductorConfig, kv_bytes_per_token: int
-                   ) -> ConductorPlacement:
-    return ConductorPlacement(Conductor(config, OnlineCostModel(kv_bytes_per_token)), registry)
+def make_placement(registry: WorkerRegistry, config: ConductorConfig, kv_bytes_per_token: int,
+                   moves: MoveConfig | None = None) -> ConductorPlacement:
+    return ConductorPlacement(Conductor(config, OnlineCostModel(kv_bytes_per_token)), registry, moves)
 
 
 class RoundRobin(ConductorPlacement):

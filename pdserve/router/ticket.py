@@ -10,6 +10,7 @@ close, do nothing.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,12 @@ PROGRESS_EVERY_S = 0.25  # ... or once this long has passed since the last repor
 class PlacementTicket:
     """Where one request runs. ``decode`` is always set; ``prefill`` None means the whole request runs on
     ``decode`` (colocated or decode-local)."""
+
+    # moves (pdserve.router.move): a move's ticket sets ``handed`` when its tail prefill is done (or the ticket
+    # closes); the ticket of the prefill that caused the moves waits on theirs (``waits``), at most ``wait_s``
+    handed: asyncio.Event | None = None
+    waits: tuple[PlacementTicket, ...] = ()
+    wait_s = 0.0
 
     def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision) -> None:
         assert decision.decode is not None
@@ -51,6 +58,12 @@ class PlacementTicket:
             return
         self._prefilled = True
         self._conductor.prefill_done(self.request_id)
+        if self.handed is not None:
+            self.handed.set()
+
+    @property
+    def prefilled(self) -> bool:
+        return self._prefilled
 
     def progress(self, tokens: int, now: float | None = None) -> None:
         """``tokens`` output tokens of the request so far, the first included; the conductor hears those of this
@@ -100,3 +113,13 @@ class PlacementTicket:
         self._report(time.perf_counter())  # tokens a coalesced progress report still held
         self.closed = True
         self._conductor.finished(self.request_id)
+        if self.handed is not None:
+            self.handed.set()
+
+    def hand_over(self) -> None:
+        """The request's placement was replaced by a move's (the conductor already released this one): report the
+        tokens still held, then end this ticket without releasing anything."""
+        if self.closed:
+            return
+        self._report(time.perf_counter())
+        self.closed = True

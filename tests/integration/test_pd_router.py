@@ -415,3 +415,13 @@ def test_elastic_router_over_the_same_workers_equals_one_worker(cluster, tmp_pat
             proc.kill()
             proc.wait(timeout=10)
         log.close()
+
+
+def test_elastic_router_moves_a_running_decode_off_a_long_prefill(cluster, tmp_path):
+    """Issue 16: a decode running on one of this stack's kv_both workers moves to the other when a long prefill
+    lands on its worker; the KV moves through the connector and the output equals one worker's
+    (tests/integration/elastic_moves.py)."""
+    from tests.integration.elastic_moves import run_move_case
+
+    run_move_case(str(cluster.model_dir), [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]],
+                  tmp_path)

@@ -1,0 +1,138 @@
+"""A running decode moved off a worker that starts a long prefill (issue 16, item 1), on real vLLM workers: an
+elastic router over two kv_both workers, a decode R streaming on worker A, then a long prompt whose prefill the
+conductor puts on A; R moves to B (A prefills R's prompt + streamed tokens from its prefix cache, B reads that KV
+through the connector) and its greedy output equals one worker's, token for token. Run from a test module that
+owns a stack of two kv_both workers (tests/integration/test_pd_router.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from pdserve.bench.prom import scrape
+from pdserve.procs import free_port
+
+# R and S short (colocated: R on a, then S on b, a being busy), L long (> 256 tokens: prefill on a, whose decode's
+# context is the smaller, so its steps are the cheaper; S's context (>= 250) always exceeds R's (<= 20 + 220))
+R_PROMPT, S_PROMPT, L_PROMPT = 20, 250, 1000
+R_TOKENS = 220
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _body(length: int, seed: int, max_tokens: int) -> dict:
+    rng = random.Random(seed)
+    return {"model": "rl", "prompt": [rng.randrange(1000, 40000) for _ in range(length)], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+
+
+class Streamed(threading.Thread):
+    """A streamed completion read in a thread: its text, and an event set at its first chunk."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**body, "stream": True}
+        self.text, self.error = "", ""
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(self.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                for line in resp:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        self.error = json.dumps(obj)
+                    for c in obj.get("choices") or []:
+                        self.text += c.get("text") or ""
+                        self.started.set()
+        except Exception as e:  # reported by the test
+            self.error = repr(e)
+        finally:
+            self.started.set()
+
+
+def _metric(url: str, name: str) -> float:
+    return scrape(url, name).get(name, 0.0)
+
+
+def _start_router(model_dir: str, urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    out = open(log, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
+                             "--model-dir", model_dir, "--served-model-name", "rl", "--max-model-len", "2048",
+                             "--policy", "conductor", "--no-calibrate", "--local-prefill-tokens", "256",
+                             "--elastic", *urls], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    out.close()
+    router = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(router + "/health", timeout=5).status == 200:
+                return proc, router
+        except (urllib.error.URLError, OSError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log.read_text())
+        time.sleep(0.3)
+
+
+def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
+    a, b = sorted(urls)  # the conductor breaks ties by worker id: R (first, idle pool) lands on a
+    proc, router = _start_router(model_dir, urls, tmp / "moves-router.log")
+    try:
+        before = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures",
+                                                                             "released_notified")} for u in urls}
+        r_body, s_body, l_body = _body(R_PROMPT, 31, R_TOKENS), _body(S_PROMPT, 32, 120), _body(L_PROMPT, 33, 4)
+        r = Streamed(router, r_body)
+        r.start()
+        assert r.started.wait(60), "R never started"
+        s = Streamed(router, s_body)  # S decodes on b (a is busy with R): b is no idler than a for L's prefill
+        s.start()
+        assert s.started.wait(60), "S never started"
+        long_out = _post(router, l_body)  # its prefill goes on a (R's context is the smaller): R moves to b
+        r.join(120)
+        s.join(120)
+        assert not r.is_alive() and not s.is_alive() and not r.error and not s.error, (r.error, s.error)
+        assert _metric(router, "pdserve_router_moves_total") == 1.0, (tmp / "moves-router.log").read_text()[-3000:]
+        assert _metric(router, "pdserve_router_move_gap_seconds_count") == 1.0
+        print(f"move gap (stop on A -> first token after the move): "
+              f"{_metric(router, 'pdserve_router_move_gap_seconds_sum') * 1e3:.0f} ms")
+        assert scrape(router, "pdserve_router_migrations_total") == {}  # not a failure
+        # token for token what one worker alone produces
+        assert r.text == _post(b, r_body)["choices"][0]["text"]
+        assert long_out["choices"][0]["text"] == _post(b, l_body)["choices"][0]["text"]
+        after = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in before[u]} for u in urls}
+        # b read two KV hand-offs from a (L's split and R's move), none failed (nothing recomputed); a freed both
+        # leases on b's notification, not at the lease's end
+        assert after[b]["reads"] - before[b]["reads"] == 2, (before, after)
+        assert after[b]["read_failures"] == before[b]["read_failures"]
+        assert after[a]["released_notified"] - before[a]["released_notified"] == 2, (before, after)
+        deadline = time.monotonic() + 20  # well inside the 30 s lease: freeing came from the hand-off
+        while time.monotonic() < deadline and any(_metric(u, "vllm:kv_cache_usage_perc") for u in urls):
+            time.sleep(0.2)
+        assert [_metric(u, "vllm:kv_cache_usage_perc") for u in urls] == [0.0, 0.0], "KV blocks still held"
+        assert [_metric(u, "vllm:num_requests_running") for u in urls] == [0.0, 0.0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
