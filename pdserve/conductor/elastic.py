@@ -56,8 +56,9 @@ A worker with a prefill queued or running that is long next to its other decodes
 Options that miss the TTFT/TPOT target (or, with a TPOT target, find no KV room) are dropped; with none left the
 request is rejected (429 + Retry-After), exactly as the fixed-role conductor does.
 
-Not built: moving a worker's running decodes off it when it starts a long prefill (the KV would move through
-the connector as in a P -> D hand-off; it needs the router's streaming path to switch a live stream).
+When a prefill is placed on a worker with running decodes, :mod:`.moves` may move those decodes to other workers
+first (when the stall they would suffer is over a move's cost): the router stops each one's stream there, the
+worker prefills its context from its prefix cache and hands the KV to the new worker as a P -> D hand-off.
 
 The baselines (``round_robin``, ``least_loaded``) place whole requests, as on colocated workers.
 """
