@@ -8,7 +8,8 @@ Configuration names (:func:`launcher_config`):
 - ``PpDd-POLICY`` (``1p1d-conductor``, ``1p1d-least_loaded``): the same with the router's placement policy
   ``POLICY`` (needs ``LauncherConfig.policy``; a clear error otherwise).
 - ``elasticN``: N workers with no fixed role (``pdserve serve --elastic N``), the cores split evenly between
-  them, the conductor choosing colocated or split P -> D per request.
+  them, the conductor choosing colocated or split P -> D per request; ``elasticN-nomoves``: the same with the
+  router's ``--no-moves`` (running decodes never move off a worker that starts a long prefill).
 
 Each configuration is started once with :class:`pdserve.launcher.Cluster`, health-gated, warmed up, then every
 workload runs against it in order; counters (decode workers' ``vllm:pdserve_kv_*``, the router's
@@ -35,7 +36,8 @@ from .prom import delta, scrape
 from .runner import RunOptions, RunResult, run
 from .workload import build_workload, parse_spec
 
-_NAME = re.compile(r"^(?:colocated(?P<c>\d+)|elastic(?P<e>\d+)|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
+_NAME = re.compile(r"^(?:colocated(?P<c>\d+)|elastic(?P<e>\d+)(?P<nomoves>-nomoves)?"
+                   r"|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,9 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
         n = int(m.group("e"))
         if n < 1:
             raise ConfigError(f"{name}: elastic needs at least one worker")
-        return LauncherConfig(elastic=n, policy="conductor", cores_per_worker=max(1, len(cores) // n), **common)
+        router_args = ("--no-moves",) if m.group("nomoves") else ()
+        return LauncherConfig(elastic=n, policy="conductor", cores_per_worker=max(1, len(cores) // n),
+                              router_args=router_args, **common)
     policy = m.group("policy")
     if policy:
         if "policy" not in {f.name for f in fields(LauncherConfig)}:

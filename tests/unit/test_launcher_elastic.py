@@ -89,5 +89,6 @@ def test_bench_compare_knows_elastic_n():
     e = launcher_config("elastic2", s)
     assert (e.elastic, e.cores_per_worker, e.policy, e.connector, e.mode) == (2, 1, "conductor", True, "elastic")
     assert launcher_config("elastic1", s).cores_per_worker == 2
+    assert e.router_args == () and launcher_config("elastic2-nomoves", s).router_args == ("--no-moves",)
     with pytest.raises(ConfigError, match="elastic needs at least one worker"):
         launcher_config("elastic0", s)
