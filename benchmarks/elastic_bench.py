@@ -70,12 +70,16 @@ def mixed_workload(requests: int, rate: float, long: int, short: int, long_frac:
 
 
 def _decisions(router_url: str) -> dict[str, float]:
+    """The conductor's decisions by kind, and the running decodes it moved (``moves``)."""
     try:
         got = scrape(router_url, "pdserve_conductor_decisions_total", labels=True)
+        moves = scrape(router_url, "pdserve_router_moves_total")
     except OSError:
         return {}
-    return {kind: sum(v for k, v in got.items() if f'kind="{kind}"' in k)
-            for kind in ("local", "disaggregated", "reject")}
+    out = {kind: sum(v for k, v in got.items() if f'kind="{kind}"' in k)
+           for kind in ("local", "disaggregated", "reject")}
+    out["moves"] = sum(moves.values())
+    return out
 
 
 def _kv(urls: list[str]) -> dict[str, float]:
@@ -112,7 +116,8 @@ class Matrix:
         s.update(decode_spread(res.records))
         s["modes"] = phase_summary(res.records).get("modes", {})
         dec = delta(dec0, _decisions(cluster.router_url))
-        s["decisions"] = {k: int(v) for k, v in dec.items()}
+        s["decisions"] = {k: int(v) for k, v in dec.items() if k != "moves"}
+        s["moves"] = int(dec.get("moves", 0))
         kv = delta(kv0, _kv(cluster.worker_urls()))
         reads = kv.get("vllm:pdserve_kv_reads_total", 0.0)
         s["kv_reads"] = int(reads)
@@ -195,7 +200,7 @@ COLS = (("TTFT p50/p99 (ms)", "ttft_p50_ms", "ttft_p99_ms"), ("TPOT p50/p99 (ms)
         ("req/s", "req_per_s", None),
         ("hand-off p50/p99 (ms)", "handoff_p50_ms", "handoff_p99_ms"), ("split", "split_requests", None),
         ("short / long split", "short_split", "long_split"), ("decodes per worker", "decodes_per_worker", None),
-        ("errors", "errors", None), ("load1 mean", "load1_mean", None))
+        ("moves", "moves", None), ("errors", "errors", None), ("load1 mean", "load1_mean", None))
 
 
 def _fmt(v: Any) -> str:
