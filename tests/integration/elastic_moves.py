@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.bench.prom import scrape
-from pdserve.procs import free_port
+from pdserve.procs import free_port, spawn_healthy, stop_children
 
 # R and S short (colocated: R on a, then S on b, a being busy), L long (> 256 tokens: prefill on a, whose decode's
 # context is the smaller, so its steps are the cheaper; S's context (>= 250) always exceeds R's (<= 20 + 220))
@@ -71,32 +72,25 @@ def _metric(url: str, name: str) -> float:
     return scrape(url, name).get(name, 0.0)
 
 
-def _start_router(model_dir: str, urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+@contextmanager
+def elastic_router(model_dir: str, urls: list[str], log: Path) -> Iterator[str]:
+    """A conductor router over ``urls`` as one elastic pool (no calibration, prompts over 256 uncached tokens
+    long); yields its URL once healthy, stops it (and anything it started) afterwards."""
     port = free_port()
-    out = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
-                             "--model-dir", model_dir, "--served-model-name", "rl", "--max-model-len", "2048",
-                             "--policy", "conductor", "--no-calibrate", "--local-prefill-tokens", "256",
-                             "--elastic", *urls], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    out.close()
     router = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(router + "/health", timeout=5).status == 200:
-                return proc, router
-        except (urllib.error.URLError, OSError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(log.read_text())
-        time.sleep(0.3)
+    child = spawn_healthy("elastic-router", [
+        sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", model_dir,
+        "--served-model-name", "rl", "--max-model-len", "2048", "--policy", "conductor", "--no-calibrate",
+        "--local-prefill-tokens", "256", "--elastic", *urls], router, timeout_s=120, log_path=log)
+    try:
+        yield router
+    finally:
+        stop_children([child])
 
 
 def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
     a, b = sorted(urls)  # the conductor breaks ties by worker id: R (first, idle pool) lands on a
-    proc, router = _start_router(model_dir, urls, tmp / "moves-router.log")
-    try:
+    with elastic_router(model_dir, urls, tmp / "moves-router.log") as router:
         before = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures",
                                                                              "released_notified")} for u in urls}
         r_body, s_body, l_body = _body(R_PROMPT, 31, R_TOKENS), _body(S_PROMPT, 32, 120), _body(L_PROMPT, 33, 4)
@@ -129,10 +123,3 @@ def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
             time.sleep(0.2)
         assert [_metric(u, "vllm:kv_cache_usage_perc") for u in urls] == [0.0, 0.0], "KV blocks still held"
         assert [_metric(u, "vllm:num_requests_running") for u in urls] == [0.0, 0.0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)

@@ -365,32 +365,12 @@ def test_elastic_router_over_the_same_workers_equals_one_worker(cluster, tmp_pat
     places each request colocated on one worker or split P -> D over both (the conductor's choice); a mixed batch
     equals one worker's output. `pdserve serve --elastic 2` itself (the launcher's plan) is in
     tests/integration/test_elastic_vllm.py (slow tier) and tests/unit/test_launcher_elastic.py."""
-    import subprocess
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    from pdserve.procs import free_port
+    from tests.integration.elastic_moves import elastic_router
 
     urls = [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]]
-    port = free_port()
-    router = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "elastic-router.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
-                             "--model-dir", str(cluster.model_dir), "--served-model-name", "rl",
-                             "--max-model-len", "2048", "--policy", "conductor", "--no-calibrate",
-                             "--local-prefill-tokens", "256", "--elastic", *urls],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(router + "/health", timeout=5).status == 200:
-                    break
-            except (urllib.error.URLError, OSError):
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "elastic-router.log").read_text()
-            time.sleep(0.3)
-
+    with elastic_router(str(cluster.model_dir), urls, tmp_path / "elastic-router.log") as router:
         def body(length: int, seed: int) -> dict:
             rng = random.Random(seed)
             return {"model": "rl", "prompt": [rng.randrange(1000, 40000) for _ in range(length)], "max_tokens": 8,
@@ -407,14 +387,6 @@ def test_elastic_router_over_the_same_workers_equals_one_worker(cluster, tmp_pat
         got = scrape(router, "pdserve_conductor_decisions_total", labels=True)
         kinds = {k: sum(v for key, v in got.items() if f'kind="{k}"' in key) for k in ("local", "disaggregated")}
         assert kinds["disaggregated"] >= 1 and kinds["local"] >= 1, kinds
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
 
 
 def test_elastic_router_moves_a_running_decode_off_a_long_prefill(cluster, tmp_path):
