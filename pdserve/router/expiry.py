@@ -38,6 +38,15 @@ class RequestDeadline:
             self._cancelled = True
             self._waiter.cancel()
 
+    def _own_cancel(self, task: asyncio.Task | None) -> bool:
+        """On a CancelledError while ``task`` awaited the worker: True when this request cancelled it (its deadline's
+        ``_expire``, or a move) and nothing else did (not also the client or the server); the flag is cleared."""
+        if self._cancelled and task is not None:
+            self._cancelled = False
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 cannot tell, takes it as ours
+            return uncancel is None or uncancel() == 0
+        return False
+
     def _deadline_error(self) -> RouterError:
         self.metrics.deadlines.labels("request").inc()
         return deadline_exceeded(f"the request did not finish within its deadline of {self.request_timeout_s:g}"

@@ -176,13 +176,10 @@ class Generation(RequestDeadline, MovableRun):
         try:
             return await raws.__anext__()
         except asyncio.CancelledError:
-            if self._cancelled and task is not None:
-                self._cancelled = False
-                uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 cannot tell, takes it as ours
-                if uncancel is None or uncancel() == 0:  # ours alone (not also the client's or the server's)
-                    if self._moving is not None and not self._expired:
-                        raise Moved(self._moving.prefill.url if self._moving.prefill is not None else "") from None
-                    raise self._deadline_error() from None
+            if self._own_cancel(task):
+                if self._moving is not None and not self._expired:
+                    raise Moved(self._moving.prefill.url if self._moving.prefill is not None else "") from None
+                raise self._deadline_error() from None
             raise
         finally:
             self._waiter = None

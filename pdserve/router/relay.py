@@ -200,16 +200,6 @@ class Relay:
         return tr is not None and not tr.is_closing() and tr.get_write_buffer_size() < _WRITE_LIMIT \
             and type(self.stream.reader) in (StreamReader, _RelayingReader) and self.stream.watchdog is not None
 
-    def _guarded_cancel(self, task: asyncio.Task | None) -> bool:
-        """On a CancelledError while awaiting the worker: True when it was the request's deadline alone
-        (``Generation._expire``), which ends the relay; the full path then raises the 504."""
-        gen = self.gen
-        if gen._cancelled and task is not None:
-            gen._cancelled = False
-            uncancel = getattr(task, "uncancel", None)  # Python 3.11+; 3.10 takes it as ours
-            return uncancel is None or uncancel() == 0  # ours alone (not also the client's or the server's)
-        return False
-
     async def _fill(self) -> bool:
         """Read more from the worker within the request's deadline: ``Generation._expire`` cancels this task while
         it awaits here (as it does in ``Generation._next``)."""
@@ -218,7 +208,7 @@ class Relay:
         try:
             return await self.stream.fill()
         except asyncio.CancelledError:
-            if self._guarded_cancel(task):
+            if self.gen._own_cancel(task):  # the deadline (or a move) ends the relay
                 return False
             raise
         finally:
@@ -241,7 +231,7 @@ class Relay:
             await self.woken
             return True
         except asyncio.CancelledError:
-            if self._guarded_cancel(task):
+            if self.gen._own_cancel(task):  # the deadline (or a move) ends the relay
                 return False
             raise
         finally:
