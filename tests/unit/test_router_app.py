@@ -212,18 +212,20 @@ class FakeWorker:
 class Env:
     """Fake workers + a router on free ports; ``post``/``get`` talk to the router."""
 
-    def __init__(self, model_dir: Path, tokenizer: PromptTokenizer, prefill=(), decode=(), colocated=(),
+    def __init__(self, model_dir: Path, tokenizer: PromptTokenizer, prefill=(), decode=(), colocated=(), elastic=(),
                  **cfg: Any) -> None:
         self.prefill, self.decode, self.colocated = list(prefill), list(decode), list(colocated)
+        self.elastic = list(elastic)
         self.model_dir, self.tokenizer, self.cfg = model_dir, tokenizer, cfg
 
     async def __aenter__(self) -> Env:
-        for w in self.prefill + self.decode + self.colocated:
+        for w in self._workers():
             if not w.url:
                 await w.start()
         config = RouterConfig(model_dir=str(self.model_dir), prefill=tuple(w.url for w in self.prefill),
                               decode=tuple(w.url for w in self.decode),
-                              colocated=tuple(w.url for w in self.colocated), served_model_name="tiny",
+                              colocated=tuple(w.url for w in self.colocated),
+                              elastic=tuple(w.url for w in self.elastic), served_model_name="tiny",
                               port=0, health_interval_s=self.cfg.pop("health_interval_s", 0), **self.cfg)
         self.app = create_app(config, tokenizer=self.tokenizer)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
@@ -237,8 +239,11 @@ class Env:
     async def __aexit__(self, *exc: Any) -> None:
         await self.session.close()
         await self.runner.cleanup()
-        for w in self.prefill + self.decode + self.colocated:
+        for w in self._workers():
             await w.stop()
+
+    def _workers(self) -> list[FakeWorker]:
+        return self.prefill + self.decode + self.colocated + self.elastic
 
     async def post(self, path: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)

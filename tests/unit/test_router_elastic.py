@@ -43,31 +43,25 @@ def test_elastic_pool_places_short_colocated_and_long_split(model_dir, tokenizer
     w0, w1 = FakeWorker("E0"), FakeWorker("E1")
 
     async def main():
-        await w0.start()
-        await w1.start()
-        try:
-            async with Env(model_dir, tokenizer, policy="conductor", calibrate=False, local_prefill_tokens=8,
-                           elastic=(w0.url, w1.url)) as env:
-                first, second = sorted([w0, w1], key=lambda w: w.url)
-                st, out = await env.post("/v1/completions", {"prompt": "a", "max_tokens": 3})
-                assert st == 200 and out["choices"][0]["text"] == " b c w15"
-                assert len(first.requests) == 1 and second.requests == []  # short, idle pool: colocated
-                assert "kv_transfer_params" not in first.requests[0]
-                st, out = await env.post("/v1/completions", {"prompt": " ".join(["a"] * 20), "max_tokens": 3})
-                assert st == 200
-                # long (20 uncached tokens > 8): split, P on one worker and D on the other
-                p_req = first.requests[1]
-                d_req = second.requests[0]
-                assert p_req["max_tokens"] == 1 and p_req["kv_transfer_params"]["do_remote_decode"] is True
-                assert d_req["kv_transfer_params"]["remote_engine_id"] == first.name
-                st, body = await env.get("/ready")
-                assert st == 200 and json.loads(body)["status"] == "ready"
-                st, body = await env.get("/v1/pdserve/workers")
-                assert st == 200 and [w["roles"] for w in json.loads(body)["workers"]] == [["decode", "elastic", "prefill"]] * 2
-                _, metrics = await env.get("/metrics")
-                assert 'pdserve_conductor_decisions_total{kind="local"} 1' in metrics
-                assert 'pdserve_conductor_decisions_total{kind="disaggregated"} 1' in metrics
-        finally:
-            await w0.stop()
-            await w1.stop()
+        async with Env(model_dir, tokenizer, policy="conductor", calibrate=False, local_prefill_tokens=8,
+                       elastic=(w0, w1)) as env:
+            first, second = sorted([w0, w1], key=lambda w: w.url)
+            st, out = await env.post("/v1/completions", {"prompt": "a", "max_tokens": 3})
+            assert st == 200 and out["choices"][0]["text"] == " b c w15"
+            assert len(first.requests) == 1 and second.requests == []  # short, idle pool: colocated
+            assert "kv_transfer_params" not in first.requests[0]
+            st, out = await env.post("/v1/completions", {"prompt": " ".join(["a"] * 20), "max_tokens": 3})
+            assert st == 200
+            # long (20 uncached tokens > 8): split, P on one worker and D on the other
+            p_req = first.requests[1]
+            d_req = second.requests[0]
+            assert p_req["max_tokens"] == 1 and p_req["kv_transfer_params"]["do_remote_decode"] is True
+            assert d_req["kv_transfer_params"]["remote_engine_id"] == first.name
+            st, body = await env.get("/ready")
+            assert st == 200 and json.loads(body)["status"] == "ready"
+            st, body = await env.get("/v1/pdserve/workers")
+            assert st == 200 and [w["roles"] for w in json.loads(body)["workers"]] == [["decode", "elastic", "prefill"]] * 2
+            _, metrics = await env.get("/metrics")
+            assert 'pdserve_conductor_decisions_total{kind="local"} 1' in metrics
+            assert 'pdserve_conductor_decisions_total{kind="disaggregated"} 1' in metrics
     run(main())
