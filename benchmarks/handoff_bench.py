@@ -44,16 +44,19 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdserve.vllm.params import prompt_hash  # noqa: E402
 
+T = TypeVar("T")
+R = TypeVar("R")
 MODES = {"async": {"sync_load_max_bytes": 0}, "sync": {}}  # sync: the connector's default threshold
 PHASES = ("to_d", "to_admit", "admit_to_sched", "sched_to_done", "done_to_client", "read", "read_begin_lag",
           "report_lag")
@@ -133,30 +136,26 @@ def direct_one(p_url: str, d_url: str, model: str, prompt: list[int], output: in
             "hash": prompt_hash(prompt, len(prompt))}
 
 
+def closed_loop(fn: Callable[[T], R], jobs: list[T], concurrency: int) -> list[R]:
+    """``fn`` over ``jobs`` by ``concurrency`` closed-loop clients (each takes the next job when its last ends), in
+    the jobs' order."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(fn, jobs))
+
+
 def run_direct(cluster: Any, prompts: list[list[int]], output: int, concurrency: int) -> dict[str, Any]:
     """Same stack, same moment: alternate sync (default) and async per request."""
     p_url = next(w.url for w in cluster.workers if w.name.startswith("prefill"))
     d_url = next(w.url for w in cluster.workers if w.name.startswith("decode"))
-    todo = [(prompt, "auto" if i % 2 else "async") for i, prompt in enumerate(prompts)]
-    lock = threading.Lock()
-    recs: list[dict] = []
+    def one(job: tuple[list[int], str]) -> dict:
+        prompt, load = job
+        try:
+            return direct_one(p_url, d_url, cluster.model_name, prompt, output, load)
+        except Exception as exc:  # counted, never silently dropped
+            return {"load": load, "handoff": None, "error": f"{type(exc).__name__}: {exc}"}
 
-    def client() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                prompt, load = todo.pop(0)
-            try:
-                recs.append(direct_one(p_url, d_url, cluster.model_name, prompt, output, load))
-            except Exception as exc:  # counted, never silently dropped
-                recs.append({"load": load, "handoff": None, "error": f"{type(exc).__name__}: {exc}"})
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    recs = closed_loop(one, [(prompt, "auto" if i % 2 else "async") for i, prompt in enumerate(prompts)],
+                       concurrency)
     out: dict[str, Any] = {"errors": sum(1 for r in recs if r.get("error"))}
     for load, name in (("async", "async"), ("auto", "sync")):
         vals = [r["handoff"] for r in recs if r["load"] == load and r["handoff"] is not None]
@@ -170,30 +169,19 @@ def run_direct(cluster: Any, prompts: list[list[int]], output: int, concurrency:
 
 def run_load(url: str, model: str, prompts: list[list[int]], output: int, concurrency: int) -> list[dict]:
     host, port = url.split("//", 1)[1].rsplit(":", 1)
-    todo = list(enumerate(prompts))
-    lock = threading.Lock()
-    out: dict[int, dict] = {}
     errors: list[str] = []
 
-    def client() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, prompt = todo.pop(0)
-            try:
-                out[i] = stream_one(host, int(port), model, prompt, output)
-            except Exception as exc:  # counted and reported, never silently dropped
-                errors.append(f"{type(exc).__name__}: {exc}")
+    def one(prompt: list[int]) -> dict | None:
+        try:
+            return stream_one(host, int(port), model, prompt, output)
+        except Exception as exc:  # counted and reported, never silently dropped
+            errors.append(f"{type(exc).__name__}: {exc}")
+            return None
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    done = closed_loop(one, prompts, concurrency)
     if errors:
         print(f"[handoff_bench] {len(errors)} failed requests, first: {errors[0]}", file=sys.stderr)
-    return [out[i] for i in sorted(out)]
+    return [r for r in done if r is not None]
 
 
 def d_stamps(run_dir: Path) -> dict[str, dict]:
