@@ -50,14 +50,14 @@ from relay_floor import start_floor  # noqa: E402  (benchmarks/relay_floor.py, n
 # have the file "~" and their name in the function ("<method 'poll' of 'select.epoll' objects>")
 GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
     "worker stream: read + SSE split + json.loads": (
-        ("router/workers.py", "stream"), ("router/workers.py", "_sse_data"), ("json/decoder.py", ""),
+        ("router/fleet/workers.py", "stream"), ("router/fleet/workers.py", "_sse_data"), ("json/decoder.py", ""),
         ("json/__init__.py", "loads"), ("aiohttp/streams.py", ""), ("aiohttp/client_proto.py", ""),
         ("aiohttp/http_parser.py", ""), ("~", "scanstring"), ("~", "recv")),
-    "hand-off generators, Delta, stop strings": (("router/handoff.py", ""),),
-    "ticket.progress (placement, conductor)": (("router/ticket.py", ""), ("router/placement.py", ""),
+    "hand-off generators, Delta, stop strings": (("router/run/generation.py", ""),),
+    "ticket.progress (placement, conductor)": (("router/fleet/ticket.py", ""), ("router/fleet/placement.py", ""),
                                                ("/conductor/", "")),
-    "detokenizing": (("router/tokenizer.py", ""), ("tokenizers", ""), ("transformers", "")),
-    "chunk build + SSE encode (protocol.py, json.dumps)": (("router/protocol.py", ""), ("json/encoder.py", ""),
+    "detokenizing": (("router/api/tokenizer.py", ""), ("tokenizers", ""), ("transformers", "")),
+    "chunk build + SSE encode (protocol.py, json.dumps)": (("router/api/protocol.py", ""), ("json/encoder.py", ""),
                                                            ("json/__init__.py", "dumps"), ("~", "encode_basestring"),
                                                            ("~", "c_make_encoder")),
     "app._stream loop": (("router/app.py", ""),),

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 QUANTILES = (50, 90, 99)
-# Router per-request timing fields (pdserve/router/handoff.py Timings.report), summarized as phases.
+# Router per-request timing fields (pdserve/router/run/generation.py Timings.report), summarized as phases.
 PHASE_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "handoff_ms", "decode_ms", "router_overhead_ms")
 
 

@@ -8,8 +8,8 @@ import os
 import sys
 
 from ..rules import POLICIES
+from .api.limits import DEFAULT_MAX_BODY_BYTES
 from .config import RouterConfig, RouterConfigError
-from .limits import DEFAULT_MAX_BODY_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:

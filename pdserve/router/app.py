@@ -23,29 +23,29 @@ from aiohttp import web
 from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
 from .admission import Admission
-from .answer import collect, stream
-from .calibration import calibrate
-from .choices import Choice, PromptScoredGeneration, choice_seed, sum_usage
+from .api.limits import body_too_large, check_prompt_chars, read_body
+from .api.logprobs import LogprobTrack
+from .api.openapi import openapi_document
+from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
+from .api.response import ResponseBuilder
+from .api.tokenize_api import add_routes as add_tokenize_routes
+from .api.tokenizer import PromptTokenizer
+from .api.tools import ToolSupport
 from .config import RouterConfig, kv_bytes_per_token
 from .errors import RouterError, bad_request, not_found
-from .handoff import Generation, Timings
-from .kv_events import KVEventSink
-from .kv_protocol import protocol_for
-from .limits import body_too_large, check_prompt_chars, read_body
-from .load_probe import read_worker_load
-from .logprobs import LogprobTrack
-from .membership import Membership
+from .fleet.calibration import calibrate
+from .fleet.kv_events import KVEventSink
+from .fleet.load_probe import read_worker_load
+from .fleet.membership import Membership
+from .fleet.placement import ConductorPlacement, Placement, make_placement
+from .fleet.pool_index import PoolIndexFollower
+from .fleet.registry import WorkerRegistry
+from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
-from .openapi import openapi_document
-from .placement import ConductorPlacement, Placement, make_placement
-from .pool_index import PoolIndexFollower
-from .protocol import GenerationRequest, parse_chat, parse_completion, parse_json
-from .registry import WorkerRegistry
-from .response import ResponseBuilder
-from .tokenize_api import add_routes as add_tokenize_routes
-from .tokenizer import PromptTokenizer
-from .tools import ToolSupport
-from .workers import Worker, WorkerClient
+from .run.answer import collect, stream
+from .run.choices import Choice, PromptScoredGeneration, choice_seed, sum_usage
+from .run.generation import Generation, Timings
+from .run.kv_protocol import protocol_for
 
 log = logging.getLogger("pdserve.router")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..rules import check_local_prefill_tokens, check_policy, check_slo
-from .limits import DEFAULT_MAX_BODY_BYTES
+from .api.limits import DEFAULT_MAX_BODY_BYTES
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -93,7 +93,7 @@ class RouterConfig:
     admin_token: bearer token required by the worker-membership endpoints (/v1/pdserve/workers); empty: they
         accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
     max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
-    kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.kv_protocol`):
+    kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.run.kv_protocol`):
         ``pdserve`` (default: pdserve's connector) or ``nixl`` (vLLM's NixlConnector).
     migration_limit: how many times one request may move to another worker after its worker failed with it in
         flight (prompt + tokens so far go to the new worker); past it the client gets an error event.
@@ -109,7 +109,7 @@ class RouterConfig:
         the conductor's ``chunk_tokens`` (elastic placement models a prefill chunked into a decoding worker with
         it; the app building the ConductorConfig must pass it on). None: unknown (a prefill is one step).
     moves: elastic placement moves a worker's running decodes to other workers when it starts a prefill that would
-        stall them for longer than a move costs (:mod:`pdserve.conductor.moves`, :mod:`pdserve.router.move`).
+        stall them for longer than a move costs (:mod:`pdserve.conductor.moves`, :mod:`pdserve.router.fleet.move`).
     probe_failures / probe_window_s: a worker whose health probes time out or break is taken out only after this
         many failures in a row spanning at least this long (refused connections and non-200 answers at once).
     """

@@ -89,7 +89,7 @@ def _histogram(name: str, help: str, values: Iterable[float], buckets: tuple[flo
 
 class ConductorCollector(Collector):
     """Per-worker load gauges (the autoscaling signals) and the conductor's own counters, read at each scrape.
-    ``placement`` is a :class:`~pdserve.router.placement.ConductorPlacement`; ``event_batches`` returns KV event
+    ``placement`` is a :class:`~pdserve.router.fleet.placement.ConductorPlacement`; ``event_batches`` returns KV event
     batches received per worker."""
 
     def __init__(self, placement: Any, event_batches: Callable[[], dict[str, int]] = dict) -> None:

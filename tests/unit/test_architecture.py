@@ -25,7 +25,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
 }
 # The one exception to "the router never imports vLLM": vLLM's own tool-call parsers (issue 15), imported inside
 # functions only, on the first tool request (docs/architecture.md section 7).
-LAZY_VLLM = {"pdserve/router/tools.py"}
+LAZY_VLLM = {"pdserve/router/api/tools.py"}
 
 
 def _module_level_imports(path: Path) -> set[str]:

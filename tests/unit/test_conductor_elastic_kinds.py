@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.conductor import ConductorConfig, ConductorConfigError
 from pdserve.conductor.elastic import prefill_on, prefilling_long, step_budget
-from pdserve.router.placement import too_busy
+from pdserve.router.fleet.placement import too_busy
 from tests.unit.test_conductor_elastic import LONG, SHORT, decoding, make, req
 
 CHUNK = 32

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pdserve.bench.prom import delta
 from pdserve.prom import label_values, parse, types
-from pdserve.router.load_probe import parse_vllm_metrics
+from pdserve.router.fleet.load_probe import parse_vllm_metrics
+from pdserve.router.fleet.placement import RoundRobin
+from pdserve.router.fleet.workers import Worker
 from pdserve.router.metrics import ConductorCollector, RouterMetrics
-from pdserve.router.placement import RoundRobin
-from pdserve.router.workers import Worker
 
 PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from pdserve.router.choices import Choice, choice_seed, merged, sum_usage
-from pdserve.router.delta import Delta
+from pdserve.router.api.logprobs import LogprobTrack
+from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.errors import RouterError
-from pdserve.router.logprobs import LogprobTrack
-from pdserve.router.protocol import parse_chat, parse_completion
+from pdserve.router.run.choices import Choice, choice_seed, merged, sum_usage
+from pdserve.router.run.delta import Delta
 
 P_PART = {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" a": -0.5, " b": -1.0}], "text_offset": [0]}
 D_PART = {"tokens": [" bc", "d"], "token_logprobs": [-0.25, -2.0],
@@ -146,7 +146,7 @@ def test_parse_chat_refuses(extra, param):
 
 
 def test_tool_choice_needing_a_parser_is_400_without_one():
-    from pdserve.router.tools import ToolSupport
+    from pdserve.router.api.tools import ToolSupport
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     support = ToolSupport("", tokenizer=None, model_name="m")

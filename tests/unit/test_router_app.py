@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pdserve.router.api.tokenizer import PromptTokenizer
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.tokenizer import PromptTokenizer
 
 VOCAB = ["[UNK]", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "hello", "world", "the", "cat", "sat", "on",
          "mat", "a", "b", "c"] + [f"w{i}" for i in range(15, 100)]

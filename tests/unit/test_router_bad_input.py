@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from pdserve.router.__main__ import config_from_args
-from pdserve.router.config import RouterConfig, RouterConfigError
-from pdserve.router.errors import RouterError
-from pdserve.router.limits import (
+from pdserve.router.api.limits import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
     MIN_CHARS_PER_TOKEN,
     load_json,
     nesting_exceeds,
 )
-from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.api.tokenizer import PromptTokenizer
+from pdserve.router.config import RouterConfig, RouterConfigError
+from pdserve.router.errors import RouterError
 from tests.unit.test_router_app import MAX_LEN, Env, FakeWorker, LightTokenizer, model_dir, run  # noqa: F401
 
 DEEP = 5000

@@ -199,7 +199,7 @@ def test_ready_needs_one_healthy_worker_per_role(model_dir, tokenizer):
 
 
 def test_load_probe_reads_vllm_metrics():
-    from pdserve.router.load_probe import parse_vllm_metrics
+    from pdserve.router.fleet.load_probe import parse_vllm_metrics
 
     text = "\n".join([
         "# HELP vllm:num_requests_waiting Number of requests waiting.",

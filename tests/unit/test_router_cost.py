@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.router import ticket as ticket_mod
-from pdserve.router.delta import Delta
+from pdserve.router.api.protocol import parse_chat, parse_completion
+from pdserve.router.api.response import ResponseBuilder, sse
 from pdserve.router.errors import RouterError
-from pdserve.router.handoff import Timings
-from pdserve.router.protocol import parse_chat, parse_completion
-from pdserve.router.response import ResponseBuilder, sse
-from pdserve.router.workers import Wait, _sse_data
+from pdserve.router.fleet import ticket as ticket_mod
+from pdserve.router.fleet.workers import Wait, _sse_data
+from pdserve.router.run.delta import Delta
+from pdserve.router.run.generation import Timings
 
 TEXTS = ["", " hello", 'quote " and \\ back', "new\nline\ttab\r", "é 中文 🙂", "\x00\x1f\u2028\u2029", "</script>"]
 
@@ -106,7 +106,7 @@ def test_client_wait_is_not_router_overhead():
 def test_one_deadline_timer_per_request_cancels_a_silent_stream():
     """The request's deadline is one loop timer: a worker silent past it is cut with the 504 code, and the timer
     scheduled once however many tokens came before."""
-    from pdserve.router.handoff import Generation
+    from pdserve.router.run.generation import Generation
 
     g = Generation.__new__(Generation)
     g._timer, g._waiter, g._expired, g._cancelled, g._deadline = None, None, False, False, None
@@ -167,7 +167,7 @@ def test_stream_idle_timeout_without_a_timer_per_chunk():
     import aiohttp
     from aiohttp import web
 
-    from pdserve.router.workers import WorkerClient, WorkerError
+    from pdserve.router.fleet.workers import WorkerClient, WorkerError
 
     event = b"data: " + json.dumps({"choices": [{"text": "x", "token_ids": [1]}]}).encode() + b"\n\n"
 

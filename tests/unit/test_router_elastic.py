@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.router.__main__ import config_from_args
 from pdserve.router.config import RouterConfig, RouterConfigError
-from pdserve.router.registry import WorkerRegistry, role_of
+from pdserve.router.fleet.registry import WorkerRegistry, role_of
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 A, B = "http://127.0.0.1:8101", "http://127.0.0.1:8102"

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.discovery import DiscoveryConfig, DiscoveryConfigError, PoolTarget, Reconciler, config_from_args
 from pdserve.router.config import RouterConfig, RouterConfigError
-from pdserve.router.registry import WorkerRegistry, role_of
+from pdserve.router.fleet.registry import WorkerRegistry, role_of
 from tests.unit.test_helm_discovery import Clock, FakeDns, FakeRouter, u
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 

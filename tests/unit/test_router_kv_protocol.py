@@ -1,4 +1,4 @@
-"""The router's hand-off per KV data plane (pdserve/router/kv_protocol.py): what P gets, what D gets, how P's
+"""The router's hand-off per KV data plane (pdserve/router/run/kv_protocol.py): what P gets, what D gets, how P's
 kv_transfer_params are checked, and the errors; units first, then through the router against fake workers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from aiohttp import web
 
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.errors import RouterError
-from pdserve.router.kv_protocol import KV_CONNECTORS, NixlProtocol, PdserveProtocol, protocol_for
+from pdserve.router.run.kv_protocol import KV_CONNECTORS, NixlProtocol, PdserveProtocol, protocol_for
 from tests.unit.test_router_app import Env, FakeWorker, ids, model_dir, run, tokenizer  # noqa: F401
 
 P_URL = "http://10.0.0.1:8001"

@@ -1,4 +1,4 @@
-"""A voluntary move of a running decode (pdserve.router.move) against fake workers: an elastic placement that puts
+"""A voluntary move of a running decode (pdserve.router.fleet.move) against fake workers: an elastic placement that puts
 a long prefill on the worker where a decode streams moves that decode: the router stops reading the old worker,
 asks it for a one-token prefill of prompt + the streamed tokens (its P -> D hand-off answer) and continues on the
 new worker with that KV; one stream for the client, not a failure, the long prefill waits for the move's tail."""
@@ -13,11 +13,11 @@ from typing import Any
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
 from pdserve.conductor.cost_model import Priors
 from pdserve.conductor.moves import MoveConfig
-from pdserve.router.handoff import Generation
-from pdserve.router.move import wait_moves
-from pdserve.router.placement import ConductorPlacement
-from pdserve.router.registry import WorkerRegistry
-from pdserve.router.workers import Wait
+from pdserve.router.fleet.move import wait_moves
+from pdserve.router.fleet.placement import ConductorPlacement
+from pdserve.router.fleet.registry import WorkerRegistry
+from pdserve.router.fleet.workers import Wait
+from pdserve.router.run.generation import Generation
 from tests.unit.test_router_app import model_dir  # noqa: F401  (fixture)
 from tests.unit.test_router_ticket import PROMPT, Clock, FakeClient, generation
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from pdserve.router.api.openapi import openapi_document
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.openapi import openapi_document
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 _METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
-from pdserve.router.pool_index import HOLDER, PoolIndexFollower
+from pdserve.router.fleet.pool_index import HOLDER, PoolIndexFollower
 
 
 class FakeMaster:

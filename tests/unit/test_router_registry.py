@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
-from pdserve.router.placement import ConductorPlacement
-from pdserve.router.registry import WorkerRegistry, role_of
-from pdserve.router.workers import Worker
+from pdserve.router.fleet.placement import ConductorPlacement
+from pdserve.router.fleet.registry import WorkerRegistry, role_of
+from pdserve.router.fleet.workers import Worker
 
 
 class Log:

@@ -1,4 +1,4 @@
-"""The pass-through path (pdserve.router.relay) against a fake worker that writes vLLM's exact streamed bytes: the
+"""The pass-through path (pdserve.router.run.relay) against a fake worker that writes vLLM's exact streamed bytes: the
 client gets the same bytes as through the per-token path, and migration, deadlines and a client leaving still work
 while events are relayed."""
 
@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.router import relay as relay_mod
-from pdserve.router.protocol import parse_completion
-from pdserve.router.relay import parse_ids, plain_event
-from pdserve.router.response import ResponseBuilder
+from pdserve.router.api.protocol import parse_completion
+from pdserve.router.api.response import ResponseBuilder
+from pdserve.router.run import relay as relay_mod
+from pdserve.router.run.relay import parse_ids, plain_event
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 TRICKY = {15: ' "q"\n', 16: " é\u2028\x01\\", 17: " \t</s>\x7f", 18: "", 19: " 😀/"}

@@ -3,10 +3,10 @@ output and counted (vLLM stops generating there), whatever the event's size."""
 
 from __future__ import annotations
 
-from pdserve.router.delta import Delta, tokens_to
-from pdserve.router.handoff import Generation
-from pdserve.router.stops import StopStrings
-from pdserve.router.timings import Timings
+from pdserve.router.run.delta import Delta, tokens_to
+from pdserve.router.run.generation import Generation
+from pdserve.router.run.stops import StopStrings
+from pdserve.router.run.timings import Timings
 
 
 def _generation(stops: list[str]) -> Generation:

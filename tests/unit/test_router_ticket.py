@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
+from pdserve.router.api.protocol import parse_completion
 from pdserve.router.errors import RouterError
-from pdserve.router.handoff import Generation, Timings
+from pdserve.router.fleet.placement import ConductorPlacement
+from pdserve.router.fleet.registry import WorkerRegistry
+from pdserve.router.fleet.workers import Wait, WorkerError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import ConductorPlacement
-from pdserve.router.protocol import parse_completion
-from pdserve.router.registry import WorkerRegistry
-from pdserve.router.workers import Wait, WorkerError
+from pdserve.router.run.generation import Generation, Timings
 
 
 class RecordingCost(OnlineCostModel):

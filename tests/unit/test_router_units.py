@@ -10,13 +10,13 @@ import pytest
 from aiohttp import web
 
 from pdserve.router.__main__ import config_from_args
+from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.errors import RouterError, from_worker
-from pdserve.router.handoff import StopStrings, Timings
+from pdserve.router.fleet.placement import RoundRobin
+from pdserve.router.fleet.workers import Wait, Worker, WorkerClient, WorkerError, _sse_data
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import RoundRobin
-from pdserve.router.protocol import parse_chat, parse_completion
-from pdserve.router.workers import Wait, Worker, WorkerClient, WorkerError, _sse_data
+from pdserve.router.run.generation import StopStrings, Timings
 
 
 @pytest.fixture

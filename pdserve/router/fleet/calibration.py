@@ -13,10 +13,10 @@ import random
 import time
 from collections.abc import Sequence
 
-from ..conductor import Conductor
+from ...conductor import Conductor
 from .workers import Wait, Worker, WorkerClient, WorkerError
 
-log = logging.getLogger("pdserve.router.calibration")
+log = logging.getLogger("pdserve.router.fleet.calibration")
 
 
 def calibration_lengths(max_model_len: int) -> list[int]:

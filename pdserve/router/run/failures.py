@@ -3,8 +3,8 @@ accepted it and then went away, went silent or answered a server error) or passe
 
 from __future__ import annotations
 
-from .errors import RouterError, from_worker, upstream_failed
-from .workers import WorkerError
+from ..errors import RouterError, from_worker, upstream_failed
+from ..fleet.workers import WorkerError
 
 RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
 MIGRATABLE = ("closed", "timeout")  # the worker accepted it and then went away (or went silent)

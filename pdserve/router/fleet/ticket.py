@@ -1,6 +1,6 @@
 """One request's placement, from the decision to its release: the only thing the hand-off talks to.
 
-:meth:`ConductorPlacement.choose <pdserve.router.placement.ConductorPlacement.choose>` returns a
+:meth:`ConductorPlacement.choose <pdserve.router.fleet.placement.ConductorPlacement.choose>` returns a
 :class:`PlacementTicket`; the hand-off reports the prompt computed (:meth:`~PlacementTicket.prefill_done`), output
 tokens (:meth:`~PlacementTicket.progress`), moves the decode when D fails before answering
 (:meth:`~PlacementTicket.replace_decode`: same P, another D) and ends it with :meth:`~PlacementTicket.close`
@@ -14,9 +14,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from ..conductor import Conductor, Decision
-from ..conductor.policy import NoWorker
-from .errors import unavailable
+from ...conductor import Conductor, Decision
+from ...conductor.policy import NoWorker
+from ..errors import unavailable
 from .workers import Worker
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class PlacementTicket:
     """Where one request runs. ``decode`` is always set; ``prefill`` None means the whole request runs on
     ``decode`` (colocated or decode-local)."""
 
-    # moves (pdserve.router.move): a move's ticket sets ``handed`` when its tail prefill is done (or the ticket
+    # moves (pdserve.router.fleet.move): a move's ticket sets ``handed`` when its tail prefill is done (or the ticket
     # closes); the ticket of the prefill that caused the moves waits on theirs (``waits``), at most ``wait_s``
     handed: asyncio.Event | None = None
     waits: tuple[PlacementTicket, ...] = ()

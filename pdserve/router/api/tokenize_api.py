@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .errors import bad_request, not_found
+from ..errors import bad_request, not_found
 from .limits import read_body
 from .protocol import parse_chat, parse_json
 
 if TYPE_CHECKING:
-    from .app import Router
+    from ..app import Router
 
 
 def _check_model(router: Router, body: Any) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
-from .config import RouterConfig, RouterConfigError, _check_url
-from .errors import RouterError, bad_request, not_found
-from .limits import load_json
+from ..api.limits import load_json
+from ..config import RouterConfig, RouterConfigError, _check_url
+from ..errors import RouterError, bad_request, not_found
 from .placement import Placement
 from .registry import WorkerRegistry
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import RouterError, bad_request
+from ..errors import RouterError, bad_request
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # OpenAI request bodies nest a handful of levels; 64 leaves room for any real client

@@ -15,13 +15,13 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from ..api.logprobs import LogprobTrack
+from ..api.tools import ToolCalls
+from ..fleet.ticket import PlacementTicket
+from ..fleet.workers import WorkerError
 from .delta import Delta
 from .failures import RETRYABLE, Retry, as_router_error
-from .handoff import Generation
-from .logprobs import LogprobTrack
-from .ticket import PlacementTicket
-from .tools import ToolCalls
-from .workers import WorkerError
+from .generation import Generation
 
 _INT64_MAX = 2 ** 63 - 1
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import StreamReader, web
 
-from .workers import WorkerStream
+from ..fleet.workers import WorkerStream
 
 if TYPE_CHECKING:
-    from .handoff import Generation
+    from .generation import Generation
 
 _CHOICES = b'"choices":[{"index":0,"text":'
 _TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .workers import Wait
+from ..fleet.workers import Wait
 
 
 @dataclass

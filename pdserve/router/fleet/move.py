@@ -1,8 +1,8 @@
 """Voluntary moves of running decodes (issue 16, item 1): the router's side of :mod:`pdserve.conductor.moves`.
 
-After each elastic placement :meth:`~pdserve.router.placement.ConductorPlacement.choose` asks the conductor which
+After each elastic placement :meth:`~pdserve.router.fleet.placement.ConductorPlacement.choose` asks the conductor which
 decodes running on the prefilling worker should move (:func:`move_off`). For each, the request's
-:class:`~pdserve.router.handoff.Generation` (found in :class:`Movers`, where every running generation is listed
+:class:`~pdserve.router.run.generation.Generation` (found in :class:`Movers`, where every running generation is listed
 by request id) gets the move's ticket (P = the old worker for the tail, D = the new one): it stops reading the
 old worker's stream at once (closing it: vLLM aborts the request there), and its next attempt runs that ticket
 as a P -> D hand-off of ``prompt + every streamed token`` (the old worker's prefix cache holds all but the last
@@ -23,8 +23,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from ..conductor import Conductor
-from ..conductor.moves import MoveConfig, plan_moves
+from ...conductor import Conductor
+from ...conductor.moves import MoveConfig, plan_moves
 
 if TYPE_CHECKING:
     from .registry import WorkerRegistry
@@ -113,8 +113,8 @@ async def wait_moves(tickets: Sequence[PlacementTicket], timeout_s: float) -> fl
 
 
 class MovableRun:
-    """What a :class:`~pdserve.router.handoff.Generation` adds for moves: whether its decode can move off a worker
-    now, and taking a move's ticket (the run's next attempt uses it)."""
+    """What a :class:`~pdserve.router.run.generation.Generation` adds for moves: whether its decode can move off a
+    worker now, and taking a move's ticket (the run's next attempt uses it)."""
 
     # set by Generation.__init__ (class defaults keep partly built generations in unit tests working)
     ticket: PlacementTicket | None = None

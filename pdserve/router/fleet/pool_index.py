@@ -12,15 +12,15 @@ import asyncio
 import logging
 from typing import Any
 
-from ..conductor import Conductor
+from ...conductor import Conductor
 
-log = logging.getLogger("pdserve.router.pool_index")
+log = logging.getLogger("pdserve.router.fleet.pool_index")
 HOLDER = "pool"
 
 
 class PoolIndexFollower:
     def __init__(self, master: str, secret: str, conductor: Conductor, interval_s: float = 1.0) -> None:
-        from ..store.rpc import RpcClient  # the router only reads pool metadata, never KV bytes
+        from ...store.rpc import RpcClient  # the router only reads pool metadata, never KV bytes
 
         host, _, port = master.rpartition(":")
         self.rpc = RpcClient(host, int(port), secret, timeout_s=2.0)

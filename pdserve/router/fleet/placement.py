@@ -1,7 +1,7 @@
 """Where a request runs. The router asks a :class:`Placement` and gets a
-:class:`~pdserve.router.ticket.PlacementTicket`; :class:`ConductorPlacement` adapts the conductor
+:class:`~pdserve.router.fleet.ticket.PlacementTicket`; :class:`ConductorPlacement` adapts the conductor
 (:mod:`pdserve.conductor`: round-robin, least-loaded, or prefix/load/SLO-aware) to the router's
-:class:`~pdserve.router.registry.WorkerRegistry` and turns its verdicts into HTTP errors (503 no worker, 429
+:class:`~pdserve.router.fleet.registry.WorkerRegistry` and turns its verdicts into HTTP errors (503 no worker, 429
 with Retry-After when the targets cannot be met).
 
 The conductor's view of the workers follows the registry (it listens to membership and health changes); the
@@ -16,11 +16,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
-from ..conductor.moves import MoveConfig
-from ..conductor.policy import NoWorker
-from ..hashing import block_hashes
-from .errors import RouterError, unavailable
+from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
+from ...conductor.moves import MoveConfig
+from ...conductor.policy import NoWorker
+from ...hashing import block_hashes
+from ..errors import RouterError, unavailable
 from .move import Movers, move_off
 from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ..prom import label_values, parse
+from ...prom import label_values, parse
 
 
 @dataclass

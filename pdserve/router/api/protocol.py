@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import bad_request
+from ..errors import bad_request
 from .limits import load_json
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).

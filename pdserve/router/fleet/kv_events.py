@@ -16,10 +16,10 @@ import logging
 import zmq
 import zmq.asyncio
 
-from ..conductor import Conductor
-from ..conductor.events import EventTranslator, decode_batch
+from ...conductor import Conductor
+from ...conductor.events import EventTranslator, decode_batch
 
-log = logging.getLogger("pdserve.router.kv_events")
+log = logging.getLogger("pdserve.router.fleet.kv_events")
 
 
 class KVEventSink:

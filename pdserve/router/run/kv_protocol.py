@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .errors import RouterError, upstream_failed
+from ..errors import RouterError, upstream_failed
 
 KV_CONNECTORS = ("pdserve", "nixl")
 DEFAULT_KV_CONNECTOR = "pdserve"
@@ -47,7 +47,7 @@ class KVProtocol:
         raise NotImplementedError
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
-        """:class:`~pdserve.router.handoff.Generation` keyword options that speak this protocol. ``constrained``
+        """:class:`~pdserve.router.run.generation.Generation` keyword options that speak this protocol. ``constrained``
         (structured outputs, constrained tools): D must generate the first token itself on any data plane."""
         return {"first_from_prefill": self.first_from_prefill and not constrained,
                 "prefill_kv_params": self.prefill_params(), "decode_kv_params": self.decode_params}

@@ -22,21 +22,21 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+from ..api.protocol import GenerationRequest
+from ..api.tokenizer import IncrementalDetokenizer
+from ..errors import RouterError, deadline_exceeded, upstream_failed
+from ..fleet.move import MovableRun, Moved, wait_moves
+from ..fleet.placement import Placement
+from ..fleet.ticket import PlacementTicket
+from ..fleet.workers import Worker, WorkerClient, WorkerError, WorkerStream
+from ..metrics import RouterMetrics
 from .deadline import within
 from .delta import Delta, tokens_to
-from .errors import RouterError, deadline_exceeded, upstream_failed
 from .expiry import RequestDeadline
 from .failures import RETRYABLE, Migrate, Retry, as_router_error, migratable
-from .metrics import RouterMetrics
-from .move import MovableRun, Moved, wait_moves
-from .placement import Placement
-from .protocol import GenerationRequest
 from .relay import Relay
 from .stops import StopStrings
-from .ticket import PlacementTicket
 from .timings import Timings, transfer_stats
-from .tokenizer import IncrementalDetokenizer
-from .workers import Worker, WorkerClient, WorkerError, WorkerStream
 
 DEFAULT_MIGRATION_LIMIT = 2
 

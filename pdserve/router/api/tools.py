@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import bad_request
+from ..errors import bad_request
 from .protocol import GenerationRequest
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from .config import ELASTIC_ROLES
+from ..config import ELASTIC_ROLES
 from .workers import Probe, Worker
 
 log = logging.getLogger("pdserve.router")

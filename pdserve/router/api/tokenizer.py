@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import bad_request
+from ..errors import bad_request
 
 
 class PromptTokenizer:

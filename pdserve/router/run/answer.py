@@ -11,12 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
+from ..api.protocol import GenerationRequest
+from ..api.response import SSE_DONE, ResponseBuilder, dumps, sse, usage_dict
+from ..errors import RouterError, upstream_failed
+from ..fleet.workers import WorkerError
 from .choices import Choice, echo_prefix, merged, sum_usage
 from .delta import Delta
-from .errors import RouterError, upstream_failed
-from .protocol import GenerationRequest
-from .response import SSE_DONE, ResponseBuilder, dumps, sse, usage_dict
-from .workers import WorkerError
 
 log = logging.getLogger("pdserve.router")
 
@@ -93,7 +93,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
             plain = not req.continuous_usage and req.logprobs is None
             while item is not None:
                 c, d = item
-                if d.relay is not None:  # plain events as the worker's bytes, until one is not (pdserve.router.relay)
+                if d.relay is not None:  # plain events as the worker's bytes, until one is not (run/relay.py)
                     if out:
                         await resp.write(out)
                         out = b""

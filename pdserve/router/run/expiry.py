@@ -1,13 +1,14 @@
 """A request's deadline as one loop timer (``--request-timeout-s``): the part of
-:class:`~pdserve.router.handoff.Generation` that sets it and turns its expiry into the 504 (or an error event)."""
+:class:`~pdserve.router.run.generation.Generation` that sets it and turns its expiry into the 504 (or an error
+event)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from .errors import RouterError, deadline_exceeded
-from .metrics import RouterMetrics
+from ..errors import RouterError, deadline_exceeded
+from ..metrics import RouterMetrics
 from .timings import Timings
 
 
