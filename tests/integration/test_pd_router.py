@@ -326,11 +326,61 @@ def test_tool_calls_equal_one_worker(cluster, client, choice):
 
 
 def test_unsupported_fields_are_400(client):
-    for kw in ({"suffix": "x"}, {"logit_bias": {"5": 1.0}}, {"extra_body": {"guided_json": {"type": "object"}}},
+    for kw in ({"suffix": "x"}, {"extra_body": {"use_beam_search": True}}, {"extra_body": {"guided_json": {"type": "object"}}},
                {"extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="rl", prompt="a", max_tokens=2, **kw)
         assert e.value.status_code == 400
+
+
+def _one_token_word(cluster, text: str) -> str:
+    """A word of ``text`` that is one token with and without its leading space, so vLLM bans it in both forms."""
+    def n(t: str) -> int:
+        return len(_post(cluster.router_url + "/tokenize", {"model": "rl", "prompt": t,
+                                                              "add_special_tokens": False})["tokens"])
+    return next(w for w in text.split() if n(w) == 1 and n(" " + w) == 1)
+
+
+def _forwarded_cases(cluster, plain: dict) -> list[dict]:
+    """One body per field of api/fields.py that the workers read (forwarded or regenerated), with values that act
+    on a random model's greedy output: penalties against its repeats, a bias against its first token, a mask, one
+    of its words as a bad word."""
+    return [{"presence_penalty": 2.0, "frequency_penalty": 2.0}, {"frequency_penalty": 2.0},
+            {"logit_bias": {str(plain["token_ids"][0]): -100.0}}, {"allowed_token_ids": list(range(3000, 3040))},
+            {"bad_words": [_one_token_word(cluster, plain["text"])]}, {"cache_salt": "tenant-a"}, {"priority": 0},
+            {"logprobs": 1, "return_tokens_as_token_ids": True},
+            {"presence_penalty": 0.8, "cache_salt": "tenant-b", "logit_bias": {"1500": 5.0}}]
+
+
+def test_forwarded_fields_equal_one_worker(cluster):
+    """Every field the router forwards acts as on one worker: text, token ids and finish (streamed and not)."""
+    ids = [random.Random(7).randrange(1000, 40000) for _ in range(120)]
+    base = {"model": "rl", "prompt": ids, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    plain = _alone(cluster, "/v1/completions", base)["choices"][0]
+    acted: list[tuple[dict, bool]] = []
+    for extra in _forwarded_cases(cluster, plain):
+        body = {**base, **extra}
+        ref = _alone(cluster, "/v1/completions", body)["choices"][0]
+        if not {"cache_salt", "priority", "return_tokens_as_token_ids"} & set(extra):
+            acted.append((extra, ref["text"] != plain["text"]))
+        mine = _post(cluster.router_url + "/v1/completions", body)["choices"][0]
+        assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
+            (ref["text"], ref["token_ids"], ref["finish_reason"]), extra
+        if "logprobs" in extra:
+            assert mine["logprobs"]["tokens"] == ref["logprobs"]["tokens"], extra
+            assert all(t.startswith("token_id:") for t in mine["logprobs"]["tokens"])
+        client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = {k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens", "temperature")}
+        rest = {k: v for k, v in body.items() if k not in kw}
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True, extra_body=rest)
+                           if c.choices)
+        assert streamed == ref["text"], extra
+    assert all(a for _, a in acted), f"cases that do not act on this model prove nothing: {acted}"
+
+
+def test_request_id_names_the_answer_as_vllm(cluster):
+    body = {"model": "rl", "prompt": "a b c", "max_tokens": 2, "temperature": 0, "request_id": "client-42"}
+    assert _post(cluster.router_url + "/v1/completions", body)["id"] == "cmpl-client-42"
 
 
 def test_client_leaving_n_stream_frees_blocks(cluster, client):

@@ -2,8 +2,9 @@
 
 The router serves the OpenAI API exactly across a prefill -> decode hand-off: logprobs (+ echo and vLLM's
 prompt_logprobs), ``n`` choices, prompt lists, structured outputs (``response_format``, ``structured_outputs``)
-and tools. Fields it does not know are ignored (as vLLM does); fields it knows but cannot honour are refused
-with 400 naming the field.
+and tools. What happens to each field of vLLM's request models is one line of :mod:`.fields`: read by the router,
+forwarded to the workers (or forwarded with D regenerating the first token), ignored as vLLM ignores it, or
+refused with a 400 naming it. Fields vLLM does not know either are ignored (as vLLM does).
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import bad_request
+from .fields import EXTRA_REFUSED, names
 from .limits import load_json
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
-UNSUPPORTED_FIELDS = {
-    "completions": ("suffix", "logit_bias", "prompt_embeds", "use_beam_search"),
-    "chat": ("functions", "logit_bias", "use_beam_search", "audio", "modalities", "prediction"),
-}
+UNSUPPORTED_FIELDS = {kind: names(kind, "refused") + EXTRA_REFUSED[kind] for kind in ("completions", "chat")}
 # vLLM's older names for structured outputs: refused with the field to use instead.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -53,7 +52,8 @@ class GenerationRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # forwarded to workers as is
     return_token_ids: bool = False
     timings: bool = False
-    request_id: str = ""
+    request_id: str = ""  # the router's own, unique: the conductor's and the workers' request id
+    response_id: str = ""  # the answer's id when the client named the request (vLLM: prefix + its request_id)
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # top alternatives per output token (chat: top_logprobs); None: no logprobs
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
@@ -178,11 +178,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     for name in ("skip_special_tokens", "spaces_between_special_tokens"):
         if name in body and body[name] is not None:
             s[name] = _opt_bool(body, name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _opt_number(body, name, -2.0, 2.0)
-        if v:
-            raise bad_request(f"'{name}' is not supported by the pdserve router (the decode worker would not see "
-                              "the first token as output)", name, "unsupported_parameter")
+    _forward(body, req, s)
     if req.logprobs is not None:
         s["logprobs"] = req.logprobs
     prompt_logprobs = req.prompt_logprobs
@@ -194,6 +190,41 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     req.sampling = s
     req.return_token_ids = _opt_bool(body, "return_token_ids")
     req.timings = _opt_bool(body, "pdserve_timings")
+
+
+def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
+    """The fields the workers read as vLLM does (:mod:`.fields`: forwarded, regenerated), checked for their JSON
+    type here (the workers check the rest: a 400 from P reaches the client as it is). A regenerated field set to
+    a value that acts makes D regenerate the first token (``constrained``)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _opt_number(body, name, -2.0, 2.0)
+        if v:
+            s[name] = v
+            req.constrained = True
+    checks: dict[str, tuple[type | tuple[type, ...], bool]] = {
+        "logit_bias": (dict, False), "allowed_token_ids": (list, False), "cache_salt": (str, False),
+        "priority": (int, False), "return_tokens_as_token_ids": (bool, False), "logprob_token_ids": (list, False),
+        "vllm_xargs": (dict, False), "bad_words": (list, True), "repetition_detection": (dict, True),
+        "thinking_token_budget": (int, True), "watermarking": (bool, True)}
+    for name, (kind, regenerated) in checks.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            raise bad_request(f"'{name}' must be of type {want}, got {v!r}", name)
+        if name == "cache_salt" and not v:
+            raise bad_request("'cache_salt' must be a non-empty string", name)
+        if v in (False, [], {}) and name != "priority":
+            continue  # vLLM's default: nothing to send
+        s[name] = v
+        if regenerated:
+            req.constrained = True
+    rid = body.get("request_id")
+    if rid is not None:
+        if not isinstance(rid, str) or not rid:
+            raise bad_request(f"'request_id' must be a non-empty string, got {rid!r}", "request_id")
+        req.response_id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + rid
 
 
 def _parse_logprobs(body: dict, req: GenerationRequest) -> None:

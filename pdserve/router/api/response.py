@@ -35,7 +35,8 @@ class ResponseBuilder:
         self._text_tail = (b'},' if self.chat else b',') + b'"logprobs":null,"finish_reason":null'
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.req.response_id or self.req.request_id, "object": obj, "created": self.created,
+                "model": self.model}
 
     def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: Any, token_ids: list[int],
                prompt_ids: list[int] | None = None, logprobs: Any = None, prompt_logprobs: Any = None,

@@ -1,0 +1,75 @@
+"""api/fields.py classifies every field of the installed vLLM's request models, and the parser acts on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.api.fields import FIELDS, counts, names
+from pdserve.router.api.protocol import parse_chat, parse_completion
+from pdserve.router.errors import RouterError
+
+
+def _vllm_fields(endpoint: str) -> set[str]:
+    pytest.importorskip("vllm")
+    if endpoint == "completions":
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
+    else:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
+    return set(Model.model_fields)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_vllm_field_is_classified(endpoint):
+    """A vLLM upgrade that adds (or drops) a request field fails here until api/fields.py says what to do."""
+    theirs = _vllm_fields(endpoint)
+    ours = set(FIELDS[endpoint])
+    assert sorted(theirs - ours) == [], "classify these in pdserve/router/api/fields.py"
+    assert sorted(ours - theirs) == [], "vLLM no longer has these: drop them from pdserve/router/api/fields.py"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_counts_add_up(endpoint):
+    assert sum(counts(endpoint).values()) == len(FIELDS[endpoint])
+
+
+def _parse(endpoint: str, extra: dict):
+    if endpoint == "completions":
+        return parse_completion({"prompt": "hi", **extra})
+    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+_VALUES = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"5": 1.0}, "allowed_token_ids": [1, 2],
+           "cache_salt": "s", "priority": 3, "return_tokens_as_token_ids": True, "logprob_token_ids": [4],
+           "vllm_xargs": {"k": 1}, "bad_words": ["x"], "repetition_detection": {"max_pattern_size": 4},
+           "thinking_token_budget": 10, "watermarking": True}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_forwarded_fields_reach_the_workers(endpoint):
+    for name in names(endpoint, "forwarded") + names(endpoint, "regenerated"):
+        if name not in _VALUES:
+            continue  # read by the parser on their own (temperature, seed, ...: tests/unit/test_router_units.py)
+        req = _parse(endpoint, {name: _VALUES[name]})
+        assert req.sampling[name] == _VALUES[name], name
+        assert req.constrained == (FIELDS[endpoint][name][0] == "regenerated"), name
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_refused_fields_name_themselves(endpoint):
+    for name in names(endpoint, "refused"):
+        with pytest.raises(RouterError) as e:
+            _parse(endpoint, {name: "x" if name != "use_beam_search" else True})
+        assert e.value.status == 400 and e.value.param == name, name
+
+
+def test_forwarded_field_of_the_wrong_type_is_400():
+    for name, bad in (("logit_bias", [1]), ("cache_salt", ""), ("priority", True), ("bad_words", "x")):
+        with pytest.raises(RouterError) as e:
+            parse_completion({"prompt": "hi", name: bad})
+        assert e.value.status == 400 and e.value.param == name
+
+
+def test_request_id_names_the_answer():
+    assert parse_completion({"prompt": "hi", "request_id": "abc"}).response_id == "cmpl-abc"
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "request_id": "abc"}).response_id == \
+        "chatcmpl-abc"
