@@ -348,7 +348,7 @@ def _forwarded_cases(cluster, plain: dict) -> list[dict]:
     return [{"presence_penalty": 2.0, "frequency_penalty": 2.0}, {"frequency_penalty": 2.0},
             {"logit_bias": {str(plain["token_ids"][0]): -100.0}}, {"allowed_token_ids": list(range(3000, 3040))},
             {"bad_words": [_one_token_word(cluster, plain["text"])]}, {"cache_salt": "tenant-a"}, {"priority": 0},
-            {"logprobs": 1, "return_tokens_as_token_ids": True},
+            {"logprobs": 1, "return_tokens_as_token_ids": True}, {"stream_interval": 3},
             {"presence_penalty": 0.8, "cache_salt": "tenant-b", "logit_bias": {"1500": 5.0}}]
 
 
@@ -361,7 +361,7 @@ def test_forwarded_fields_equal_one_worker(cluster):
     for extra in _forwarded_cases(cluster, plain):
         body = {**base, **extra}
         ref = _alone(cluster, "/v1/completions", body)["choices"][0]
-        if not {"cache_salt", "priority", "return_tokens_as_token_ids"} & set(extra):
+        if not {"cache_salt", "priority", "return_tokens_as_token_ids", "stream_interval"} & set(extra):
             acted.append((extra, ref["text"] != plain["text"]))
         mine = _post(cluster.router_url + "/v1/completions", body)["choices"][0]
         assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \

@@ -41,7 +41,7 @@ def _parse(endpoint: str, extra: dict):
 _VALUES = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"5": 1.0}, "allowed_token_ids": [1, 2],
            "cache_salt": "s", "priority": 3, "return_tokens_as_token_ids": True, "logprob_token_ids": [4],
            "vllm_xargs": {"k": 1}, "bad_words": ["x"], "repetition_detection": {"max_pattern_size": 4},
-           "thinking_token_budget": 10, "watermarking": True}
+           "thinking_token_budget": 10, "watermarking": True, "stream_interval": 4}
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -73,3 +73,17 @@ def test_request_id_names_the_answer():
     assert parse_completion({"prompt": "hi", "request_id": "abc"}).response_id == "cmpl-abc"
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "request_id": "abc"}).response_id == \
         "chatcmpl-abc"
+
+
+def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm():
+    msgs = [{"role": "user", "content": "x"}]
+    req = parse_chat({"messages": msgs, "documents": [{"title": "t", "text": "d"}], "reasoning_effort": "low",
+                      "chat_template_kwargs": {"reasoning_effort": "high", "k": 1}})
+    assert req.chat_template_kwargs == {"k": 1, "documents": [{"title": "t", "text": "d"}],
+                                        "reasoning_effort": "low", "enable_thinking": True}
+    req = parse_chat({"messages": msgs, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert req.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "none"}
+    for bad in ({"documents": "d"}, {"documents": [{"a": 1}]}, {"reasoning_effort": "very"}):
+        with pytest.raises(RouterError) as e:
+            parse_chat({"messages": msgs, **bad})
+        assert e.value.param == next(iter(bad))

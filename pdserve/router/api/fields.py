@@ -54,7 +54,7 @@ _COMMON: dict[str, tuple[Use, str]] = {
     "min_tokens": ("refused", "not yet served through P and D (P's max_tokens is 1)"),
     "truncate_prompt_tokens": ("refused", "not yet served: the router would have to truncate before placement"),
     "truncation_side": ("refused", "with truncate_prompt_tokens"),
-    "stream_interval": ("refused", "not yet passed to D (it batches D's chunks)"),
+    "stream_interval": ("forwarded", "batches the streaming worker's chunks; the text is the same"),
     "user": ("ignored_as_vllm", "vLLM does not use it either"),
     "session_id": ("ignored_as_vllm", "vLLM uses it only as a request-id prefix for tracing"),
     "request_id": ("ignored_as_vllm", "the router names the request itself (its id goes to the conductor and both "
@@ -91,8 +91,8 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
         "chat_template_kwargs": ("router", "passed to the chat template"),
         "echo": ("refused", "chat echo is not served"),
         "chat_template": ("refused", "a request's own chat template is not served"),
-        "documents": ("refused", "not yet passed to the chat template"),
-        "reasoning_effort": ("refused", "not yet passed to the chat template"),
+        "documents": ("router", "passed to the chat template, as vLLM"),
+        "reasoning_effort": ("router", "passed to the chat template with enable_thinking, as vLLM"),
         "include_reasoning": ("ignored_as_vllm", "the router runs no reasoning parser, so there is no reasoning "
                                                  "field to leave out"),
         "media_io_kwargs": ("refused", "multimodal inputs are not served"),

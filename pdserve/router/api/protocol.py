@@ -205,7 +205,7 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         "logit_bias": (dict, False), "allowed_token_ids": (list, False), "cache_salt": (str, False),
         "priority": (int, False), "return_tokens_as_token_ids": (bool, False), "logprob_token_ids": (list, False),
         "vllm_xargs": (dict, False), "bad_words": (list, True), "repetition_detection": (dict, True),
-        "thinking_token_budget": (int, True), "watermarking": (bool, True)}
+        "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False)}
     for name, (kind, regenerated) in checks.items():
         v = body.get(name)
         if v is None:
@@ -213,8 +213,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
             want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
             raise bad_request(f"'{name}' must be of type {want}, got {v!r}", name)
-        if name == "cache_salt" and not v:
-            raise bad_request("'cache_salt' must be a non-empty string", name)
+        if (name == "cache_salt" and not v) or (name == "stream_interval" and isinstance(v, int) and v < 1):
+            raise bad_request(f"'{name}' must be {'a non-empty string' if kind is str else '>= 1'}, got {v!r}", name)
         if v in (False, [], {}) and name != "priority":
             continue  # vLLM's default: nothing to send
         s[name] = v
@@ -436,6 +436,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         if not isinstance(ctk, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         req.chat_template_kwargs = ctk
+    _template_extras(body, req)
     req.add_special_tokens = _opt_bool(body, "add_special_tokens", False)
     mt = body.get("max_completion_tokens")
     name = "max_completion_tokens"
@@ -443,6 +444,31 @@ def parse_chat(body: Any) -> GenerationRequest:
         mt, name = body.get("max_tokens"), "max_tokens"
     req.max_tokens = None if mt is None else _opt_int({name: mt}, name, 1)
     return req
+
+
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _template_extras(body: dict, req: GenerationRequest) -> None:
+    """``documents`` and ``reasoning_effort`` go to the chat template as vLLM hands them over: over the client's
+    ``chat_template_kwargs``, with ``enable_thinking`` following the effort unless the client set it."""
+    extra: dict[str, Any] = {}
+    docs = body.get("documents")
+    if docs is not None:
+        if not isinstance(docs, list) or not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                                                 for d in docs):
+            raise bad_request("'documents' must be a list of objects with string values", "documents")
+        extra["documents"] = docs
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _REASONING_EFFORTS:
+            raise bad_request(f"'reasoning_effort' must be one of {', '.join(_REASONING_EFFORTS)}, got {effort!r}",
+                              "reasoning_effort")
+        extra["reasoning_effort"] = effort
+        if "enable_thinking" not in req.chat_template_kwargs:
+            extra["enable_thinking"] = effort != "none"
+    if extra:
+        req.chat_template_kwargs = {**req.chat_template_kwargs, **extra}
 
 
 def parse_json(raw: bytes) -> Any:
