@@ -26,7 +26,7 @@ from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket
 from .workers import Worker
 
-__all__ = ["ConductorPlacement", "Placement", "PlacementTicket", "RoundRobin", "make_placement", "role_of",
+__all__ = ["ConductorPlacement", "Placement", "PlacementTicket", "make_placement", "role_of",
            "too_busy"]
 
 
@@ -99,11 +99,3 @@ def make_placement(registry: WorkerRegistry, config: ConductorConfig, kv_bytes_p
                    moves: MoveConfig | None = None) -> ConductorPlacement:
     return ConductorPlacement(Conductor(config, OnlineCostModel(kv_bytes_per_token)), registry, moves)
 
-
-class RoundRobin(ConductorPlacement):
-    """Round-robin over prefill workers and, independently, decode workers (or colocated workers)."""
-
-    def __init__(self, prefill: Sequence[Worker], decode: Sequence[Worker], colocated: Sequence[Worker]) -> None:
-        registry = WorkerRegistry((role, w.url) for role, ws in (("prefill", prefill), ("decode", decode),
-                                                                  ("colocated", colocated)) for w in ws)
-        super().__init__(Conductor(ConductorConfig(policy="round_robin"), OnlineCostModel(0)), registry)
