@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
+from ...conductor.decision import NoWorker
 from ...conductor.moves import MoveConfig
-from ...conductor.policy import NoWorker
 from ...hashing import block_hashes
 from ..errors import RouterError, unavailable
 from .move import Movers, move_off
