@@ -138,9 +138,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         rows[plan.label] = row
         if out:
             (out / "raw").mkdir(parents=True, exist_ok=True)
-            from .report import _slug
+            from .report import slug
 
-            (out / "raw" / f"run__{_slug(plan.label)}.json").write_text(json.dumps(result.to_dict()))
+            (out / "raw" / f"run__{slug(plan.label)}.json").write_text(json.dumps(result.to_dict()))
     if out:
         (out / "results.json").write_text(json.dumps({"url": args.url, "model": model, "workloads": rows}, indent=1))
     print_table(rows, COLS)

@@ -25,7 +25,8 @@ PHASE_COLS = (("queue_p50_ms", "queue"), ("prefill_p50_ms", "prefill"), ("handof
               ("router_overhead_p50_ms", "router overhead"))
 
 
-def _slug(s: str) -> str:
+def slug(s: str) -> str:
+    """``s`` as a file-name part: runs of anything but letters, digits and ``_.@-`` become one ``_``."""
     return re.sub(r"[^A-Za-z0-9_.@-]+", "_", s)
 
 
@@ -176,7 +177,7 @@ def markdown(results: dict[str, Any], verdicts: list[dict[str, Any]], crossovers
 
 
 def _load_raw(out_dir: Path, config: str, label: str) -> list[dict[str, Any]]:
-    p = out_dir / "raw" / f"{config}__{_slug(label)}.json"
+    p = out_dir / "raw" / f"{config}__{slug(label)}.json"
     if not p.is_file():
         return []
     return json.loads(p.read_text())["records"]
@@ -206,7 +207,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> dict[str, list[str]]:
             ax.legend()
         fig.suptitle(label)
         fig.tight_layout()
-        cdf = f"cdf_{_slug(label)}.png"
+        cdf = f"cdf_{slug(label)}.png"
         fig.savefig(out_dir / cdf, dpi=90)
         plt.close(fig)
         fig, ax = plt.subplots(figsize=(10, 4))
@@ -220,7 +221,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> dict[str, list[str]]:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tt = f"tpot_time_{_slug(label)}.png"
+        tt = f"tpot_time_{slug(label)}.png"
         fig.savefig(out_dir / tt, dpi=90)
         plt.close(fig)
         made[label] = [cdf, tt]
@@ -285,7 +286,7 @@ def rescore(src: Path, out: Path, slo_ttft_ms: float | None, slo_tpot_ms: float 
     slo = SLO(slo_ttft_ms, slo_tpot_ms)
     for c, cfg in results["configs"].items():
         for label, row in cfg["workloads"].items():
-            p = src / "raw" / f"{c}__{_slug(label)}.json"
+            p = src / "raw" / f"{c}__{slug(label)}.json"
             raw = json.loads(p.read_text())
             records = [record_from_dict(r) for r in raw["records"]]
             row.update(goodput(records, raw["wall_s"], slo))

@@ -1,7 +1,7 @@
 """What the conductor decides: the request it places, its decision, and the bookkeeping of a placed request.
 
-Kept apart from :mod:`.policy` (the deciding) so that :mod:`.elastic` and the router can name decisions without
-importing the policy.
+Kept apart from :mod:`.policy` (the deciding) so that :mod:`.view`, :mod:`.elastic` and the router can name decisions
+without importing the policy.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ class Decision:
 
 
 @dataclass
-class _Option:
+class PrefillOption:
+    """How one request's prefill would run on ``worker``: predicted TTFT there, prompt tokens it would not compute
+    (``cached``, of which ``fetched`` loaded from the pool) and those it would (``new``)."""
+
     worker: WorkerLoad
     ttft_s: float
     cached: int
@@ -54,7 +57,10 @@ class _Option:
 
 
 @dataclass
-class _Placed:
+class Placed:
+    """The conductor's record of a placed request, until it finishes: its decision, the worker computing its prompt
+    and the one decoding it (they change with ``replace_decode`` and moves), and what the cost model has seen."""
+
     decision: Decision
     prefill_worker: str | None
     decode_worker: str | None

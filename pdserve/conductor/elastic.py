@@ -67,14 +67,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .decision import Decision, PlacementRequest, _Option
+from .decision import Decision, PlacementRequest, PrefillOption
 from .load import WorkerLoad
-
-if TYPE_CHECKING:
-    from .policy import Conductor
-
+from .view import FleetView
 
 SPLIT_CANDIDATES = 4  # split options are built for this many prefill workers, the cheapest ones
 
@@ -83,7 +79,7 @@ SPLIT_CANDIDATES = 4  # split options are built for this many prefill workers, t
 class Prefill:
     """How a prefill would run on one worker (``option``'s), among the decodes already running there."""
 
-    option: _Option
+    option: PrefillOption
     ttft_s: float  # queue + fetch + prefill + the decode part of every step it shares
     harm_s: float  # prefill seconds x running decodes there
     steps: int  # steps it spans (1 unless chunked into a decoding worker)
@@ -114,13 +110,13 @@ class _Candidate:
     prefill: Prefill
 
 
-def step_budget(c: Conductor, running: int) -> int | None:
+def step_budget(c: FleetView, running: int) -> int | None:
     """Prefill tokens one step of a worker running ``running`` decodes can take; None when unknown."""
     chunk = c.config.chunk_tokens
     return None if chunk is None else max(1, chunk - running)
 
 
-def _shape(c: Conductor, new: int, cached: int, running: int, context: int) -> tuple[int, float, float, float]:
+def _shape(c: FleetView, new: int, cached: int, running: int, context: int) -> tuple[int, float, float, float]:
     """(steps, stall per step, the decodes' own step, whole prefill seconds) of a prefill of ``new`` tokens
     over ``cached`` ones on a worker running ``running`` decodes over ``context`` tokens in all."""
     cost = c.cost
@@ -135,7 +131,7 @@ def _shape(c: Conductor, new: int, cached: int, running: int, context: int) -> t
     return math.ceil(new / budget), cost.prefill_s(budget, cached + new - budget), decode_s, whole
 
 
-def prefill_on(c: Conductor, o: _Option) -> Prefill:
+def prefill_on(c: FleetView, o: PrefillOption) -> Prefill:
     """o's prefill on its worker: one step, or chunked into the worker's decode steps."""
     w = o.worker
     n = w.running_decodes()
@@ -151,20 +147,20 @@ def inflation(w: WorkerLoad, step_s: float) -> float:
     return sum(1.0 + j.stalled_s / (j.gaps * step_s) if step_s > 0 else 1.0 for j in w.decodes.values())
 
 
-def handoff_cost_s(c: Conductor, new_tokens: int, cached_tokens: int) -> float:
+def handoff_cost_s(c: FleetView, new_tokens: int, cached_tokens: int) -> float:
     """What a split adds to the new request: the fixed hand-off plus the KV transfer of its prompt."""
     cost = c.cost
     return cost.handoff_s + cost.transfer_s((new_tokens + cached_tokens) * cost.kv_bytes_per_token)
 
 
-def gap_over(c: Conductor, stall_s: float, step_s: float) -> bool:
+def gap_over(c: FleetView, stall_s: float, step_s: float) -> bool:
     """The stall stretches the decodes' token gap past the TPOT target (``step_s``: their step with it), or,
     with no target, it is over ``local_stall_s``."""
     slo = c.config.tpot_slo_s
     return step_s > slo if slo is not None else stall_s > c.config.local_stall_s
 
 
-def long_next_to(c: Conductor, new_tokens: int, cached_tokens: int, running: int, stall_s: float, step_s: float,
+def long_next_to(c: FleetView, new_tokens: int, cached_tokens: int, running: int, stall_s: float, step_s: float,
                  harm_s: float) -> bool:
     """The rule (module docstring): with ``local_prefill_tokens`` set, over that many uncached tokens; else the
     prefill has ``running`` > 0 decodes next to it, stretches their gap past the target (:func:`gap_over`), and
@@ -176,7 +172,7 @@ def long_next_to(c: Conductor, new_tokens: int, cached_tokens: int, running: int
         harm_s > c.config.split_harm_handoffs * handoff_cost_s(c, new_tokens, cached_tokens)
 
 
-def long_on(c: Conductor, s: Prefill) -> bool:
+def long_on(c: FleetView, s: Prefill) -> bool:
     """s's prefill is long on its worker: next to the decodes running there now, or, on an idle worker, next to
     one never-stalled decode (the one a colocated placement would leave there)."""
     o = s.option
@@ -185,14 +181,14 @@ def long_on(c: Conductor, s: Prefill) -> bool:
     return is_long(c, o.new, o.cached, 1, o.new + o.cached)
 
 
-def is_long(c: Conductor, new_tokens: int, cached_tokens: int, running: int = 1, context: int = 0) -> bool:
+def is_long(c: FleetView, new_tokens: int, cached_tokens: int, running: int = 1, context: int = 0) -> bool:
     """Long next to ``running`` never-stalled decodes over ``context`` tokens (default: one decode, as a new
     one would be)."""
     steps, stall, decode_s, whole = _shape(c, new_tokens, cached_tokens, running, context)
     return long_next_to(c, new_tokens, cached_tokens, running, stall, decode_s + stall, whole * running)
 
 
-def prefilling_long(c: Conductor, w: WorkerLoad) -> bool:
+def prefilling_long(c: FleetView, w: WorkerLoad) -> bool:
     """w has a prefill queued or running that is long next to w's other decodes plus one new decode: w takes
     no new decode while another worker can."""
     for rid, j in w.prefills.items():
@@ -202,11 +198,11 @@ def prefilling_long(c: Conductor, w: WorkerLoad) -> bool:
     return False
 
 
-def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
+def place(c: FleetView, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision:
     """The conductor's elastic decision among ``ws`` (live, below the in-flight limit, at least one)."""
     now = c.clock()
     prefix = c.index.prefix_lengths(req.block_keys)
-    shapes = {o.worker.worker_id: prefill_on(c, o) for o in c._prefill_options(req, ws, prefix, now)}
+    shapes = {o.worker.worker_id: prefill_on(c, o) for o in c.prefill_options(req, ws, prefix, now)}
     decoders = [w for w in ws if not prefilling_long(c, w)] or ws
     cands = [_colocated(c, req, shapes[w.worker_id], now) for w in decoders]
     # a split with P=p costs what colocated on p costs: only the cheapest few P can win (linear, not quadratic)
@@ -219,7 +215,7 @@ def place(c: Conductor, req: PlacementRequest, ws: list[WorkerLoad]) -> Decision
     if ok:
         return _charge(min(ok, key=_order))
     top = min(cands, key=_order)
-    rej = c._reject_reason(top.decision, decoders, fits=top.fits) or _reject_stall(c, top, now)
+    rej = c.reject_reason(top.decision, decoders, fits=top.fits) or _reject_stall(c, top, now)
     return rej if rej is not None else _charge(top)
 
 
@@ -236,7 +232,7 @@ def _order(x: _Candidate) -> tuple[bool, float, int, tuple[str, ...]]:
     return (not x.fits, x.cost, x.rank, x.ids)
 
 
-def _colocated(c: Conductor, req: PlacementRequest, s: Prefill, now: float) -> _Candidate:
+def _colocated(c: FleetView, req: PlacementRequest, s: Prefill, now: float) -> _Candidate:
     o, w = s.option, s.option.worker
     long = long_on(c, s)
     kind = "chunked" if s.chunked else "colocated"
@@ -247,21 +243,21 @@ def _colocated(c: Conductor, req: PlacementRequest, s: Prefill, now: float) -> _
     else:
         how = f"stalls {n} running decode(s) by {s.stall_s * 1e3:.0f} ms"
     d = Decision("local", req.request_id, None, w.worker_id, ttft_s=s.ttft_s,
-                 tpot_s=c._tpot(w, now, now + s.ttft_s, req), cached_tokens=o.cached, fetch_tokens=o.fetched,
+                 tpot_s=c.tpot_s(w, now, now + s.ttft_s, req), cached_tokens=o.cached, fetch_tokens=o.fetched,
                  reason=f"elastic {kind} on {w.worker_id}: {o.new} uncached prompt tokens "
                         f"({'long' if long else 'short'}), {how}", placement=kind)
-    return _Candidate(1 if long else 0, s.cost_s, (w.worker_id,), d, c._fits(w, req, now), s)
+    return _Candidate(1 if long else 0, s.cost_s, (w.worker_id,), d, c.fits(w, req, now), s)
 
 
-def _split(c: Conductor, req: PlacementRequest, s: Prefill, decode: list[WorkerLoad], now: float
+def _split(c: FleetView, req: PlacementRequest, s: Prefill, decode: list[WorkerLoad], now: float
            ) -> _Candidate | None:
     if not decode:
         return None
     o, p = s.option, s.option.worker
     long = long_on(c, s)
     at = now + s.ttft_s
-    fitting = [d for d in decode if c._fits(d, req, now)]
-    tpots = {d.worker_id: c._tpot(d, now, at, req) for d in (fitting or decode)}
+    fitting = [d for d in decode if c.fits(d, req, now)]
+    tpots = {d.worker_id: c.tpot_s(d, now, at, req) for d in (fitting or decode)}
     d_id = min(tpots, key=lambda wid: (tpots[wid], wid))
     chunks = f" in {s.steps} chunked steps" if s.chunked else ""
     dec = Decision("disaggregated", req.request_id, p.worker_id, d_id, ttft_s=s.ttft_s, tpot_s=tpots[d_id],
@@ -272,7 +268,7 @@ def _split(c: Conductor, req: PlacementRequest, s: Prefill, decode: list[WorkerL
     return _Candidate(0 if long else 1, s.cost_s, (p.worker_id, d_id), dec, bool(fitting), s)
 
 
-def _meets(c: Conductor, x: _Candidate) -> bool:
+def _meets(c: FleetView, x: _Candidate) -> bool:
     cfg = c.config
     d = x.decision
     if cfg.ttft_slo_s is not None and d.ttft_s > cfg.ttft_slo_s:
@@ -282,7 +278,7 @@ def _meets(c: Conductor, x: _Candidate) -> bool:
     return True
 
 
-def _reject_stall(c: Conductor, x: _Candidate, now: float) -> Decision | None:
+def _reject_stall(c: FleetView, x: _Candidate, now: float) -> Decision | None:
     """The best option meets the targets for the new request but slows the prefilling worker's running decodes
     past the TPOT target: reject, retry when the first of them is predicted to finish."""
     slo = c.config.tpot_slo_s
@@ -292,6 +288,6 @@ def _reject_stall(c: Conductor, x: _Candidate, now: float) -> Decision | None:
     w = s.option.worker
     d = x.decision
     return Decision("reject", d.request_id, d.prefill, d.decode, ttft_s=d.ttft_s, tpot_s=d.tpot_s,
-                    retry_after_s=float(max(1, math.ceil(c._drain_s(w, now)))),
+                    retry_after_s=float(max(1, math.ceil(c.drain_s(w, now)))),
                     reason=f"prefilling on {w.worker_id} would slow its {w.running_decodes()} running decode(s) to "
                            f"{s.step_s * 1e3:.1f} ms per token > TPOT target {slo * 1e3:.1f} ms", code="slo")

@@ -25,14 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .decision import Decision, PlacementRequest, _Placed
+from .decision import Decision, PlacementRequest
 from .elastic import prefilling_long, step_budget
 from .load import DecodeJob, PrefillJob, WorkerLoad
-
-if TYPE_CHECKING:
-    from .policy import Conductor
+from .policy import Conductor
+from .view import FleetView
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def tail_tokens(context: int, block_size: int) -> int:
     return context - (context - 1) // block_size * block_size
 
 
-def move_cost_s(c: Conductor, context: int) -> float:
+def move_cost_s(c: FleetView, context: int) -> float:
     """Predicted cost of moving a decode with ``context`` tokens: hand-off + KV transfer + the tail prefill."""
     cost = c.cost
     tail = tail_tokens(context, c.config.block_size)
@@ -85,13 +83,13 @@ def move_cost_s(c: Conductor, context: int) -> float:
             + cost.prefill_s(tail, context - tail))
 
 
-def tail_s(c: Conductor, context: int) -> float:
+def tail_s(c: FleetView, context: int) -> float:
     """Predicted seconds of a move's tail prefill on the source: what it delays the prefill placed there."""
     tail = tail_tokens(context, c.config.block_size)
     return c.cost.prefill_s(tail, context - tail)
 
 
-def stall_s(c: Conductor, w: WorkerLoad, job: PrefillJob) -> float:
+def stall_s(c: FleetView, w: WorkerLoad, job: PrefillJob) -> float:
     """What the prefill ``job`` adds to each of w's running decodes: its compute in one step, or chunked into w's
     decode steps, one chunk's compute (the last chunk, with the most context) in each of them."""
     running = sum(1 for j in w.decodes.values() if j.request_id != job.request_id)  # not its own decode
@@ -103,11 +101,11 @@ def stall_s(c: Conductor, w: WorkerLoad, job: PrefillJob) -> float:
     return steps * c.cost.prefill_s(budget, job.cached_tokens + job.new_tokens - budget)
 
 
-def _destinations(c: Conductor, src: WorkerLoad, req: PlacementRequest, now: float) -> list[WorkerLoad]:
+def _destinations(c: FleetView, src: WorkerLoad, req: PlacementRequest, now: float) -> list[WorkerLoad]:
     limit = c.config.max_inflight_per_worker
     return [d for d in c.workers.values()
             if d.healthy and d.role == "elastic" and d is not src and not prefilling_long(c, d)
-            and (limit is None or d.in_flight() < limit) and c._fits(d, req, now)]
+            and (limit is None or d.in_flight() < limit) and c.fits(d, req, now)]
 
 
 def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
@@ -115,10 +113,10 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
     """The moves that pay now that ``request_id``'s prefill is placed, each applied to the load view as it is
     chosen (:func:`apply_move`). ``can_move(request_id, src)``: whether the router can move that decode now (it
     is streaming from src); one it cannot is left where it is."""
-    pl = c._placed.get(request_id)
-    if not config.enabled or config.max_moves == 0 or pl is None or pl.prefill_worker is None:
+    prefill_worker = c.prefill_worker_of(request_id)
+    if not config.enabled or config.max_moves == 0 or prefill_worker is None:
         return []
-    w = c.workers.get(pl.prefill_worker)
+    w = c.workers.get(prefill_worker)
     job = w.prefills.get(request_id) if w is not None else None
     if w is None or job is None or w.role != "elastic":
         return []
@@ -139,7 +137,7 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
         dests = _destinations(c, w, req, now)
         if not dests or not can_move(rid, w.worker_id):
             continue
-        d = min(dests, key=lambda x: (c._tpot(x, now, now, req), x.worker_id))
+        d = min(dests, key=lambda x: (c.tpot_s(x, now, now, req), x.worker_id))
         m = Move(rid, w.worker_id, d.worker_id, j.context_tokens, j.remaining_tokens, stall, cost,
                  f"move off {w.worker_id}: a stall of {stall * 1e3:.0f} ms > a move of {cost * 1e3:.0f} ms "
                  f"({j.context_tokens} tokens of context to {d.worker_id})")
@@ -151,24 +149,17 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
 def apply_move(c: Conductor, m: Move) -> Decision:
     """Record ``m`` in the load view: the request's placement becomes a split, P = m.src for the tail (put first in
     src's prefill queue), D = m.dst; its old placement is released. Returns the new decision."""
-    old = c._placed.pop(m.request_id, None)
-    if old is not None:
-        for wid in (old.prefill_worker, old.decode_worker):
-            w = c.workers.get(wid or "")
-            if w is not None:
-                w.prefills.pop(m.request_id, None)
-                w.decodes.pop(m.request_id, None)
+    c.finished(m.request_id)
     tail = tail_tokens(m.context_tokens, c.config.block_size)
     cached = m.context_tokens - tail
-    src, dst = c.workers[m.src], c.workers[m.dst]
+    dst = c.workers[m.dst]
     now = c.clock()
     tail_s = c.cost.prefill_s(tail, cached)
     d = Decision("disaggregated", m.request_id, m.src, m.dst, ttft_s=tail_s,
-                 tpot_s=c._tpot(dst, now, now, PlacementRequest(m.request_id, m.context_tokens, (),
-                                                                   m.remaining_tokens)),
+                 tpot_s=c.tpot_s(dst, now, now, PlacementRequest(m.request_id, m.context_tokens, (),
+                                                                  m.remaining_tokens)),
                  cached_tokens=cached, reason=m.reason)
-    src.prefills = {m.request_id: PrefillJob(m.request_id, tail, cached, tail_s, now), **src.prefills}
-    dst.decodes[m.request_id] = DecodeJob(m.request_id, m.context_tokens, m.remaining_tokens,
-                                          m.context_tokens + m.remaining_tokens)
-    c._placed[m.request_id] = _Placed(d, m.src, m.dst)
+    c.record(d, PrefillJob(m.request_id, tail, cached, tail_s, now),
+             DecodeJob(m.request_id, m.context_tokens, m.remaining_tokens, m.context_tokens + m.remaining_tokens),
+             first=True)
     return d

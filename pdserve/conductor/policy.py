@@ -15,6 +15,12 @@ Per request (policy ``conductor``):
 ``round_robin`` and ``least_loaded`` are the baselines: same interface, never local, never reject.
 Colocated workers (role ``colocated``) only ever get whole requests ("local"). Elastic workers (role
 ``elastic``, no fixed role) get, per request, a whole request or a prefill or a decode: see :mod:`.elastic`.
+
+The predictions (TTFT, TPOT, KV room, drain time, targets) live in :class:`~.view.FleetView`, which the
+:class:`Conductor` is: the elastic rule and the moves use them through that view and never import this module's
+privates. The conductor is the one owner of placements: what it placed is recorded (:meth:`Conductor.record`),
+read (:meth:`Conductor.decision_of`, :meth:`Conductor.prefill_worker_of`) and released (:meth:`Conductor.finished`)
+through public methods only.
 """
 
 from __future__ import annotations
@@ -23,22 +29,22 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
+from . import elastic
 from .config import ConductorConfig
 from .cost_model import CostModel
-from .decision import Decision, NoWorker, PlacementRequest, _Option, _Placed
-from .index import PrefixIndex
+from .decision import Decision, NoWorker, Placed, PlacementRequest, PrefillOption
 from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
+from .view import FleetView
 
 
-class Conductor:
+class Conductor(FleetView):
+    """The placement policy over a :class:`~.view.FleetView`: decides (:meth:`place`), records what it placed and
+    keeps the load view and the cost model current from each request's lifecycle."""
+
     def __init__(self, config: ConductorConfig, cost: CostModel, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self.config = config
-        self.cost = cost
-        self.clock = clock
-        self.index = PrefixIndex()
-        self.workers: dict[str, WorkerLoad] = {}
-        self._placed: dict[str, _Placed] = {}
+        super().__init__(config, cost, clock)
+        self._placed: dict[str, Placed] = {}
         self._rr = {"prefill": 0, "decode": 0, "colocated": 0, "survivor": 0}
         self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
         self.placements = {"colocated": 0, "chunked": 0, "split": 0}  # elastic decisions by placement kind
@@ -136,7 +142,7 @@ class Conductor:
     def _busy(self, req: PlacementRequest, full: list[WorkerLoad]) -> Decision:
         """Every candidate is at its in-flight limit: reject, retry when the first of them frees a slot."""
         now = self.clock()
-        wait = min((self._drain_s(w, now) for w in full), default=1.0)
+        wait = min((self.drain_s(w, now) for w in full), default=1.0)
         role = full[0].role if full else "worker"
         return Decision("reject", req.request_id, retry_after_s=float(max(1, math.ceil(wait))),
                         reason=f"every live {role} worker has {self.config.max_inflight_per_worker} requests in "
@@ -159,10 +165,10 @@ class Conductor:
         elif policy == "least_loaded":
             w = min(ws, key=lambda w: (w.queued_prefill_tokens() + w.running_decodes(), w.worker_id))
         else:
-            w = min(ws, key=lambda w: (self._local_ttft(req, w, now, prefix)[0], w.worker_id))
-        ttft, cached = self._local_ttft(req, w, now, prefix)
+            w = min(ws, key=lambda w: (self.local_ttft(req, w, now, prefix)[0], w.worker_id))
+        ttft, cached = self.local_ttft(req, w, now, prefix)
         return Decision("local", req.request_id, None, w.worker_id, ttft_s=ttft,
-                        tpot_s=self._tpot(w, now, now + ttft, req), cached_tokens=cached, reason=reason(w))
+                        tpot_s=self.tpot_s(w, now, now + ttft, req), cached_tokens=cached, reason=reason(w))
 
     # -- baselines --
     def _pick_rr(self, ring: str, ws: list[WorkerLoad]) -> WorkerLoad:
@@ -177,10 +183,10 @@ class Conductor:
         else:
             p = min(prefill, key=lambda w: (w.queued_prefill_tokens(), len(w.prefills), w.worker_id))
         d = self._baseline_decode(decode, now)
-        cached = self._own_cached(req, p)
+        cached = self.own_cached(req, p)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
-                        tpot_s=self._tpot(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
+                        tpot_s=self.tpot_s(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
 
     def _baseline_decode(self, decode: list[WorkerLoad], now: float) -> WorkerLoad:
         if self.config.policy == "round_robin":
@@ -192,7 +198,7 @@ class Conductor:
         policy = self.config.policy
         d = self._whole(req, ws, "colocated", lambda w: f"colocated ({policy})")
         if policy == "conductor":
-            rej = self._reject_reason(d, [self.workers[d.decode or ""]])
+            rej = self.reject_reason(d, [self.workers[d.decode or ""]])
             if rej is not None:
                 return rej
         return d
@@ -202,64 +208,17 @@ class Conductor:
         whole requests."""
         if self.config.policy != "conductor":
             return self._colocated(req, ws)
-        from . import elastic
-
         return elastic.place(self, req, ws)
 
     # -- the conductor --
-    def _own_cached(self, req: PlacementRequest, w: WorkerLoad, prefix: dict[str, int] | None = None) -> int:
-        if prefix is None:
-            prefix = self.index.prefix_lengths(req.block_keys)
-        return min(prefix.get(w.worker_id, 0) * self.config.block_size, max(0, req.prompt_tokens - 1))
-
-    def _prefill_options(self, req: PlacementRequest, prefill: list[WorkerLoad], prefix: dict[str, int],
-                         now: float) -> list[_Option]:
-        bs = self.config.block_size
-        limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
-        pooled = max((prefix.get(h, 0) for h in self.config.fetchable), default=0) * bs
-        pooled = min(pooled, limit)
-        out = []
-        for p in prefill:
-            own = min(prefix.get(p.worker_id, 0) * bs, limit)
-            cached, fetched, fetch_s = own, 0, 0.0
-            if pooled - own >= self.config.min_fetch_blocks * bs:
-                f_s = self.cost.transfer_s((pooled - own) * self.cost.kv_bytes_per_token)
-                saved = self.cost.prefill_s(req.prompt_tokens - own, own) - self.cost.prefill_s(
-                    req.prompt_tokens - pooled, pooled)
-                if f_s < saved:
-                    cached, fetched, fetch_s = pooled, pooled - own, f_s
-            new = req.prompt_tokens - cached
-            ttft = p.queue_s(now) + fetch_s + self.cost.prefill_s(new, cached)
-            out.append(_Option(p, ttft, cached, fetched, new))
-        return out
-
-    def _tpot(self, d: WorkerLoad, now: float, at: float, req: PlacementRequest) -> float:
-        step_now = self.cost.decode_step_s(max(1, d.running_decodes()), 1)
-        batch, ctx = d.decode_batch_at(at, now, step_now)
-        return self.cost.decode_step_s(batch + 1, ctx + req.prompt_tokens)
-
-    def _fits(self, d: WorkerLoad, req: PlacementRequest, now: float) -> bool:
-        cap = d.kv_capacity_tokens
-        if cap <= 0:
-            return True  # capacity unknown: vLLM queues what does not fit
-        used = d.kv_used_tokens(now, self.config.load_staleness_s)
-        return used + req.prompt_tokens + req.max_tokens <= cap * (1 - self.config.kv_reserve)
-
-    def _local_ttft(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int]
-                    ) -> tuple[float, int]:
-        cached = self._own_cached(req, w, prefix)
-        # a colocated/local prefill shares steps with running decodes: roughly one decode step extra
-        extra = self.cost.decode_step_s(w.running_decodes(), 1) if w.running_decodes() else 0.0
-        return w.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached) + extra, cached
-
     def _conduct(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad]) -> Decision:
         now = self.clock()
         prefix = self.index.prefix_lengths(req.block_keys)
-        options = self._prefill_options(req, prefill, prefix, now)
+        options = self.prefill_options(req, prefill, prefix, now)
         best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
         at = now + best.ttft_s
-        fitting = [d for d in decode if self._fits(d, req, now)]
-        tpots = {w.worker_id: self._tpot(w, now, at, req) for w in (fitting or decode)}
+        fitting = [d for d in decode if self.fits(d, req, now)]
+        tpots = {w.worker_id: self.tpot_s(w, now, at, req) for w in (fitting or decode)}
         d = self.workers[min(tpots, key=lambda wid: (tpots[wid], wid))]
         tpot = tpots[d.worker_id]
         disagg = Decision("disaggregated", req.request_id, best.worker.worker_id, d.worker_id, ttft_s=best.ttft_s,
@@ -267,17 +226,17 @@ class Conductor:
                           reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
         local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
-        return self._reject_reason(chosen, decode, fits=bool(fitting)) or chosen
+        return self.reject_reason(chosen, decode, fits=bool(fitting)) or chosen
 
-    def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: _Option, tpot: float,
+    def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: PrefillOption, tpot: float,
                       prefix: dict[str, int]) -> Decision | None:
         if not d.can_decode:
             return None
-        l_ttft, l_cached = self._local_ttft(req, d, now, prefix)
+        l_ttft, l_cached = self.local_ttft(req, d, now, prefix)
         uncached = req.prompt_tokens - l_cached
         l_prefill = self.cost.prefill_s(uncached, l_cached)
         mk = lambda why: Decision("local", req.request_id, None, d.worker_id, ttft_s=l_ttft,  # noqa: E731
-                                  tpot_s=self._tpot(d, now, now + l_ttft, req), cached_tokens=l_cached, reason=why)
+                                  tpot_s=self.tpot_s(d, now, now + l_ttft, req), cached_tokens=l_cached, reason=why)
         thr = self.config.local_prefill_tokens
         if thr is not None:
             return mk(f"uncached prompt {uncached} <= {thr} tokens") if uncached <= thr else None
@@ -294,41 +253,39 @@ class Conductor:
                       f"local {l_ttft * 1e3:.0f} ms")
         return None
 
-    def _reject_reason(self, d: Decision, decode: list[WorkerLoad], fits: bool = True) -> Decision | None:
-        cfg = self.config
-        now = self.clock()
-        why, wait = "", 0.0
-        if cfg.ttft_slo_s is not None and d.ttft_s > cfg.ttft_slo_s:
-            why = f"predicted TTFT {d.ttft_s * 1e3:.0f} ms > target {cfg.ttft_slo_s * 1e3:.0f} ms"
-            wait = d.ttft_s - cfg.ttft_slo_s
-        elif cfg.tpot_slo_s is not None and d.tpot_s > cfg.tpot_slo_s:
-            why = f"predicted TPOT {d.tpot_s * 1e3:.1f} ms > target {cfg.tpot_slo_s * 1e3:.1f} ms"
-            wait = min((self._drain_s(w, now) for w in decode), default=1.0)
-        elif cfg.tpot_slo_s is not None and not fits:
-            why = "no decode worker has KV room for prompt + max_tokens"
-            wait = min((self._drain_s(w, now) for w in decode), default=1.0)
-        if not why:
-            return None
-        return Decision("reject", d.request_id, d.prefill, d.decode, ttft_s=d.ttft_s, tpot_s=d.tpot_s,
-                        retry_after_s=float(max(1, math.ceil(wait))), reason=why, code="slo")
-
-    def _drain_s(self, w: WorkerLoad, now: float) -> float:
-        """Seconds until the first of w's decodes is predicted to finish."""
-        step = self.cost.decode_step_s(max(1, w.running_decodes()), 1)
-        return min((j.remaining_tokens * step for j in w.decodes.values()), default=1.0)
-
     # ---- lifecycle ----
     def _reserve(self, req: PlacementRequest, d: Decision) -> None:
         now = self.clock()
         new = req.prompt_tokens - d.cached_tokens
+        prefill = PrefillJob(req.request_id, new, d.cached_tokens, self.cost.prefill_s(new, d.cached_tokens), now)
+        self.record(d, prefill, DecodeJob(req.request_id, req.prompt_tokens, req.max_tokens,
+                                          req.prompt_tokens + req.max_tokens))
+
+    def record(self, d: Decision, prefill: PrefillJob | None, decode: DecodeJob, first: bool = False) -> None:
+        """Hold placement ``d`` in the load view: ``prefill`` queued on the worker that computes the prompt (the P
+        of a split, else the whole request's worker), at the head of its queue when ``first`` (a move's tail runs
+        before the prefills queued there), and ``decode`` on d's decode worker. A request holds one placement:
+        release its old one first (:meth:`finished`)."""
         prefill_on = d.prefill if d.kind == "disaggregated" else d.decode
         assert prefill_on is not None and d.decode is not None
         pw, dw = self.workers[prefill_on], self.workers[d.decode]
-        pw.prefills[req.request_id] = PrefillJob(req.request_id, new, d.cached_tokens,
-                                                 self.cost.prefill_s(new, d.cached_tokens), now)
-        dw.decodes[req.request_id] = DecodeJob(req.request_id, req.prompt_tokens, req.max_tokens,
-                                               req.prompt_tokens + req.max_tokens)
-        self._placed[req.request_id] = _Placed(d, prefill_on, d.decode)
+        if prefill is not None:
+            if first:
+                pw.prefills = {d.request_id: prefill, **pw.prefills}
+            else:
+                pw.prefills[d.request_id] = prefill
+        dw.decodes[d.request_id] = decode
+        self._placed[d.request_id] = Placed(d, prefill_on, d.decode)
+
+    def decision_of(self, request_id: str) -> Decision | None:
+        """The decision a request now runs on (a move's replaces its first); None when it is not placed."""
+        pl = self._placed.get(request_id)
+        return pl.decision if pl is not None else None
+
+    def prefill_worker_of(self, request_id: str) -> str | None:
+        """The worker that computes the request's prompt; None when it is not placed (or has none)."""
+        pl = self._placed.get(request_id)
+        return pl.prefill_worker if pl is not None else None
 
     def prefill_done(self, request_id: str, cached_tokens: int | None = None) -> None:
         """The prompt is computed (P answered, or a local request's first token arrived)."""
@@ -380,8 +337,8 @@ class Conductor:
         if self.config.policy != "conductor":
             d = self._baseline_decode(decode, now)
         else:
-            fitting = [w for w in decode if self._fits(w, req, now)] or decode
-            d = min(fitting, key=lambda w: (self._tpot(w, now, now, req), w.worker_id))
+            fitting = [w for w in decode if self.fits(w, req, now)] or decode
+            d = min(fitting, key=lambda w: (self.tpot_s(w, now, now, req), w.worker_id))
         if job is not None:
             job.last_progress_at = now if job.started_at is not None else None
             d.decodes[request_id] = job
@@ -415,11 +372,6 @@ class Conductor:
         job.context_tokens += delta
         job.remaining_tokens = max(0, job.remaining_tokens - delta)
         job.last_progress_at = now
-
-    def transfer_observed(self, nbytes: int, seconds: float) -> None:
-        observe = getattr(self.cost, "observe_transfer", None)
-        if observe is not None:
-            observe(nbytes, seconds)
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed, aborted): release everything reserved for it."""

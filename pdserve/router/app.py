@@ -408,7 +408,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
-    add_tokenize_routes(app, router)
+    add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
+                        config.max_body_bytes)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app
 

@@ -100,11 +100,6 @@ class Catalog(Eviction):
                 self._drop_node(node_id)
             return silent
 
-    def drop_node(self, node_id: str) -> None:
-        with self.lock:
-            if node_id in self.nodes:
-                self._drop_node(node_id)
-
     def _drop_node(self, node_id: str, count: bool = True) -> None:
         self.nodes.pop(node_id, None)
         if count:

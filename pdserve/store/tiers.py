@@ -94,9 +94,6 @@ class ArenaAllocator:
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
 
-    def largest_free(self) -> int:
-        return max((e - s for s, e in zip(self._starts, self._ends)), default=0)
-
 
 class DiskTier:
     """One file per object (``<key as 16 hex digits>.kv``) in ``directory``, at most ``capacity`` bytes.

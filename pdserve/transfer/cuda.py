@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import TransferError
-from .regions import byte_tensor, host_view
 from .staging import Copier, Piece, StagedMemory
+from .views import byte_tensor, host_view
 
 _POLL_S = 20e-6
 

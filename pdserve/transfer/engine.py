@@ -69,7 +69,7 @@ class TransferEngine:
         self._backends["local"].uds_name = self._server.uds_name  # type: ignore[attr-defined]
         self._ids = itertools.count()
         self._inbox: deque[Notification] = deque()
-        self._inbox_cond = threading.Condition()
+        self._inbox_lock = threading.Lock()
         self._callbacks: list[Callable[[Notification], None]] = []
 
     # ---- memory ----
@@ -186,21 +186,14 @@ class TransferEngine:
 
     def get_notifications(self) -> list[Notification]:
         """Drain and return the notifications received so far."""
-        with self._inbox_cond:
+        with self._inbox_lock:
             items, self._inbox = list(self._inbox), deque()
         return items
 
-    def wait_notification(self, timeout: float | None = None) -> Notification | None:
-        with self._inbox_cond:
-            if not self._inbox_cond.wait_for(lambda: self._inbox, timeout):
-                return None
-            return self._inbox.popleft()
-
     def _serve_notify(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
         note = Notification(str(msg.get("from")), str(msg.get("b")), msg.get("m"))
-        with self._inbox_cond:
+        with self._inbox_lock:
             self._inbox.append(note)
-            self._inbox_cond.notify_all()
         for callback in list(self._callbacks):
             try:
                 callback(note)

@@ -1,13 +1,13 @@
 """Registered memory regions: the only bytes a peer may read or write.
 
-Host memory (numpy, CPU tensors, mmap, bytearray) is addressed directly through a flat byte view. CUDA
+Host memory (numpy, CPU tensors, mmap, bytearray) is addressed directly through a flat byte view (a tensor's:
+:mod:`.views`, which :mod:`.cuda` uses too, so that this module imports :mod:`.cuda` and not the reverse). CUDA
 tensors, and any :class:`~pdserve.transfer.staging.StagedMemory`, have no host view: backends move them
 through staging buffers (tcp), CUDA IPC (same host) or their own GPU path (NIXL, Mooncake).
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,9 @@ import numpy as np
 
 from .errors import TransferError
 from .staging import StagedMemory
+from .views import byte_tensor, dense_nbytes, host_view
+
+__all__ = ["Region", "RegionTable", "as_byte_view", "byte_tensor", "check_range", "dense_nbytes", "host_view"]
 
 
 @dataclass(frozen=True)
@@ -68,44 +71,6 @@ def check_range(name: str, region_length: int, offset: int, length: int) -> None
             "bounds",
             f"range [{offset}, {offset + length}) outside region {name!r} of {region_length} bytes",
         )
-
-
-def dense_nbytes(tensor: Any) -> int | None:
-    """Bytes spanned by a tensor whose elements tile one gap-free block in some dimension order
-    (contiguous, or a permutation of contiguous dims such as vLLM's HND KV view); None otherwise."""
-    dims = sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz != 1)
-    expect = 1
-    for stride, size in dims:
-        if stride != expect:
-            return None
-        expect *= size
-    return tensor.numel() * tensor.element_size()
-
-
-def _dense_or_refuse(tensor: Any) -> int:
-    nbytes = dense_nbytes(tensor)
-    if nbytes is None:
-        raise TransferError("config", "tensor is not contiguous (its elements leave gaps or overlap): register "
-                                      "tensor.contiguous(), the base tensor, or its storage")
-    return nbytes
-
-
-def byte_tensor(tensor: Any) -> Any:
-    """A flat uint8 tensor over a dense tensor's bytes (same device, same memory, no copy), starting at
-    its lowest address: physical order, so offsets are what block tables and strides compute."""
-    import torch
-
-    nbytes = _dense_or_refuse(tensor)
-    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    return flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (nbytes,))
-
-
-def host_view(tensor: Any) -> memoryview:
-    """A flat writable memoryview over a dense CPU tensor's bytes (no copy)."""
-    nbytes = _dense_or_refuse(tensor)
-    addr = tensor.data_ptr()
-    raw = (ctypes.c_ubyte * nbytes).from_address(addr) if nbytes else bytearray()
-    return memoryview(raw).cast("B")
 
 
 def _torch_view(tensor: Any) -> tuple[memoryview, int]:

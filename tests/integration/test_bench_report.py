@@ -11,7 +11,7 @@ import pytest
 from pdserve.bench import cli
 from pdserve.bench.compare import CompareSettings, WorkloadPlan, launcher_config, run_on_cluster
 from pdserve.bench.metrics import SLO
-from pdserve.bench.report import _slug, write_report
+from pdserve.bench.report import slug, write_report
 from pdserve.launcher import Cluster
 
 pytestmark = [
@@ -42,7 +42,7 @@ def test_compare_on_live_1p1d_writes_report(cluster, tmp_path, tmp_trace):
 
     def save(label, result):
         (tmp_path / "raw").mkdir(exist_ok=True)
-        (tmp_path / "raw" / f"1p1d__{_slug(label)}.json").write_text(json.dumps(result.to_dict()))
+        (tmp_path / "raw" / f"1p1d__{slug(label)}.json").write_text(json.dumps(result.to_dict()))
 
     per_wl = run_on_cluster(cluster, plans, SLO(5000, 1000), {"progress": False}, on_result=save,
                             max_model_len=2048)

@@ -47,7 +47,7 @@ def test_medium_prompt_when_every_worker_decodes_is_chunked_within_the_tpot_targ
     assert d.reason == ("elastic chunked on e0: 96 uncached prompt tokens (short), in 4 steps of <= 30 tokens, "
                         "slows 2 running decode(s) by 30 ms per step (42 ms per token)")
     assert c.placements == {"colocated": 0, "chunked": 1, "split": 0}
-    s = prefill_on(c, c._prefill_options(req("m2", MEDIUM), [c.workers["e1"]], {}, c.clock())[0])
+    s = prefill_on(c, c.prefill_options(req("m2", MEDIUM), [c.workers["e1"]], {}, c.clock())[0])
     assert (s.steps, s.stall_s, s.step_s, s.harm_s) == (4, pytest.approx(0.030), pytest.approx(0.042),
                                                          pytest.approx(2 * 0.096))
 

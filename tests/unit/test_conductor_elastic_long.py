@@ -23,7 +23,7 @@ def make2(**cfg):
 
 def shape(c, worker, tokens):
     """The Prefill a prompt of ``tokens`` would have on ``worker`` now."""
-    return prefill_on(c, c._prefill_options(req("x", tokens), [c.workers[worker]], {}, c.clock())[0])
+    return prefill_on(c, c.prefill_options(req("x", tokens), [c.workers[worker]], {}, c.clock())[0])
 
 
 def test_default_splits_a_prompt_whose_stall_costs_one_decode_more_than_a_hand_off():

@@ -6,9 +6,8 @@ prefill that caused it by those 8 ms: it moves when the stall exceeds 66.04 ms."
 
 import pytest
 
-from pdserve.conductor import Decision, PlacementRequest
-from pdserve.conductor.decision import _Placed
-from pdserve.conductor.load import DecodeJob
+from pdserve.conductor import Decision
+from pdserve.conductor.load import DecodeJob, PrefillJob
 from pdserve.conductor.moves import Move, MoveConfig, apply_move, move_cost_s, plan_moves, stall_s, tail_tokens
 from tests.unit.test_conductor_elastic import make
 
@@ -16,14 +15,14 @@ MOVE_40 = 0.05 + 40 * 1000 / 1e9 + 0.008
 
 
 def running(c, worker: str, rid: str, context: int = 40, left: int = 100, started: bool = True) -> None:
-    c.workers[worker].decodes[rid] = DecodeJob(rid, context, left, context + left,
-                                               started_at=c.clock() if started else None, tokens_done=1)
-    c._placed[rid] = _Placed(Decision("local", rid, None, worker), worker, worker)
+    c.record(Decision("local", rid, None, worker), None,
+             DecodeJob(rid, context, left, context + left, started_at=c.clock() if started else None, tokens_done=1))
 
 
 def prefill_on(c, worker: str, rid: str, tokens: int) -> None:
     """``rid``'s prompt of ``tokens`` uncached tokens placed whole on ``worker`` (the conductor's reservation)."""
-    c._reserve(PlacementRequest(rid, tokens, (), 8), Decision("local", rid, None, worker, placement="colocated"))
+    c.record(Decision("local", rid, None, worker, placement="colocated"),
+             PrefillJob(rid, tokens, 0, c.cost.prefill_s(tokens, 0), c.clock()), DecodeJob(rid, tokens, 8, tokens + 8))
 
 
 def test_tail_and_cost():
@@ -43,7 +42,7 @@ def test_a_long_prefill_moves_the_decode_that_pays_to_the_idle_worker():
     assert m.stall_s == pytest.approx(0.160) and m.cost_s == pytest.approx(MOVE_40)
     assert "stall of 160 ms > a move of 58 ms" in m.reason
     # recorded at once: a split, P = e0 for the 8-token tail (ahead of the long prefill), D = e2
-    d = c._placed["r"].decision
+    d = c.decision_of("r")
     assert (d.kind, d.prefill, d.decode, d.cached_tokens) == ("disaggregated", "e0", "e2", 32)
     assert list(c.workers["e0"].prefills) == ["r", "long"]
     assert c.workers["e0"].prefills["r"].new_tokens == 8
@@ -64,7 +63,7 @@ def test_a_short_prefill_moves_nothing():
     assert plan_moves(c, "medium", MoveConfig()) == []
     c.finished("medium")
     assert plan_moves(c, "short", MoveConfig()) == []
-    assert "r" in c.workers["e0"].decodes and c._placed["r"].decision.kind == "local"
+    assert "r" in c.workers["e0"].decodes and c.decision_of("r").kind == "local"
 
 
 def test_min_gain_and_max_moves():

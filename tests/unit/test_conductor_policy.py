@@ -1,7 +1,15 @@
 import pytest
 
-from pdserve.conductor import Conductor, ConductorConfig, ConductorConfigError, OnlineCostModel, PlacementRequest
+from pdserve.conductor import (
+    Conductor,
+    ConductorConfig,
+    ConductorConfigError,
+    Decision,
+    OnlineCostModel,
+    PlacementRequest,
+)
 from pdserve.conductor.cost_model import Priors
+from pdserve.conductor.load import DecodeJob, PrefillJob
 from pdserve.conductor.policy import NoWorker
 from pdserve.hashing import block_hashes
 
@@ -160,6 +168,26 @@ def test_lifecycle_releases_and_observes():
     c.finished("a")
     assert c.in_flight() == 0 and c.workers["d0"].decodes == {}
     c.finished("a")  # idempotent
+
+
+def test_placement_records_read_through_the_public_api():
+    """decision_of / prefill_worker_of follow a request from place to replace_decode to finished; record holds a
+    placement (a move's, with its prefill first in the queue) as place does."""
+    c = make(n_d=2)
+    assert c.decision_of("a") is None and c.prefill_worker_of("a") is None
+    d = c.place(req("a", PROMPT))
+    assert c.decision_of("a") == d and c.prefill_worker_of("a") == d.prefill
+    c.replace_decode("a")
+    assert c.decision_of("a") == d and c.prefill_worker_of("a") == d.prefill  # the decision stays; only D moved
+    c.place(req("b", PROMPT))
+    c.finished("a")
+    assert c.decision_of("a") is None and c.prefill_worker_of("a") is None
+    pb = c.prefill_worker_of("b")
+    assert pb is not None
+    tail = Decision("disaggregated", "a", pb, "d1", cached_tokens=150)
+    c.record(tail, PrefillJob("a", 10, 150, 0.01, c.clock()), DecodeJob("a", 160, 5, 165), first=True)
+    assert list(c.workers[pb].prefills) == ["a", "b"] and "a" in c.workers["d1"].decodes
+    assert c.decision_of("a") == tail and c.prefill_worker_of("a") == pb and c.in_flight() == 2
 
 
 def test_baselines():

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pdserve.bench.prom import delta
+from pdserve.conductor import ConductorConfig
 from pdserve.prom import label_values, parse, types
 from pdserve.router.fleet.load_probe import parse_vllm_metrics
-from pdserve.router.fleet.placement import RoundRobin
-from pdserve.router.fleet.workers import Worker
+from pdserve.router.fleet.placement import make_placement
+from pdserve.router.fleet.registry import WorkerRegistry
 from pdserve.router.metrics import ConductorCollector, RouterMetrics
 
 PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -70,7 +71,8 @@ def test_router_metrics_round_trip_and_apps_do_not_share_numbers():
     a.requests.labels("completions", "200").inc()
     a.handoffs.labels("kv").inc(2)
     a.observe_timings("disaggregated", {"ttft_ms": 120.0, "kv_transfer_bytes": 4096})
-    rr = RoundRobin([Worker("http://p")], [Worker("http://d")], [])
+    rr = make_placement(WorkerRegistry([("prefill", "http://p"), ("decode", "http://d")]),
+                        ConductorConfig(policy="round_robin"), 0)
     a.registry.register(ConductorCollector(rr, lambda: {"http://d": 3}))
     rr.choose([1, 2, 3])
     sa, sb = parse(a.render(), labels=True), parse(b.render(), labels=True)

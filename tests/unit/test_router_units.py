@@ -9,12 +9,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pdserve.conductor import ConductorConfig
 from pdserve.router.__main__ import config_from_args
 from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.errors import RouterError, from_worker
-from pdserve.router.fleet.placement import RoundRobin
-from pdserve.router.fleet.workers import Wait, Worker, WorkerClient, WorkerError, _sse_data
+from pdserve.router.fleet.placement import ConductorPlacement, make_placement
+from pdserve.router.fleet.registry import WorkerRegistry
+from pdserve.router.fleet.workers import Wait, WorkerClient, WorkerError, _sse_data
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.generation import StopStrings, Timings
 
@@ -191,12 +193,17 @@ def test_stream_parser_handles_tiny_tcp_pieces_and_errors():
     asyncio.run(main2())
 
 
+def round_robin(prefill: list[str], decode: list[str], colocated: tuple[str, ...] = ()) -> ConductorPlacement:
+    """The router's placement with the ``round_robin`` policy over these worker URLs."""
+    registry = WorkerRegistry([("prefill", u) for u in prefill] + [("decode", u) for u in decode]
+                              + [("colocated", u) for u in colocated])
+    return make_placement(registry, ConductorConfig(policy="round_robin"), 0)
+
+
 # ---- placement
 
 def test_round_robin_skips_unhealthy_and_excluded():
-    ps = [Worker("http://p0"), Worker("http://p1")]
-    ds = [Worker("http://d0"), Worker("http://d1"), Worker("http://d2")]
-    rr = RoundRobin(ps, ds, [])
+    rr = round_robin(["http://p0", "http://p1"], ["http://d0", "http://d1", "http://d2"])
     picks = [rr.choose([1]) for _ in range(6)]
     assert [c.prefill.url for c in picks] == ["http://p0", "http://p1"] * 3
     assert [c.decode.url for c in picks] == ["http://d0", "http://d1", "http://d2"] * 2
@@ -208,7 +215,7 @@ def test_round_robin_skips_unhealthy_and_excluded():
     with pytest.raises(RouterError) as e:
         rr.choose([1], frozenset({"http://p1", "http://d0", "http://d1", "http://d2"}))
     assert e.value.status == 503 and "no healthy worker" in e.value.message
-    co = RoundRobin([], [], [Worker("http://c0"), Worker("http://c1")])
+    co = round_robin([], [], ("http://c0", "http://c1"))
     assert [co.choose([1]).decode.url for _ in range(3)] == ["http://c0", "http://c1", "http://c0"]
     assert co.choose([1]).prefill is None
 

@@ -9,26 +9,63 @@ chat template (the same ones it feeds the workers with), so no worker is asked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 from ..errors import bad_request, not_found
 from .limits import read_body
-from .protocol import parse_chat, parse_json
+from .protocol import GenerationRequest, parse_chat, parse_json
+from .tokenizer import PromptTokenizer
 
-if TYPE_CHECKING:
-    from ..app import Router
+PromptIds = Callable[[GenerationRequest], Awaitable[list[int]]]
 
 
-def _check_model(router: Router, body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != router.config.served_model_name:
-        raise not_found(f"The model `{model}` does not exist. This router serves "
-                        f"`{router.config.served_model_name}` (see /v1/models).", "model", "model_not_found")
-    return body
+@dataclass(frozen=True)
+class TokenizeApi:
+    """The two endpoints, given what they need from the router: its tokenizer, the function that renders and
+    tokenizes a chat exactly as a generation request's prompt is (``prompt_ids``), the served model's name, the
+    context length and the body limit."""
+
+    tokenizer: PromptTokenizer
+    prompt_ids: PromptIds
+    model: str
+    max_model_len: int
+    max_body_bytes: int
+
+    def check_model(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise not_found(f"The model `{model}` does not exist. This router serves `{self.model}` (see /v1/models).",
+                            "model", "model_not_found")
+        return body
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = self.check_model(parse_json(await read_body(request, self.max_body_bytes)))
+        tok = self.tokenizer
+        if "messages" in body:
+            ids = await self.prompt_ids(parse_chat(body))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
+            ids = tok.encode(prompt, _flag(body, "add_special_tokens", True))
+        strs = list(tok.tok.convert_ids_to_tokens(ids)) if _flag(body, "return_token_strs", False) else None
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                  "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = self.check_model(parse_json(await read_body(request, self.max_body_bytes)))
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise bad_request("'tokens' must be a list of non-negative integer token ids", "tokens")
+        self.tokenizer.check_ids(ids, "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(ids)})
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -40,31 +77,9 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return v
 
 
-async def tokenize(router: Router, request: web.Request) -> web.Response:
-    body = _check_model(router, parse_json(await read_body(request, router.config.max_body_bytes)))
-    tok = router.tokenizer
-    if "messages" in body:
-        req = parse_chat(body)
-        ids = await router._prompt_ids(req)
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-        ids = tok.encode(prompt, _flag(body, "add_special_tokens", True))
-    strs = list(tok.tok.convert_ids_to_tokens(ids)) if _flag(body, "return_token_strs", False) else None
-    return web.json_response({"count": len(ids), "max_model_len": router.config.max_model_len, "tokens": ids,
-                              "token_strs": strs})
-
-
-async def detokenize(router: Router, request: web.Request) -> web.Response:
-    body = _check_model(router, parse_json(await read_body(request, router.config.max_body_bytes)))
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise bad_request("'tokens' must be a list of non-negative integer token ids", "tokens")
-    router.tokenizer.check_ids(ids, "tokens")
-    return web.json_response({"prompt": router.tokenizer.decode(ids)})
-
-
-def add_routes(app: web.Application, router: Router) -> None:
-    app.router.add_post("/tokenize", lambda r: tokenize(router, r))
-    app.router.add_post("/detokenize", lambda r: detokenize(router, r))
+def add_routes(app: web.Application, tokenizer: PromptTokenizer, prompt_ids: PromptIds, model: str,
+               max_model_len: int, max_body_bytes: int) -> None:
+    """POST /tokenize and /detokenize on ``app`` (:class:`TokenizeApi` says what each argument is for)."""
+    api = TokenizeApi(tokenizer, prompt_ids, model, max_model_len, max_body_bytes)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)

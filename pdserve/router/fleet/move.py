@@ -86,7 +86,9 @@ def move_off(conductor: Conductor, registry: WorkerRegistry, movers: Movers, con
     for m in plan_moves(conductor, request_id, config, can_move):
         gen = movers.get(m.request_id)
         assert gen is not None
-        ticket = PlacementTicket(conductor, registry, conductor._placed[m.request_id].decision)
+        decision = conductor.decision_of(m.request_id)  # the move's split, recorded by plan_moves
+        assert decision is not None
+        ticket = PlacementTicket(conductor, registry, decision)
         ticket.handed = asyncio.Event()
         if not gen.request_move(ticket):  # cannot happen after can_move (same loop turn); never strand a placement
             ticket.close()

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
+from ...conductor.decision import NoWorker
 from ...conductor.moves import MoveConfig
-from ...conductor.policy import NoWorker
 from ...hashing import block_hashes
 from ..errors import RouterError, unavailable
 from .move import Movers, move_off
@@ -26,7 +26,7 @@ from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket
 from .workers import Worker
 
-__all__ = ["ConductorPlacement", "Placement", "PlacementTicket", "RoundRobin", "make_placement", "role_of",
+__all__ = ["ConductorPlacement", "Placement", "PlacementTicket", "make_placement", "role_of",
            "too_busy"]
 
 
@@ -99,11 +99,3 @@ def make_placement(registry: WorkerRegistry, config: ConductorConfig, kv_bytes_p
                    moves: MoveConfig | None = None) -> ConductorPlacement:
     return ConductorPlacement(Conductor(config, OnlineCostModel(kv_bytes_per_token)), registry, moves)
 
-
-class RoundRobin(ConductorPlacement):
-    """Round-robin over prefill workers and, independently, decode workers (or colocated workers)."""
-
-    def __init__(self, prefill: Sequence[Worker], decode: Sequence[Worker], colocated: Sequence[Worker]) -> None:
-        registry = WorkerRegistry((role, w.url) for role, ws in (("prefill", prefill), ("decode", decode),
-                                                                  ("colocated", colocated)) for w in ws)
-        super().__init__(Conductor(ConductorConfig(policy="round_robin"), OnlineCostModel(0)), registry)

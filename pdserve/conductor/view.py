@@ -1,0 +1,113 @@
+"""What the conductor knows of its workers and what it predicts from that: the read side every placement rule shares.
+
+A :class:`FleetView` holds the per-worker load view (:mod:`.load`), the prefix index (:mod:`.index`), the cost
+model, the clock and the settings, and answers the questions a rule asks about one worker and one request: what a
+prefill there would cost (:meth:`~FleetView.prefill_options`, :meth:`~FleetView.local_ttft`), the TPOT a decode
+there would see (:meth:`~FleetView.tpot_s`), whether the request's KV fits (:meth:`~FleetView.fits`), when the
+worker's first decode ends (:meth:`~FleetView.drain_s`) and whether a decision misses a target
+(:meth:`~FleetView.reject_reason`). It decides nothing and records nothing: the fixed-role policy
+(:class:`~pdserve.conductor.policy.Conductor`, which is a FleetView), the elastic rule (:mod:`.elastic`) and the
+moves (:mod:`.moves`) decide with it, so they depend on this module and not on each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .config import ConductorConfig
+from .cost_model import CostModel
+from .decision import Decision, PlacementRequest, PrefillOption
+from .index import PrefixIndex
+from .load import WorkerLoad
+
+
+class FleetView:
+    """The workers' load, their cached prefixes and the cost model, with the predictions made from them."""
+
+    def __init__(self, config: ConductorConfig, cost: CostModel, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.cost = cost
+        self.clock = clock
+        self.index = PrefixIndex()
+        self.workers: dict[str, WorkerLoad] = {}
+
+    def own_cached(self, req: PlacementRequest, w: WorkerLoad, prefix: dict[str, int] | None = None) -> int:
+        """Prompt tokens w holds already (its own prefix; at most all but the last prompt token, which vLLM
+        always computes). ``prefix``: the index's prefix lengths for ``req``, when the caller has them."""
+        if prefix is None:
+            prefix = self.index.prefix_lengths(req.block_keys)
+        return min(prefix.get(w.worker_id, 0) * self.config.block_size, max(0, req.prompt_tokens - 1))
+
+    def prefill_options(self, req: PlacementRequest, prefill: list[WorkerLoad], prefix: dict[str, int],
+                        now: float) -> list[PrefillOption]:
+        """For each worker of ``prefill``, how ``req``'s prefill would run there: its own prefix, or the pool's
+        when loading the extra blocks is predicted faster than computing them; TTFT = queue + fetch + prefill."""
+        bs = self.config.block_size
+        limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
+        pooled = max((prefix.get(h, 0) for h in self.config.fetchable), default=0) * bs
+        pooled = min(pooled, limit)
+        out = []
+        for p in prefill:
+            own = min(prefix.get(p.worker_id, 0) * bs, limit)
+            cached, fetched, fetch_s = own, 0, 0.0
+            if pooled - own >= self.config.min_fetch_blocks * bs:
+                f_s = self.cost.transfer_s((pooled - own) * self.cost.kv_bytes_per_token)
+                saved = self.cost.prefill_s(req.prompt_tokens - own, own) - self.cost.prefill_s(
+                    req.prompt_tokens - pooled, pooled)
+                if f_s < saved:
+                    cached, fetched, fetch_s = pooled, pooled - own, f_s
+            new = req.prompt_tokens - cached
+            ttft = p.queue_s(now) + fetch_s + self.cost.prefill_s(new, cached)
+            out.append(PrefillOption(p, ttft, cached, fetched, new))
+        return out
+
+    def tpot_s(self, d: WorkerLoad, now: float, at: float, req: PlacementRequest) -> float:
+        """The decode step ``req`` would see on d from time ``at``: d's decodes predicted to still run then, plus
+        ``req``."""
+        step_now = self.cost.decode_step_s(max(1, d.running_decodes()), 1)
+        batch, ctx = d.decode_batch_at(at, now, step_now)
+        return self.cost.decode_step_s(batch + 1, ctx + req.prompt_tokens)
+
+    def fits(self, d: WorkerLoad, req: PlacementRequest, now: float) -> bool:
+        """d has KV room for ``req``'s prompt + max_tokens (less ``kv_reserve``); True when its capacity is
+        unknown (vLLM queues what does not fit)."""
+        cap = d.kv_capacity_tokens
+        if cap <= 0:
+            return True
+        used = d.kv_used_tokens(now, self.config.load_staleness_s)
+        return used + req.prompt_tokens + req.max_tokens <= cap * (1 - self.config.kv_reserve)
+
+    def local_ttft(self, req: PlacementRequest, w: WorkerLoad, now: float, prefix: dict[str, int]
+                   ) -> tuple[float, int]:
+        """(TTFT, cached tokens) of the whole request on w: queue + prefill, plus one decode step when w is
+        decoding (a local prefill shares steps with the running decodes)."""
+        cached = self.own_cached(req, w, prefix)
+        extra = self.cost.decode_step_s(w.running_decodes(), 1) if w.running_decodes() else 0.0
+        return w.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached) + extra, cached
+
+    def drain_s(self, w: WorkerLoad, now: float) -> float:
+        """Seconds until the first of w's decodes is predicted to finish (1 when it has none)."""
+        step = self.cost.decode_step_s(max(1, w.running_decodes()), 1)
+        return min((j.remaining_tokens * step for j in w.decodes.values()), default=1.0)
+
+    def reject_reason(self, d: Decision, decode: list[WorkerLoad], fits: bool = True) -> Decision | None:
+        """The reject (429 + Retry-After, code "slo") ``d`` turns into when it misses the TTFT or TPOT target, or,
+        with a TPOT target, when no decode worker has KV room (``fits`` False); None when it meets them. The
+        retry waits for ``d``'s TTFT to come within target, or for the first of ``decode``'s decodes to end."""
+        cfg = self.config
+        now = self.clock()
+        why, wait = "", 0.0
+        if cfg.ttft_slo_s is not None and d.ttft_s > cfg.ttft_slo_s:
+            why = f"predicted TTFT {d.ttft_s * 1e3:.0f} ms > target {cfg.ttft_slo_s * 1e3:.0f} ms"
+            wait = d.ttft_s - cfg.ttft_slo_s
+        elif cfg.tpot_slo_s is not None and d.tpot_s > cfg.tpot_slo_s:
+            why = f"predicted TPOT {d.tpot_s * 1e3:.1f} ms > target {cfg.tpot_slo_s * 1e3:.1f} ms"
+            wait = min((self.drain_s(w, now) for w in decode), default=1.0)
+        elif cfg.tpot_slo_s is not None and not fits:
+            why = "no decode worker has KV room for prompt + max_tokens"
+            wait = min((self.drain_s(w, now) for w in decode), default=1.0)
+        if not why:
+            return None
+        return Decision("reject", d.request_id, d.prefill, d.decode, ttft_s=d.ttft_s, tpot_s=d.tpot_s,
+                        retry_after_s=float(max(1, math.ceil(wait))), reason=why, code="slo")
