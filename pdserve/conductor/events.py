@@ -6,6 +6,10 @@ scheduler step, a msgpack ``[ts, [event, ...], dp_rank]`` where each event is a 
 hashes) or ``AllBlocksCleared``. vLLM's hashes are seeded per process, so the translator re-keys every stored
 block with our chained hash of its token ids, remembering vLLM hash -> our key per worker so removals and
 children resolve. A stored block whose parent was never seen (events lost) cannot be keyed and is skipped.
+The key domain (:func:`pdserve.hashing.domain_root`) comes from the event's ``lora_name`` and the first block's
+``extra_keys`` (vLLM publishes the cache salt there, untagged, after the LoRA name): a salted or adapter block is
+keyed in its own domain, exactly as the router keys that request's prompt. Blocks with other extra keys
+(multimodal inputs, prompt embeddings) are skipped.
 A gap or restart in the publisher's sequence numbers makes the translator report a clear: the worker's index
 entries are dropped and rebuilt from later events (an under-estimate of its cache, never an over-estimate).
 """
@@ -18,7 +22,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from ..hashing import ROOT_KEY, block_key
+from ..hashing import block_key, domain_root
 
 
 @dataclass
@@ -105,14 +109,14 @@ class EventTranslator:
         hashes = ev.get("block_hashes") or []
         tokens = ev.get("token_ids") or []
         bs = ev.get("block_size")
-        extra = ev.get("extra_keys")
-        if bs != self.block_size or len(tokens) != len(hashes) * self.block_size or (
-                extra and any(e for e in extra)):
+        parent_h = ev.get("parent_block_hash")
+        salt = _domain_salt(ev, len(hashes), parent_h is None)
+        if bs != self.block_size or len(tokens) != len(hashes) * self.block_size or salt is False:
             up.skipped += len(hashes)
             return
-        parent_h = ev.get("parent_block_hash")
         if parent_h is None:
-            parent = ROOT_KEY
+            lora = ev.get("lora_name")
+            parent = domain_root(salt if isinstance(salt, str) else None, lora if isinstance(lora, str) else None)
         else:
             found = self.keys.get(_h(parent_h))
             if found is None:
@@ -126,3 +130,24 @@ class EventTranslator:
             new.append(parent)
         up.stored.extend(new)
         up.ops.append(("stored", new))
+
+
+def _domain_salt(ev: dict[str, Any], blocks: int, first: bool) -> str | bool:
+    """The cache salt of a stored run of blocks ("" without one), or False when its extra keys hold anything
+    but the LoRA name (every block) and the salt (the request's first block only)."""
+    extra = ev.get("extra_keys")
+    if not extra:
+        return ""
+    lora = ev.get("lora_name")
+    head = [lora] if isinstance(lora, str) and lora else []
+    salt = ""
+    for i in range(blocks):
+        keys = list(extra[i] or []) if i < len(extra) else []
+        if keys[:len(head)] != head:
+            return False
+        rest = keys[len(head):]
+        if i == 0 and first and len(rest) == 1 and isinstance(rest[0], str):
+            salt = rest[0]
+        elif rest:
+            return False
+    return salt

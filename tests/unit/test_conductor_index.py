@@ -89,3 +89,37 @@ def test_translator_ops_keep_event_order():
     c = Conductor(ConductorConfig(block_size=bs), OnlineCostModel(1))
     up.apply_to("w", c)
     assert c.index.prefix_lengths(ours) == {"w": 1}  # stored then removed: block 1 is gone
+
+
+def test_translator_keys_salted_and_adapter_blocks_in_their_own_domain():
+    """A salted (or LoRA) block is keyed from domain_root(salt, lora), as the router keys that request's prompt:
+    equal tokens under another salt share no key."""
+    from pdserve.hashing import domain_root
+
+    bs = 4
+    toks = list(range(8))
+    tr = EventTranslator(bs)
+    ev = _stored([b"s0", b"s1"], None, toks, bs)
+    ev["extra_keys"] = [["salt-a"], None]
+    up = tr.apply([ev])
+    assert up.stored == block_hashes(toks, bs, domain_root("salt-a"))
+    assert not set(up.stored) & set(block_hashes(toks, bs)) & set(block_hashes(toks, bs, domain_root("salt-b")))
+    child = _stored([b"s2"], b"s1", list(range(8, 12)), bs)  # the salt is only in the first block's keys
+    assert tr.apply([child]).stored == block_hashes(list(range(12)), bs, domain_root("salt-a"))[2:]
+    lo = _stored([b"l0", b"l1"], None, toks, bs)
+    lo["lora_name"], lo["extra_keys"] = "ad", [["ad", "salt-a"], ["ad"]]
+    assert tr.apply([lo]).stored == block_hashes(toks, bs, domain_root("salt-a", "ad"))
+    for extra in ([["salt-a", "mm-hash"], None], [None, ["x"]]):  # multimodal or unknown extra keys: skipped
+        odd = _stored([b"o0", b"o1"], None, toks, bs)
+        odd["extra_keys"] = extra
+        up = tr.apply([odd])
+        assert up.stored == [] and up.skipped == 2
+
+
+def test_domain_root_separates_salt_and_adapter():
+    from pdserve.hashing import ROOT_KEY, domain_root
+
+    assert domain_root() == domain_root(None, "") == ROOT_KEY
+    roots = {domain_root("a"), domain_root("b"), domain_root(None, "a"), domain_root("a", "a"), domain_root("ab"),
+             domain_root("a", "b")}
+    assert len(roots) == 6 and ROOT_KEY not in roots
