@@ -19,7 +19,7 @@ from typing import Protocol
 from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
 from ...conductor.decision import NoWorker
 from ...conductor.moves import MoveConfig
-from ...hashing import block_hashes
+from ...hashing import ROOT_KEY, block_hashes
 from ..errors import RouterError, unavailable
 from .move import Movers, move_off
 from .registry import WorkerRegistry, role_of
@@ -34,7 +34,7 @@ class Placement(Protocol):
     registry: WorkerRegistry
 
     def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(), request_id: str = "",
-               max_tokens: int = 16) -> PlacementTicket: ...
+               max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket: ...
 
 
 def too_busy(d: Decision) -> RouterError:
@@ -70,12 +70,14 @@ class ConductorPlacement:
 
     # ---- the decision ----
     def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(), request_id: str = "",
-               max_tokens: int = 16) -> PlacementTicket:
-        """A ticket for the request (close it whatever happens), or RouterError 503 / 429."""
+               max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket:
+        """A ticket for the request (close it whatever happens), or RouterError 503 / 429. ``domain``: the root of
+        the request's block keys (:func:`pdserve.hashing.domain_root` of its cache salt and adapter), so it is
+        placed by the blocks of its own domain only."""
         t0 = time.perf_counter()
         c = self.conductor
         rid = request_id or f"req-{next(self._ids)}"
-        keys = block_hashes(prompt_ids, c.config.block_size) if c.config.policy == "conductor" else ()
+        keys = block_hashes(prompt_ids, c.config.block_size, domain) if c.config.policy == "conductor" else ()
         try:
             d = c.place(PlacementRequest(rid, len(prompt_ids), keys, max_tokens), exclude)
         except NoWorker as e:
