@@ -1,0 +1,13 @@
+"""Rules across settings that the launcher, the router and the conductor share: one check, one message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigError
+
+
+def check_slo_needs_conductor(value: Any, label: str, policy: str, error: type[Exception] = ConfigError) -> None:
+    """A target is only meaningful with the conductor policy (the baselines neither predict nor reject)."""
+    if value is not None and policy != "conductor":
+        raise error(f"{label} needs policy=conductor (only the conductor predicts and rejects); policy is {policy!r}")
