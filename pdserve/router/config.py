@@ -157,21 +157,9 @@ class RouterConfig:
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "decode", "colocated", "elastic"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = (value,)
-            value = tuple(_check_url(f"--{name}", u) for u in value)
-            object.__setattr__(self, name, value)
         self._check_model_dir()
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", self.model_dir)
-        if self.max_model_len == 0:
-            found = context_length_from_model_dir(self.model_dir)
-            if found is None:
-                raise RouterConfigError(f"{self.model_dir}/config.json gives no context length "
-                                        "(max_position_embeddings): pass --max-model-len (the workers' value)")
-            object.__setattr__(self, "max_model_len", found)
+        for name, value in self._resolved().items():  # the one place derived values are written
+            object.__setattr__(self, name, value)
         check_fields(self, _SETTINGS, RouterConfigError, flags=True)
         self._check_mode()
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
@@ -186,6 +174,22 @@ class RouterConfig:
         if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
             raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
                                     "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
+
+    def _resolved(self) -> dict[str, object]:
+        """Worker URLs as tuples without a trailing slash; the served name (default: ``model_dir``); the context
+        limit (0: config.json's)."""
+        out: dict[str, object] = {}
+        for name in ("prefill", "decode", "colocated", "elastic"):
+            value = getattr(self, name)
+            out[name] = tuple(_check_url(f"--{name}", u) for u in ((value,) if isinstance(value, str) else value))
+        out["served_model_name"] = self.served_model_name or self.model_dir
+        if self.max_model_len == 0:
+            found = context_length_from_model_dir(self.model_dir)
+            if found is None:
+                raise RouterConfigError(f"{self.model_dir}/config.json gives no context length "
+                                        "(max_position_embeddings): pass --max-model-len (the workers' value)")
+            out["max_model_len"] = found
+        return out
 
     def _check_model_dir(self) -> None:
         if not self.model_dir:

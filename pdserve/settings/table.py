@@ -169,28 +169,35 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tool_call_parser", str, "", "vLLM tool parser for tool_choice auto (e.g. hermes), as `vllm serve "
             "--tool-call-parser`", (R,), metavar="NAME", group="server"),
     # ---------------------------------------------------------------- failures and overload (the router)
-    Setting("migration_limit", int, 2, "times one request may move to another worker when its worker dies "
-            "mid-request (prompt + tokens so far go on on another worker; past it an error event)", (R,),
+    Setting("migration_limit", int, 2, "a worker that dies with a request in flight (connection closed, silent past "
+            "--upstream-idle-timeout-s, a 5xx) is left out and the request goes on on another worker with the "
+            "prompt plus every token already streamed, max_tokens reduced; the client sees one stream (greedy "
+            "output equal to an undisturbed run's). Past this many moves: an error event (migration_limit)", (R,),
             minimum=0, maximum=100, group="failures",
             advice="how many times a request may move to another worker when its worker dies, 0 (never) to 100; "
             "default 2"),
-    Setting("request_timeout_s", float, 600.0, "every request's deadline; past it 504 (or an error event) and "
-            "its KV is freed", (R,), unit="s", minimum=0, above=True, group="failures",
+    Setting("request_timeout_s", float, 600.0, "every request's deadline: 504 request_timeout before the first "
+            "token, an error event after; the worker streams are closed, so vLLM frees their KV", (R,), unit="s",
+            minimum=0, above=True, group="failures",
             advice="give a number of seconds > 0"),
-    Setting("handoff_timeout_s", float, 60.0, "P's answer -> D's first token deadline (504 / error event "
-            "handoff_timeout)", (R,), unit="s", minimum=0, above=True, group="failures",
+    Setting("handoff_timeout_s", float, 60.0, "P's answer -> D's first token; past it 504 / error event "
+            "handoff_timeout", (R,), unit="s", minimum=0, above=True, group="failures",
             advice="give a number of seconds > 0"),
-    Setting("max_inflight", int, 2048, "requests in flight in the router; 429 + Retry-After above (0: no limit)",
-            (R,), minimum=1, optional=True, zero_is_none=True, group="failures",
+    Setting("max_inflight", int, 2048, "requests in flight in the router; above it 429 + Retry-After "
+            "(max_inflight) before the body is read (0: no limit)", (R,), minimum=1,
+            optional=True, zero_is_none=True, group="failures",
             advice="give a count >= 1 (or 0 on the command line for no limit)"),
-    Setting("max_inflight_per_worker", int, 512, "requests placed on one worker, every policy; 429 when all are "
-            "full (0: no limit)", (R, C), minimum=1, optional=True, zero_is_none=True, group="failures",
+    Setting("max_inflight_per_worker", int, 512, "requests placed on one worker, every policy; full workers are "
+            "skipped, 429 + Retry-After (worker_limit) when all are (0: no limit)", (R, C), minimum=1,
+            optional=True, zero_is_none=True, group="failures",
             targets=(Target("conductor", "max_inflight_per_worker", default=None),),
             advice="give a count >= 1 (or 0 on the command line for no limit)"),
-    Setting("probe_failures", int, 3, "failed health probes in a row (timeouts) before a worker is taken out",
-            (R,), minimum=1, group="failures", advice="give a count >= 1"),
-    Setting("probe_window_s", float, 10.0, "... and they must span at least this long; refused connections count "
-            "at once", (R,), unit="s", minimum=0, above=True, group="failures",
+    Setting("probe_failures", int, 3, "a slow worker is not a dead one: it is taken out only when its health "
+            "probes fail (time out or break) this many times in a row over at least --probe-window-s, or at once on "
+            "evidence of death (connection refused, /health not 200); a timeout on a request only moves that "
+            "request", (R,), minimum=1, group="failures", advice="give a count >= 1"),
+    Setting("probe_window_s", float, 10.0, "the failed probes of --probe-failures must span at least this long",
+            (R,), unit="s", minimum=0, above=True, group="failures",
             advice="give a number of seconds > 0"),
     # ---------------------------------------------------------------- the KV pool the launcher starts
     Setting("pool", bool, None, "start a KV pool (master + one store node) for the workers' connectors (default: "
