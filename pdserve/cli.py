@@ -73,13 +73,25 @@ def config_from_args(args: argparse.Namespace, discover: Callable[[], tuple[str,
         elif key == "gpus" and str(value).strip().lower() == "auto":
             continue  # discovery below
         overrides[key] = value
+    if _elastic_asked(args.config, overrides) and "policy" not in overrides and not _file_sets(args.config,
+                                                                                            "policy"):
+        overrides["policy"] = "conductor"  # elastic roles are the conductor's choice per request (before the
+        # config is built, so that an SLO target given with --elastic finds the policy it needs)
     if args.config:
         config = LauncherConfig.from_yaml(args.config, **overrides)
     else:
         config = LauncherConfig.from_mapping(overrides, source="flags")
-    if config.elastic and "policy" not in overrides and not _file_sets(args.config, "policy"):
-        config = config.with_overrides(policy="conductor")  # elastic roles are the conductor's choice per request
     return with_discovered_gpus(config, args, discover)
+
+
+def _elastic_asked(path: str | None, overrides: dict[str, Any]) -> bool:
+    """The launch runs elastic workers: ``--elastic N``, or the file's ``elastic`` unless fixed-role flags
+    replace it (as :meth:`LauncherConfig.from_yaml` merges them)."""
+    if "elastic" in overrides:
+        return bool(overrides["elastic"])
+    if "prefill" in overrides or "decode" in overrides or overrides.get("colocated"):
+        return False
+    return _file_sets(path, "elastic", unless="0")
 
 
 def _file_sets(path: str | None, key: str, unless: str | None = None) -> bool:
