@@ -28,7 +28,7 @@ from .config_devices import (
     tensor_parallel,
 )
 from .config_services import check_pool, check_supervision
-from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting
+from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
 from .settings.connector import SECRET_ENV, ConnectorConfig
 
 __all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
@@ -275,8 +275,7 @@ class LauncherConfig:
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             check_slo_needs_conductor(getattr(self, name), name, self.policy)
         _check_mode(self)
-        for name, value in _resolved(self).items():  # the one place a launch's derived values are written
-            object.__setattr__(self, name, value)
+        write_resolved(self, _resolved(self))  # the launch's derived values: counts, connector, pool, tuples
         if not self.colocated and not self.connector:
             raise ConfigError("connector=false with prefill/decode workers: the P -> D hand-off needs the connector")
         if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cores):

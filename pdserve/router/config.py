@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..settings import ConfigError, check_fields, default, of
+from ..settings import ConfigError, check_fields, default, of, write_resolved
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -158,8 +158,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self._check_model_dir()
-        for name, value in self._resolved().items():  # the one place derived values are written
-            object.__setattr__(self, name, value)
+        write_resolved(self, self._resolved())
         check_fields(self, _SETTINGS, RouterConfigError, flags=True)
         self._check_mode()
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):

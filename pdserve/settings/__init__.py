@@ -12,8 +12,8 @@ This package is the bottom layer: it imports nothing else of pdserve (``tests/un
 
 from .errors import ConfigError
 from .rules import check_slo_needs_conductor
-from .spec import Setting, Target, check_fields
+from .spec import Setting, Target, check_fields, write_resolved
 from .table import DTYPES, KV_CONNECTORS, POLICIES, SETTINGS, default, of, setting
 
 __all__ = ["DTYPES", "KV_CONNECTORS", "POLICIES", "SETTINGS", "ConfigError", "Setting", "Target", "check_fields",
-           "check_slo_needs_conductor", "default", "of", "setting"]
+           "check_slo_needs_conductor", "default", "of", "setting", "write_resolved"]

@@ -10,6 +10,7 @@ router's argv from it (:mod:`.argv`), the router hands values on to the conducto
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -156,3 +157,11 @@ def check_fields(obj: Any, settings: tuple[Setting, ...], error: type[Exception]
             s.check(getattr(obj, s.name), s.cli_flag, error, sep=" ")
         else:
             s.check(getattr(obj, s.name), s.name, error)
+
+
+def write_resolved(config: Any, values: Mapping[str, Any]) -> None:
+    """Write a frozen config's derived values (what was given, normalised: a default that depends on another
+    field, a list as a tuple, a secret from the environment) from its ``__post_init__``. The one place a frozen
+    config of the launcher, the router or the pool changes after construction."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
