@@ -62,7 +62,6 @@ def default_model_dir() -> Path:
 
 
 _LAUNCHER = of("launcher")
-_WORKER = of("worker")
 
 
 def _d(name: str) -> Any:  # the table's default
@@ -165,6 +164,9 @@ class WorkerConfig:
         if self.tp == 1:
             return self.omp_bind
         return "|".join(cpu_list_text(c) for c in self.rank_cores)
+
+
+_WORKER = tuple(s for s in of("worker") if s.name in {f.name for f in fields(WorkerConfig)})
 
 
 def _check_common(cfg: Any, prefix: str = "") -> None:

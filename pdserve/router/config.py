@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..settings import ConfigError, check_fields, default, of, write_resolved
+from ..settings.rules import check_host_port
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -164,12 +165,9 @@ class RouterConfig:
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
             raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
                                     "tcp://127.0.0.1:5557")
-        if self.pool_master:
-            host, _, port = self.pool_master.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise RouterConfigError(f"--pool-master {self.pool_master!r}: give HOST:PORT of the KV pool master")
-            if not self.pool_secret:
-                raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
+        check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
+        if self.pool_master and not self.pool_secret:
+            raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
         if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
             raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
                                     "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")

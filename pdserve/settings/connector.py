@@ -7,69 +7,45 @@ Nothing here imports vLLM, torch or any other pdserve package but :mod:`pdserve.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .table import LEASE_MAX_S, LEASE_MIN_S, setting
+from .rules import check_host_port
+from .spec import Setting
+from .table import BACKENDS, LEASE_MAX_S, LEASE_MIN_S, setting
 
 __all__ = ["BACKENDS", "LEASE_MAX_S", "LEASE_MIN_S", "MIN_SECRET_LEN", "SECRET_ENV", "ConfigError",
            "ConnectorConfig"]
 
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
 MIN_SECRET_LEN = 16
-BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")
+_PREFIX = "kv_connector_extra_config."
 
 
-LEASE = setting("lease_s")
-
-
-def _lease(extra: Mapping[str, Any]) -> float:
-    """``lease_s`` (a number or a numeric string), checked by the table's one rule."""
-    value = extra.get("lease_s", LEASE.default)
+def _coerce(s: Setting, raw: Any) -> Any:
+    """A value as its kind, from JSON or text (``"2.5"``, ``"true"``); ``raw`` itself when it is no such value
+    (the table's check then refuses it)."""
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        out = math.nan
-    LEASE.check(value if math.isnan(out) else out, "kv_connector_extra_config.lease_s")
-    return out
-
-
-def _as_float(extra: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = extra.get(key, default)
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give a number of seconds "
-                          f"between {lo} and {hi}") from None
-    if not lo <= out <= hi or math.isnan(out):
-        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use {lo} to {hi} seconds")
-    return out
-
-
-def _as_int(extra: Mapping[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give an integer {lo}-{hi}")
-    try:
-        out = int(value)
+        if s.kind is float and isinstance(raw, (int, float, str)) and not isinstance(raw, bool):
+            return float(raw)
+        if s.kind is int and isinstance(raw, (int, str)) and not isinstance(raw, bool):
+            return int(raw)
     except ValueError:
-        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: give an integer {lo}-{hi}") from None
-    if not lo <= out <= hi:
-        raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use {lo} to {hi}")
-    return out
+        return raw
+    if s.kind is bool and isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+        return raw.lower() in ("true", "1")
+    return raw
 
 
-def _as_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ConfigError(f"kv_connector_extra_config.{key}={value!r}: use true or false")
+def _value(extra: Mapping[str, Any], name: str) -> Any:
+    """Setting ``name`` from ``extra`` (else its default), checked by the table's rule."""
+    s = setting(name)
+    value = _coerce(s, extra.get(name, s.default))
+    s.check(value, _PREFIX + name)
+    return value
 
 
 @dataclass(frozen=True)
@@ -105,25 +81,25 @@ class ConnectorConfig:
     """
 
     secret: str
-    lease_s: float = LEASE.default
-    transfer_host: str = "127.0.0.1"
-    advertise_host: str = ""
-    transfer_port: int = 0
-    backend: str = "auto"
-    streams: int = 4
-    transfer_deadline_s: float = 30.0
-    clock_margin_s: float = 0.5
-    on_load_failure: str = "recompute"
-    allow_test_faults: bool = False
-    idle_wait_ms: float = 10.0
-    pool_master: str = ""
-    pool_save: bool = True
-    pool_load: bool = True
-    pool_min_blocks: int = 1
-    pool_timeout_s: float = 1.0
-    pool_backoff_s: float = 5.0
-    sync_load_max_bytes: int = 32 << 20
-    sync_load_deadline_s: float = 2.0
+    lease_s: float = setting("lease_s").default
+    transfer_host: str = setting("transfer_host").default
+    advertise_host: str = setting("advertise_host").default
+    transfer_port: int = setting("transfer_port").default
+    backend: str = setting("backend").default
+    streams: int = setting("streams").default
+    transfer_deadline_s: float = setting("transfer_deadline_s").default
+    clock_margin_s: float = setting("clock_margin_s").default
+    on_load_failure: str = setting("on_load_failure").default
+    allow_test_faults: bool = setting("allow_test_faults").default
+    idle_wait_ms: float = setting("idle_wait_ms").default
+    pool_master: str = setting("pool_master").default
+    pool_save: bool = setting("pool_save").default
+    pool_load: bool = setting("pool_load").default
+    pool_min_blocks: int = setting("pool_min_blocks").default
+    pool_timeout_s: float = setting("pool_timeout_s").default
+    pool_backoff_s: float = setting("pool_backoff_s").default
+    sync_load_max_bytes: int = setting("sync_load_max_bytes").default
+    sync_load_deadline_s: float = setting("sync_load_deadline_s").default
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
@@ -143,48 +119,15 @@ class ConnectorConfig:
             raise ConfigError(
                 f"PdserveConnector needs a transfer secret of at least {MIN_SECRET_LEN} characters, the "
                 f"same on every worker: set kv_connector_extra_config.secret or env {SECRET_ENV}")
-        backend = extra.get("backend", "auto")
-        if backend not in BACKENDS:
-            raise ConfigError(f"kv_connector_extra_config.backend={backend!r}: choose one of {BACKENDS}")
-        on_fail = extra.get("on_load_failure", "recompute")
-        if on_fail not in ("recompute", "fail"):
-            raise ConfigError(f"kv_connector_extra_config.on_load_failure={on_fail!r}: use recompute or fail")
-        host = extra.get("transfer_host", "127.0.0.1")
-        advertise = extra.get("advertise_host", "")
-        if not isinstance(host, str) or not host or not isinstance(advertise, str):
-            raise ConfigError("kv_connector_extra_config.transfer_host/advertise_host must be host names "
-                              "or IP addresses (strings)")
+        host, advertise = _value(extra, "transfer_host"), _value(extra, "advertise_host")
         if host in ("0.0.0.0", "::") and not advertise:
             raise ConfigError(f"transfer_host={host!r} listens on every interface: also set advertise_host "
                               "to the address decode workers should dial")
         pool = extra.get("pool_master", "") or ""
-        if pool:
-            host_, sep, port_ = str(pool).rpartition(":")
-            if not isinstance(pool, str) or not sep or not host_ or not port_.isdigit() or not 0 < int(port_) < 65536:
-                raise ConfigError(f"kv_connector_extra_config.pool_master={pool!r}: give the KV pool master's "
-                                  "HOST:PORT (e.g. 127.0.0.1:7600), or leave it empty for no pool")
-        return cls(
-            secret=secret,
-            lease_s=_lease(extra),
-            transfer_host=host,
-            advertise_host=advertise,
-            transfer_port=_as_int(extra, "transfer_port", 0, 0, 65535),
-            backend=backend,
-            streams=_as_int(extra, "streams", 4, 1, 64),
-            transfer_deadline_s=_as_float(extra, "transfer_deadline_s", 30.0, 0.1, 3600.0),
-            clock_margin_s=_as_float(extra, "clock_margin_s", 0.5, 0.0, 60.0),
-            on_load_failure=on_fail,
-            allow_test_faults=_as_bool(extra, "allow_test_faults", False),
-            idle_wait_ms=_as_float(extra, "idle_wait_ms", 10.0, 0.0, 1000.0),
-            pool_master=pool,
-            pool_save=_as_bool(extra, "pool_save", True),
-            pool_load=_as_bool(extra, "pool_load", True),
-            pool_min_blocks=_as_int(extra, "pool_min_blocks", 1, 1, 1 << 20),
-            pool_timeout_s=_as_float(extra, "pool_timeout_s", 1.0, 0.05, 60.0),
-            pool_backoff_s=_as_float(extra, "pool_backoff_s", 5.0, 0.0, 3600.0),
-            sync_load_max_bytes=_as_int(extra, "sync_load_max_bytes", 32 << 20, 0, 1 << 40),
-            sync_load_deadline_s=_as_float(extra, "sync_load_deadline_s", 2.0, 0.01, 60.0),
-        )
+        check_host_port(pool, _PREFIX + "pool_master", "the KV pool master's HOST:PORT (e.g. 127.0.0.1:7600), or "
+                        "leave it empty for no pool")
+        values = {name: _value(extra, name) for name in cls.KEYS if name not in ("secret", "pool_master")}
+        return cls(secret=secret, pool_master=pool, **values)
 
     @property
     def pool_address(self) -> tuple[str, int] | None:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .spec import Setting
+from .spec import Setting, number_text
 from .table import of
 from .targets import settings_of
 
@@ -41,8 +41,8 @@ def _allowed(s: Setting) -> str:
         return ", ".join(f"`{c}`" if c else "`\"\"`" for c in s.choices)
     if s.kind is bool:
         return "on / off"
-    lo = "" if s.minimum is None else f"{'>' if s.above else '>='} {s.minimum:g}"
-    hi = "" if s.maximum is None else f"{'<' if s.below else '<='} {s.maximum:g}"
+    lo = "" if s.minimum is None else f"{'>' if s.above else '>='} {number_text(s.minimum)}"
+    hi = "" if s.maximum is None else f"{'<' if s.below else '<='} {number_text(s.maximum)}"
     if s.kind is str:
         return "text"
     if s.kind is object:

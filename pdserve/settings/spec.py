@@ -129,7 +129,7 @@ class Setting:
     def message(self) -> str:
         unit = UNIT_WORDS.get(self.unit, self.unit)
         if self.advice:
-            return self.advice.format(unit=unit, lo=_num(self.minimum), hi=_num(self.maximum))
+            return self.advice.format(unit=unit, lo=number_text(self.minimum), hi=number_text(self.maximum))
         if self.choices:
             return f"choose one of {', '.join(self.choices)}"
         if self.kind is bool:
@@ -138,14 +138,18 @@ class Setting:
         if self.kind is not str and unit:
             what += f" of {unit}"
         if self.minimum is not None and self.maximum is not None:
-            what += f" from {_num(self.minimum)} to {_num(self.maximum)}" + (" (exclusive)" if self.below else "")
+            what += f" from {number_text(self.minimum)} to {number_text(self.maximum)}"
+            what += " (exclusive)" if self.below else ""
         elif self.minimum is not None:
-            what += f" {'>' if self.above else '>='} {_num(self.minimum)}"
+            what += f" {'>' if self.above else '>='} {number_text(self.minimum)}"
         return what + (", or unset" if self.optional else "")
 
 
-def _num(x: float | None) -> str:
-    return "" if x is None else f"{x:g}"
+def number_text(x: float | None) -> str:
+    """A bound as the messages and docs write it: 16, 0.05, 1099511627776."""
+    if x is None:
+        return ""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def check_fields(obj: Any, settings: tuple[Setting, ...], error: type[Exception] = ConfigError,

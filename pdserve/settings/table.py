@@ -17,6 +17,7 @@ from typing import Any
 from .spec import Setting, Target
 
 POLICIES = ("round_robin", "least_loaded", "conductor")
+BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")  # the transfer engine's data paths
 KV_CONNECTORS = ("pdserve", "nixl")  # the workers' KV data plane: pdserve's connector or vLLM's NixlConnector
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
@@ -132,8 +133,10 @@ SETTINGS: tuple[Setting, ...] = (
             "model", (R,), off_flag="--no-calibrate", group="placement"),
     Setting("load_interval_s", float, 1.0, "period of worker /metrics reads", (R,), unit="s", minimum=0,
             above=True, group="placement", advice="must be > 0 seconds"),
-    Setting("pool_master", str, "", "KV pool master: pooled prefixes count as loadable (secret in "
-            "$PDSERVE_TRANSFER_SECRET)", (R,), metavar="HOST:PORT", group="placement", argv="set"),
+    Setting("pool_master", str, "", "HOST:PORT of the KV pool master (secret in $PDSERVE_TRANSFER_SECRET): the "
+            "router's conductor counts pooled prefixes as loadable; a worker's connector saves finished blocks to "
+            "the pool and loads pooled prefixes (the launcher sets both when it starts the pool)", (R, W),
+            metavar="HOST:PORT", group="placement", argv="set"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -229,6 +232,44 @@ SETTINGS: tuple[Setting, ...] = (
             above=True, flag="--crash-loop-window", metavar="S", advice=_SECONDS, group="supervision"),
     Setting("metrics_port", int, 0, "port of the launcher's own /metrics (process restarts), on --host (0: a free "
             "one)", (L,), minimum=0, maximum=65535, advice=_PORT, group="supervision"),
+    # ---------------------------------------------------------------- pdserve's connector in each worker
+    # (kv_connector_extra_config; the launcher's connector_extra adds to it): pdserve.settings.connector
+    Setting("transfer_host", str, "127.0.0.1", "where this worker's transfer engine listens", (W,), minimum=1,
+            on_cli=False, group="connector", advice="a host name or IP address"),
+    Setting("advertise_host", str, "", "the address decode workers dial (needed when transfer_host is a wildcard)",
+            (W,), on_cli=False, group="connector", advice="a host name or IP address"),
+    Setting("transfer_port", int, 0, "the transfer engine's port (0: a free one, told through vLLM's handshake; "
+            "a fixed port P binds P + tensor-parallel rank)", (W,), minimum=0, maximum=65535, on_cli=False,
+            group="connector"),
+    Setting("backend", str, "auto", "transfer-engine data path (auto: same-host copy when possible, else TCP)",
+            (W,), choices=BACKENDS, on_cli=False, group="connector"),
+    Setting("streams", int, 4, "parallel TCP connections per peer", (W,), minimum=1, maximum=64, on_cli=False,
+            group="connector"),
+    Setting("transfer_deadline_s", float, 30.0, "longest a READ batch may take before D gives up and recomputes",
+            (W,), unit="s", minimum=0.1, maximum=3600, on_cli=False, group="connector"),
+    Setting("clock_margin_s", float, 0.5, "D stops trusting P's blocks this long before P's lease deadline (clock "
+            "skew)", (W,), unit="s", minimum=0, maximum=60, on_cli=False, group="connector"),
+    Setting("on_load_failure", str, "recompute", "recompute (D recomputes the prompt) or fail (the request errors)",
+            (W,), choices=("recompute", "fail"), on_cli=False, group="connector"),
+    Setting("allow_test_faults", bool, False, "honour pdserve_test_fault in kv_transfer_params (tests only)", (W,),
+            on_cli=False, group="connector"),
+    Setting("idle_wait_ms", float, 10.0, "pace the empty steps vLLM runs while P holds blocks and has nothing else "
+            "to do (0: let them spin)", (W,), unit="ms", minimum=0, maximum=1000, on_cli=False, group="connector"),
+    Setting("pool_save", bool, True, "save finished blocks to the KV pool (with pool_master)", (W,), on_cli=False,
+            group="connector"),
+    Setting("pool_load", bool, True, "load pooled prefixes from the KV pool (with pool_master)", (W,), on_cli=False,
+            group="connector"),
+    Setting("pool_min_blocks", int, 1, "load from the pool only when at least this many blocks are pooled", (W,),
+            minimum=1, maximum=1 << 20, on_cli=False, group="connector"),
+    Setting("pool_timeout_s", float, 1.0, "longest a control call to the pool master may take", (W,), unit="s",
+            minimum=0.05, maximum=60, on_cli=False, group="connector"),
+    Setting("pool_backoff_s", float, 5.0, "after a failed pool call the pool is skipped this long", (W,), unit="s",
+            minimum=0, maximum=3600, on_cli=False, group="connector"),
+    Setting("sync_load_max_bytes", int, 32 << 20, "D reads P's KV inside its next forward when this rank's read is "
+            "at most this many bytes, larger reads stay asynchronous (0: always asynchronous)", (W,), unit="bytes",
+            minimum=0, maximum=1 << 40, on_cli=False, group="connector"),
+    Setting("sync_load_deadline_s", float, 2.0, "longest a synchronous read may hold D's step (then it fails and "
+            "vLLM recomputes)", (W,), unit="s", minimum=0.01, maximum=60, on_cli=False, group="connector"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
