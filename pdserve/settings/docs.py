@@ -56,6 +56,8 @@ def _flag(s: Setting, process: str) -> str:
         return f"`{s.name}`"
     if s.kind is bool and s.off_flag:
         return f"`{s.cli_flag}` / `{s.off_flag}`" if s.flag else f"`{s.off_flag}`"
+    if s.group == "connector":
+        return f"`{s.name}` (connector_extra)"
     if not s.on_cli:
         return f"`{s.name}` (config file only)"
     return f"`{s.cli_flag}`"
