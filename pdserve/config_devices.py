@@ -4,16 +4,14 @@ GPUs of a GPU host and the KV data plane (pdserve's connector or vLLM's NixlConn
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .config_gpus import assign_gpus
+from .config_shapes import LaunchShape, WorkerShape
 from .settings import ConfigError, setting
 
-if TYPE_CHECKING:
-    from .config import LauncherConfig, WorkerConfig
 
-
-def check_worker_tp(w: WorkerConfig) -> None:
+def check_worker_tp(w: WorkerShape) -> None:
     if not isinstance(w.tp, int) or isinstance(w.tp, bool) or w.tp < 1:
         raise ConfigError(f"{w.name}.tp={w.tp!r}: use a whole number of tensor-parallel ranks >= 1")
     if w.tp > 1 and not w.gpus and len(w.cores) % w.tp:
@@ -23,14 +21,14 @@ def check_worker_tp(w: WorkerConfig) -> None:
         raise ConfigError(f"{w.name}: tp={w.tp} with the KV pool: the pool supports TP=1 workers only")
 
 
-def tensor_parallel(cfg: LauncherConfig, gpus: tuple[str, ...] | None = None) -> bool:
+def tensor_parallel(cfg: LaunchShape, gpus: tuple[str, ...] | None = None) -> bool:
     """Some worker runs more than one tensor-parallel rank (then the KV pool is off unless asked for);
     ``gpus``: the launch's GPU ids when ``cfg.gpus`` is not normalised yet."""
     on_gpus = cfg.gpus_per_worker if (cfg.gpus if gpus is None else gpus) else 1
     return max(cfg.prefill_tp, cfg.decode_tp, on_gpus) > 1
 
 
-def check_tp(cfg: LauncherConfig) -> None:
+def check_tp(cfg: LaunchShape) -> None:
     """prefill_tp / decode_tp (checked by the table): disaggregated only; the KV pool needs TP=1."""
     if cfg.colocated and (cfg.prefill_tp > 1 or cfg.decode_tp > 1):
         raise ConfigError("prefill_tp/decode_tp apply to prefill and decode workers: for colocated workers pass "
@@ -42,7 +40,7 @@ def check_tp(cfg: LauncherConfig) -> None:
                           "only; add --no-pool")
 
 
-def worker_tp(cfg: LauncherConfig, role: str) -> int:
+def worker_tp(cfg: LaunchShape, role: str) -> int:
     """Tensor-parallel ranks of a worker of ``role`` (colocated workers: 1, or via worker_args)."""
     return {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(role, 1)
 
@@ -61,7 +59,7 @@ def gpu_ids(value: Any) -> tuple[str, ...]:
     return tuple(str(v).strip() for v in value)
 
 
-def check_gpus_and_data_plane(cfg: LauncherConfig) -> None:
+def check_gpus_and_data_plane(cfg: LaunchShape) -> None:
     """GPU ids (normalised by the config from a list or text), TP on GPUs, and the GPU plan itself."""
     if not isinstance(cfg.gpus, tuple) or not all(isinstance(g, str) and g and "," not in g for g in cfg.gpus):
         raise ConfigError(f"gpus={cfg.gpus!r}: give GPU ids such as ('0', '1') or GPU UUIDs")
@@ -78,7 +76,7 @@ def check_gpus_and_data_plane(cfg: LauncherConfig) -> None:
         assign_gpus(cfg.num_workers, cfg.gpus, cfg.gpus_per_worker, cfg.share_gpu, cfg.gpu_memory_utilization)
 
 
-def check_worker_gpu(w: WorkerConfig) -> None:
+def check_worker_gpu(w: WorkerShape) -> None:
     """A worker's GPU ids and NixlConnector side channel (kv_connector and the memory fraction: the table)."""
     if not isinstance(w.gpus, tuple) or not all(isinstance(g, str) and g for g in w.gpus):
         raise ConfigError(f"{w.name}.gpus={w.gpus!r}: a tuple of GPU ids (strings)")

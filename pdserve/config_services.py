@@ -3,15 +3,11 @@ that restarts whatever exits (pdserve/launch/supervisor.py). Checks of :class:`~
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .config_shapes import LaunchShape
 from .settings import ConfigError
 
-if TYPE_CHECKING:
-    from .config import LauncherConfig
 
-
-def check_pool(cfg: LauncherConfig) -> None:
+def check_pool(cfg: LaunchShape) -> None:
     """KV pool settings (pdserve.store): sizes parse (``pool`` itself is resolved by the config)."""
     from .store.config import StoreConfigError, parse_size
 
@@ -34,7 +30,7 @@ def check_pool(cfg: LauncherConfig) -> None:
                           "point workers at a pool of your own")
 
 
-def check_supervision(cfg: LauncherConfig) -> None:
+def check_supervision(cfg: LaunchShape) -> None:
     """Restart settings of the launcher's supervisor (pdserve/launch/supervisor.py): each value is checked by
     the table; here, the rule between two of them."""
     if cfg.restart_backoff_max_s < cfg.restart_backoff_s:
