@@ -12,9 +12,8 @@ import socket
 from dataclasses import dataclass
 
 from ..settings import ConfigError, write_resolved
+from ..settings.connector import MIN_SECRET_LEN, SECRET_ENV  # the pool shares the transfer engine's secret
 
-SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # the pool shares the transfer engine's secret
-MIN_SECRET_LEN = 16
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
