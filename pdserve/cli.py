@@ -20,23 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, LauncherConfig, parse_cpu_list
-from .config_devices import KV_CONNECTORS
 from .procs import LaunchError
-from .rules import POLICIES
+from .settings.flags import add_flags, non_negative_int
 
 
 class _Stop(BaseException):
     """Raised in the main thread by the SIGTERM/SIGHUP handler (like KeyboardInterrupt for SIGINT)."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,89 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=text, add_help=False)
     d = argparse.SUPPRESS  # only flags actually given override the config file
     s.add_argument("--config", metavar="FILE", help="YAML file of settings (see deploy/pdserve.example.yaml)")
-    s.add_argument("--model", metavar="DIR", default=d,
-                   help="Hugging Face model folder (default: SmolLM2-135M-Instruct, converted on first use)")
-    s.add_argument("--prefill", type=_positive_int, metavar="N", default=d, help="prefill workers (default 1)")
-    s.add_argument("--decode", type=_positive_int, metavar="M", default=d, help="decode workers (default 1)")
-    s.add_argument("--colocated", type=_positive_int, metavar="K", default=d,
-                   help="run K plain workers instead (the colocated baseline)")
-    s.add_argument("--elastic", type=_positive_int, metavar="N", default=d,
-                   help="run N workers with no fixed role instead (all kv_both with pdserve's connector); the "
-                        "conductor runs each request colocated on one or split P -> D over two (default policy "
-                        "then: conductor)")
-    s.add_argument("--host", default=d, help="router address (default 127.0.0.1)")
-    s.add_argument("--port", type=_positive_int, default=d, help="router port (default 8000; 0 = a free port)")
-    s.add_argument("--worker-host", default=d, help="address workers bind (default 127.0.0.1)")
+    add_flags(s, "launcher", suppress=True, int_type=non_negative_int)  # every simple setting, from the table
     s.add_argument("--cores", default=d, metavar="LIST",
                    help="CPU ids to spread workers over, e.g. 0,1 or 0-3 (default: all this process may use)")
-    s.add_argument("--cores-per-worker", type=_positive_int, default=d, help="cores per worker (default 1)")
-    s.add_argument("--kv-cache-gib", type=_positive_int, default=d,
-                   help="KV cache per worker in GiB (VLLM_CPU_KVCACHE_SPACE, default 1)")
-    s.add_argument("--max-model-len", type=_positive_int, default=d, help="context length (default 2048)")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=d,
-                   help="vLLM's per-step token budget (prefill chunk size); default: vLLM's")
-    s.add_argument("--dtype", default=d, help="model dtype for vLLM (bfloat16, float32, auto; default: bfloat16 "
-                   "where the CPU has AVX512-BF16 or AMX, else float32)")
-    s.add_argument("--served-model-name", default=d, help="name clients use (default: the model folder's name)")
-    s.add_argument("--lease-s", type=float, default=d, help="seconds a prefill worker holds KV for decode (30)")
-    s.add_argument("--connector", dest="connector", action="store_true", default=d,
-                   help="load the pdserve connector in colocated workers too")
-    s.add_argument("--no-connector", dest="connector", action="store_false", default=d,
-                   help="colocated workers without the connector (the default for --colocated)")
     s.add_argument("--worker-args", default=d, metavar="'ARGS'",
                    help="extra vLLM flags for every worker, e.g. '--max-num-seqs 8' (a lone flag: --worker-args=--x)")
     s.add_argument("--prefill-args", default=d, metavar="'ARGS'", help="extra vLLM flags for prefill workers")
     s.add_argument("--decode-args", default=d, metavar="'ARGS'", help="extra vLLM flags for decode workers")
     s.add_argument("--router-args", default=d, metavar="'ARGS'", help="extra flags for python -m pdserve.router")
-    s.add_argument("--run-dir", default=d, help="folder for logs (default .pdserve/runs/<timestamp>-<pid>)")
-    s.add_argument("--worker-timeout", dest="worker_timeout_s", type=float, default=d,
-                   help="seconds to wait for workers' /health (default 600)")
-    s.add_argument("--router-timeout", dest="router_timeout_s", type=float, default=d,
-                   help="seconds to wait for the router's /health (default 120)")
-    s.add_argument("--policy", choices=POLICIES, default=d,
-                   help="router placement: round_robin (default), least_loaded, or conductor (prefix-, load- and "
-                        "SLO-aware; enables the workers' KV cache events)")
-    s.add_argument("--ttft-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
-                   "this TTFT")
-    s.add_argument("--tpot-slo-ms", type=float, default=d, help="conductor: reject (429) requests predicted to miss "
-                   "this TPOT")
-    from .store.cli import add_serve_flags
-
-    add_serve_flags(s, d)
-    g = s.add_argument_group("GPUs and the KV data plane (docs/gpu.md)")
-    g.add_argument("--kv-connector", choices=KV_CONNECTORS, default=d,
-                   help="the workers' KV data plane: pdserve (pdserve's connector and transfer engine, default) or "
-                        "nixl (vLLM's NixlConnector; the router speaks its hand-off; no KV pool)")
-    g.add_argument("--gpus", default=d, metavar="LIST",
+    s.add_argument("--gpus", default=d, metavar="LIST",
                    help="GPU ids the workers may use, e.g. 0,1 (default auto: $CUDA_VISIBLE_DEVICES, else "
                         "`nvidia-smi -L`; none: CPU workers even on a GPU host)")
-    g.add_argument("--gpus-per-worker", type=_positive_int, default=d,
-                   help="GPUs per worker (default 1; > 1 runs vLLM tensor-parallel, needs --kv-connector nixl)")
-    g.add_argument("--share-gpu", action="store_true", default=d,
-                   help="let several workers share a GPU, splitting --gpu-memory-utilization evenly")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d,
-                   help="fraction of each GPU's memory for vLLM (default vLLM's 0.9; split when shared)")
-    s.add_argument("--prefill-tp", type=_positive_int, default=d, metavar="N",
-                   help="tensor-parallel ranks per prefill worker (default 1; on CPU each rank gets "
-                        "--cores-per-worker cores; turns the KV pool off)")
-    s.add_argument("--decode-tp", type=_positive_int, default=d, metavar="N",
-                   help="tensor-parallel ranks per decode worker (default 1); may differ from --prefill-tp")
     s.add_argument("--dry-run", action="store_true", help="print the plan (commands, ports, cores) and exit")
     s.add_argument("--quiet", action="store_true", help="print only errors and the usage banner")
-    s.add_argument("--no-restart", dest="restart", action="store_false", default=d,
-                   help="do not restart processes that exit (default: restart with backoff)")
-    s.add_argument("--restart-backoff", dest="restart_backoff_s", type=float, default=d, metavar="S",
-                   help="seconds before the first restart; doubled per exit in a row (default 1)")
-    s.add_argument("--restart-backoff-max", dest="restart_backoff_max_s", type=float, default=d, metavar="S",
-                   help="longest wait before a restart (default 30)")
-    s.add_argument("--restart-reset", dest="restart_reset_s", type=float, default=d, metavar="S",
-                   help="seconds healthy after which the backoff starts over (default 300)")
-    s.add_argument("--crash-loop-restarts", type=_positive_int, default=d, metavar="N",
-                   help="restarts within --crash-loop-window after which the next exit gives a process up (5)")
-    s.add_argument("--crash-loop-window", dest="crash_loop_window_s", type=float, default=d, metavar="S",
-                   help="the crash-loop window in seconds (default 600)")
-    s.add_argument("--metrics-port", type=_positive_int, default=d,
-                   help="port of the launcher's own /metrics (process restarts), on --host (default 0: a free one)")
     return parser
 
 
@@ -154,13 +73,25 @@ def config_from_args(args: argparse.Namespace, discover: Callable[[], tuple[str,
         elif key == "gpus" and str(value).strip().lower() == "auto":
             continue  # discovery below
         overrides[key] = value
+    if _elastic_asked(args.config, overrides) and "policy" not in overrides and not _file_sets(args.config,
+                                                                                            "policy"):
+        overrides["policy"] = "conductor"  # elastic roles are the conductor's choice per request (before the
+        # config is built, so that an SLO target given with --elastic finds the policy it needs)
     if args.config:
         config = LauncherConfig.from_yaml(args.config, **overrides)
     else:
         config = LauncherConfig.from_mapping(overrides, source="flags")
-    if config.elastic and "policy" not in overrides and not _file_sets(args.config, "policy"):
-        config = config.with_overrides(policy="conductor")  # elastic roles are the conductor's choice per request
     return with_discovered_gpus(config, args, discover)
+
+
+def _elastic_asked(path: str | None, overrides: dict[str, Any]) -> bool:
+    """The launch runs elastic workers: ``--elastic N``, or the file's ``elastic`` unless fixed-role flags
+    replace it (as :meth:`LauncherConfig.from_yaml` merges them)."""
+    if "elastic" in overrides:
+        return bool(overrides["elastic"])
+    if "prefill" in overrides or "decode" in overrides or overrides.get("colocated"):
+        return False
+    return _file_sets(path, "elastic", unless="0")
 
 
 def _file_sets(path: str | None, key: str, unless: str | None = None) -> bool:

@@ -25,16 +25,18 @@ from .config_devices import (
     cpu_list_text,
     gpu_ids,
     parse_cpu_list,
+    tensor_parallel,
 )
-from .config_fields import ConfigError, check_port
 from .config_services import check_pool, check_supervision
-from .rules import check_policy, check_slo, check_slo_needs_conductor
+from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
+from .settings.connector import SECRET_ENV, ConnectorConfig
+
+__all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
+           "parse_cpu_list"]
 
 ROLES = ("prefill", "decode", "colocated", "elastic")
-DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 CONNECTOR_NAME = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.vllm.connector"
-SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # same name as pdserve.transfer.config.SECRET_ENV
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _ARG_FIELDS = ("worker_args", "prefill_args", "decode_args", "router_args")
 NIXL_CONNECTOR_NAME = "NixlConnector"
@@ -57,6 +59,13 @@ def default_model_dir() -> Path:
     if (root / "pyproject.toml").is_file():
         return root / "models" / DEFAULT_MODEL_NAME
     return Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
+
+
+_LAUNCHER = of("launcher")
+
+
+def _d(name: str) -> Any:  # the table's default
+    return default(name)
 
 
 def _check_str_tuple(name: str, value: Any) -> None:
@@ -87,13 +96,13 @@ class WorkerConfig:
     port: int = 0
     host: str = "127.0.0.1"
     cores: tuple[int, ...] = ()
-    kv_cache_gib: int = 1
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    dtype: str | None = None
-    served_model_name: str | None = None
+    kv_cache_gib: int = _d("kv_cache_gib")
+    max_model_len: int = _d("max_model_len")
+    max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    dtype: str | None = _d("dtype")
+    served_model_name: str | None = _d("served_model_name")
     connector: bool = True
-    lease_s: float = 30.0
+    lease_s: float = _d("lease_s")
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
@@ -103,8 +112,8 @@ class WorkerConfig:
     # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
     # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds.
     gpus: tuple[str, ...] = ()
-    gpu_memory_utilization: float | None = None
-    kv_connector: str = "pdserve"
+    gpu_memory_utilization: float | None = _d("gpu_memory_utilization")
+    kv_connector: str = _d("kv_connector")
     nixl_side_channel_port: int = 0
     # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
     tp: int = 1
@@ -116,7 +125,9 @@ class WorkerConfig:
             raise ConfigError(f"worker index {self.index!r} must be an integer >= 0")
         if not self.model:
             raise ConfigError("worker model is empty: pass the model folder (--model DIR)")
-        check_port(f"{self.name}.port", self.port)
+        for s in _WORKER:  # the table's checks of what a worker gets, named decode0.kv_cache_gib, ...
+            s.check(getattr(self, s.name), f"{self.name}.{s.name}")
+        setting("port").check(self.port, f"{self.name}.port")
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith("tcp://"):
             raise ConfigError(f"{self.name}.kv_events_endpoint={self.kv_events_endpoint!r}: use tcp://HOST:PORT")
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
@@ -155,25 +166,11 @@ class WorkerConfig:
         return "|".join(cpu_list_text(c) for c in self.rank_cores)
 
 
+_WORKER = tuple(s for s in of("worker") if s.name in {f.name for f in fields(WorkerConfig)})
+
+
 def _check_common(cfg: Any, prefix: str = "") -> None:
-    """Checks shared by the launcher and worker configs (same field names)."""
-    if not isinstance(cfg.kv_cache_gib, int) or isinstance(cfg.kv_cache_gib, bool) or cfg.kv_cache_gib < 1:
-        raise ConfigError(
-            f"{prefix}kv_cache_gib={cfg.kv_cache_gib!r}: vLLM's CPU KV cache is sized in whole GiB "
-            "(VLLM_CPU_KVCACHE_SPACE); use an integer >= 1"
-        )
-    if not isinstance(cfg.max_model_len, int) or cfg.max_model_len < 16:
-        raise ConfigError(f"{prefix}max_model_len={cfg.max_model_len!r}: use an integer >= 16 (tokens)")
-    mnbt = cfg.max_num_batched_tokens
-    if mnbt is not None and (not isinstance(mnbt, int) or mnbt < 1):
-        raise ConfigError(f"{prefix}max_num_batched_tokens={mnbt!r}: use a positive integer, or leave it unset")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise ConfigError(
-            f"{prefix}dtype={cfg.dtype!r} unknown; choose one of {DTYPES} "
-            "(this CPU has no fast fp16: prefer bfloat16 or float32)"
-        )
-    if not isinstance(cfg.lease_s, (int, float)) or cfg.lease_s <= 0:
-        raise ConfigError(f"{prefix}lease_s={cfg.lease_s!r}: seconds a prefill worker keeps KV for decode; use > 0")
+    """Checks shared by the launcher and worker configs (same field names) beyond the table's."""
     if not isinstance(cfg.connector_extra, Mapping):
         raise ConfigError(f"{prefix}connector_extra must be a mapping, got {cfg.connector_extra!r}")
     if "secret" in cfg.connector_extra:
@@ -215,111 +212,78 @@ class LauncherConfig:
     that process up. metrics_port: the launcher's own /metrics (restart counts) on ``host`` (0 = a free one).
     """
 
-    model: str = ""
-    prefill: int | None = None
-    decode: int | None = None
-    colocated: int = 0
-    host: str = "127.0.0.1"
-    port: int = 8000
-    worker_host: str = "127.0.0.1"
+    model: str = _d("model")
+    prefill: int | None = _d("prefill")
+    decode: int | None = _d("decode")
+    colocated: int = _d("colocated")
+    host: str = _d("host")
+    port: int = _d("port")
+    worker_host: str = _d("worker_host")
     cores: tuple[int, ...] = ()
-    cores_per_worker: int = 1
-    kv_cache_gib: int = 1
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    dtype: str | None = None
-    served_model_name: str | None = None
-    connector: bool | None = None
-    lease_s: float = 30.0
+    cores_per_worker: int = _d("cores_per_worker")
+    kv_cache_gib: int = _d("kv_cache_gib")
+    max_model_len: int = _d("max_model_len")
+    max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    dtype: str | None = _d("dtype")
+    served_model_name: str | None = _d("served_model_name")
+    connector: bool | None = _d("connector")
+    lease_s: float = _d("lease_s")
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    run_dir: str = ""
-    worker_timeout_s: float = 600.0
-    router_timeout_s: float = 120.0
-    stop_timeout_s: float = 20.0
-    policy: str = "round_robin"
-    ttft_slo_ms: float | None = None
-    tpot_slo_ms: float | None = None
-    pool: bool | None = None
-    pool_mem: str = "1GiB"
-    pool_disk: str = "0"
-    pool_disk_dir: str = ""
-    pool_port: int = 0
+    run_dir: str = _d("run_dir")
+    worker_timeout_s: float = _d("worker_timeout_s")
+    router_timeout_s: float = _d("router_timeout_s")
+    stop_timeout_s: float = _d("stop_timeout_s")
+    policy: str = _d("policy")
+    ttft_slo_ms: float | None = _d("ttft_slo_ms")
+    tpot_slo_ms: float | None = _d("tpot_slo_ms")
+    pool: bool | None = _d("pool")
+    pool_mem: str = _d("pool_mem")
+    pool_disk: str = _d("pool_disk")
+    pool_disk_dir: str = _d("pool_disk_dir")
+    pool_port: int = _d("pool_port")
     # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
     # default) or "nixl" (vLLM's NixlConnector; the router speaks its hand-off, no KV pool). gpus: device ids for
     # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
     # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, one GPU per rank).
     # share_gpu: several workers per GPU, splitting gpu_memory_utilization (default 0.9) evenly between them.
-    kv_connector: str = "pdserve"
+    kv_connector: str = _d("kv_connector")
     gpus: tuple[str, ...] = ()
-    gpus_per_worker: int = 1
-    share_gpu: bool = False
-    gpu_memory_utilization: float | None = None
+    gpus_per_worker: int = _d("gpus_per_worker")
+    share_gpu: bool = _d("share_gpu")
+    gpu_memory_utilization: float | None = _d("gpu_memory_utilization")
     # tensor parallelism per pool: vLLM ranks per prefill / decode worker; on CPU each rank gets
     # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
-    prefill_tp: int = 1
-    decode_tp: int = 1
+    prefill_tp: int = _d("prefill_tp")
+    decode_tp: int = _d("decode_tp")
     # supervision (pdserve/launch/supervisor.py): restarts with backoff, crash-loop give-up, launcher /metrics
-    restart: bool = True
-    restart_backoff_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
-    restart_reset_s: float = 300.0
-    crash_loop_restarts: int = 5
-    crash_loop_window_s: float = 600.0
-    metrics_port: int = 0
+    restart: bool = _d("restart")
+    restart_backoff_s: float = _d("restart_backoff_s")
+    restart_backoff_max_s: float = _d("restart_backoff_max_s")
+    restart_reset_s: float = _d("restart_reset_s")
+    crash_loop_restarts: int = _d("crash_loop_restarts")
+    crash_loop_window_s: float = _d("crash_loop_window_s")
+    metrics_port: int = _d("metrics_port")
     # elastic roles (issue 16): N workers, all kv_both with pdserve's connector, none with a fixed role; the
     # router's conductor places each request colocated on one or split P -> D over two (0: off)
-    elastic: int = 0
+    elastic: int = _d("elastic")
 
     def __post_init__(self) -> None:
-        check_policy(self.policy, "policy", ConfigError)
+        check_fields(self, _LAUNCHER)  # every value the table declares: type, range, choices
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
-            check_slo(getattr(self, name), name, "ms", ConfigError)
-            check_slo_needs_conductor(getattr(self, name), name, self.policy, ConfigError)
-        for name in ("prefill", "decode", "colocated"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ConfigError(f"{name}={v!r}: use a whole number of workers >= 0")
-        if self.elastic:
-            _check_elastic(self)
-        elif self.colocated:
-            if self.prefill or self.decode:
-                raise ConfigError(
-                    f"colocated={self.colocated} with prefill={self.prefill}, decode={self.decode}: choose one mode "
-                    "(--colocated K for plain workers, or --prefill N --decode M for disaggregated serving)"
-                )
-            object.__setattr__(self, "prefill", 0)
-            object.__setattr__(self, "decode", 0)
-        else:
-            object.__setattr__(self, "prefill", 1 if self.prefill is None else self.prefill)
-            object.__setattr__(self, "decode", 1 if self.decode is None else self.decode)
-            if not self.prefill or not self.decode or self.prefill < 1 or self.decode < 1:
-                raise ConfigError(
-                    f"prefill={self.prefill}, decode={self.decode}: disaggregated serving needs at least one of each; "
-                    "for plain workers use --colocated K instead"
-                )
-        if self.connector is None:
-            object.__setattr__(self, "connector", not self.colocated)
-        elif not self.colocated and not self.connector:
+            check_slo_needs_conductor(getattr(self, name), name, self.policy)
+        _check_mode(self)
+        write_resolved(self, _resolved(self))  # the launch's derived values: counts, connector, pool, tuples
+        if not self.colocated and not self.connector:
             raise ConfigError("connector=false with prefill/decode workers: the P -> D hand-off needs the connector")
-        for name in ("cores",) + _ARG_FIELDS:
-            v = getattr(self, name)
-            if isinstance(v, list):
-                object.__setattr__(self, name, tuple(v))
-        check_port("port", self.port)
-        for name in ("host", "worker_host"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"{name} must be an address such as 127.0.0.1")
         if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cores):
             raise ConfigError(f"cores={self.cores!r}: give CPU ids (integers >= 0), e.g. [0, 1]")
         if len(set(self.cores)) != len(self.cores):
             raise ConfigError(f"cores={self.cores!r} lists a CPU twice")
-        if not isinstance(self.cores_per_worker, int) or self.cores_per_worker < 1:
-            raise ConfigError(f"cores_per_worker={self.cores_per_worker!r}: use an integer >= 1")
         if self.cores and self.cores_per_worker > len(self.cores):
             raise ConfigError(
                 f"cores_per_worker={self.cores_per_worker} but only {len(self.cores)} cores listed ({self.cores}); "
@@ -339,10 +303,6 @@ class LauncherConfig:
             _check_str_tuple(name, getattr(self, name))
         if self.model:
             _check_model_dir(self.model)
-        for name in ("worker_timeout_s", "router_timeout_s", "stop_timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
         check_tp(self)
         check_pool(self)
         check_supervision(self)
@@ -433,11 +393,27 @@ class LauncherConfig:
         return replace(self, **overrides)
 
 
+def _check_mode(cfg: LauncherConfig) -> None:
+    """One mode: elastic (N workers alone, pdserve's connector, TP=1), colocated (K plain workers) or
+    disaggregated (at least one prefill and one decode worker)."""
+    if cfg.elastic:
+        _check_elastic(cfg)
+    elif cfg.colocated:
+        if cfg.prefill or cfg.decode:
+            raise ConfigError(
+                f"colocated={cfg.colocated} with prefill={cfg.prefill}, decode={cfg.decode}: choose one mode "
+                "(--colocated K for plain workers, or --prefill N --decode M for disaggregated serving)"
+            )
+    elif cfg.prefill == 0 or cfg.decode == 0:
+        raise ConfigError(
+            f"prefill={1 if cfg.prefill is None else cfg.prefill}, decode={1 if cfg.decode is None else cfg.decode}: "
+            "disaggregated serving needs at least one of each; for plain workers use --colocated K instead"
+        )
+
+
 def _check_elastic(cfg: LauncherConfig) -> None:
     """elastic=N: N >= 1 workers, alone (no prefill/decode/colocated counts), with pdserve's connector, TP=1."""
     n = cfg.elastic
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ConfigError(f"elastic={n!r}: use a whole number of workers >= 1 (0 turns elastic roles off)")
     if cfg.prefill or cfg.decode or cfg.colocated:
         raise ConfigError(f"elastic={n} with prefill={cfg.prefill}, decode={cfg.decode}, colocated={cfg.colocated}: "
                           "elastic workers take either role per request; give only --elastic N (or fixed roles "
@@ -451,20 +427,33 @@ def _check_elastic(cfg: LauncherConfig) -> None:
     if cfg.prefill_tp > 1 or cfg.decode_tp > 1 or cfg.prefill_args or cfg.decode_args:
         raise ConfigError("prefill_tp/decode_tp and prefill_args/decode_args apply to fixed-role workers: elastic "
                           "workers have no role; use --worker-args for flags every worker gets")
-    object.__setattr__(cfg, "prefill", 0)
-    object.__setattr__(cfg, "decode", 0)
+
+
+def _resolved(cfg: LauncherConfig) -> dict[str, Any]:
+    """The values a launch derives from what was given (a pure function of the config as given): the worker
+    counts of its mode, the connector (on unless colocated), the KV pool (on with pdserve's connector at TP=1),
+    lists as tuples and GPU ids as a tuple of strings."""
+    fixed = not cfg.elastic and not cfg.colocated
+    out: dict[str, Any] = {
+        "prefill": (1 if cfg.prefill is None else cfg.prefill) if fixed else 0,
+        "decode": (1 if cfg.decode is None else cfg.decode) if fixed else 0,
+        "connector": not cfg.colocated if cfg.connector is None else cfg.connector,
+    }
+    out["gpus"] = cfg.gpus if isinstance(cfg.gpus, tuple) else gpu_ids(cfg.gpus)
+    for name in ("cores",) + _ARG_FIELDS:
+        value = getattr(cfg, name)
+        out[name] = tuple(value) if isinstance(value, list) else value
+    if cfg.pool is None:
+        tp = tensor_parallel(cfg, out["gpus"])
+        out["pool"] = bool(out["connector"]) and cfg.kv_connector == "pdserve" and not tp
+    return out
 
 
 def _check_connector_extra(lease_s: float, extra: Mapping[str, Any]) -> None:
     """Let the connector's own parser judge ``kv_connector_extra_config`` now, not 30 s into a worker start."""
     try:
-        from pdserve.vllm.params import ConfigError as ConnectorConfigError
-        from pdserve.vllm.params import ConnectorConfig
-    except ImportError:  # pragma: no cover - the connector package ships with pdserve
-        return
-    try:
         ConnectorConfig.from_extra({"lease_s": lease_s, **extra}, env={SECRET_ENV: "x" * 64})
-    except ConnectorConfigError as e:
+    except ConfigError as e:
         raise ConfigError(f"connector settings (lease_s / connector_extra): {e}") from None
 
 

@@ -3,20 +3,14 @@ that restarts whatever exits (pdserve/launch/supervisor.py). Checks of :class:`~
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .config_fields import ConfigError, check_port
-
-if TYPE_CHECKING:
-    from .config import LauncherConfig
+from .config_shapes import LaunchShape
+from .settings import ConfigError
 
 
-def check_pool(cfg: LauncherConfig) -> None:
-    """KV pool settings (pdserve.store): on by default with the connector, sizes parse, a port."""
+def check_pool(cfg: LaunchShape) -> None:
+    """KV pool settings (pdserve.store): sizes parse (``pool`` itself is resolved by the config)."""
     from .store.config import StoreConfigError, parse_size
 
-    if cfg.pool is None:
-        object.__setattr__(cfg, "pool", bool(cfg.connector) and cfg.kv_connector == "pdserve")
     if cfg.pool and cfg.kv_connector != "pdserve":
         raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: the KV pool saves and loads through "
                           "pdserve's connector; use --no-pool with --kv-connector nixl")
@@ -31,25 +25,14 @@ def check_pool(cfg: LauncherConfig) -> None:
         raise ConfigError(f"pool_mem={cfg.pool_mem!r}: lend the pool at least 1MiB (e.g. 1GiB), or pool=false")
     if disk < 0:
         raise ConfigError(f"pool_disk={cfg.pool_disk!r}: a size >= 0 (0 = no SSD tier)")
-    check_port("pool_port", cfg.pool_port)
     if cfg.pool and "pool_master" in cfg.connector_extra:
         raise ConfigError("connector_extra.pool_master is set by the launcher when pool=true; set pool=false to "
                           "point workers at a pool of your own")
 
 
-def check_supervision(cfg: LauncherConfig) -> None:
-    """Restart settings of the launcher's supervisor (pdserve/launch/supervisor.py)."""
-    if not isinstance(cfg.restart, bool):
-        raise ConfigError(f"restart={cfg.restart!r}: use true (restart processes that exit) or false")
-    for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_reset_s", "crash_loop_window_s"):
-        v = getattr(cfg, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ConfigError(f"{name}={v!r}: use a positive number of seconds")
+def check_supervision(cfg: LaunchShape) -> None:
+    """Restart settings of the launcher's supervisor (pdserve/launch/supervisor.py): each value is checked by
+    the table; here, the rule between two of them."""
     if cfg.restart_backoff_max_s < cfg.restart_backoff_s:
         raise ConfigError(f"restart_backoff_max_s={cfg.restart_backoff_max_s:g} is below restart_backoff_s="
                           f"{cfg.restart_backoff_s:g}: the cap must be at least the first wait (defaults 30 and 1)")
-    n = cfg.crash_loop_restarts
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"crash_loop_restarts={n!r}: use a whole number >= 1 (restarts within "
-                          "crash_loop_window_s before a process is given up; default 5)")
-    check_port("metrics_port", cfg.metrics_port)

@@ -1,15 +1,25 @@
-"""Conductor settings: one frozen dataclass, validated with messages that say how to fix a value."""
+"""Conductor settings: one frozen dataclass. Its fields, defaults and checks come from the table of settings
+(:mod:`pdserve.settings`): what the router hands on (``policy``, the SLO targets in seconds, ...) and what only
+the conductor has (``local_stall_s``, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ..rules import POLICIES, check_local_prefill_tokens, check_policy, check_slo
+from ..settings import POLICIES, ConfigError, check_fields
+from ..settings.targets import settings_of, target_default
 
 __all__ = ["POLICIES", "ConductorConfig", "ConductorConfigError"]
 
+_SETTINGS = settings_of("conductor")
 
-class ConductorConfigError(ValueError):
+
+def _d(field: str) -> Any:  # the table's default
+    return target_default("conductor", field)
+
+
+class ConductorConfigError(ConfigError):
     """A conductor setting is wrong; the message says which and how to fix it."""
 
 
@@ -40,44 +50,21 @@ class ConductorConfig:
         decodes but measured a worse TPOT tail on the 2-core mixed workload (docs/bench.md, "Retuning").
     """
 
-    policy: str = "conductor"
-    block_size: int = 128
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-    local_prefill_tokens: int | None = None
-    local_stall_s: float = 0.05
+    policy: str = _d("policy")
+    block_size: int = _d("block_size")
+    ttft_slo_s: float | None = _d("ttft_slo_s")
+    tpot_slo_s: float | None = _d("tpot_slo_s")
+    local_prefill_tokens: int | None = _d("local_prefill_tokens")
+    local_stall_s: float = _d("local_stall_s")
     fetchable: tuple[str, ...] = ("pool",)
-    min_fetch_blocks: int = 1
-    load_staleness_s: float = 3.0
-    kv_reserve: float = 0.02
-    max_inflight_per_worker: int | None = None
-    chunk_tokens: int | None = None
-    split_harm_handoffs: float = 1.0
+    min_fetch_blocks: int = _d("min_fetch_blocks")
+    load_staleness_s: float = _d("load_staleness_s")
+    kv_reserve: float = _d("kv_reserve")
+    max_inflight_per_worker: int | None = _d("max_inflight_per_worker")
+    chunk_tokens: int | None = _d("chunk_tokens")
+    split_harm_handoffs: float = _d("split_harm_handoffs")
 
     def __post_init__(self) -> None:
-        check_policy(self.policy, "policy", ConductorConfigError)
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ConductorConfigError(f"block_size={self.block_size!r}: give the workers' KV block size in "
-                                       "tokens (vLLM on CPU uses 128)")
-        for name in ("ttft_slo_s", "tpot_slo_s"):
-            check_slo(getattr(self, name), name, "seconds", ConductorConfigError)
-        check_local_prefill_tokens(self.local_prefill_tokens, "local_prefill_tokens", ConductorConfigError)
-        if self.local_stall_s < 0 or self.load_staleness_s <= 0:
-            raise ConductorConfigError("local_stall_s must be >= 0 and load_staleness_s > 0 (seconds)")
-        if self.min_fetch_blocks < 1:
-            raise ConductorConfigError(f"min_fetch_blocks={self.min_fetch_blocks}: use >= 1")
-        if not 0 <= self.kv_reserve < 1:
-            raise ConductorConfigError(f"kv_reserve={self.kv_reserve}: a fraction in [0, 1)")
-        limit = self.max_inflight_per_worker
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ConductorConfigError(f"max_inflight_per_worker={limit!r}: a request count >= 1, or None for "
-                                       "no per-worker limit")
-        chunk = self.chunk_tokens
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ConductorConfigError(f"chunk_tokens={chunk!r}: the workers' --max-num-batched-tokens (tokens per "
-                                       "step, >= 1), or None when unknown")
-        k = self.split_harm_handoffs
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
-            raise ConductorConfigError(f"split_harm_handoffs={k!r}: a positive number of hand-offs (1, the default: "
-                                       "split when the stall costs more than one hand-off)")
-        object.__setattr__(self, "fetchable", tuple(self.fetchable))
+        check_fields(self, _SETTINGS, ConductorConfigError)
+        if not isinstance(self.fetchable, tuple) or not all(isinstance(f, str) for f in self.fetchable):
+            raise ConductorConfigError(f"fetchable={self.fetchable!r}: a tuple of holder names, e.g. ('pool',)")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
+from ..settings.argv import launcher_values_for_router, router_flags
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
@@ -135,23 +136,14 @@ def router_command(
     else:
         argv += ["--prefill", *[w.url for w in workers if w.role == "prefill"]]
         argv += ["--decode", *[w.url for w in workers if w.role == "decode"]]
-    argv += ["--served-model-name", served_name(config, model_dir)]
-    argv += ["--max-model-len", str(config.max_model_len)]
-    argv += ["--policy", config.policy]
-    if kv_events_bind:
-        argv += ["--kv-events-bind", kv_events_bind]
-    if config.ttft_slo_ms is not None:
-        argv += ["--ttft-slo-ms", str(config.ttft_slo_ms)]
-    if config.tpot_slo_ms is not None:
-        argv += ["--tpot-slo-ms", str(config.tpot_slo_ms)]
-    if config.kv_connector != "pdserve":
-        argv += ["--kv-connector", config.kv_connector]
-    step = step_tokens(workers) if config.elastic else None
-    if step is not None:  # the conductor's chunk model (elastic placement only)
-        argv += ["--max-num-batched-tokens", str(step)]
+    # every setting the router shares with the launcher, as the table's argv rules say, and what the launch
+    # derives for it: the served name, the KV event sink, the conductor's step budget (elastic only)
+    values = launcher_values_for_router(config)
+    values.update(served_model_name=served_name(config, model_dir), kv_events_bind=kv_events_bind,
+                  max_num_batched_tokens=step_tokens(workers) if config.elastic else None)
+    argv += router_flags(values)
     argv += list(config.router_args)
-    if pool_master:
-        argv += ["--pool-master", pool_master]
+    argv += router_flags({"pool_master": pool_master})  # after router_args: the launch's own pool wins
     return argv
 
 

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
+from ..settings.targets import handed_on
 from .admission import Admission
 from .api.limits import body_too_large, check_prompt_chars, read_body
 from .api.logprobs import LogprobTrack
@@ -63,13 +64,10 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or PromptTokenizer(config.model_dir)
         self.metrics = RouterMetrics()
-        self.placement: Placement = placement or make_placement(WorkerRegistry(config.all_workers()), ConductorConfig(
-            policy=config.policy, block_size=config.block_size,
-            ttft_slo_s=None if config.ttft_slo_ms is None else config.ttft_slo_ms / 1000.0,
-            tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1000.0,
-            local_prefill_tokens=config.local_prefill_tokens, chunk_tokens=config.max_num_batched_tokens,
-            max_inflight_per_worker=config.max_inflight_per_worker), kv_bytes_per_token(config.model_dir),
-            MoveConfig(enabled=config.moves))
+        # the conductor's and the moves' settings as the table hands them on (units converted: SLOs ms -> s)
+        self.placement: Placement = placement or make_placement(
+            WorkerRegistry(config.all_workers()), ConductorConfig(**handed_on(config, "conductor")),
+            kv_bytes_per_token(config.model_dir), MoveConfig(**handed_on(config, "moves")))
         self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
         self.registry.probe_failures, self.registry.probe_window_s = config.probe_failures, config.probe_window_s
         self.admission = Admission(config.max_inflight, self.metrics)

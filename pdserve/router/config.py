@@ -5,21 +5,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
-from ..rules import check_local_prefill_tokens, check_policy, check_slo
-from .api.limits import DEFAULT_MAX_BODY_BYTES
+from ..settings import ConfigError, check_fields, default, of, write_resolved
+from ..settings.rules import check_host_port
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
 # config.json keys that bound the context length, in the order vLLM consults them.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
                  "model_max_length")
-_MIN_BODY_BYTES = 4096  # room for any small request
-_MAX_BODY_BYTES = 1 << 30
+_SETTINGS = of("router")
 
 
-class RouterConfigError(ValueError):
+def _d(name: str) -> Any:  # the table's default for the router
+    return default(name, "router")
+
+
+class RouterConfigError(ConfigError):
     """A router setting is wrong; the message says which and how to fix it."""
 
 
@@ -118,48 +122,73 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str = ""
-    max_model_len: int = 0
-    connect_timeout_s: float = 5.0
-    upstream_idle_timeout_s: float = 120.0
-    health_timeout_s: float = 2.0
-    health_interval_s: float = 5.0
-    log_level: str = "info"
-    policy: str = "round_robin"
-    kv_events_bind: str = ""
-    ttft_slo_ms: float | None = None
-    tpot_slo_ms: float | None = None
-    local_prefill_tokens: int | None = None
-    block_size: int = 128
-    calibrate: bool = True
-    load_interval_s: float = 1.0
+    host: str = _d("host")
+    port: int = _d("port")
+    served_model_name: str = _d("served_model_name")
+    max_model_len: int = _d("max_model_len")
+    connect_timeout_s: float = _d("connect_timeout_s")
+    upstream_idle_timeout_s: float = _d("upstream_idle_timeout_s")
+    health_timeout_s: float = _d("health_timeout_s")
+    health_interval_s: float = _d("health_interval_s")
+    log_level: str = _d("log_level")
+    policy: str = _d("policy")
+    kv_events_bind: str = _d("kv_events_bind")
+    ttft_slo_ms: float | None = _d("ttft_slo_ms")
+    tpot_slo_ms: float | None = _d("tpot_slo_ms")
+    local_prefill_tokens: int | None = _d("local_prefill_tokens")
+    block_size: int = _d("block_size")
+    calibrate: bool = _d("calibrate")
+    load_interval_s: float = _d("load_interval_s")
     admin_token: str = ""
-    mode_hint: str = ""  # "colocated" | "disaggregated" | "elastic": a router may start with no workers (they join)
-    pool_master: str = ""  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes from it
+    mode_hint: str = _d("mode_hint")  # "colocated" | "disaggregated" | "elastic": start with no workers (they join)
+    pool_master: str = _d("pool_master")  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    kv_connector: str = "pdserve"
-    migration_limit: int = 2
-    request_timeout_s: float = 600.0
-    handoff_timeout_s: float = 60.0
-    max_inflight: int | None = 2048
-    max_inflight_per_worker: int | None = 512
-    probe_failures: int = 3
-    probe_window_s: float = 10.0
-    tool_call_parser: str = ""  # vLLM's --tool-call-parser name (e.g. hermes): parses tool calls from the output
+    max_body_bytes: int = _d("max_body_bytes")
+    kv_connector: str = _d("kv_connector")
+    migration_limit: int = _d("migration_limit")
+    request_timeout_s: float = _d("request_timeout_s")
+    handoff_timeout_s: float = _d("handoff_timeout_s")
+    max_inflight: int | None = _d("max_inflight")
+    max_inflight_per_worker: int | None = _d("max_inflight_per_worker")
+    probe_failures: int = _d("probe_failures")
+    probe_window_s: float = _d("probe_window_s")
+    tool_call_parser: str = _d("tool_call_parser")  # vLLM's --tool-call-parser name (e.g. hermes)
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
-    max_num_batched_tokens: int | None = None  # the workers' per-step token budget (the conductor's chunk_tokens)
-    moves: bool = True  # elastic: move running decodes off a worker that starts a long prefill when it pays
+    max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
+    moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
 
     def __post_init__(self) -> None:
+        self._check_model_dir()
+        write_resolved(self, self._resolved())
+        check_fields(self, _SETTINGS, RouterConfigError, flags=True)
+        self._check_mode()
+        if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
+            raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
+                                    "tcp://127.0.0.1:5557")
+        check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
+        if self.pool_master and not self.pool_secret:
+            raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
+        if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
+            raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
+                                    "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
+
+    def _resolved(self) -> dict[str, object]:
+        """Worker URLs as tuples without a trailing slash; the served name (default: ``model_dir``); the context
+        limit (0: config.json's)."""
+        out: dict[str, object] = {}
         for name in ("prefill", "decode", "colocated", "elastic"):
             value = getattr(self, name)
-            if isinstance(value, str):
-                value = (value,)
-            value = tuple(_check_url(f"--{name}", u) for u in value)
-            object.__setattr__(self, name, value)
+            out[name] = tuple(_check_url(f"--{name}", u) for u in ((value,) if isinstance(value, str) else value))
+        out["served_model_name"] = self.served_model_name or self.model_dir
+        if self.max_model_len == 0:
+            found = context_length_from_model_dir(self.model_dir)
+            if found is None:
+                raise RouterConfigError(f"{self.model_dir}/config.json gives no context length "
+                                        "(max_position_embeddings): pass --max-model-len (the workers' value)")
+            out["max_model_len"] = found
+        return out
+
+    def _check_model_dir(self) -> None:
         if not self.model_dir:
             raise RouterConfigError("--model-dir is required: the model folder whose tokenizer and chat template "
                                     "the router uses (the same folder the workers serve)")
@@ -171,6 +200,8 @@ class RouterConfig:
                                                         "tokenizer.model", "vocab.json")):
             raise RouterConfigError(f"--model-dir {self.model_dir!r} has no tokenizer files (tokenizer.json, "
                                     "tokenizer_config.json): the router tokenizes prompts with them")
+
+    def _check_mode(self) -> None:
         if self.colocated and (self.prefill or self.decode):
             raise RouterConfigError("--colocated cannot be combined with --prefill/--decode: choose colocated "
                                     "(baseline) or disaggregated mode")
@@ -178,88 +209,19 @@ class RouterConfig:
             raise RouterConfigError("--elastic cannot be combined with --prefill/--decode/--colocated: an elastic "
                                     "pool's workers take either role per request; list every worker under "
                                     "--elastic")
-        if self.mode_hint not in ("", "colocated", "disaggregated", "elastic"):
-            raise RouterConfigError(f"--mode {self.mode_hint!r}: colocated, disaggregated or elastic")
-        if self.mode_hint == "elastic" and (self.prefill or self.decode or self.colocated):
+        mode = self.mode_hint  # one of the table's choices (checked above)
+        if mode == "elastic" and (self.prefill or self.decode or self.colocated):
             raise RouterConfigError("--mode elastic contradicts --prefill/--decode/--colocated: an elastic router's "
                                     "workers have no fixed role (list them under --elastic, or let them join with "
                                     "role elastic)")
-        if self.mode_hint in ("colocated", "disaggregated") and (
-                self.colocated if self.mode_hint == "disaggregated" else (self.prefill or self.decode)):
-            raise RouterConfigError(f"--mode {self.mode_hint} contradicts the worker flags given")
-        if not self.mode_hint and not self.colocated and not (self.prefill and self.decode) and not self.elastic:
+        if mode in ("colocated", "disaggregated") and (
+                self.colocated if mode == "disaggregated" else (self.prefill or self.decode)):
+            raise RouterConfigError(f"--mode {mode} contradicts the worker flags given")
+        if not mode and not self.colocated and not (self.prefill and self.decode) and not self.elastic:
             raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
                                     "--colocated URL... (baseline), or --elastic URL... (no fixed roles), or "
                                     "--mode to start empty and let workers "
                                     "join through POST /v1/pdserve/workers")
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", self.model_dir)
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise RouterConfigError(f"--port {self.port!r}: use 1-65535, or 0 to pick a free port")
-        if self.max_model_len == 0:
-            found = context_length_from_model_dir(self.model_dir)
-            if found is None:
-                raise RouterConfigError(f"{self.model_dir}/config.json gives no context length "
-                                        "(max_position_embeddings): pass --max-model-len (the workers' value)")
-            object.__setattr__(self, "max_model_len", found)
-        if self.max_model_len < 2:
-            raise RouterConfigError(f"--max-model-len {self.max_model_len}: must be at least 2 tokens")
-        for name in ("connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise RouterConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
-        check_policy(self.policy, "--policy", RouterConfigError)
-        if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
-            raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
-                                    "tcp://127.0.0.1:5557")
-        for name in ("ttft_slo_ms", "tpot_slo_ms"):
-            check_slo(getattr(self, name), f"--{name.replace('_', '-')}", "ms", RouterConfigError)
-        check_local_prefill_tokens(self.local_prefill_tokens, "--local-prefill-tokens", RouterConfigError)
-        if self.block_size < 1:
-            raise RouterConfigError(f"--block-size {self.block_size}: the workers' KV block size (vLLM CPU: 128)")
-        if self.pool_master:
-            host, _, port = self.pool_master.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise RouterConfigError(f"--pool-master {self.pool_master!r}: give HOST:PORT of the KV pool master")
-            if not self.pool_secret:
-                raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
-        if not self.load_interval_s > 0:
-            raise RouterConfigError(f"--load-interval-s {self.load_interval_s}: must be > 0 seconds")
-        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
-                or not _MIN_BODY_BYTES <= self.max_body_bytes <= _MAX_BODY_BYTES:
-            raise RouterConfigError(f"--max-body-bytes {self.max_body_bytes!r}: give a byte count from "
-                                    f"{_MIN_BODY_BYTES} to {_MAX_BODY_BYTES} (1 GiB), e.g. {8 << 20} for 8 MiB; "
-                                    f"the default is {DEFAULT_MAX_BODY_BYTES} (4 MiB)")
-        if self.kv_connector not in ("pdserve", "nixl"):
-            raise RouterConfigError(f"--kv-connector {self.kv_connector!r}: choose pdserve (pdserve's KV connector) "
-                                    "or nixl (vLLM's NixlConnector), the one the workers' --kv-transfer-config names")
-        if self.health_interval_s < 0:
-            raise RouterConfigError(f"health_interval_s={self.health_interval_s!r}: use >= 0 (0 turns probes off)")
-        if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
-            raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
-                                    "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
-        self._check_reliability()
-        mnbt = self.max_num_batched_tokens
-        if mnbt is not None and (isinstance(mnbt, bool) or not isinstance(mnbt, int) or mnbt < 1):
-            raise RouterConfigError(f"--max-num-batched-tokens {mnbt!r}: the workers' vLLM --max-num-batched-tokens "
-                                    "(tokens per step, >= 1), or leave it unset when unknown")
-
-    def _check_reliability(self) -> None:
-        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
-                or not 0 <= self.migration_limit <= 100:
-            raise RouterConfigError(f"--migration-limit {self.migration_limit!r}: how many times a request may move "
-                                    "to another worker when its worker dies, 0 (never) to 100; default 2")
-        for name in ("request_timeout_s", "handoff_timeout_s", "probe_window_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise RouterConfigError(f"--{name.replace('_', '-')} {value!r}: give a number of seconds > 0")
-        for name in ("max_inflight", "max_inflight_per_worker", "probe_failures"):
-            value = getattr(self, name)
-            if value is None and name != "probe_failures":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RouterConfigError(f"--{name.replace('_', '-')} {value!r}: give a count >= 1"
-                                        + ("" if name == "probe_failures" else " (or 0 on the command line for "
-                                           "no limit)"))
 
     @property
     def mode(self) -> str:

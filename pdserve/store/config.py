@@ -11,13 +11,14 @@ import re
 import socket
 from dataclasses import dataclass
 
-SECRET_ENV = "PDSERVE_TRANSFER_SECRET"  # the pool shares the transfer engine's secret
-MIN_SECRET_LEN = 16
+from ..settings import ConfigError, write_resolved
+from ..settings.connector import MIN_SECRET_LEN, SECRET_ENV  # the pool shares the transfer engine's secret
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
-class StoreConfigError(ValueError):
+class StoreConfigError(ConfigError):
     """A pool setting is wrong; the message names it and says what to use."""
 
 
@@ -87,7 +88,7 @@ class MasterConfig:
     events_kept: int = 100_000
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "secret", _secret(self.secret))
+        write_resolved(self, {"secret": _secret(self.secret)})
         _port("port", self.port)
         _port("metrics_port", self.metrics_port)
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
@@ -126,11 +127,9 @@ class NodeConfig:
     heartbeat_s: float = 0.5
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "secret", _secret(self.secret))
-        object.__setattr__(self, "mem_bytes", parse_size(self.mem_bytes, "mem_bytes"))
-        object.__setattr__(self, "disk_bytes", parse_size(self.disk_bytes, "disk_bytes"))
-        if not self.node_id:
-            object.__setattr__(self, "node_id", f"{socket.gethostname()}-{os.getpid()}")
+        write_resolved(self, {"secret": _secret(self.secret), "mem_bytes": parse_size(self.mem_bytes, "mem_bytes"),
+                              "disk_bytes": parse_size(self.disk_bytes, "disk_bytes"),
+                              "node_id": self.node_id or f"{socket.gethostname()}-{os.getpid()}"})
         _port("master_port", self.master_port)
         _port("port", self.port)
         _port("transfer_port", self.transfer_port)
@@ -168,7 +167,7 @@ class ClientConfig:
     transfer_deadline_s: float = 4.0  # keep under the master's lease_s: reads must end while leased
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "secret", _secret(self.secret))
+        write_resolved(self, {"secret": _secret(self.secret)})
         _port("master_port", self.master_port)
         if self.master_port == 0:
             raise StoreConfigError("master_port=0: give the pool master's port (HOST:PORT)")

@@ -16,9 +16,11 @@ PKG = ROOT / "pdserve"
 # package -> (pdserve packages/modules it may import, third-party top-level modules it must not import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
     "transfer": (set(), {"vllm", "aiohttp", "zmq", "transformers"}),
-    "conductor": ({"hashing", "rules"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
-    "store": ({"transfer"}, {"vllm", "aiohttp", "transformers"}),
-    "router": ({"conductor", "hashing", "prom", "rules", "store", "transfer"}, {"vllm", "torch"}),
+    # the table of settings is the bottom layer: it imports no other pdserve package
+    "settings": (set(), {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
+    "conductor": ({"hashing", "settings"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
+    "store": ({"settings", "transfer"}, {"vllm", "aiohttp", "transformers"}),
+    "router": ({"conductor", "hashing", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer", "dtype"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
@@ -81,6 +83,19 @@ def _violations(package: str, files: list[Path] | None = None) -> list[str]:
 @pytest.mark.parametrize("package", sorted(RULES))
 def test_package_imports_follow_the_rules(package: str) -> None:
     assert _violations(package) == []
+
+
+# The config layer (the launcher's configs beside the table of settings) sits under launch/, vllm/ and router/:
+# it imports none of them, so each may import it without a circle.
+CONFIG_MODULES = sorted(PKG.glob("config*.py"))
+CONFIG_MAY_NOT = {"launch", "launcher", "vllm", "router", "cli", "bench", "plan"}
+
+
+def test_config_layer_imports_nothing_above_it() -> None:
+    assert len(CONFIG_MODULES) >= 3
+    bad = [f"{p.relative_to(ROOT)}: imports {n}" for p in CONFIG_MODULES for n in sorted(_imports(p))
+           if n.startswith("pdserve.") and n.split(".")[1] in CONFIG_MAY_NOT]
+    assert bad == []
 
 
 def test_only_the_vllm_package_imports_vllm() -> None:

@@ -1,5 +1,6 @@
-"""The policy, SLO and decode-local rules live in pdserve.rules: the launcher, router and conductor configs all
-apply them, each with its own setting names and error class, and all give the same advice."""
+"""The policy, SLO and decode-local rules are the table's (pdserve.settings): the launcher, router and conductor
+configs all apply them, each under its own names (a field, a flag, the conductor's field in seconds) and error
+class (all subclasses of the one ConfigError), and all give the same advice."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve import rules
+from pdserve import settings
 from pdserve.conductor.config import POLICIES, ConductorConfig, ConductorConfigError
 from pdserve.config import ConfigError, LauncherConfig
 from pdserve.router.config import RouterConfig, RouterConfigError
@@ -26,8 +27,10 @@ def _message(error: type[Exception], build) -> str:
     return str(info.value)
 
 
-def test_one_policy_list():
-    assert POLICIES is rules.POLICIES
+def test_one_policy_list_and_one_error_class():
+    assert POLICIES is settings.POLICIES
+    assert ConfigError is settings.ConfigError
+    assert issubclass(RouterConfigError, ConfigError) and issubclass(ConductorConfigError, ConfigError)
 
 
 def test_bad_policy_same_advice_everywhere(router_dir):
@@ -35,7 +38,7 @@ def test_bad_policy_same_advice_everywhere(router_dir):
     router = _message(RouterConfigError, lambda: RouterConfig(model_dir=router_dir, colocated=("http://a:1",),
                                                               policy="random"))
     conductor = _message(ConductorConfigError, lambda: ConductorConfig(policy="random"))
-    assert launcher.startswith("policy='random'") and router.startswith("--policy='random'")
+    assert launcher.startswith("policy='random'") and router.startswith("--policy 'random'")
     assert conductor.startswith("policy='random'")
     advice = launcher.split(": ", 1)[1]
     assert "round_robin, least_loaded, conductor" in advice
@@ -49,7 +52,7 @@ def test_bad_slo_same_advice_everywhere(router_dir, value):
                                                               tpot_slo_ms=value))
     conductor = _message(ConductorConfigError, lambda: ConductorConfig(ttft_slo_s=value))
     assert launcher.startswith(f"ttft_slo_ms={value!r}: a target in ms > 0")
-    assert router.startswith(f"--tpot-slo-ms={value!r}: a target in ms > 0")
+    assert router.startswith(f"--tpot-slo-ms {value!r}: a target in ms > 0")
     assert conductor.startswith(f"ttft_slo_s={value!r}: a target in seconds > 0")
     assert all("429" in m for m in (launcher, router, conductor))
 
@@ -65,16 +68,16 @@ def test_bad_local_prefill_tokens_same_advice(router_dir, value):
     router = _message(RouterConfigError, lambda: RouterConfig(model_dir=router_dir, colocated=("http://a:1",),
                                                               local_prefill_tokens=value))
     conductor = _message(ConductorConfigError, lambda: ConductorConfig(local_prefill_tokens=value))
-    assert router.startswith(f"--local-prefill-tokens={value!r}:")
+    assert router.startswith(f"--local-prefill-tokens {value!r}:")
     assert router.split(": ", 1)[1] == conductor.split(": ", 1)[1]
     assert "learn" in router
 
 
 def test_good_values_pass():
     for p in POLICIES:
-        rules.check_policy(p)
-    rules.check_slo(None, "x")
-    rules.check_slo(0.5, "x", "seconds")
-    rules.check_local_prefill_tokens(None)
-    rules.check_local_prefill_tokens(0)
+        settings.setting("policy").check(p)
+    settings.setting("ttft_slo_ms").check(None)
+    settings.setting("ttft_slo_ms").check(0.5)
+    settings.setting("local_prefill_tokens").check(None)
+    settings.setting("local_prefill_tokens").check(0)
     assert ConductorConfig(local_prefill_tokens=0, ttft_slo_s=1.0).local_prefill_tokens == 0

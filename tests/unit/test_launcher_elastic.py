@@ -72,7 +72,15 @@ def test_cli_elastic_defaults_to_the_conductor(model_dir, tmp_path):
     assert (c.elastic, c.prefill, c.decode, c.policy) == (2, 0, 0, "least_loaded")  # the flag replaces the roles
     f.write_text("elastic: 2\n")
     c = _cfg(["--config", str(f), "--model", str(model_dir), "--prefill", "1", "--decode", "1"])
-    assert (c.elastic, c.prefill, c.decode) == (0, 1, 1)
+    assert (c.elastic, c.prefill, c.decode, c.policy) == (0, 1, 1, "round_robin")
+    assert _cfg(["--config", str(f), "--model", str(model_dir)]).policy == "conductor"
+
+
+def test_cli_elastic_takes_an_slo_target_without_naming_the_policy(model_dir):
+    """The conductor is the elastic default before the config is checked, so its SLO targets are accepted
+    (they used to fail: 'tpot_slo_ms needs policy=conductor')."""
+    c = _cfg(["--model", str(model_dir), "--elastic", "2", "--tpot-slo-ms", "80"])
+    assert (c.policy, c.tpot_slo_ms) == ("conductor", 80.0)
 
 
 def test_cli_elastic_dry_run_prints_the_plan(model_dir, capsys):

@@ -45,7 +45,7 @@ def test_config_modes_and_defaults(model_dir):
     ({"colocated": ("a:1",)}, "base URL"),
     ({"colocated": ("http://a:1/v1",)}, "without a path"),
     ({"colocated": ("http://a:1",), "port": 70000}, "--port"),
-    ({"colocated": ("http://a:1",), "upstream_idle_timeout_s": 0}, "upstream_idle_timeout_s"),
+    ({"colocated": ("http://a:1",), "upstream_idle_timeout_s": 0}, "--upstream-idle-timeout-s"),
 ])
 def test_config_errors_say_how_to_fix(model_dir, kwargs, needle):
     with pytest.raises(RouterConfigError, match=needle):

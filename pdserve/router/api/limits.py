@@ -17,9 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ...settings.table import DEFAULT_MAX_BODY_BYTES  # noqa: F401  (declared once, with --max-body-bytes)
 from ..errors import RouterError, bad_request
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # OpenAI request bodies nest a handful of levels; 64 leaves room for any real client
 MIN_CHARS_PER_TOKEN = 16
 
