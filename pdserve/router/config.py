@@ -27,7 +27,7 @@ class RouterConfigError(ConfigError):
     """A router setting is wrong; the message says which and how to fix it."""
 
 
-def _check_url(flag: str, url: str) -> str:
+def check_url(flag: str, url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RouterConfigError(f"{flag} {url!r}: give a worker's base URL like http://127.0.0.1:8100 "
@@ -178,7 +178,7 @@ class RouterConfig:
         out: dict[str, object] = {}
         for name in ("prefill", "decode", "colocated", "elastic"):
             value = getattr(self, name)
-            out[name] = tuple(_check_url(f"--{name}", u) for u in ((value,) if isinstance(value, str) else value))
+            out[name] = tuple(check_url(f"--{name}", u) for u in ((value,) if isinstance(value, str) else value))
         out["served_model_name"] = self.served_model_name or self.model_dir
         if self.max_model_len == 0:
             found = context_length_from_model_dir(self.model_dir)

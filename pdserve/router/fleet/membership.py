@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from ..api.limits import load_json
-from ..config import RouterConfig, RouterConfigError, _check_url
+from ..config import RouterConfig, RouterConfigError, check_url
 from ..errors import RouterError, bad_request, not_found
 from .placement import Placement
 from .registry import WorkerRegistry
@@ -115,7 +115,7 @@ class Membership:
         body = await _body(request)
         role = _check_role(self.config, body.get("role"))
         try:
-            url = _check_url("url", str(body.get("url") or ""))
+            url = check_url("url", str(body.get("url") or ""))
         except RouterConfigError as e:
             raise bad_request(str(e), "url") from None
         w = self.registry.add(url, role)
