@@ -21,15 +21,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.vllm.fingerprint import parse as parse_fingerprint
+
 SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
 MIN_SECRET_LEN = 16
 BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")
 LEASE_MIN_S = 0.1
 LEASE_MAX_S = 3600.0
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
-# the read (real corruption of the transferred KV); "fail" fails the read (D must recompute).
+# the read and its checksum check (real corruption of the KV D uses: the negative control); "fail" fails the read
+# (D must recompute); "flip" flips a byte of the first received block before the check (corruption in transit);
+# "late" (given to P) flips a byte of P's first leased block after P sealed it, before D reads (a late write).
 LOAD_MODES = ("", "auto", "async")  # kv_transfer_params.pdserve_load: auto = by sync_load_max_bytes
-TEST_FAULTS = ("zero", "fail")  # "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R
+# "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R ("flip@R": D rank R)
+TEST_FAULTS = ("zero", "fail", "flip", "late")
 
 
 def fault_hits(fault: str, kind: str, peer_rank: int) -> bool:
@@ -110,6 +115,9 @@ class ConnectorConfig:
         asynchronous (the behaviour before issue 16).
     sync_load_deadline_s: longest a synchronous read may hold D's step; past it the read fails and vLLM
         recomputes the prompt, as for any failed read.
+    kv_checksum: checksum every KV block that crosses a process (P's leased blocks, pool objects) and verify it
+        before vLLM uses the block (default on; false turns both sides off: P seals nothing and D verifies
+        nothing; pool objects still carry their fingerprint).
     """
 
     secret: str
@@ -132,11 +140,12 @@ class ConnectorConfig:
     pool_backoff_s: float = 5.0
     sync_load_max_bytes: int = 32 << 20
     sync_load_deadline_s: float = 2.0
+    kv_checksum: bool = True
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
-            "sync_load_max_bytes", "sync_load_deadline_s")
+            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -192,6 +201,7 @@ class ConnectorConfig:
             pool_backoff_s=_as_float(extra, "pool_backoff_s", 5.0, 0.0, 3600.0),
             sync_load_max_bytes=_as_int(extra, "sync_load_max_bytes", 32 << 20, 0, 1 << 40),
             sync_load_deadline_s=_as_float(extra, "sync_load_deadline_s", 2.0, 0.01, 60.0),
+            kv_checksum=_as_bool(extra, "kv_checksum", True),
         )
 
     @property
@@ -234,6 +244,7 @@ class RemoteParams:
     kv_heads: int = 0
     unit: str = ""
     load: str = ""  # "async": D loads asynchronously whatever the size (pdserve_load, tests and A/B runs)
+    fingerprint: Mapping[str, str] | None = None  # P's compatibility fingerprint (pdserve.vllm.fingerprint)
 
     @property
     def tp(self) -> int:
@@ -255,6 +266,8 @@ class RemoteParams:
             out["remote_ranks"] = [list(r) for r in self.ranks]
         if self.kv_heads:
             out["remote_kv_heads"], out["remote_kv_unit"] = self.kv_heads, self.unit
+        if self.fingerprint:
+            out["remote_fingerprint"] = dict(self.fingerprint)
         return out
 
     @classmethod
@@ -285,10 +298,11 @@ class RemoteParams:
         ranks, heads = _parse_ranks(params.get("remote_ranks")), params.get("remote_kv_heads") or 0
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
             raise ValueError(f"kv_transfer_params.remote_kv_heads={heads!r}: pass P's kv_transfer_params unchanged")
+        fingerprint = parse_fingerprint(params.get("remote_fingerprint"))
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
                    str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
-                   str(params.get("remote_kv_unit") or ""), load)
+                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None)
 
 
 MAX_TP = 1024
