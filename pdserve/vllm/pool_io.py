@@ -71,14 +71,20 @@ class PoolIO:
     def _load(self, job: PoolJob, items: list, slots: list[int]) -> tuple[int, dict[str, Any]]:
         good = loaded_prefix(self.pool.get_into(items))
         stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
-        checked = self.verified(job, slots, good)
+        checked, corrupt = self.verified(job, slots, good)
         if checked < good:
             stats["seal_failures"] = 1
+        if corrupt is not None:  # our fingerprint, wrong bytes: nobody can use it; another model's block stays
+            try:
+                self.pool.remove([corrupt])
+            except StoreError as exc:
+                log.warning("could not remove corrupt KV pool object %016x: %s", corrupt, exc)
         stats["bytes"] = checked * self.block_bytes
         return checked, stats
 
-    def verified(self, job: PoolJob, slots: Sequence[int], good: int) -> int:
-        """How many of the first ``good`` loaded blocks may be used: up to the first whose seal is wrong."""
+    def verified(self, job: PoolJob, slots: Sequence[int], good: int) -> tuple[int, int | None]:
+        """How many of the first ``good`` loaded blocks may be used (up to the first whose seal is wrong), and the
+        key of that block when its bytes are corrupt (our fingerprint, another checksum)."""
         seals = [self.slots.read(s) for s in slots[:good]]
         sums: list[int | None] = [None] * good
         if self.checksum and good:
@@ -90,5 +96,5 @@ class PoolIO:
             if problem:
                 log.error("request %s: KV pool block %d (key %016x, into block %d) rejected: %s; recomputing it "
                           "and the %d after it", job.req_id, i, job.keys[i], job.block_ids[i], problem, good - i - 1)
-                return i
-        return good
+                return i, job.keys[i] if problem.startswith("checksum") else None
+        return good, None

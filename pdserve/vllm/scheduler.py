@@ -102,6 +102,9 @@ class SchedulerSide:
         self._pool_saving: set[str] = set()
         self._pool_down_until = 0.0
         self.pool_outcomes: dict[str, int] = {}
+        # requests whose pool load failed (in part): vLLM reschedules them, and the pool must not be claimed again
+        # (a corrupt or foreign object stays pooled: claiming it again would loop)
+        self._pool_refused: OrderedDict[str, None] = OrderedDict()
 
     @property
     def held(self) -> int:
@@ -135,7 +138,8 @@ class SchedulerSide:
     def _pool_match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
         self._pool_hits.pop(request.request_id, None)
-        if not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size:
+        if (not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size
+                or request.request_id in self._pool_refused):
             return 0, False
         keys = block_hashes(request.prompt_token_ids or [], self.block_size)
         first = num_computed_tokens // self.block_size
@@ -331,6 +335,7 @@ class SchedulerSide:
     # ---- P ----
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pool_hits.pop(request.request_id, None)
+        self._pool_refused.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids)
         if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
@@ -426,5 +431,9 @@ class SchedulerSide:
         for req_id, outcome in meta.pool.items():
             if outcome.startswith("save"):
                 self._pool_saving.discard(req_id)
+            elif outcome in ("load_partial", "load_failed"):
+                self._pool_refused[req_id] = None
+                while len(self._pool_refused) > MAX_READ_STATS:
+                    self._pool_refused.popitem(last=False)
             self.pool_outcomes[outcome] = self.pool_outcomes.get(outcome, 0) + 1
         self._held.difference_update(meta.released)  # leases that ended (the worker counts them, by reason)

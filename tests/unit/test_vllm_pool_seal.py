@@ -35,6 +35,9 @@ class DictPool:
             out.append("stored")
         return out
 
+    def remove(self, keys):
+        return sum(self.objects.pop(k, None) is not None for k in keys)
+
     def get_into(self, items):
         got = []
         for key, pieces in items:
@@ -94,6 +97,7 @@ def test_flipped_byte_in_a_pool_object_is_a_miss_from_there_on():
     reader, _, _ = _worker(fp=1, shared=pool)
     good, stats = reader.run(PoolJob("r", (101, 102, 103), (5, 6, 7), False))
     assert good == 1 and stats["seal_failures"] == 1 and stats["bytes"] == BLOCK
+    assert sorted(pool.objects) == [101, 103]  # the corrupt object is removed: no reader can use it
 
 
 def test_another_models_blocks_are_never_served():
@@ -102,6 +106,7 @@ def test_another_models_blocks_are_never_served():
     other, _, _ = _worker(fp=2, shared=pool)  # same geometry, another fingerprint
     good, stats = other.run(PoolJob("r", (101, 102), (5, 6), False))
     assert good == 0 and stats["seal_failures"] == 1
+    assert sorted(pool.objects) == [101, 102]  # the other model's blocks stay theirs
 
 
 def test_checksum_off_writer_is_refused_by_a_checking_reader_but_not_by_a_trusting_one():
