@@ -7,7 +7,8 @@ contiguous sizes and <backend>_scatter_ratio (4096 x 64 KiB scatter-gather GB/s 
 GB/s of the same total). Issue 27: per backend, a READ of 1 MiB and 16 MiB timed with and without D's checksum
 check (XXH3-64 over the received bytes in 256 KiB spans, as the connector verifies a block's per-layer runs; P seals
 its blocks when it learns the lease, off the read's path), interleaved in the same run:
-<backend>_checksum_overhead_<size> = time(read + verify) / time(read) - 1 (medians).
+<backend>_checksum_overhead_<size> = time(verify) / time(read) (medians; the verification runs after the read on
+D's read thread), and <backend>_checksum_overhead_interleaved_<size> = time(read then verify) / time(read) - 1.
 When installed, the anchors run too: Mooncake TE's TCP transport and NIXL/UCX through their own APIs
 (mooncake_tcp_*, nixl_*), and pdserve's adapters over them (mooncake_adapter_*, nixl_adapter_*).
 """
@@ -105,23 +106,35 @@ SPAN = 256 * 1024
 
 
 def bench_checksum(backend: str, peer: dict, engine: TransferEngine, src: np.ndarray, reps: int) -> dict[str, float]:
-    """Median seconds of a READ of each size with and without verifying it, alternating the two each repetition."""
+    """Per size: median ms of a READ, of a READ then its verification, and of the verification alone (XXH3-64 of the
+    received bytes), the three alternating each repetition after warm-ups; overhead = verify / read (medians), and
+    the interleaved read+verify over read - 1 as a cross-check (noisier: two transfers' jitter)."""
     import time
 
     out = {}
     for size in CHECK_SIZES:
         entries = [("src", 0, "dst", 0, size)]
-        plain, checked = [], []
-        for _ in range(max(reps, 5) * 3):
-            t0 = time.perf_counter()
+
+        def read(entries: list = entries) -> None:
             engine.submit(peer, entries, "read", backend=backend).result()
-            plain.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            engine.submit(peer, entries, "read", backend=backend).result()
+
+        def verify(size: int = size) -> None:
             xxh3_spans(src[i:i + SPAN] for i in range(0, size, SPAN))
-            checked.append(time.perf_counter() - t0)
-        out[f"{size // MiB}MiB"] = float(np.median(checked) / np.median(plain) - 1)
-        out[f"{size // MiB}MiB_read_ms"] = float(np.median(plain) * 1e3)
+
+        times: dict[str, list[float]] = {"read": [], "both": [], "verify": []}
+        steps = {"read": (read,), "both": (read, verify), "verify": (verify,)}
+        for rep in range(3 + max(reps, 5) * 3):
+            for name, fns in steps.items():
+                t0 = time.perf_counter()
+                for fn in fns:
+                    fn()
+                if rep >= 3:  # warm-ups
+                    times[name].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        label = f"{size // MiB}MiB"
+        out[label] = med["verify"] / med["read"]
+        out[f"{label}_interleaved"] = med["both"] / med["read"] - 1
+        out[f"{label}_read_ms"], out[f"{label}_verify_ms"] = med["read"] * 1e3, med["verify"] * 1e3
     return out
 
 
@@ -177,12 +190,14 @@ def main() -> None:
     print(f"{'path':<18}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
     for name, label, gbps in rows:
         print(f"{name:<18}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
-    print(f"\n{'READ + verify':<18}{'size':>10}{'read ms':>10}{'overhead':>10}")
+    print(f"\n{'READ + verify':<18}{'size':>10}{'read ms':>10}{'verify ms':>10}{'overhead':>10}{'interleaved':>12}")
     for backend, figures in checks.items():
         for size in CHECK_SIZES:
             label = f"{size // MiB}MiB"
-            print(f"{backend:<18}{label:>10}{figures[label + '_read_ms']:>10.3f}{figures[label]:>10.1%}")
+            print(f"{backend:<18}{label:>10}{figures[label + '_read_ms']:>10.3f}{figures[label + '_verify_ms']:>10.3f}"
+                  f"{figures[label]:>10.1%}{figures[label + '_interleaved']:>12.1%}")
             result[f"{backend}_checksum_overhead_{label}"] = figures[label]
+            result[f"{backend}_checksum_overhead_interleaved_{label}"] = figures[label + "_interleaved"]
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 
