@@ -6,7 +6,8 @@ pool saves from :class:`PdserveMeta`, D's READ notifications from the transfer e
 and reports what it releases as ``finished_sending``.
 
 D's read: one transfer batch, one entry per layer per block, with notify=remote_request_id (which ends P's
-lease), then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
+lease and is answered with P's checksums, checked before the load is reported: :mod:`pdserve.vllm.integrity`),
+then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
 A synchronous read (``RecvJob.sync``: vLLM scheduled the request in this step) runs inside ``start_load_kv``,
 before the step's forward, within ``sync_load_deadline_s``; it is reported in neither set (the request is
 running), a failed one only by its block ids (vLLM recomputes from the first invalid block and drops the
