@@ -8,7 +8,10 @@ HND [num_blocks, 2, heads, block_size, head_dim] (a permuted view), and K and V 
 every backend available (tcp: pinned staging; local: CUDA IPC; nixl: VRAM over UCX; mooncake: cuda:N, each
 skipped with its reason when it cannot run): scattered-block READ and WRITE checked byte for byte, bytes
 outside the blocks checked untouched; then READ GB/s at 16 MiB, 256 MiB and 4096 x 64 KiB against torch's
-device-to-device copy and pinned device-to-host copy in the same run. Prints a table, then one JSON line.
+device-to-device copy and pinned device-to-host copy in the same run. Issue 27's checksum row: the connector's
+device checksum (wsum32, one batched torch reduction per K/V plane over every block) on each layout: equal to the
+same reduction over a host copy of the bytes, a flipped byte changes exactly its block's sum, and its GB/s over the
+nhd cache (16 MiB) against the device-to-device copy. Prints a table, then one JSON line.
 Needs PyTorch only (NIXL and Mooncake optional); without CUDA it prints that nothing ran and exits 0.
 """
 
@@ -260,6 +263,53 @@ def torch_anchors(device: Any, reps: int) -> dict[str, float]:
             "torch_d2h_pinned_256MiB": median_gbps(BW_BYTES, d2h, reps)}
 
 
+def plane_rows(layout: str, tensors: dict[str, Any]) -> list[Any]:
+    """Each block's bytes as rows, per contiguous piece of a block in memory order: [NB, bytes] uint8 views."""
+    from pdserve.transfer.regions import byte_tensor
+    if layout == "nhd":
+        flat = byte_tensor(tensors["nhd"]).view(2, NB, BLK)
+        return [flat[0], flat[1]]
+    if layout == "hnd":
+        return [byte_tensor(tensors["hnd"]).view(NB, 2 * BLK)]
+    return [byte_tensor(tensors["k"]).view(NB, BLK), byte_tensor(tensors["v"]).view(NB, BLK)]
+
+
+def block_wsums(rows: list[Any]) -> Any:
+    """The connector's device checksum of every block: the pieces' position-weighted sums, added up."""
+    from pdserve.transfer.checksum import wsum_rows
+    total, word = None, 0
+    for r in rows:
+        part = wsum_rows(r, word)
+        total, word = (part if total is None else total + part), word + r.shape[1] // 4
+    return total
+
+
+def checksum_check(tensors: dict[str, Any], device: Any, reps: int) -> dict[str, Any]:
+    """wsum32 on this device: equal to the host computation of the same bytes, a flip changes one block's sum only,
+    and GB/s over the nhd cache."""
+    import torch
+    from anchors import median_gbps
+    fill(tensors, seed=5)
+    out: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        rows = plane_rows(layout, tensors)
+        sums = block_wsums(rows)
+        host = block_wsums([r.cpu() for r in rows])
+        out[f"checksum_{layout}_host_equal_ok"] = bool(torch.equal(sums.cpu(), host))
+        rows[-1][7, 11].bitwise_xor_(0x40)
+        changed = (block_wsums(rows) != sums).nonzero().flatten().tolist()
+        rows[-1][7, 11].bitwise_xor_(0x40)
+        out[f"checksum_{layout}_flip_ok"] = changed == [7]
+    rows = plane_rows("nhd", tensors)
+
+    def reduce() -> None:
+        block_wsums(rows)
+        sync(device)
+
+    out["checksum_gbps_nhd_16MiB"] = round(median_gbps(2 * NB * BLK, reduce, reps), 2)
+    return out
+
+
 def run(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
     import torch
     optional = optional_backends()
@@ -307,6 +357,11 @@ def run(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
             rows += [(label, k, f"{v:.2f}") for k, v in gbps.items()]
         for eng in engines.values():
             eng.close()
+        sums = checksum_check({k: local[k] for k in ("nhd", "hnd", "k", "v")}, device, args.reps)
+        result.update(sums)
+        rows.append(("checksum", "wsum32 byte-exact", "ok" if all(v for k, v in sums.items() if k.endswith("_ok"))
+                     else "FAILED " + ",".join(k for k, v in sums.items() if k.endswith("_ok") and not v)))
+        rows.append(("checksum", "wsum32 16MiB", f"{sums['checksum_gbps_nhd_16MiB']:.2f}"))
     finally:
         try:
             parent.send_bytes(msgpack.packb({"cmd": "quit"}))

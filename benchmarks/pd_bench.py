@@ -8,6 +8,10 @@ p50/p99 from the client's clock, the KV transfer's share of TTFT (decode workers
 router's own overhead (time in the router excluding waits on workers) from the router's per-request timings.
 Prints a table and a final JSON line.
 
+``--checksum-ab`` (issue 27) adds a third stack, 1P1D with ``kv_checksum: false``, in the same run, and reports
+``ratio_checksum_on_over_off_<len>_ttft_p50_ms`` (1P1D with KV checksums, the default, over the same without).
+``--checksum-only`` runs just the two 1P1D stacks.
+
 A thin wrapper over ``pdserve bench`` (pdserve/bench): the same as
 ``pdserve bench compare --configs colocated1,1p1d --workload fixed:requests=N,input=L,output=T,concurrency=C``
 for each prompt length; use that command for traces, rate sweeps, goodput and the Markdown/PNG report.
@@ -16,6 +20,7 @@ for each prompt length; use that command for traces, rate sweeps, goodput and th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,12 +35,17 @@ PROMPT_LENGTHS = (512, 2048)
 CONFIGS = {"colocated": "colocated1", "pd_1p1d": "1p1d"}
 
 
+NO_CHECKSUM = "pd_1p1d_nosum"
+
+
 def bench_config(name: str, settings: CompareSettings, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[pd_bench] starting {name} ...", file=sys.stderr, flush=True)
     plans = [WorkloadPlan(str(length), f"fixed:requests={args.requests},input={length},output={args.output_tokens},"
                                        f"concurrency={args.concurrency},rate=1000", {"seed": length})
              for length in PROMPT_LENGTHS]
-    cfg = launcher_config(CONFIGS[name], settings)
+    cfg = launcher_config(CONFIGS.get(name, "1p1d"), settings)
+    if name == NO_CHECKSUM:
+        cfg = dataclasses.replace(cfg, connector_extra={**cfg.connector_extra, "kv_checksum": False})
     with Cluster(cfg, log=lambda s: print(f"[{name}] {s}", file=sys.stderr, flush=True)) as cluster:
         results = run_on_cluster(cluster, plans, SLO(), {"progress": False},
                                  max_model_len=settings.max_model_len)
@@ -56,12 +66,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1, help="client loops sending at once (default 1)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="vLLM chunked-prefill budget for every worker (default: vLLM's)")
+    ap.add_argument("--checksum-ab", action="store_true", help="also 1P1D with KV checksums off (issue 27)")
+    ap.add_argument("--checksum-only", action="store_true", help="only 1P1D with KV checksums on and off")
     args = ap.parse_args()
     args.requests = args.requests or (4 if args.quick else 12)
     args.output_tokens = args.output_tokens or (16 if args.quick else 64)
     settings = CompareSettings(model=args.model, max_model_len=4096, kv_cache_gib=2,
                                max_num_batched_tokens=args.max_num_batched_tokens)
-    results = {name: bench_config(name, settings, args) for name in CONFIGS}
+    names = list(CONFIGS) + ([NO_CHECKSUM] if args.checksum_ab or args.checksum_only else [])
+    if args.checksum_only:
+        names = ["pd_1p1d", NO_CHECKSUM]
+    results = {name: bench_config(name, settings, args) for name in names}
 
     cols = ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "transfer_share",
             "handoff_p50_ms", "router_overhead_p50_ms"]
@@ -76,10 +91,14 @@ def main() -> None:
             for key, value in row.items():
                 if not isinstance(value, dict):
                     flat[f"{name}_{length}_{key}"] = value
+    pairs = [("pd_1p1d", "colocated", "pd_over_colocated"), ("pd_1p1d", NO_CHECKSUM, "checksum_on_over_off")]
     for length in map(str, PROMPT_LENGTHS):
-        for key in ("ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms"):
-            a, b = results["pd_1p1d"][length].get(key), results["colocated"][length].get(key)
-            flat[f"ratio_pd_over_colocated_{length}_{key}"] = round(a / b, 3) if a and b else None
+        for num, den, label in pairs:
+            if num not in results or den not in results:
+                continue
+            for key in ("ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms"):
+                a, b = results[num][length].get(key), results[den][length].get(key)
+                flat[f"ratio_{label}_{length}_{key}"] = round(a / b, 3) if a and b else None
     print(json.dumps(flat))
 
 

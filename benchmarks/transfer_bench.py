@@ -4,9 +4,13 @@
 
 Prints a table, then one JSON line with memcpy_gbps and, per backend, <backend>_gbps_<size> for the
 contiguous sizes and <backend>_scatter_ratio (4096 x 64 KiB scatter-gather GB/s over contiguous
-GB/s of the same total). When installed, the anchors run too: Mooncake TE's TCP transport and
-NIXL/UCX through their own APIs (mooncake_tcp_*, nixl_*), and pdserve's adapters over them
-(mooncake_adapter_*, nixl_adapter_*).
+GB/s of the same total). Issue 27: per backend, a READ of 1 MiB and 16 MiB timed with and without D's checksum
+check (XXH3-64 over the received bytes in 256 KiB spans, as the connector verifies a block's per-layer runs; P seals
+its blocks when it learns the lease, off the read's path), interleaved in the same run:
+<backend>_checksum_overhead_<size> = time(verify) / time(read) (medians; the verification runs after the read on
+D's read thread), and <backend>_checksum_overhead_interleaved_<size> = time(read then verify) / time(read) - 1.
+When installed, the anchors run too: Mooncake TE's TCP transport and NIXL/UCX through their own APIs
+(mooncake_tcp_*, nixl_*), and pdserve's adapters over them (mooncake_adapter_*, nixl_adapter_*).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.transfer import TransferConfig, TransferEngine  # noqa: E402
+from pdserve.transfer.checksum import xxh3_spans  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from anchors import median_gbps, run_anchors  # noqa: E402  (Mooncake TE and NIXL, when installed)
@@ -53,13 +58,18 @@ def start_target(region_bytes: int, backend: str = "auto") -> tuple[subprocess.P
     return proc, msgpack.unpackb(bytes.fromhex(line[5:].strip().decode()))
 
 
-def measure(backends: list[str], reps: int, engine_backend: str = "auto") -> dict[str, dict[str, float]]:
-    """pdserve's engine between this process and a target process, for each backend named."""
+def measure(backends: list[str], reps: int, engine_backend: str = "auto",
+            checks: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
+    """pdserve's engine between this process and a target process, for each backend named (and, into ``checks``,
+    the checksum overhead of its reads)."""
     total = max(SIZES)
     proc, peer = start_target(total, engine_backend)
     engine = TransferEngine(TransferConfig(secret=SECRET, backend=engine_backend))
-    engine.register("src", np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8))
+    src = np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8)
+    engine.register("src", src)
     try:
+        if checks is not None:
+            checks.update({b: bench_checksum(b, peer, engine, src, reps) for b in backends})
         return {b: bench_engine(b, peer, engine, SIZES, total, reps) for b in backends}
     finally:
         engine.close()
@@ -89,6 +99,43 @@ def scatter_entries(total: int, seed: int = 0) -> list[tuple]:
     n = total // BLOCK
     order = np.random.default_rng(seed).permutation(n)
     return [("src", i * BLOCK, "dst", int(j) * BLOCK, BLOCK) for i, j in enumerate(order)]
+
+
+CHECK_SIZES = [1 * MiB, 16 * MiB]
+SPAN = 256 * 1024
+
+
+def bench_checksum(backend: str, peer: dict, engine: TransferEngine, src: np.ndarray, reps: int) -> dict[str, float]:
+    """Per size: median ms of a READ, of a READ then its verification, and of the verification alone (XXH3-64 of the
+    received bytes), the three alternating each repetition after warm-ups; overhead = verify / read (medians), and
+    the interleaved read+verify over read - 1 as a cross-check (noisier: two transfers' jitter)."""
+    import time
+
+    out = {}
+    for size in CHECK_SIZES:
+        entries = [("src", 0, "dst", 0, size)]
+
+        def read(entries: list = entries) -> None:
+            engine.submit(peer, entries, "read", backend=backend).result()
+
+        def verify(size: int = size) -> None:
+            xxh3_spans(src[i:i + SPAN] for i in range(0, size, SPAN))
+
+        times: dict[str, list[float]] = {"read": [], "both": [], "verify": []}
+        steps = {"read": (read,), "both": (read, verify), "verify": (verify,)}
+        for rep in range(3 + max(reps, 5) * 3):
+            for name, fns in steps.items():
+                t0 = time.perf_counter()
+                for fn in fns:
+                    fn()
+                if rep >= 3:  # warm-ups
+                    times[name].append(time.perf_counter() - t0)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        label = f"{size // MiB}MiB"
+        out[label] = med["verify"] / med["read"]
+        out[f"{label}_interleaved"] = med["both"] / med["read"] - 1
+        out[f"{label}_read_ms"], out[f"{label}_verify_ms"] = med["read"] * 1e3, med["verify"] * 1e3
+    return out
 
 
 def bench_engine(backend: str, peer: dict, engine: TransferEngine, sizes: list[int], scatter_total: int,
@@ -124,7 +171,8 @@ def main() -> None:
     result: dict[str, float] = {}
     result["memcpy_gbps"] = memcpy_gbps(max(SIZES), reps)
     rows.append(("memcpy", "256MiB", result["memcpy_gbps"]))
-    measured = measure(args.backends.split(","), reps)
+    checks: dict[str, dict[str, float]] = {}
+    measured = measure(args.backends.split(","), reps, checks=checks)
     if not args.no_anchors:
         for name in ("mooncake", "nixl"):
             figures = measure_adapter(name, reps)
@@ -142,6 +190,14 @@ def main() -> None:
     print(f"{'path':<18}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
     for name, label, gbps in rows:
         print(f"{name:<18}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
+    print(f"\n{'READ + verify':<18}{'size':>10}{'read ms':>10}{'verify ms':>10}{'overhead':>10}{'interleaved':>12}")
+    for backend, figures in checks.items():
+        for size in CHECK_SIZES:
+            label = f"{size // MiB}MiB"
+            print(f"{backend:<18}{label:>10}{figures[label + '_read_ms']:>10.3f}{figures[label + '_verify_ms']:>10.3f}"
+                  f"{figures[label]:>10.1%}{figures[label + '_interleaved']:>12.1%}")
+            result[f"{backend}_checksum_overhead_{label}"] = figures[label]
+            result[f"{backend}_checksum_overhead_interleaved_{label}"] = figures[label + "_interleaved"]
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 

@@ -228,6 +228,7 @@ class LauncherConfig:
     served_model_name: str | None = _d("served_model_name")
     connector: bool | None = _d("connector")
     lease_s: float = _d("lease_s")
+    kv_checksum: bool = _d("kv_checksum")
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()

@@ -239,6 +239,8 @@ def plan_workers(
         raise ValueError(f"need {len(roles)} ports, got {len(ports)}")
     name = served_name(config, model_dir)
     extra_config = dict(config.connector_extra)
+    if not config.kv_checksum:
+        extra_config["kv_checksum"] = False
     if pool_master:
         extra_config["pool_master"] = pool_master
     role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": (),

@@ -78,6 +78,9 @@ class ConnectorConfig:
         asynchronous (the behaviour before issue 16).
     sync_load_deadline_s: longest a synchronous read may hold D's step; past it the read fails and vLLM
         recomputes the prompt, as for any failed read.
+    kv_checksum: checksum every KV block that crosses a process (P's leased blocks, pool objects) and verify it
+        before vLLM uses the block (default on; false turns both sides off: P seals nothing and D verifies
+        nothing; pool objects still carry their fingerprint).
     """
 
     secret: str
@@ -100,11 +103,12 @@ class ConnectorConfig:
     pool_backoff_s: float = setting("pool_backoff_s").default
     sync_load_max_bytes: int = setting("sync_load_max_bytes").default
     sync_load_deadline_s: float = setting("sync_load_deadline_s").default
+    kv_checksum: bool = setting("kv_checksum").default
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
-            "sync_load_max_bytes", "sync_load_deadline_s")
+            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:

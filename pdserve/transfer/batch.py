@@ -6,7 +6,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .errors import TransferError
 
@@ -109,6 +109,7 @@ class BatchHandle:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._interrupts: dict[int, Callable[[], None]] = {}
+        self.reply: Any = None  # the peer's answer to the batch's notification (TransferEngine.on_notify)
 
     # ---- caller side ----
     def poll(self) -> BatchStatus:

@@ -36,6 +36,7 @@ class Notification(NamedTuple):
     peer_engine_id: str
     batch_id: str
     message: Any  # bytes or str, as the peer sent it
+    nbytes: int = 0  # bytes the peer's batch moved before it notified (0: a notification alone)
 
 
 def _optional_backend(name: str) -> type[Backend]:
@@ -170,8 +171,9 @@ class TransferEngine:
                 backend.run(handle, peer, op, entries)
             if notify is not None:
                 with batch_connection(self.ctx, handle, backend.control_address(peer)) as conn:
-                    conn.call({"t": "n", "b": handle.batch_id, "from": self.engine_id, "m": notify},
-                              handle.remaining())
+                    reply = conn.call({"t": "n", "b": handle.batch_id, "from": self.engine_id, "m": notify,
+                                       "nb": handle.total_bytes}, handle.remaining())
+                handle.reply = reply.get("r")
             handle.succeed()
         except TransferError as exc:
             handle.fail(exc)
@@ -180,8 +182,10 @@ class TransferEngine:
             handle.fail(TransferError("internal", f"{type(exc).__name__}: {exc}"))
 
     # ---- notifications ----
-    def on_notify(self, callback: Callable[[Notification], None]) -> None:
-        """Call ``callback`` (on an engine thread) for every notification that arrives."""
+    def on_notify(self, callback: Callable[[Notification], Any]) -> None:
+        """Call ``callback`` (on an engine thread) for every notification that arrives. The first callback that
+        returns something other than None answers the notification: that msgpack-able value reaches the sender
+        as its batch handle's ``reply`` (e.g. checksums of the bytes the batch read), in the same round trip."""
         self._callbacks.append(callback)
 
     def get_notifications(self) -> list[Notification]:
@@ -191,15 +195,21 @@ class TransferEngine:
         return items
 
     def _serve_notify(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
-        note = Notification(str(msg.get("from")), str(msg.get("b")), msg.get("m"))
+        nbytes = msg.get("nb")
+        note = Notification(str(msg.get("from")), str(msg.get("b")), msg.get("m"),
+                            nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0)
         with self._inbox_lock:
             self._inbox.append(note)
+        answer = None
         for callback in list(self._callbacks):
             try:
-                callback(note)
+                out = callback(note)
             except Exception:
                 log.exception("notification callback failed")
-        wire.send_msg(ctx.sock, {"t": "ok"})
+                continue
+            if answer is None:
+                answer = out
+        wire.send_msg(ctx.sock, {"t": "ok"} if answer is None else {"t": "ok", "r": answer})
 
     def _serve_segment(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
         wire.send_msg(ctx.sock, {"t": "ok", "seg": self.segment().to_wire()})

@@ -281,3 +281,13 @@ def head_runs(kv: KVLayout, head: int, ratio: int = 1) -> tuple[tuple[int, int],
             off = head * kv.strides[hdim] + k * bstride + sum(i * kv.strides[d] for d, i in zip(outer, idx))
             runs.append((off * kv.elem, run * kv.elem))
     return tuple(runs)
+
+
+def attn_backend(vllm_config: Any, layer: str) -> Any:
+    """The attention backend class vLLM chose for ``layer`` (None when vLLM cannot say, e.g. in tests)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        backends = get_current_attn_backends(vllm_config, [layer])
+        return backends[0] if backends else None
+    except Exception:
+        return None

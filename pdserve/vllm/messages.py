@@ -64,6 +64,9 @@ class PdserveMeta:
     recv: list[RecvJob] = field(default_factory=list)
     send: dict[str, float] = field(default_factory=dict)  # P request id -> lease deadline (time.time())
     pool: list[PoolJob] = field(default_factory=list)  # KV pool saves and loads
+    # P request id -> its leased block ids, to checksum now (kv_checksum on; pdserve.vllm.integrity.SealTable)
+    seal: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    faults: dict[str, str] = field(default_factory=dict)  # P request id -> its test fault (allow_test_faults)
 
 
 @dataclass
@@ -117,3 +120,4 @@ class PdserveHandshake:
     kv_heads: int = 0  # the model's total KV heads (each rank holds its share)
     unit: str = ""  # TP-independent layout signature (pdserve.vllm.shards.unit_signature)
     block_bytes: int = 0  # bytes of one block over every layer of this rank's shard (0: unknown, never sync)
+    fingerprint: dict[str, str] = field(default_factory=dict)  # compatibility fingerprint (pdserve.vllm.fingerprint)

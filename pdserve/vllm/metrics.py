@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 _COUNTERS = ("reads", "read_failures", "read_bytes", "released_notified", "released_lease",
              "pool_loads", "pool_load_failures", "pool_loaded_tokens", "pool_load_bytes",
-             "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes")
+             "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes",
+             "checksum_failures_p2p", "checksum_failures_pool")
+CHECKSUM_PATHS = {"checksum_failures_p2p": "p2p", "checksum_failures_pool": "pool"}
 
 
 @dataclass
@@ -50,8 +52,8 @@ class PdserveStats(KVConnectorStats):
 
 
 class PdservePromMetrics(KVConnectorPromMetrics):
-    """Counters vllm:pdserve_kv_{reads,read_failures,read_bytes,released_notified,released_lease}_total
-    and the histogram vllm:pdserve_kv_read_seconds."""
+    """Counters vllm:pdserve_kv_{reads,read_failures,read_bytes,released_notified,released_lease,pool_*}_total,
+    vllm:pdserve_kv_checksum_failures_total{path="p2p"|"pool"} and the histogram vllm:pdserve_kv_read_seconds."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -76,6 +78,13 @@ class PdservePromMetrics(KVConnectorPromMetrics):
         self.counters = {key: per_engine(self._counter_cls(name=f"vllm:pdserve_kv_{key}", documentation=doc,
                                                            labelnames=labelnames))
                          for key, doc in docs.items()}
+        checksum = self._counter_cls(
+            name="vllm:pdserve_kv_checksum_failures", labelnames=[*labelnames, "path"],
+            documentation="KV blocks refused before use: checksum or fingerprint mismatch (p2p: a read from a "
+                          "prefill worker, recomputed; pool: a KV pool object, treated as a miss)")
+        for key, path in CHECKSUM_PATHS.items():
+            self.counters[key] = {idx: checksum.labels(*values, path)
+                                  for idx, values in per_engine_labelvalues.items()}
         self.read_seconds = per_engine(self._histogram_cls(
             name="vllm:pdserve_kv_read_seconds", documentation="Duration of one request's KV read",
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],

@@ -28,11 +28,15 @@ from pdserve.settings.connector import (  # noqa: F401  (re-exported: the connec
     ConfigError,
     ConnectorConfig,
 )
+from pdserve.vllm.fingerprint import parse as parse_fingerprint
 
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
-# the read (real corruption of the transferred KV); "fail" fails the read (D must recompute).
+# the read and its checksum check (real corruption of the KV D uses: the negative control); "fail" fails the read
+# (D must recompute); "flip" flips a byte of the first received block before the check (corruption in transit);
+# "late" (given to P) flips a byte of P's first leased block after P sealed it, before D reads (a late write).
 LOAD_MODES = ("", "auto", "async")  # kv_transfer_params.pdserve_load: auto = by sync_load_max_bytes
-TEST_FAULTS = ("zero", "fail")  # "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R
+# "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R ("flip@R": D rank R)
+TEST_FAULTS = ("zero", "fail", "flip", "late")
 
 
 def fault_hits(fault: str, kind: str, peer_rank: int) -> bool:
@@ -76,6 +80,7 @@ class RemoteParams:
     kv_heads: int = 0
     unit: str = ""
     load: str = ""  # "async": D loads asynchronously whatever the size (pdserve_load, tests and A/B runs)
+    fingerprint: Mapping[str, str] | None = None  # P's compatibility fingerprint (pdserve.vllm.fingerprint)
 
     @property
     def tp(self) -> int:
@@ -97,6 +102,8 @@ class RemoteParams:
             out["remote_ranks"] = [list(r) for r in self.ranks]
         if self.kv_heads:
             out["remote_kv_heads"], out["remote_kv_unit"] = self.kv_heads, self.unit
+        if self.fingerprint:
+            out["remote_fingerprint"] = dict(self.fingerprint)
         return out
 
     @classmethod
@@ -127,10 +134,11 @@ class RemoteParams:
         ranks, heads = _parse_ranks(params.get("remote_ranks")), params.get("remote_kv_heads") or 0
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
             raise ValueError(f"kv_transfer_params.remote_kv_heads={heads!r}: pass P's kv_transfer_params unchanged")
+        fingerprint = parse_fingerprint(params.get("remote_fingerprint"))
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
                    str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
-                   str(params.get("remote_kv_unit") or ""), load)
+                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None)
 
 
 MAX_TP = 1024

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.hashing import block_hashes
 from pdserve.store import ClientConfig, StoreClient, StoreError
+from pdserve.vllm.fingerprint import differences
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob, merge_reads
 from pdserve.vllm.params import (
@@ -89,6 +90,8 @@ class SchedulerSide:
         self.stamps = HandoffStamps()  # D hand-offs' timestamps (one log line each)
         self._recv: list[RecvJob] = []
         self._send: dict[str, float] = {}
+        self._seal: dict[str, tuple[int, ...]] = {}  # P: leased blocks whose checksums the worker computes
+        self._faults: dict[str, str] = {}  # P: test faults for the worker (allow_test_faults)
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
         self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.reading = 0  # D reads and pool loads in flight
@@ -99,6 +102,9 @@ class SchedulerSide:
         self._pool_saving: set[str] = set()
         self._pool_down_until = 0.0
         self.pool_outcomes: dict[str, int] = {}
+        # requests whose pool load failed (in part): vLLM reschedules them, and the pool must not be claimed again
+        # (a corrupt or foreign object stays pooled: claiming it again would loop)
+        self._pool_refused: OrderedDict[str, None] = OrderedDict()
 
     @property
     def held(self) -> int:
@@ -132,7 +138,8 @@ class SchedulerSide:
     def _pool_match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
         self._pool_hits.pop(request.request_id, None)
-        if not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size:
+        if (not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size
+                or request.request_id in self._pool_refused):
             return 0, False
         keys = block_hashes(request.prompt_token_ids or [], self.block_size)
         first = num_computed_tokens // self.block_size
@@ -201,6 +208,12 @@ class SchedulerSide:
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
+        refused = self._refuse_fingerprint(remote)
+        if refused:
+            log.error("request %s: refused P's KV: %s; computing locally", request.request_id, refused)
+            self._keep_read(request.request_id, {"ok": False, "bytes": 0, "ms": 0.0, "blocks": 0,
+                                                 "refused": refused, "error": refused})
+            return 0
         if self.handshake and remote.tp != self.tp:
             refused = self._refuse_sharding(remote)
             if refused:
@@ -217,6 +230,16 @@ class SchedulerSide:
             log.warning("request %s: P's lease on the blocks has run out; computing locally", request.request_id)
             return 0
         return n
+
+    def _refuse_fingerprint(self, remote: RemoteParams) -> str:
+        """Why P's KV is not this worker's kind of KV ("" when the fingerprints agree, or D has none: a fake)."""
+        mine = self.handshake.fingerprint if self.handshake is not None else {}
+        if not mine:
+            return ""
+        if not remote.fingerprint:
+            return "fingerprint mismatch: P sent no compatibility fingerprint (an older pdserve?)"
+        diff = differences(remote.fingerprint, mine)
+        return f"fingerprint mismatch: {'; '.join(diff)}" if diff else ""
 
     def _refuse_sharding(self, remote: RemoteParams) -> str:
         """Why P's tensor-parallel layout cannot feed ours ("" when every rank can read its head slices)."""
@@ -312,6 +335,7 @@ class SchedulerSide:
     # ---- P ----
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pool_hits.pop(request.request_id, None)
+        self._pool_refused.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids)
         if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
@@ -348,12 +372,17 @@ class SchedulerSide:
         deadline = time.time() + self._lease_s(params)
         self._send[request.request_id] = deadline
         self._held.add(request.request_id)
+        if self.config.kv_checksum:
+            self._seal[request.request_id] = tuple(block_ids[:nblocks])
+        fault = params.get("pdserve_test_fault")
+        if fault and self.config.allow_test_faults:
+            self._faults[request.request_id] = str(fault)
         hs = self.handshake
         ranks = tuple((h.engine_id, h.host, h.port) for h in self.ranks) if self.tp > 1 else ()
         remote = RemoteParams(hs.engine_id, hs.host, hs.port, tuple(block_ids[:nblocks]), num_tokens,
                               request.request_id, hs.layout,
                               prompt_hash(request.prompt_token_ids or [], num_tokens), deadline, "", ranks,
-                              hs.kv_heads, hs.unit)
+                              hs.kv_heads, hs.unit, fingerprint=hs.fingerprint or None)
         return True, remote.to_params()
 
     def _lease_s(self, params: dict[str, Any]) -> float:
@@ -368,7 +397,7 @@ class SchedulerSide:
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
-                and not self._recv and not self._send and not self._pool_jobs
+                and not self._recv and not self._send and not self._pool_jobs and not self._seal
                 and (self.held > 0 or self._pool_saving) and self.reading == 0
                 and self.config.idle_wait_ms > 0):
             # vLLM keeps stepping while P holds blocks for a decode, even with nothing to run: an
@@ -378,8 +407,8 @@ class SchedulerSide:
         if scheduler_output is not None:
             self.stamps.step(getattr(r, "req_id", "") for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
         self.reading += sum(1 for job in self._recv if job.load)
-        meta = PdserveMeta(self._recv, self._send, self._pool_jobs)
-        self._recv, self._send, self._pool_jobs = [], {}, []
+        meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, self._faults)
+        self._recv, self._send, self._pool_jobs, self._seal, self._faults = [], {}, [], {}, {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -402,5 +431,9 @@ class SchedulerSide:
         for req_id, outcome in meta.pool.items():
             if outcome.startswith("save"):
                 self._pool_saving.discard(req_id)
+            elif outcome in ("load_partial", "load_failed"):
+                self._pool_refused[req_id] = None
+                while len(self._pool_refused) > MAX_READ_STATS:
+                    self._pool_refused.popitem(last=False)
             self.pool_outcomes[outcome] = self.pool_outcomes.get(outcome, 0) + 1
         self._held.difference_update(meta.released)  # leases that ended (the worker counts them, by reason)

@@ -6,7 +6,8 @@ pool saves from :class:`PdserveMeta`, D's READ notifications from the transfer e
 and reports what it releases as ``finished_sending``.
 
 D's read: one transfer batch, one entry per layer per block, with notify=remote_request_id (which ends P's
-lease), then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
+lease and is answered with P's checksums, checked before the load is reported: :mod:`pdserve.vllm.integrity`),
+then ``finished_recving`` (or also ``failed_recving`` + the block ids: vLLM recomputes the prompt).
 A synchronous read (``RecvJob.sync``: vLLM scheduled the request in this step) runs inside ``start_load_kv``,
 before the step's forward, within ``sync_load_deadline_s``; it is reported in neither set (the request is
 running), a failed one only by its block ids (vLLM recomputes from the first invalid block and drops the
@@ -20,22 +21,24 @@ rank has.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from pdserve.store import ClientConfig, StoreClient, StoreError
+from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
-from pdserve.vllm.layout import KVLayout, LayoutError, layout_of_tensor
+from pdserve.vllm.fingerprint import digest, worker_fingerprint
+from pdserve.vllm.integrity import BlockSums, SealTable, check_read
+from pdserve.vllm.kvmemory import byte_region, zero_ranges
+from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdserveStats
 from pdserve.vllm.params import (
+    PEER_BLOCKS_SEP,
     ConnectorConfig,
     LayerGeometry,
     RemoteParams,
@@ -46,7 +49,8 @@ from pdserve.vllm.params import (
     same_layout,
     with_blocks,
 )
-from pdserve.vllm.pool import loaded_prefix, pool_items
+from pdserve.vllm.pool import SEAL_REGION, SealSlots
+from pdserve.vllm.pool_io import PoolIO
 from pdserve.vllm.release import Released, ReleaseLedger
 from pdserve.vllm.shards import (
     RankLayer,
@@ -66,32 +70,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = connector_log()
-
-
-def _span_view(addr: int, nbytes: int) -> np.ndarray:
-    """A writable uint8 array over raw memory we keep alive elsewhere (the KV cache tensor)."""
-    raw = (ctypes.c_ubyte * nbytes).from_address(addr)
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
-
-
-def _byte_region(t: torch.Tensor, span: int) -> Any:
-    """What the transfer engine registers for a layer: the bytes ``[data_ptr, +span)`` of its cache, so
-    region offsets are byte offsets from the tensor's first element. CPU: a numpy view of the span;
-    CUDA (or any device): a flat uint8 tensor over the same storage (the engine takes device tensors)."""
-    if t.device.type == "cpu":
-        return _span_view(t.data_ptr(), span)
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return flat.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (span,), (1,))
-
-
-def _attn_backend(vllm_config: VllmConfig, layer: str) -> Any:
-    """The attention backend class vLLM chose for ``layer`` (None when vLLM cannot say, e.g. in tests)."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-        backends = get_current_attn_backends(vllm_config, [layer])
-        return backends[0] if backends else None
-    except Exception:
-        return None
 
 
 class WorkerSide:
@@ -124,6 +102,12 @@ class WorkerSide:
         self.layout = ""
         self.kv_layouts: dict[str, KVLayout] = {}
         self._tensors: dict[str, torch.Tensor] = {}
+        self._memory: dict[str, Any] = {}  # layer -> its registered bytes (pdserve.vllm.kvmemory.byte_region)
+        self.sums = BlockSums([], {})
+        self.fingerprint: dict[str, str] = {}
+        self.fp_digest = 0
+        self._seals = SealTable()  # P: checksums of leased blocks, answered to D's notification
+        self._pool_io: PoolIO | None = None
         self._peers: dict[tuple[str, int], Any] = {}
         self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
         self.engine.on_notify(self._on_notify)
@@ -157,8 +141,9 @@ class WorkerSide:
             kv = self._layout(name, t)
             ratio = max(1, self.block_size // kv.block_tokens)
             stride, runs, scales = kv.manager_runs(ratio)
-            self.engine.register(name, _byte_region(t, kv.span))
-            self._tensors[name] = t  # keep alive; zeroing in tests
+            self._memory[name] = byte_region(t, kv.span)
+            self.engine.register(name, self._memory[name])
+            self._tensors[name] = t  # keep alive
             self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales,
                                              kv.num_blocks))
             self.rank_layers.append(RankLayer(name, kv, ratio))
@@ -169,6 +154,15 @@ class WorkerSide:
         except ValueError as exc:
             raise RuntimeError(f"PdserveConnector: {exc}; unsupported KV layout") from None
         self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if self.kv_heads else ""
+        self.sums = BlockSums(self.layers, self._memory)
+        self.fingerprint = worker_fingerprint(self.vllm_config, self.unit or self.layout.split(PEER_BLOCKS_SEP)[0],
+                                              self.block_size, self.tp)
+        self.fp_digest = digest(self.fingerprint)
+        if self.pool is not None:
+            slots = SealSlots()
+            self.engine.register(SEAL_REGION, slots.buffer)
+            self._pool_io = PoolIO(self.pool, self.layers, self.sums, slots, self.fp_digest, self.config.kv_checksum,
+                                   sum(g.block_bytes for g in self.layers))
         first = kv_caches[self.layers[0].name] if self.layers else None
         log.info("worker: registered %d KV layers (%s), per-layer cache %s strides %s on %s, layout %s: %s",
                  len(self.layers), dtype, tuple(first.shape) if first is not None else None,
@@ -177,7 +171,7 @@ class WorkerSide:
 
     def _layout(self, name: str, t: torch.Tensor) -> KVLayout:
         """The layer's layout from the backend vLLM chose and its resolved KV cache layout."""
-        backend = _attn_backend(self.vllm_config, name)
+        backend = attn_backend(self.vllm_config, name)
         try:
             order = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         except Exception:
@@ -197,12 +191,14 @@ class WorkerSide:
     def handshake(self) -> PdserveHandshake:
         seg = self.engine.segment()
         return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout, self.rank, self.kv_heads,
-                                self.unit, sum(g.block_bytes for g in self.layers))
+                                self.unit, sum(g.block_bytes for g in self.layers), dict(self.fingerprint))
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
         for req_id, deadline in meta.send.items():
             self._ledger.lease(req_id, deadline)
+        for req_id, blocks in meta.seal.items():
+            self._seals.seal(req_id, blocks, self._sealer(meta.faults.get(req_id, "")))
         for pjob in meta.pool:
             if pjob.save:
                 self._ledger.saving(pjob.req_id)
@@ -220,6 +216,16 @@ class WorkerSide:
                 now.append(th)
         for th in now:  # this step's forward uses these blocks: the reads end (or fail) before it starts
             th.join()
+
+    def _sealer(self, fault: str) -> Any:
+        """P: what computes a lease's checksums (with test fault ``late``: then writes into its first block)."""
+        def seal(blocks: tuple[int, ...]) -> list[int]:
+            out = self.sums.sums(blocks)
+            if fault == "late" and self.config.allow_test_faults and blocks:
+                self.sums.flip_byte(blocks[0])
+                log.warning("pdserve_test_fault=late: wrote into leased block %d after sealing it", blocks[0])
+            return out
+        return seal
 
     def _peer(self, remote: RemoteParams, rank: int = 0) -> Any:
         """P's rank ``rank``'s segment (fetched once per engine)."""
@@ -278,7 +284,7 @@ class WorkerSide:
                 deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
                 if deadline_s <= 0:
                     raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
-            stats["bytes"], stats["peers"] = self._read(remote, batches, counts, notified, deadline_s)
+            stats["bytes"], stats["peers"] = self._read(job, batches, counts, notified, deadline_s, stats)
             ok = True
         except Exception as exc:  # every failure ends in a recompute, never in partial KV
             stats["error"] = f"{type(exc).__name__}: {exc}"
@@ -301,10 +307,13 @@ class WorkerSide:
                      self.rank, len(plan), stats["bytes"], stats["mode"], remote.request_id, stats["ms"],
                      stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
 
-    def _read(self, remote: RemoteParams, batches: dict[int, list[tuple[str, int, str, int, int]]],
-              counts: dict[int, int], notified: set[int], deadline_s: float) -> tuple[int, list[int]]:
-        """Read every P rank's batch at once (each notifies that rank), then apply test faults; returns the
-        bytes read and the P ranks read from. Raises on the first failed batch, after all have ended."""
+    def _read(self, job: RecvJob, batches: dict[int, list[tuple[str, int, str, int, int]]],
+              counts: dict[int, int], notified: set[int], deadline_s: float,
+              stats: dict[str, Any]) -> tuple[int, list[int]]:
+        """Read every P rank's batch at once (each notifies that rank), verify the blocks against P's checksums,
+        then apply test faults; returns the bytes read and the P ranks read from. Raises on the first failed
+        batch, after all have ended, or on a checksum mismatch."""
+        remote = job.remote
         fault = remote.test_fault if self.config.allow_test_faults else ""
         handles: dict[int, Any] = {}
         failed: list[Exception] = []
@@ -327,42 +336,38 @@ class WorkerSide:
             total += handle.total_bytes
         if failed:
             raise failed[0]
+        if fault_hits(fault, "flip", self.rank) and job.plan.local:
+            self.sums.flip_byte(job.plan.local[0])
+            log.warning("request %s: pdserve_test_fault=%s: flipped a byte of received block %d", remote.request_id,
+                        fault, job.plan.local[0])
+        if self.config.kv_checksum:
+            self._verify(job, handles.get(self.rank), stats)
         for p, entries in batches.items():
             if fault_hits(fault, "zero", p):
-                self._zero_entries(entries)
+                zero_ranges(self._memory, entries)
                 log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",
                             remote.request_id, fault, len(entries), p)
         return total, sorted(batches)
 
+    def _verify(self, job: RecvJob, handle: Any, stats: dict[str, Any]) -> None:
+        """D: the blocks just read must match P's checksums (P's reply to this rank's notification of its own P
+        rank); raise TransferError("checksum") otherwise, so vLLM recomputes them. Reads that reshard heads across
+        tensor-parallel degrees are not verified (P seals whole blocks of its shard)."""
+        if job.remote.tp != self.tp:
+            return
+        problem, stats["verified"] = check_read(self.sums, self.fp_digest, handle.reply if handle else None,
+                                                job.plan.local, job.plan.remote)
+        where = f"P {job.remote.host}:{job.remote.port} request {job.remote.request_id} -> D rank {self.rank}"
+        if problem:
+            stats["checksum_failed"] = True
+            log.error("request %s: KV checksum failure (%s): %s; vLLM will recompute", job.req_id, where, problem)
+            raise TransferError("checksum", problem)
+
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
-        t0 = time.perf_counter()
-        block_bytes = sum(g.block_bytes for g in self.layers)
-        stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
-        good = 0
-        try:
-            if self.pool is None or job.error:
-                raise StoreError("plan", job.error or "no pool configured on this worker")
-            items = pool_items(self.layers, job.keys, job.block_ids)
-            if job.save:
-                statuses = self.pool.put(items)
-                stored = statuses.count("stored")
-                good = stored + statuses.count("exists")
-                stats.update(stored=stored, bytes=stored * block_bytes,
-                             full=statuses.count("full"), failed=statuses.count("failed"))
-            else:
-                good = loaded_prefix(self.pool.get_into(items))
-                stats["bytes"] = good * block_bytes
-        except Exception as exc:  # the pool is a cache: a failure costs a recompute, never a wrong token
-            stats["error"] = f"{type(exc).__name__}: {exc}"
-            log.warning("request %s: KV pool %s failed: %s", job.req_id, "save" if job.save else "load",
-                        stats["error"])
-        stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        good, stats = PoolIO.run_job(self._pool_io, job)
         with self._lock:
             self._pool_done.append((job, good, stats))
-        if not job.save and good:
-            log.info("request %s: loaded %d of %d blocks (%d B) from the KV pool in %.2f ms", job.req_id, good,
-                     len(job.block_ids), stats["bytes"], stats["ms"])
 
     def _pool_results(self, recving: set[str], failed: set[str]) -> None:
         """Account finished pool jobs: loads into ``recving``/``failed``, ended saves to the ledger."""
@@ -381,6 +386,7 @@ class WorkerSide:
                 continue
             recving.add(job.req_id)
             data["pool_loads"] += 1
+            data["checksum_failures_pool"] += stats.get("seal_failures", 0)
             data["pool_loaded_tokens"] += good * self.block_size
             data["pool_load_bytes"] += stats["bytes"]
             if good < len(job.block_ids):  # the rest is recomputed: vLLM keeps the valid prefix
@@ -412,22 +418,15 @@ class WorkerSide:
             except Exception as exc:
                 log.warning("could not tell P rank %d to free %s (%s); its lease will", p, remote.request_id, exc)
 
-    def _zero_entries(self, entries: list[tuple[str, int, str, int, int]]) -> None:
-        """Zero the local ranges of ``entries`` (test fault: real corruption of received KV)."""
-        flats: dict[str, Any] = {}
-        for name, off, _, _, n in entries:
-            t = self._tensors[name]
-            if t.device.type == "cpu":
-                ctypes.memset(t.data_ptr() + off, 0, n)
-                continue
-            if name not in flats:
-                flats[name] = _byte_region(t, self.kv_layouts[name].span)
-            flats[name][off:off + n].zero_()
-
-    def _on_notify(self, note: Any) -> None:
+    def _on_notify(self, note: Any) -> Any:
+        """D's READ notification: counts toward the lease's end; after a read (the batch moved bytes) it is answered
+        with the lease's checksums (kv_checksum on)."""
         msg = note.message
         req_id, sender, readers = parse_notify(msg.decode() if isinstance(msg, bytes) else str(msg))
         self._ledger.notify(req_id, sender=sender, readers=readers)
+        if not self.config.kv_checksum or not getattr(note, "nbytes", 0):
+            return None
+        return self._seals.reply(req_id, self.sums.alg, self.fp_digest)
 
     def results(self) -> KVConnectorTransferResults:
         recving: set[str] = set()
@@ -446,6 +445,7 @@ class WorkerSide:
             else:
                 log.info("P request %s: decode read its KV blocks; freeing them", req_id)
         self._meta.released.update(released.lease_ends)
+        self._seals.drop(list(released.lease_ends))
         counts = self._ledger.take_counts()
         self.stats.data["released_notified"] += counts[NOTIFIED]
         self.stats.data["released_lease"] += counts[LEASE]
@@ -469,6 +469,7 @@ class WorkerSide:
                         failed.add(job.req_id)
                     self._invalid.update(job.plan.local)
                     data["read_failures"] += 1
+                    data["checksum_failures_p2p"] += 1 if stats.get("checksum_failed") else 0
 
     def take_stats(self) -> PdserveStats | None:
         if self.stats.is_empty():
@@ -489,6 +490,7 @@ class WorkerSide:
         return meta
 
     def close(self) -> None:
+        self._seals.close()
         if self.pool is not None:
             self.pool.close()
         try:

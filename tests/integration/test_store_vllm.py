@@ -6,7 +6,10 @@ same prompt is served again under a fresh ``cache_salt`` (so the server's own pr
 restart, while the pool's keys are the prompt's alone): the server loads the 7 blocks from the pool
 (``vllm:pdserve_kv_pool_loaded_tokens_total`` = 896) and its greedy output equals the first one's. Negative control: the pooled objects are replaced with random bytes under the same keys; a
 request that bypasses the local prefix cache (fresh cache_salt) then loads them and its output differs, so
-the tokens really came from the pool's bytes.
+the tokens really came from the pool's bytes. Issue 27: a byte flipped in one pooled object is caught by its seal
+(that block and the ones after it are recomputed, the output stays exact, the failure is counted by path); the
+negative control's random bytes carry a valid seal (this worker's fingerprint, their own checksum), or the seal would
+refuse them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pdserve.hashing import block_hashes
 from pdserve.procs import free_port
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine
+from pdserve.transfer.checksum import xxh3_spans
+from pdserve.vllm.pool import MAGIC, SEAL_BYTES
 
 from .test_pd_exactness import ROOT, START_TIMEOUT_S, Server, _prompt, _salt, _tokens  # noqa: F401
 
@@ -96,6 +101,41 @@ def _by_source(server: Server, source: str) -> float:
     return sum(float(v) for v in re.findall(pat, text, re.M))
 
 
+def _metrics_text(server: Server) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _read_objects(port: int, keys: list[int], size: int) -> list[np.ndarray]:
+    """The pooled objects' bytes (block and seal), read through a client of our own."""
+    engine = TransferEngine(TransferConfig(secret=SECRET))
+    try:
+        buf = np.zeros(size * len(keys), dtype=np.uint8)
+        engine.register("buf", buf)
+        reader = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET), engine)
+        assert reader.get_into([(k, [("buf", i * size, size)]) for i, k in enumerate(keys)]) == [True] * len(keys)
+        reader.close()
+        return [buf[i * size:(i + 1) * size].copy() for i in range(len(keys))]
+    finally:
+        engine.close()
+
+
+def _replace_objects(port: int, client: StoreClient, keys: list[int], objects: list[np.ndarray]) -> None:
+    """Put other bytes under the same keys (objects are immutable: remove, then put)."""
+    client.remove(keys)
+    assert not any(client.exists(keys))
+    engine = TransferEngine(TransferConfig(secret=SECRET))
+    try:
+        data = np.concatenate(objects)
+        engine.register("data", data)
+        size = len(objects[0])
+        writer = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET), engine)
+        assert writer.put([(k, [("data", i * size, size)]) for i, k in enumerate(keys)]) == ["stored"] * len(keys)
+        writer.close()
+    finally:
+        engine.close()
+
+
 def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> None:
     port, client = pool
     extra = {"secret": SECRET, "pool_master": f"127.0.0.1:{port}"}
@@ -121,20 +161,33 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
         assert _by_source(server, "local_compute") - local0 == 1000 - 7 * BLOCK  # ... not computed
         assert loaded == computed
 
-        # negative control: same keys, random bytes -> a request that misses the local cache loads garbage
-        size = client.stats()["bytes_mem"] // client.stats()["objects"]
-        assert client.remove(keys) == 7
-        engine = TransferEngine(TransferConfig(secret=SECRET))
-        try:
-            junk = np.random.default_rng(0).standard_normal(size * 7 // 4).astype(np.float32).view(np.uint8)
-            engine.register("junk", junk)
-            writer = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET), engine)
-            assert writer.put([(k, [("junk", i * size, size)]) for i, k in enumerate(keys)]) == ["stored"] * 7
-            writer.close()
-        finally:
-            engine.close()
+        # issue 27: a byte flipped in pooled block 3 is caught by its seal: blocks 0-2 load, 3-6 are recomputed
+        size = 2 * 2 * BLOCK * 2 * 64 * 4 + SEAL_BYTES  # a block of every layer (2 layers x 2 heads, fp32), the seal
+        objects = _read_objects(port, keys, size)
+        bad = objects[3].copy()
+        bad[1000] ^= 0x10
+        _replace_objects(port, client, keys[3:4], [bad])
+        flipped = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 10 * BLOCK) == 10 * BLOCK
+        assert _wait_metric(server, "vllm:pdserve_kv_checksum_failures_total", 1) == 1
+        assert 'path="pool"' in _metrics_text(server) and "KV pool block 3" in server.log_text()
+        assert flipped == computed, "a corrupt pool block reached the answer"
+        # the reader removed the corrupt object, recomputed the block and saved it again: the pool healed
+        _wait_pooled(client, keys)
+        assert np.array_equal(_read_objects(port, keys[3:4], size)[0], objects[3])
+
+        # negative control: same keys, random bytes under a valid seal (this worker's fingerprint, the junk's own
+        # checksum) -> a request that misses the local cache loads garbage, so the KV really comes from the pool
+        rng = np.random.default_rng(0)
+        junk = []
+        for obj in objects:
+            body = rng.standard_normal((size - SEAL_BYTES) // 4).astype(np.float32).view(np.uint8)
+            fp = int(obj[size - SEAL_BYTES:].view(np.uint64)[1])
+            seal = np.array([MAGIC | 1, fp, xxh3_spans([body])], dtype=np.uint64).view(np.uint8)
+            junk.append(np.concatenate([body, seal]))
+        _replace_objects(port, client, keys, junk)
         garbage = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
-        assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 14 * BLOCK) == 14 * BLOCK
+        assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 17 * BLOCK) == 17 * BLOCK
         assert garbage != computed, "output unchanged with corrupted pool blocks: the KV did not come from the pool"
     finally:
         server.stop()

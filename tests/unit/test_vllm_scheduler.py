@@ -394,3 +394,20 @@ def test_pool_save_declines(clock, case):
     blocks = [40] if case == "too_few_blocks" else [40, 41, 42]
     assert s.request_finished(Req("f1", prompt(n), None, status, num_computed_tokens=n), blocks) == (False, None)
     assert s.build_connector_meta(None).pool == []
+
+
+def test_a_failed_pool_load_is_not_claimed_again_for_that_request(clock):
+    """Issue 27: a corrupt or foreign pool object stays listed; vLLM reschedules the request after the failed load,
+    and claiming the pool again would load the same object forever."""
+    pool = Pool(pooled=2)
+    s = side(pool)
+    req = Req("r1", prompt(10))
+    assert s.get_num_new_matched_tokens(req, 0) == (8, True)
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 8)
+    s.build_connector_meta(None)
+    s.update_connector_output(worker_meta(pool={"r1": "load_partial"}))
+    assert s.get_num_new_matched_tokens(req, 4) == (0, False)
+    assert s.get_num_new_matched_tokens(Req("r2", prompt(10)), 0) == (8, True)  # another request may try
+    req.status = Status.FINISHED_STOPPED
+    s.request_finished(req, [1, 2, 3])
+    assert s.get_num_new_matched_tokens(req, 0) == (8, True)  # the id is forgotten once the request ends

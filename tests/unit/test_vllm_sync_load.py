@@ -202,12 +202,14 @@ def worker(engine: FakeEngine, **extra: Any) -> Any:
     from pdserve.vllm.worker import WorkerSide
 
     w = WorkerSide.__new__(WorkerSide)  # no transfer engine, no KV cache: only the read path
-    w.config = ConnectorConfig.from_extra({"secret": SECRET, **extra})
+    w.config = ConnectorConfig.from_extra({"secret": SECRET, "kv_checksum": False, **extra})  # no P to answer sums
     w.engine, w.rank, w.tp, w.kv_heads, w.layout, w.layers, w.block_size = engine, 0, 1, 2, "", [], BS
     w._peers, w._lock, w._inflight, w._done, w._invalid = {}, threading.Lock(), {}, [], set()
     w._meta, w._ledger, w._pool_done = PdserveWorkerMeta(), ReleaseLedger(early_ttl_s=600), []
     from pdserve.vllm.metrics import PdserveStats
     w.stats = PdserveStats()
+    from pdserve.vllm.integrity import SealTable
+    w._seals = SealTable()
     w._batches = lambda remote, job: {0: [("layer", 0, "layer", 0, 3000)]}
     return w
 

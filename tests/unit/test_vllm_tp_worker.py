@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from pdserve.vllm.messages import RecvJob
+from pdserve.vllm.messages import PdserveMeta, RecvJob
 from pdserve.vllm.params import BlockPlan, ConnectorConfig, RemoteParams
 from pdserve.vllm.shards import rank_heads
 from pdserve.vllm.worker import WorkerSide
@@ -118,3 +118,21 @@ def test_zero_at_one_rank_zeroes_only_that_ranks_heads(sides):
     d._run(RecvJob("dreq", _remote(ps, "req", fault="zero@1"), BlockPlan((0, 1), (3, 4))))
     cache = d._tensors["layer.0"]
     assert torch.all(cache[0, 0] == 4) and torch.all(cache[0, 1] == 0) and torch.all(cache[1, 1] == 0)
+
+
+def test_same_tp_ranks_verify_their_shard_against_their_p_rank(sides):
+    """Issue 27: with equal TP, D rank r reads whole blocks of P rank r's shard and checks them against the checksums
+    P rank r sealed (its answer to r's notification); a byte flipped in rank 1's shard fails rank 1 alone."""
+    ps = [sides(2, r, True) for r in range(2)]
+    ds = [sides(2, r, False) for r in range(2)]
+    for p in ps:
+        p.start(PdserveMeta(send={"req": time.time() + 30}, seal={"req": (3, 4)}))
+    for r, d in enumerate(ds):
+        d._run(RecvJob("dreq", _remote(ps, "req", fault="flip@1"), BlockPlan((0, 1), (3, 4))))
+        assert d.results().failed_recving == (set() if r == 0 else {"dreq"})
+        stats = d.take_worker_meta().reads["dreq"]
+        assert stats["ok"] == (r == 0), stats
+        assert stats.get("verified") == (2 if r == 0 else 1), stats
+        if r == 0:  # rank 0's shard arrived intact: P rank 0's block 3 is D rank 0's block 0
+            assert torch.equal(d._tensors["layer.0"][0], ps[0]._tensors["layer.0"][3])
+    assert all(_released(p, "req") for p in ps)

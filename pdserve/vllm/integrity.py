@@ -1,0 +1,166 @@
+"""KV integrity: per-block checksums over a worker's registered KV cache, P's table of sealed leases, and D's
+comparison.
+
+A block's checksum covers its bytes in every layer of this rank, layer after layer (the worker's registration
+order), run after run (:class:`~pdserve.vllm.params.LayerGeometry`): exactly the bytes a P -> D read or a pool
+object moves, in the same order on both sides (equal layout signatures guarantee the same runs). Host memory is
+hashed with XXH3-64 in place; device memory with the batched ``wsum32`` reduction
+(:mod:`pdserve.transfer.checksum`). The producer names its algorithm; the verifier computes that one.
+
+P (:class:`SealTable`): when its worker learns a lease (the step after prefill, the blocks final and held),
+it computes the leased blocks' checksums on a worker thread and keeps them until the lease ends. D's READ
+batch ends with its notification; P answers it with the sums (the transfer engine's notification reply), so D
+gets them in the same round trip as the data. A block written after P sealed it (a late write into a recycled
+block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P no longer
+holds gets no sums, and D recomputes as well.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from pdserve.transfer.checksum import WSUM, XXH3, to_u64, wsum_rows, xxh3_spans
+from pdserve.vllm.params import LayerGeometry
+
+
+def _is_host(mem: Any) -> bool:
+    return isinstance(mem, np.ndarray)
+
+
+class BlockSums:
+    """Checksums of whole blocks over ``layers``; ``memory``: layer name -> its registered bytes (a uint8 numpy
+    view of host memory, or a flat uint8 torch tensor on a device)."""
+
+    def __init__(self, layers: Sequence[LayerGeometry], memory: dict[str, Any]) -> None:
+        self.layers = list(layers)
+        self.memory = memory
+        self.alg = XXH3 if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
+
+    def sums(self, block_ids: Sequence[int], alg: str = "") -> list[int]:
+        """One unsigned 64-bit checksum per block, by ``alg`` (default: this memory's own)."""
+        alg = alg or self.alg
+        if not block_ids:
+            return []
+        if alg == XXH3:
+            return [xxh3_spans(self._host_spans(b)) for b in block_ids]
+        if alg == WSUM:
+            return self._wsums(block_ids)
+        raise ValueError(f"unknown checksum algorithm {alg!r}")
+
+    def _host_spans(self, block: int) -> list[Any]:
+        out = []
+        for g in self.layers:
+            mem = self.memory[g.name]
+            base = block * g.block_stride
+            for off, n in g.block_runs:
+                span = mem[base + off:base + off + n]
+                out.append(span if _is_host(mem) else span.cpu().numpy())  # xxh3 of device bytes: via the host
+        return out
+
+    def _wsums(self, block_ids: Sequence[int]) -> list[int]:
+        """One batched reduction per (layer, run) over every block; the runs' sums add up per block."""
+        import torch
+
+        total = None
+        word = 0
+        for g in self.layers:
+            mem = self.memory[g.name]
+            flat = torch.from_numpy(mem) if _is_host(mem) else mem
+            idx = torch.tensor(list(block_ids), dtype=torch.int64, device=flat.device)
+            for off, n in g.block_runs:
+                rows = flat.as_strided(((flat.numel() - off - n) // g.block_stride + 1, n), (g.block_stride, 1), off)
+                part = wsum_rows(rows.index_select(0, idx), word)
+                total = part if total is None else total + part
+                word += n // 4
+        assert total is not None
+        return [to_u64(v) for v in total.tolist()]
+
+    def flip_byte(self, block: int, at: int = 0) -> None:
+        """Test faults only: flip one byte of ``block`` (its first layer's first run, ``at`` bytes in)."""
+        g = self.layers[0]
+        off = block * g.block_stride + g.block_runs[0][0] + at
+        mem = self.memory[g.name]
+        if _is_host(mem):
+            mem[off] ^= 0xFF
+        else:
+            mem[off:off + 1].bitwise_xor_(0xFF)
+
+
+def mismatched(expected: dict[int, int], local: Sequence[int], remote: Sequence[int], got: Sequence[int]) -> list[int]:
+    """D's local blocks whose checksum ``got`` differs from P's ``expected`` for the paired remote block (a remote
+    block P did not seal counts as a mismatch)."""
+    return [lb for lb, rb, g in zip(local, remote, got) if expected.get(rb) != g]
+
+
+def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int],
+               remote: Sequence[int]) -> tuple[str, int]:
+    """D: (why the blocks just read into ``local`` must not be used, "" when they may; how many matched), from P's
+    ``reply`` to the read's notification (:meth:`SealTable.reply`)."""
+    if not isinstance(reply, dict):
+        return "P answered no checksums (its kv_checksum is off, or an older pdserve)", 0
+    if reply.get("fp") != fingerprint:
+        return f"P's fingerprint digest {reply.get('fp')} is not ours ({fingerprint})", 0
+    if "missing" in reply:
+        return f"P has no checksums: {reply['missing']}", 0
+    expected = dict(zip(reply.get("b") or [], reply.get("c") or []))
+    got = sums.sums(local, str(reply.get("alg") or ""))
+    bad = mismatched(expected, local, remote, got)
+    if bad:
+        why = f"{len(bad)} of {len(got)} blocks differ from P's checksums (D blocks {list(bad[:8])})"
+        return why, len(got) - len(bad)
+    return "", len(got)
+
+
+class SealTable:
+    """P: checksums of each leased request's blocks, computed off the model's thread, answered to D's notification.
+
+    Thread-safe: ``seal`` and ``drop`` run on the worker's step, ``reply`` on the transfer engine's thread."""
+
+    def __init__(self, wait_s: float = 1.0, threads: int = 2) -> None:
+        self.wait_s = wait_s
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdserve-seal")
+        self._sealed: dict[str, tuple[tuple[int, ...], Future]] = {}
+        self._cond = threading.Condition()
+
+    def seal(self, req_id: str, block_ids: Sequence[int], compute: Callable[[Sequence[int]], list[int]]) -> None:
+        """Start computing the checksums of ``block_ids`` for ``req_id`` (once per request)."""
+        with self._cond:
+            if req_id in self._sealed:
+                return
+            blocks = tuple(block_ids)
+            self._sealed[req_id] = (blocks, self._pool.submit(compute, blocks))
+            self._cond.notify_all()
+
+    def reply(self, req_id: str, alg: str, fingerprint: int) -> dict[str, Any]:
+        """What D's notification for ``req_id`` gets back: ``{"alg", "fp", "b": block ids, "c": sums}``, or
+        ``{"fp", "missing": why}`` when the request is not (or no longer) sealed here. Waits up to ``wait_s`` for a
+        lease this worker has not heard of yet (D may read as soon as P's scheduler answered)."""
+        with self._cond:
+            self._cond.wait_for(lambda: req_id in self._sealed, self.wait_s)
+            entry = self._sealed.get(req_id)
+        if entry is None:
+            return {"fp": fingerprint, "missing": "no lease (ended, or never held here)"}
+        blocks, future = entry
+        try:
+            sums = future.result(timeout=max(self.wait_s, 5.0))
+        except Exception as exc:
+            return {"fp": fingerprint, "missing": f"checksum failed: {type(exc).__name__}: {exc}"}
+        return {"alg": alg, "fp": fingerprint, "b": list(blocks), "c": sums}
+
+    def drop(self, req_ids: Sequence[str]) -> None:
+        """The leases ended: forget their checksums."""
+        with self._cond:
+            for req_id in req_ids:
+                self._sealed.pop(req_id, None)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._sealed)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
