@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.hashing import block_hashes
+from pdserve.hashing import block_hashes, domain_root
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.fingerprint import differences
 from pdserve.vllm.logs import connector_log
@@ -62,6 +62,13 @@ class PoolLookup(Protocol):
 
 def completed(request: Request) -> bool:
     return getattr(request.status, "name", None) in COMPLETED
+
+
+def key_domain(request: Request) -> int:
+    """The root of the request's pool keys: its cache salt and LoRA adapter (:func:`pdserve.hashing.domain_root`),
+    as vLLM's own block hashes include them, so a request never loads blocks pooled under another salt."""
+    lora = getattr(request, "lora_request", None)
+    return domain_root(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None))
 
 
 def pool_client(config: ConnectorConfig) -> StoreClient | None:
@@ -141,7 +148,7 @@ class SchedulerSide:
         if (not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size
                 or request.request_id in self._pool_refused):
             return 0, False
-        keys = block_hashes(request.prompt_token_ids or [], self.block_size)
+        keys = block_hashes(request.prompt_token_ids or [], self.block_size, key_domain(request))
         first = num_computed_tokens // self.block_size
         if first >= len(keys):
             return 0, False
@@ -177,7 +184,7 @@ class SchedulerSide:
         if not completed(request):
             return False  # aborted or failed: do not pool what may be partial
         tokens = list(request.all_token_ids[:request.num_computed_tokens])
-        keys = block_hashes(tokens, self.block_size)
+        keys = block_hashes(tokens, self.block_size, key_domain(request))
         if not keys or len(block_ids) < len(keys):
             return False
         self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True))

@@ -30,3 +30,19 @@ def test_pool_config_keys() -> None:
         ConnectorConfig.from_extra({"secret": SECRET, "pool_master": "localhost"})
     with pytest.raises(ConfigError, match="pool_min_blocks"):
         ConnectorConfig.from_extra({"secret": SECRET, "pool_min_blocks": 0})
+
+
+def test_pool_keys_have_the_request_domain() -> None:
+    """A salted or adapter request's pool keys start from its domain root, as the router's and the conductor's do:
+    it never loads blocks another salt pooled."""
+    from types import SimpleNamespace
+
+    from pdserve.hashing import ROOT_KEY, domain_root
+    from pdserve.vllm.scheduler import key_domain
+
+    plain = SimpleNamespace(cache_salt=None, lora_request=None)
+    salted = SimpleNamespace(cache_salt="tenant-a", lora_request=None)
+    adapter = SimpleNamespace(cache_salt="tenant-a", lora_request=SimpleNamespace(lora_name="ad"))
+    assert key_domain(plain) == ROOT_KEY
+    assert key_domain(salted) == domain_root("tenant-a") != key_domain(plain)
+    assert key_domain(adapter) == domain_root("tenant-a", "ad") != key_domain(salted)
