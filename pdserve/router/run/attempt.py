@@ -90,11 +90,12 @@ class Attempt:
         return out
 
     def end(self, outcome: str, reason: str) -> None:
-        """The attempt's one log line (the first call only): ok at debug level, a move at info, the rest warnings."""
+        """The attempt's one log line (the first call only): ok at debug level, interrupted (the deadline, a move, the
+        request closing it) at info, failures as warnings."""
         if self.outcome is not None:
             return
         self.outcome = outcome
-        level = logging.DEBUG if outcome == "ok" else logging.INFO if reason == "move" else logging.WARNING
+        level = logging.DEBUG if outcome == "ok" else logging.INFO if outcome == "interrupted" else logging.WARNING
         log.log(level, "request %s: %s attempt on %s worker %s: %s (%s); %d token(s) out", self.ctx.request_id,
                 self.kind, self.role, self.worker.url, outcome, reason, len(self.token_ids))
 
