@@ -162,7 +162,9 @@ class Attempt:
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
                         t.d_end = time.perf_counter()
                         last = (ids, c0)
-            if last is not None:
+            if last is None:
+                self.end("error", "the stream ended without a finish_reason")
+            else:
                 ids, c0 = last
                 yield out.delta(ids, c0, own_text, final=True)
         except WorkerError as e:

@@ -271,8 +271,10 @@ class Generation:
                     slow.clear()
                     return None
                 if e.status == 503 and lost is not None:
-                    raise upstream_failed(f"{lost.role} worker {lost.url} failed with the request ({lost.reason}) "
-                                          f"and no other worker can take it over: {e.message}") from None
+                    err = upstream_failed(f"{lost.role} worker {lost.url} failed with the request ({lost.reason}) "
+                                          f"and no other worker can take it over: {e.message}")
+                    log.warning("request %s: %s", self.req.request_id, err.message)
+                    raise err from None
                 raise
         self.ticket = self.output.ticket = ticket
         ticket.tokens_before = self._done
