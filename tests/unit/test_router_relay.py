@@ -279,10 +279,12 @@ def test_slow_client_gets_every_byte(model_dir, tokenizer, monkeypatch):
     w = VllmShapedWorker("C", texts=big)
     stretches = _count_relays(monkeypatch)
     drains: list[int] = []
+    drained = asyncio.Event()
     real_drain = web.StreamResponse.drain
 
     async def drain(self: web.StreamResponse) -> None:
         drains.append(1)
+        drained.set()
         await real_drain(self)
 
     monkeypatch.setattr(web.StreamResponse, "drain", drain)
@@ -293,7 +295,9 @@ def test_slow_client_gets_every_byte(model_dir, tokenizer, monkeypatch):
                 async with s.post(env.url + "/v1/completions",
                                   json={"prompt": "a", "max_tokens": 40, "stream": True}) as r:
                     first = await r.content.readany()
-                    await asyncio.sleep(0.5)  # the router's writes back up meanwhile
+                    # read no more until the router's writes have backed up and it waits for us (not a fixed
+                    # sleep: how fast a loaded machine fills the sockets is not this test's business)
+                    await asyncio.wait_for(drained.wait(), 60)
                     raw = (first + await r.read()).decode()
             events = [e[len("data: "):] for e in raw.split("\n\n") if e]
             assert events[-1] == "[DONE]"
