@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +64,8 @@ class Attempt:
         self.t = ctx.t
         self.interrupts = ctx.interrupts
         self.token_ids = ctx.output.token_ids  # the request's output: the relay appends what it passes through
+        # the relay's count of the tokens it passed through (already in token_ids): timed and reported
+        self.relayed: Callable[[int], None] = ctx.output.relayed
         self.stream: WorkerStream | None = None
         self.started = False  # the worker answered: a streamed token (or text), or the unstreamed answer
         self.outcome: str | None = None  # set once, when the attempt ends (and logged)
@@ -104,10 +106,6 @@ class Attempt:
         self.end("interrupted", reason or "closed by the request: its output ended, its client left or another "
                                           "choice failed")
 
-    def relayed(self, n: int) -> None:
-        """The relay passed ``n`` tokens of this attempt's stream through (already in ``token_ids``)."""
-        self.ctx.output.relayed(n)
-
     # ---- the unstreamed call ----
     async def complete(self, body: dict[str, Any]) -> dict:
         """POST the body unstreamed (P's prefill, or a scored whole request); its answer, or the failure's outcome
@@ -135,13 +133,14 @@ class Attempt:
             t.dispatch = now
         t.d_sent = now
         last: tuple[list[int], dict[str, Any]] | None = None
+        started = False  # self.started, kept local on the per-token path
         try:
             async with aclosing(self.ctx.client.stream(self.worker.url, body, self.t.wait)) as objs:
                 if isinstance(objs, WorkerStream):
                     self.stream = objs
                 while True:
                     try:
-                        obj = await (objs.__anext__() if self.started else self._first(objs))
+                        obj = await (objs.__anext__() if started else self._first(objs))
                     except StopAsyncIteration:
                         break
                     if "kv_transfer_params" in obj:
@@ -151,13 +150,14 @@ class Attempt:
                         continue  # usage chunk
                     c0 = choices[0]
                     ids = list(c0.get("token_ids") or [])
-                    if not self.started and (ids or c0.get("text")):
+                    if not started and (ids or c0.get("text")):
+                        started = True
                         self._start()
                     if keep_prompt_logprobs and out.prompt_logprobs is None and c0.get("prompt_logprobs"):
                         out.prompt_logprobs = c0.get("prompt_logprobs")
                     if c0.get("finish_reason") is None:
                         yield out.delta(ids, c0, own_text)
-                        if relay and self.started and self.stream is not None:
+                        if relay and started and self.stream is not None:
                             yield Delta("", [], relay=Relay(self, self.stream))
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
                         t.d_end = time.perf_counter()
