@@ -44,8 +44,8 @@ from .fleet.registry import WorkerRegistry
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
 from .run.answer import collect, stream
-from .run.choices import Choice, PromptScoredGeneration, choice_seed, sum_usage
-from .run.generation import Generation, Timings
+from .run.choices import Choice, choice_seed, sum_usage
+from .run.generation import Generation, RunOptions, Timings
 from .run.kv_protocol import protocol_for
 
 log = logging.getLogger("pdserve.router")
@@ -356,11 +356,12 @@ class Router:
                                                req.sampling.get("spaces_between_special_tokens", True))
         # the data plane's hand-off; constrained output: D regenerates the first token so its grammar state
         # covers the whole output
-        options = protocol_for(self.config.kv_connector).options(constrained=req.constrained)
-        return PromptScoredGeneration(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
-                                      self.config.mode, detok, migration_limit=self.config.migration_limit,
-                                      request_timeout_s=self.config.request_timeout_s,
-                                      handoff_timeout_s=self.config.handoff_timeout_s, **options)
+        options = RunOptions(**protocol_for(self.config.kv_connector).options(constrained=req.constrained),
+                             migration_limit=self.config.migration_limit,
+                             request_timeout_s=self.config.request_timeout_s,
+                             handoff_timeout_s=self.config.handoff_timeout_s)
+        return Generation(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
+                          self.config.mode, detok, options)
 
 
 @web.middleware

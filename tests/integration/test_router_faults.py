@@ -20,6 +20,7 @@ import pytest
 from pdserve.bench.prom import scrape
 from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
+from pdserve.prom import label_values
 
 pytestmark = [
     pytest.mark.integration,
@@ -91,14 +92,21 @@ def test_stopped_prefill_worker_is_waited_for_not_ejected(cluster):
     reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
     out: dict = {}
 
+    scored = {**body, "n": 2, "prompt_logprobs": 1}  # n=2 with prompt_logprobs: every choice waits on P too
+
     def client() -> None:
         out["answer"] = _post(cluster.router_url + "/v1/completions", body)
+
+    def client_n2() -> None:
+        out["n2"] = _post(cluster.router_url + "/v1/completions", scored)
 
     os.kill(p.pid, signal.SIGSTOP)  # its HTTP server stops answering; the process is alive
     try:
         t0 = time.monotonic()
         th = threading.Thread(target=client)
         th.start()
+        th2 = threading.Thread(target=client_n2)
+        th2.start()
         time.sleep(3.0)  # ~6 background probes of P time out meanwhile (0.5 s each, every 0.5 s)
         st, workers = _get(cluster.router_url + "/v1/pdserve/workers")
         assert st == 200
@@ -107,12 +115,24 @@ def test_stopped_prefill_worker_is_waited_for_not_ejected(cluster):
     finally:
         os.kill(p.pid, signal.SIGCONT)
     th.join(120)
+    th2.join(120)
     assert out["answer"]["choices"][0]["text"] == reference
+    assert [c["text"] for c in out["n2"]["choices"]] == [reference, reference]
+    assert all(len(c["prompt_logprobs"]) == 40 for c in out["n2"]["choices"])
     assert time.monotonic() - t0 >= 3.0
+    assert sum(scrape(cluster.router_url, "pdserve_router_migrations_total").values()) == 0  # waited, not moved
 
 
-def _running(url: str) -> float:
-    return scrape(url, "vllm:num_requests_running").get("vllm:num_requests_running", 0.0)
+def _decoding_on(cluster: Cluster) -> int:
+    """Which decode worker runs the one request in flight: from the router's own record of where it placed it
+    (the conductor's per-worker ``pdserve_worker_running_requests`` on the router's /metrics, set at placement), not
+    from vLLM's running-requests gauge, which lags behind the stream."""
+    running = scrape(cluster.router_url, "pdserve_worker_running_requests", labels=True)
+    urls = cluster.worker_urls("decode")
+    on = [i for i, url in enumerate(urls)
+          if any(label_values(k).get("worker") == url and v >= 1 for k, v in running.items())]
+    assert len(on) == 1, running
+    return on[0]
 
 
 KILLED: dict[str, int] = {}  # which decode worker the mid-stream kill took
@@ -124,7 +144,7 @@ def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster):
 
     def kill_after(n: int) -> None:
         if n == 4:  # the decode worker streaming this request
-            i = next(i for i in (0, 1) if _running(cluster.worker_urls("decode")[i]) >= 1)
+            i = _decoding_on(cluster)
             KILLED["decode"] = i
             os.killpg(_child(cluster, "decode", i).pgid, signal.SIGKILL)
 

@@ -106,20 +106,14 @@ def test_client_wait_is_not_router_overhead():
 def test_one_deadline_timer_per_request_cancels_a_silent_stream():
     """The request's deadline is one loop timer: a worker silent past it is cut with the 504 code, and the timer
     scheduled once however many tokens came before."""
-    from pdserve.router.run.generation import Generation
+    from pdserve.router.api.protocol import parse_completion
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.run.generation import Generation, RunOptions
+    from tests.unit.test_router_ticket import PROMPT, FakeClient, make
 
-    g = Generation.__new__(Generation)
-    g._timer, g._waiter, g._expired, g._cancelled, g._deadline = None, None, False, False, None
-    g.request_timeout_s = 0.2
-    g.t = Timings(arrive=__import__("time").perf_counter())
-
-    class _M:
-        class deadlines:  # noqa: N801
-            @staticmethod
-            def labels(_: str) -> Any:
-                return type("C", (), {"inc": staticmethod(lambda: None)})
-
-    g.metrics = _M  # type: ignore[assignment]
+    g = Generation(parse_completion({"prompt": PROMPT, "max_tokens": 30}), PROMPT, 30, make()[0],
+                   FakeClient(), RouterMetrics(), Timings(arrive=__import__("time").perf_counter()),  # type: ignore[arg-type]
+                   "disaggregated", options=RunOptions(request_timeout_s=0.2))
     closed: list[bool] = []
 
     async def worker() -> AsyncGenerator[Delta, None]:
@@ -142,6 +136,7 @@ def test_one_deadline_timer_per_request_cancels_a_silent_stream():
             return real(*a, **k)
 
         loop.call_at = counting  # type: ignore[method-assign]
+        g.deadline.arm()  # what Generation.run does first
         gen = worker()
         got = 0
         try:

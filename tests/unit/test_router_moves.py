@@ -107,19 +107,19 @@ def test_moves_off_places_nothing_more():
 def test_only_a_decode_streaming_from_the_worker_can_move():
     pl = elastic()
     gen = generation(pl, Paced(), max_tokens=12)
-    assert not gen.movable_from(E0)  # no ticket yet
+    assert not gen.moves.movable_from(E0)  # no ticket yet
     t = pl.choose(PROMPT, request_id=gen.req.request_id, max_tokens=12)
     gen.ticket = t
-    assert not gen.movable_from(E0)  # prompt not computed yet
+    assert not gen.moves.movable_from(E0)  # prompt not computed yet
     t.prefill_done()
 
     async def awaiting() -> None:
-        assert gen.movable_from(E0) and not gen.movable_from(E1)
-        gen._handoff_since = 1.0  # a P -> D hand-off not yet answered by D
-        assert not gen.movable_from(E0)
-        gen._handoff_since = None
-        gen.token_ids = list(range(11))  # one token left
-        assert not gen.movable_from(E0)
+        assert gen.moves.movable_from(E0) and not gen.moves.movable_from(E1)
+        gen.ctx.handoff_since = 1.0  # a P -> D hand-off not yet answered by D
+        assert not gen.moves.movable_from(E0)
+        gen.ctx.handoff_since = None
+        gen.output.token_ids[:] = list(range(11))  # one token left
+        assert not gen.moves.movable_from(E0)
 
     asyncio.run(awaiting())
     t.close()
@@ -129,9 +129,9 @@ def test_a_move_that_comes_too_late_is_released():
     """The request's tokens were all out when its move came: the move's ticket is closed unused."""
     pl = elastic()
     gen = generation(pl, FakeClient(), max_tokens=2)
-    gen.token_ids = [10, 11]  # everything streamed; only the finish is left
+    gen.output.token_ids[:] = [10, 11]  # everything streamed; only the finish is left
     late = pl.choose(PROMPT, request_id=gen.req.request_id, max_tokens=2)
-    gen._moving = late
+    gen.moves.pending = late
 
     async def go() -> list[Any]:
         async with aclosing(gen.run()) as deltas:
@@ -139,7 +139,7 @@ def test_a_move_that_comes_too_late_is_released():
 
     out = asyncio.run(go())
     assert [d.finish_reason for d in out] == ["length"]
-    assert late.closed and gen._moving is None and pl.conductor.in_flight() == 0
+    assert late.closed and gen.moves.pending is None and pl.conductor.in_flight() == 0
 
 
 def test_wait_moves_returns_at_the_tail_prefill_or_the_timeout():

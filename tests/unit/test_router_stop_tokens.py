@@ -4,17 +4,13 @@ output and counted (vLLM stops generating there), whatever the event's size."""
 from __future__ import annotations
 
 from pdserve.router.run.delta import Delta, tokens_to
-from pdserve.router.run.generation import Generation
+from pdserve.router.run.output import Output
 from pdserve.router.run.stops import StopStrings
 from pdserve.router.run.timings import Timings
 
 
-def _generation(stops: list[str]) -> Generation:
-    g = Generation.__new__(Generation)
-    g.stopper = StopStrings(stops, include=False)
-    g.token_ids, g.ticket, g.finish_reason, g.stop_reason = [], None, None, None
-    g.t = Timings(arrive=0.0)
-    return g
+def _output(stops: list[str]) -> Output:
+    return Output(StopStrings(stops, include=False), Timings(arrive=0.0))
 
 
 def test_tokens_to_counts_pieces_up_to_the_characters():
@@ -25,10 +21,10 @@ def test_tokens_to_counts_pieces_up_to_the_characters():
 
 
 def test_stop_inside_a_multi_token_event_counts_only_tokens_up_to_it():
-    g = _generation(["XY"])
-    first = g._accept(Delta("ab", [1], pieces=["ab"]))
+    g = _output(["XY"])
+    first = g.accept(Delta("ab", [1], pieces=["ab"]))
     assert first.text == "a" and g.token_ids == [1]  # the last character is held back (len("XY") - 1)
-    d = g._accept(Delta("cXYde", [2, 3, 4, 5], pieces=["c", "X", "Y", "de"],
+    d = g.accept(Delta("cXYde", [2, 3, 4, 5], pieces=["c", "X", "Y", "de"],
                         logprobs={"tokens": ["c", "X", "Y", "de"], "token_logprobs": [0.0, -1.0, -2.0, -3.0]}))
     assert d.finish_reason == "stop" and d.stop_reason == "XY"
     assert first.text + d.text == "abc"
@@ -37,7 +33,7 @@ def test_stop_inside_a_multi_token_event_counts_only_tokens_up_to_it():
 
 
 def test_stop_spanning_events_counts_the_completing_token():
-    g = _generation(["XY"])
-    g._accept(Delta("aX", [1, 2], pieces=["a", "X"]))
-    d = g._accept(Delta("Yzz", [3, 4], pieces=["Y", "zz"]))
+    g = _output(["XY"])
+    g.accept(Delta("aX", [1, 2], pieces=["a", "X"]))
+    d = g.accept(Delta("Yzz", [3, 4], pieces=["Y", "zz"]))
     assert d.token_ids == [3] and g.token_ids == [1, 2, 3]

@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.router")
 
-POKE_S, POKE_TRIES = 0.002, 2500  # a move waits up to 5 s for the run to await the old worker's stream again
-
-
 class Moved(Exception):
     """Control flow: the generation's current attempt ends here and continues on its move ticket."""
 
@@ -114,50 +111,68 @@ async def wait_moves(tickets: Sequence[PlacementTicket], timeout_s: float) -> fl
     return time.perf_counter() - t0
 
 
-class MovableRun:
-    """What a :class:`~pdserve.router.run.generation.Generation` adds for moves: whether its decode can move off a
-    worker now, and taking a move's ticket (the run's next attempt uses it)."""
+class MoveSubject(Protocol):
+    """What :class:`MovableRun` reads of its request's run (:class:`~pdserve.router.run.generation.Generation`)."""
 
-    # set by Generation.__init__ (class defaults keep partly built generations in unit tests working)
-    ticket: PlacementTicket | None = None
-    colocated = False
-    first_from_prefill = True
-    finish_reason: str | None = None
-    max_tokens = 0
-    token_ids: list[int]
-    _moving: PlacementTicket | None = None  # the move's ticket, until the run's next attempt takes it
-    _move_at: float | None = None  # perf_counter of the stop on the old worker, until the first token after it
-    _waiter: asyncio.Task | None = None
-    _handoff_since: float | None = None
-    _cancelled = False
+    @property
+    def ticket(self) -> PlacementTicket | None: ...
+
+    def decoding(self) -> bool:
+        """The run streams tokens from its ticket's decode worker (prompt computed, no hand-off pending, not
+        finished), as one of a P -> D pair's decodes (not colocated, P's first token streamed)."""
+        ...
+
+    def tokens_left(self) -> int: ...
+
+    def interrupt(self, reason: str) -> bool:
+        """Stop the run's await on its worker (see ``Attempt.interrupt``)."""
+        ...
+
+
+class MovableRun:
+    """A request's part in moves, owned by its run: whether its decode can move off a worker now
+    (:meth:`movable_from`), and a move's ticket (``pending``) from :meth:`request_move` until the run's next
+    attempt takes it (:meth:`take`) or the request ends (:meth:`release`)."""
+
+    def __init__(self, run: MoveSubject) -> None:
+        self.run = run
+        self.pending: PlacementTicket | None = None
+        self.at: float | None = None  # perf_counter of the stop on the old worker (a move's gap starts there)
 
     def movable_from(self, url: str) -> bool:
         """True while the request decodes on ``url`` (its prompt computed, its tokens streaming from there) with at
         least two tokens left."""
-        t = self.ticket
-        return (self._moving is None and not self.colocated and self.first_from_prefill and t is not None
-                and not t.closed and t.decode.url == url and t.prefilled and self._handoff_since is None
-                and self.finish_reason is None and self.max_tokens - len(self.token_ids) >= 2)
+        t = self.run.ticket
+        return (self.pending is None and t is not None and not t.closed and t.decode.url == url and t.prefilled
+                and self.run.decoding() and self.run.tokens_left() >= 2)
 
     def request_move(self, ticket: PlacementTicket) -> bool:
         """Take ``ticket`` (P = the old worker, D = the new one) as the next attempt's: the current ticket is handed
-        over (the conductor already holds the new placement) and the await on the old worker's stream cancelled
-        (``Generation._next`` turns that into :class:`Moved`, which closes the stream: vLLM aborts the request);
-        when the run is not awaiting the worker right now (writing to the client), as soon as it is."""
+        over (the conductor already holds the new placement) and the run's await on the old worker's stream is
+        interrupted (the attempt then ends with :class:`Moved`, which closes the stream: vLLM aborts the request);
+        when the run is not awaiting the worker right now (writing to the client), before its next await."""
         src = ticket.prefill.url if ticket.prefill is not None else ""
-        if not self.movable_from(src) or self.ticket is None:
+        current = self.run.ticket
+        if not self.movable_from(src) or current is None:
             return False
-        self.ticket.hand_over()
-        self._moving = ticket
-        self._move_at = time.perf_counter()
-        self._poke_move(ticket, POKE_TRIES)
+        current.hand_over()
+        self.pending = ticket
+        self.at = time.perf_counter()
+        self.run.interrupt("move")
         return True
 
-    def _poke_move(self, ticket: PlacementTicket, tries: int) -> None:
-        if self._moving is not ticket:
-            return  # taken (the run's next attempt runs it) or released (the request ended)
-        if self._waiter is not None:
-            self._cancelled = True
-            self._waiter.cancel()
-        elif tries > 0:  # the run checks _moving in its next _next; the relay needs the cancel: try again soon
-            asyncio.get_running_loop().call_later(POKE_S, self._poke_move, ticket, tries - 1)
+    def moved(self) -> Moved:
+        """The exception that ends the interrupted attempt."""
+        t = self.pending
+        return Moved(t.prefill.url if t is not None and t.prefill is not None else "")
+
+    def take(self) -> PlacementTicket | None:
+        """The move's ticket for the run's next attempt (None without a move)."""
+        ticket, self.pending = self.pending, None
+        return ticket
+
+    def release(self) -> None:
+        """The request ended before it took the move (a move that came too late): close the move's ticket."""
+        if self.pending is not None:
+            self.pending.close()
+            self.pending = None

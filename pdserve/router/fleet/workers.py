@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -220,6 +220,26 @@ class WorkerStream:
     def watchdog(self) -> _Watchdog | None:
         return self._dog
 
+    def can_tap(self) -> bool:
+        """True when :meth:`tap` may take this stream's reads (its head is in, aiohttp's own reader class)."""
+        reader = self.reader
+        return reader is not None and self._dog is not None and type(reader) in (aiohttp.StreamReader, _TappedReader)
+
+    def tap(self, tap: StreamTap) -> None:
+        """Hand every read from now on to ``tap`` in the socket callback, until :meth:`untap`, the stream's end or
+        failure (``tap.ended``). The reader becomes a :class:`_TappedReader` the first time (same slots, no state of
+        its own)."""
+        reader = self.reader
+        assert reader is not None and self.can_tap()
+        if type(reader) is aiohttp.StreamReader:
+            reader.__class__ = _TappedReader
+        _TAPS[id(reader)] = tap
+
+    def untap(self) -> bool:
+        """Stop handing reads to the tap; False when it had ended already (the stream's end or failure)."""
+        reader = self.reader
+        return reader is not None and _TAPS.pop(id(reader), None) is not None
+
     def fill_nowait(self) -> bool | None:
         """Move what the reader holds already onto ``buf`` without waiting: True when something came, None when
         nothing is there yet, False when the stream failed or ended (the failure kept in ``pending``)."""
@@ -285,6 +305,55 @@ class WorkerStream:
             self._dog.stop()
         if self._resp is not None:
             self._resp.close()  # no-op after release
+
+
+class StreamTap(Protocol):
+    """Takes a stream's reads in the socket callback (:meth:`WorkerStream.tap`)."""
+
+    def feed(self, data: bytes) -> bytes:
+        """The worker's next bytes; returns those the reader keeps (b"": none, the tap took them all)."""
+        ...
+
+    def ended(self) -> bytes:
+        """The stream ended or failed while tapped; returns the bytes the reader gets before the end."""
+        ...
+
+
+_TAPS: dict[int, StreamTap] = {}  # id(reader) -> the tap taking its reads
+
+
+def open_taps() -> int:
+    """How many streams have a tap now (0 once every relay has handed back)."""
+    return len(_TAPS)
+
+
+class _TappedReader(aiohttp.StreamReader):
+    """aiohttp's body reader whose reads go to the stream's tap while it has one (:data:`_TAPS`); without one, or
+    for what the tap gives back, it is aiohttp's reader."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        tap = _TAPS.get(id(self))
+        if tap is None or not data:
+            return super().feed_data(data, size)
+        rest = tap.feed(data)
+        return super().feed_data(rest, size) if rest else False
+
+    def _end_tap(self) -> None:
+        tap = _TAPS.pop(id(self), None)
+        if tap is not None:
+            rest = tap.ended()
+            if rest:
+                super().feed_data(rest)
+
+    def feed_eof(self) -> None:
+        self._end_tap()
+        super().feed_eof()
+
+    def set_exception(self, *args: Any, **kw: Any) -> None:
+        self._end_tap()
+        super().set_exception(*args, **kw)
 
 
 class _Watchdog:

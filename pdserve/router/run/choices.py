@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 
 from ..api.logprobs import LogprobTrack
 from ..api.tools import ToolCalls
-from ..fleet.ticket import PlacementTicket
-from ..fleet.workers import WorkerError
 from .delta import Delta
-from .failures import RETRYABLE, Retry, as_router_error
 from .generation import Generation
 
 _INT64_MAX = 2 ** 63 - 1
@@ -49,44 +46,6 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.parts)
-
-
-class PromptScoredGeneration(Generation):
-    """A Generation that also returns ``prompt_logprobs`` when the whole request runs on one worker.
-
-    vLLM's streamed completions carry no ``prompt_logprobs``, so such a request is sent unstreamed there and its
-    output arrives as one delta. Through P and D, P's unstreamed answer carries them already (the parent's path).
-    """
-
-    def _one_worker(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
-        if "prompt_logprobs" not in self.req.sampling:
-            return super()._one_worker(ticket)
-        return self._one_worker_unstreamed(ticket)
-
-    async def _one_worker_unstreamed(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
-        import time
-
-        w = ticket.decode
-        role = "colocated" if self.colocated else "decode"
-        self.t.decode_worker = w.url
-        body = self._body(self.prompt_ids, self.max_tokens, False)
-        now = time.perf_counter()
-        if self.t.dispatch is None:
-            self.t.dispatch = now
-        self.t.d_sent = now
-        try:
-            resp = await self.client.complete(w.url, body, self.t.wait)
-        except WorkerError as e:
-            self._fail(w, role, e)
-            if e.kind in RETRYABLE:
-                raise Retry(w.url) from None
-            raise as_router_error(e) from None
-        self.t.d_first = self.t.d_end = time.perf_counter()
-        ticket.prefill_done()
-        c0 = (resp.get("choices") or [{}])[0]
-        self.prompt_logprobs = c0.get("prompt_logprobs")
-        yield Delta(c0.get("text") or "", list(c0.get("token_ids") or []), c0.get("finish_reason") or "length",
-                    c0.get("stop_reason"), c0.get("logprobs"))
 
 
 async def merged(choices: list[Choice]) -> AsyncGenerator[tuple[Choice, Delta], None]:

@@ -47,7 +47,7 @@ class KVProtocol:
         raise NotImplementedError
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
-        """:class:`~pdserve.router.run.generation.Generation` keyword options that speak this protocol. ``constrained``
+        """:class:`~pdserve.router.run.generation.RunOptions` fields that speak this protocol. ``constrained``
         (structured outputs, constrained tools): D must generate the first token itself on any data plane."""
         return {"first_from_prefill": self.first_from_prefill and not constrained,
                 "prefill_kv_params": self.prefill_params(), "decode_kv_params": self.decode_params}

@@ -12,8 +12,8 @@ text the router's detokenizer makes), most of vLLM's events look alike::
 model), the very bytes ``ResponseBuilder.text_chunk`` writes, in one coroutine: read what the worker sent, rewrite
 every whole plain event in it, one write to the client. The first event that is not plain (a finish, usage, an
 error, anything unexpected) ends the relay with that event left unread, and the full path
-(``Generation._decode_stream``) takes over from it; so does a failed read (kept by the stream and raised on the
-full path: retry, migration) and the request's deadline (``Generation._expire``).
+(``Attempt.deltas``) takes over from it; so does a failed read (kept by the stream and raised on the full path:
+retry, migration) and an interrupt of the attempt (the request's deadline, a move: :mod:`.interrupts`).
 
 Token ids are still parsed (``int`` per id), because usage, the conductor's progress and migration need them.
 """
@@ -23,14 +23,26 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-from aiohttp import StreamReader, web
+from aiohttp import web
 
 from ..fleet.workers import WorkerStream
+from .interrupts import Interrupts
+from .timings import Timings
 
-if TYPE_CHECKING:
-    from .generation import Generation
+
+class RelaySource(Protocol):
+    """What a relay needs of the attempt whose stream it passes through (:class:`~.attempt.Attempt`)."""
+
+    t: Timings
+    interrupts: Interrupts
+    token_ids: list[int]  # the request's output: the relay appends the ids it passes through
+
+    def relayed(self, n: int) -> None:
+        """``n`` more tokens passed through (already appended): timed and reported to the placement."""
+        ...
+
 
 _CHOICES = b'"choices":[{"index":0,"text":'
 _TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":['
@@ -75,53 +87,24 @@ def parse_ids(raw: bytes, into: list[int]) -> int:
 
 _WRITE_LIMIT = 1 << 16  # the client's unsent bytes past which the relay waits for it (coroutine path)
 _END_CHUNK = b"}]}\n\n"
-_INLINE: dict[int, Relay] = {}  # id(reader) -> the relay that takes its data in the socket callback
-
-
-class _RelayingReader(StreamReader):
-    """aiohttp's body reader, taking the data itself while a relay is inline (``_INLINE``): whole plain events go
-    to the client from the socket callback, without waking the request's task. The first event that is not plain,
-    the end of the stream or its failure hands everything from there on to the reader as usual and wakes the task.
-    (A worker stream's reader gets this class only when a relay first goes inline; same slots, no state of its
-    own.)"""
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        relay = _INLINE.get(id(self))
-        if relay is None or not data:
-            return super().feed_data(data, size)
-        rest = relay.feed(data)
-        return super().feed_data(rest, size) if rest else False
-
-    def feed_eof(self) -> None:
-        relay = _INLINE.get(id(self))
-        if relay is not None:
-            relay.release(self)
-        super().feed_eof()
-
-    def set_exception(self, *args: Any, **kw: Any) -> None:
-        relay = _INLINE.get(id(self))
-        if relay is not None:
-            relay.release(self)
-        super().set_exception(*args, **kw)
-
 
 class Relay:
-    """One pass-through stretch of a choice's stream, offered by ``Generation._decode_stream`` (as a
-    :class:`~.handoff.Delta` with ``relay`` set) and run by the answer (``answer.stream``).
+    """One pass-through stretch of a choice's stream, offered by an attempt (``Attempt.deltas``, as a
+    :class:`~.delta.Delta` with ``relay`` set) and run by the answer (``answer.stream``).
 
     What the worker's reader holds already is rewritten and written from the task (coroutine path); then, while the
-    client keeps up, the relay goes *inline*: the socket callback rewrites each read and writes it to the client's
-    transport (one event-loop iteration per read, no task wake-up, no aiohttp writer), and the task sleeps until the
-    first event that is not plain, the stream's end or failure, the deadline, or the client leaving."""
+    client keeps up, the relay goes *inline*: it taps the stream (:meth:`WorkerStream.tap`), so the socket callback
+    rewrites each read and writes it to the client's transport (one event-loop iteration per read, no task wake-up,
+    no aiohttp writer), and the task sleeps until the first event that is not plain, the stream's end or failure,
+    an interrupt of the attempt (the deadline, a move), or the client leaving."""
 
-    __slots__ = ("gen", "stream", "relayed", "tokens", "head", "tail", "with_ids", "transport", "chunked", "partial",
-                 "woken", "busy")
+    __slots__ = ("source", "stream", "interrupts", "relayed", "tokens", "head", "tail", "with_ids", "transport",
+                 "chunked", "partial", "woken", "busy")
 
-    def __init__(self, gen: Generation, stream: WorkerStream) -> None:
-        self.gen = gen
+    def __init__(self, source: RelaySource, stream: WorkerStream) -> None:
+        self.source = source
         self.stream = stream
+        self.interrupts = source.interrupts
         self.relayed = 0  # events passed through
         self.tokens = 0
         self.head = self.tail = self.partial = b""
@@ -135,7 +118,7 @@ class Relay:
         """(the client's bytes for the whole plain events at the start of ``buf``, where they end, whether an event
         that is not plain comes next); counts their tokens."""
         head, tail, with_ids = self.head, self.tail, self.with_ids
-        token_ids = self.gen.token_ids
+        token_ids = self.source.token_ids
         pos = 0
         out: list[bytes] = []
         n = 0
@@ -157,25 +140,19 @@ class Relay:
         self.relayed += len(out)
         if n:
             self.tokens += n
-            t = self.gen.t
-            t.tokens += n
-            t.relayed += n
-            now = t.last_token = time.perf_counter()
-            ticket = self.gen.ticket
-            if ticket is not None:
-                ticket.progress(t.tokens, now)
+            self.source.relayed(n)
         return out[0] if len(out) == 1 else b"".join(out), pos, stop
 
     async def run(self, resp: web.StreamResponse, transport: asyncio.Transport | None, head: bytes, tail: bytes,
                   with_ids: bool) -> int:
         """Pass plain events through as ``head + text + tail [+ ids] + "}]}\\n\\n"``; return the tokens relayed.
-        Returns at the first event that is not plain (left unread), a failed read (kept by the stream), the
-        request's deadline or the client leaving (raised)."""
+        Returns at the first event that is not plain (left unread), a failed read (kept by the stream), an
+        interrupt of the attempt (the deadline, a move) or the client leaving (raised)."""
         self.head, self.tail, self.with_ids = head, tail, with_ids
         self.transport = transport
         self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        gen, stream = self.gen, self.stream
-        t = gen.t
+        stream, interrupts = self.stream, self.interrupts
+        t = self.source.t
         while True:
             buf = stream.buf
             out, pos, stop = self._rewrite(buf)
@@ -185,7 +162,7 @@ class Relay:
                 t0 = time.perf_counter()
                 await resp.write(out)
                 t.client.seconds += time.perf_counter() - t0
-            if stop or gen._expired:
+            if stop or interrupts.reason is not None:
                 return self.tokens
             got = stream.fill_nowait()
             if got:
@@ -198,46 +175,44 @@ class Relay:
     def _can_inline(self) -> bool:
         tr = self.transport
         return tr is not None and not tr.is_closing() and tr.get_write_buffer_size() < _WRITE_LIMIT \
-            and type(self.stream.reader) in (StreamReader, _RelayingReader) and self.stream.watchdog is not None
+            and self.stream.can_tap()
 
     async def _fill(self) -> bool:
-        """Read more from the worker within the request's deadline: ``Generation._expire`` cancels this task while
-        it awaits here (as it does in ``Generation._next``)."""
-        gen = self.gen
-        task = gen._waiter = asyncio.current_task()
+        """Read more from the worker; an interrupt of the attempt (the deadline, a move) cancels this await and
+        ends the relay (False)."""
+        interrupts = self.interrupts
+        task = interrupts.begin()
         try:
             return await self.stream.fill()
         except asyncio.CancelledError:
-            if self.gen._own_cancel(task):  # the deadline (or a move) ends the relay
+            if interrupts.ours(task):
                 return False
             raise
         finally:
-            gen._waiter = None
+            interrupts.end()
 
     async def _inline(self, resp: web.StreamResponse) -> bool:
-        """Relay from the socket callback (:class:`_RelayingReader`) until it hands back; False at the deadline."""
-        gen, stream = self.gen, self.stream
-        reader, dog = stream.reader, stream.watchdog
-        assert reader is not None and dog is not None
-        if type(reader) is StreamReader:
-            reader.__class__ = _RelayingReader
+        """Relay from the socket callback (the stream's tap) until it hands back; False on an interrupt."""
+        stream, interrupts = self.stream, self.interrupts
+        dog = stream.watchdog
+        assert dog is not None
+        stream.tap(self)
         self.partial, stream.buf = stream.buf, b""
         self.woken = asyncio.get_running_loop().create_future()
         self.busy = 0.0
-        _INLINE[id(reader)] = self
-        task = gen._waiter = asyncio.current_task()
+        task = interrupts.begin()
         t0 = dog.since = time.perf_counter()
         try:
             await self.woken
             return True
         except asyncio.CancelledError:
-            if self.gen._own_cancel(task):  # the deadline (or a move) ends the relay
+            if interrupts.ours(task):  # the deadline (or a move) ends the relay
                 return False
             raise
         finally:
-            gen._waiter = None
+            interrupts.end()
             dog.since = None
-            if _INLINE.pop(id(reader), None) is not None:  # ended from this side: the partial event stays ours
+            if stream.untap():  # ended from this side: the partial event stays ours
                 stream.buf = self.partial + stream.buf
                 self.partial = b""
             stream.wait.seconds += time.perf_counter() - t0 - self.busy
@@ -261,7 +236,7 @@ class Relay:
         out, pos, stop = self._rewrite(buf)
         if out:
             tr.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
-        if stop or self.gen._expired or tr.get_write_buffer_size() >= _WRITE_LIMIT:
+        if stop or self.interrupts.reason is not None or tr.get_write_buffer_size() >= _WRITE_LIMIT:
             self._hand_back()
             rest = buf[pos:]
         else:
@@ -276,15 +251,12 @@ class Relay:
 
     def _hand_back(self) -> None:
         self.partial = b""
-        reader = self.stream.reader
-        if reader is not None:
-            _INLINE.pop(id(reader), None)
+        self.stream.untap()
         if self.woken is not None and not self.woken.done():
             self.woken.set_result(None)
 
-    def release(self, reader: StreamReader) -> None:
-        """The stream ends or fails while inline: give the reader the partial event, then wake the task."""
+    def ended(self) -> bytes:
+        """The stream ends or fails while inline: wake the task; the reader gets the partial event."""
         partial = self.partial
         self._hand_back()
-        if partial:
-            StreamReader.feed_data(reader, partial)
+        return partial

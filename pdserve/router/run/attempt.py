@@ -1,0 +1,196 @@
+"""One call to one worker (:class:`Attempt`): P's unstreamed prefill, D's stream, a whole request's stream, or a
+whole request sent unstreamed because it asks for ``prompt_logprobs`` (vLLM streams none).
+
+An attempt owns its worker stream, turns the worker's events into :class:`~.delta.Delta`, reads a failed call
+through the one rule (:func:`~.failures.classify`: retry elsewhere, migrate what is left, or the client's error),
+can be interrupted (:meth:`Attempt.interrupt`: the request's deadline, a move, a client that left) and logs one
+line when it ends: the request, the role, the worker, the outcome and its reason, the tokens out so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import deadline_exceeded
+from ..fleet.registry import WorkerRegistry
+from ..fleet.ticket import PlacementTicket
+from ..fleet.workers import Worker, WorkerClient, WorkerError, WorkerStream
+from ..metrics import RouterMetrics
+from .deadline import within
+from .delta import Delta
+from .failures import Migrate, Outcome, Retry, classify
+from .interrupts import Interrupts
+from .output import Output
+from .relay import Relay
+from .timings import Timings, transfer_stats
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass
+class AttemptContext:
+    """What every attempt of one request's run shares: the worker client, the metrics and registry, the request's
+    timings, output and interrupts, and the P -> D hand-off's clock (``handoff_since``: loop time P answered, until
+    D's first token; ``handoff_timeout_s``: how long D may take to start)."""
+
+    client: WorkerClient
+    metrics: RouterMetrics
+    registry: WorkerRegistry
+    t: Timings
+    output: Output
+    request_id: str
+    interrupts: Interrupts = field(default_factory=Interrupts)
+    handoff_timeout_s: float | None = None
+    handoff_since: float | None = None
+
+
+class Attempt:
+    """One call to ``worker`` as ``role`` (prefill, decode, colocated) on ``ticket`` (see the module docstring).
+    ``kind``: prefill (P's one-token call), decode (D's stream after a hand-off), whole (the whole request,
+    streamed) or scored (the whole request, unstreamed, for ``prompt_logprobs``)."""
+
+    def __init__(self, ctx: AttemptContext, ticket: PlacementTicket, worker: Worker, role: str, kind: str) -> None:
+        self.ctx = ctx
+        self.ticket = ticket
+        self.worker = worker
+        self.role = role
+        self.kind = kind
+        self.t = ctx.t
+        self.interrupts = ctx.interrupts
+        self.token_ids = ctx.output.token_ids  # the request's output: the relay appends what it passes through
+        # the relay's count of the tokens it passed through (already in token_ids): timed and reported
+        self.relayed: Callable[[int], None] = ctx.output.relayed
+        self.stream: WorkerStream | None = None
+        self.started = False  # the worker answered: a streamed token (or text), or the unstreamed answer
+        self.outcome: str | None = None  # set once, when the attempt ends (and logged)
+
+    # ---- interrupts and the outcome ----
+    def interrupt(self, reason: str) -> bool:
+        """Stop this attempt's await on its worker (the request's deadline, a move, a client that left): True when
+        it was awaiting and is cancelled now, else the run sees ``reason`` before its next await."""
+        return self.interrupts.interrupt(reason)
+
+    def failed(self, e: WorkerError, mid_request: bool) -> Outcome:
+        """A failed call: counted, the worker marked dead on evidence of death only (a refused connection; a timeout
+        under load is the health probes' to judge), then read by the one rule and logged."""
+        self.ctx.metrics.worker_errors.labels(self.role, e.kind).inc()
+        if e.dead:
+            self.ctx.registry.mark_dead(self.worker.url, str(e))
+        out = classify(e, self.role, self.started, mid_request)
+        if isinstance(out, Retry):
+            self.end("retry" if not out.dead else "retry (dead)", out.reason)
+        elif isinstance(out, Migrate):
+            self.end("migrate", out.reason)
+        else:
+            self.end("error", f"{out.status} {out.message}")
+        return out
+
+    def end(self, outcome: str, reason: str) -> None:
+        """The attempt's one log line (the first call only): ok at debug level, interrupted (the deadline, a move, the
+        request closing it) at info, failures as warnings."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        level = logging.DEBUG if outcome == "ok" else logging.INFO if outcome == "interrupted" else logging.WARNING
+        log.log(level, "request %s: %s attempt on %s worker %s: %s (%s); %d token(s) out", self.ctx.request_id,
+                self.kind, self.role, self.worker.url, outcome, reason, len(self.token_ids))
+
+    def _closed(self) -> None:
+        reason = self.interrupts.reason
+        self.end("interrupted", reason or "closed by the request: its output ended, its client left or another "
+                                          "choice failed")
+
+    # ---- the unstreamed call ----
+    async def complete(self, body: dict[str, Any]) -> dict:
+        """POST the body unstreamed (P's prefill, or a scored whole request); its answer, or the failure's outcome
+        raised (nothing of it reached the client)."""
+        try:
+            resp = await self.ctx.client.complete(self.worker.url, body, self.t.wait)
+        except WorkerError as e:
+            raise self.failed(e, mid_request=False) from None
+        except asyncio.CancelledError:
+            self._closed()
+            raise
+        self.started = True
+        return resp
+
+    # ---- the streamed call ----
+    async def deltas(self, body: dict[str, Any], own_text: bool, answered: bool, relay: bool = False,
+                     keep_prompt_logprobs: bool = False) -> AsyncGenerator[Delta, None]:
+        """Stream the body: one delta per worker event, the finish last (its text made only when it goes out).
+        ``own_text``: the router's detokenizer makes the text (P -> D, a migrated attempt); ``answered``: the client
+        has output of this request already (its failure is then a mid-request one); ``relay``: plain events may pass
+        through as bytes after the first (:mod:`.relay`)."""
+        t, out = self.t, self.ctx.output
+        now = time.perf_counter()
+        if t.dispatch is None:
+            t.dispatch = now
+        t.d_sent = now
+        last: tuple[list[int], dict[str, Any]] | None = None
+        started = False  # self.started, kept local on the per-token path
+        try:
+            async with aclosing(self.ctx.client.stream(self.worker.url, body, self.t.wait)) as objs:
+                if isinstance(objs, WorkerStream):
+                    self.stream = objs
+                while True:
+                    try:
+                        obj = await (objs.__anext__() if started else self._first(objs))
+                    except StopAsyncIteration:
+                        break
+                    if "kv_transfer_params" in obj:
+                        transfer_stats(obj, t)
+                    choices = obj.get("choices") or []
+                    if not choices:
+                        continue  # usage chunk
+                    c0 = choices[0]
+                    ids = list(c0.get("token_ids") or [])
+                    if not started and (ids or c0.get("text")):
+                        started = True
+                        self._start()
+                    if keep_prompt_logprobs and out.prompt_logprobs is None and c0.get("prompt_logprobs"):
+                        out.prompt_logprobs = c0.get("prompt_logprobs")
+                    if c0.get("finish_reason") is None:
+                        yield out.delta(ids, c0, own_text)
+                        if relay and started and self.stream is not None:
+                            yield Delta("", [], relay=Relay(self, self.stream))
+                    else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
+                        t.d_end = time.perf_counter()
+                        last = (ids, c0)
+            if last is None:
+                self.end("error", "the stream ended without a finish_reason")
+            else:
+                ids, c0 = last
+                yield out.delta(ids, c0, own_text, final=True)
+        except WorkerError as e:
+            raise self.failed(e, mid_request=answered or self.started) from None
+        finally:
+            if t.d_end is None:
+                t.d_end = time.perf_counter()
+            self._closed()
+
+    def _start(self) -> None:
+        self.started = True
+        self.ctx.handoff_since = None
+        self.t.d_first = time.perf_counter()
+        if self.kind != "decode":
+            self.ticket.prefill_done()  # whole request here: prompt computed
+
+    async def _first(self, objs: AsyncIterator[dict]) -> dict:
+        """D's first event within the hand-off deadline (P's answer + handoff_timeout_s)."""
+        ctx = self.ctx
+        if self.kind != "decode" or ctx.handoff_timeout_s is None or ctx.handoff_since is None:
+            return await objs.__anext__()
+        try:
+            return await within(objs.__anext__(), ctx.handoff_since + ctx.handoff_timeout_s)
+        except asyncio.TimeoutError:
+            ctx.metrics.deadlines.labels("handoff").inc()
+            self.end("error", "hand-off deadline")
+            raise deadline_exceeded(f"the decode worker did not start within the hand-off deadline of "
+                                    f"{ctx.handoff_timeout_s:g} s after the prefill (router --handoff-timeout-s)",
+                                    "handoff_timeout") from None

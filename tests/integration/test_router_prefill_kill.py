@@ -1,0 +1,112 @@
+"""P SIGKILLed under 8 concurrent greedy streams on 1P1D (fp32, the pool on, as `pdserve serve` starts it): every
+in-flight request completes, and each one's output equals the decode worker's alone, token for token (issue 23).
+Which requests are on P when it dies comes from the router's own record, not from timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pdserve.bench.prom import scrape
+from pdserve.config import LauncherConfig
+from pdserve.launcher import Cluster
+from pdserve.prom import label_values
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.timeout(600),
+]
+
+CLIENTS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from pdserve.models import build_random_llama
+
+    model = build_random_llama(tmp_path_factory.mktemp("pkill-model") / "random-llama")
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pkill-run")),
+                         worker_timeout_s=400)
+    with Cluster(cfg) as c:
+        yield c
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        return json.loads(resp.read())
+
+
+BODY = {"model": "rl", "prompt": [random.Random(7).randrange(1000, 40000) for _ in range(300)], "max_tokens": 64,
+        "temperature": 0, "ignore_eos": True}
+
+
+def _stream(url: str, on_event) -> tuple[int, list[dict]]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**BODY, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events: list[dict] = []
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                on_event()
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read())]
+    return 200, events
+
+
+def _queued_on(cluster: Cluster, url: str) -> float:
+    """Prompt tokens the router placed on ``url`` and has not seen prefilled (its own record, not vLLM's)."""
+    queued = scrape(cluster.router_url, "pdserve_worker_queued_prefill_tokens", labels=True)
+    return sum(v for k, v in queued.items() if label_values(k).get("worker") == url)
+
+
+def test_prefill_killed_under_concurrent_streams_every_request_completes_exactly(cluster):
+    """Six streams decode on D, two more wait on P (stopped), then P is SIGKILLed: the two migrate (whole on D),
+    the six go on, every output equals D's alone, token for token."""
+    reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", BODY)["choices"][0]["text"]
+    p = next(c for c in cluster.workers if c.name.startswith("prefill"))
+    started = [threading.Event() for _ in range(CLIENTS)]
+    results: dict[int, tuple[int, list[dict]]] = {}
+
+    def client(i: int) -> None:
+        results[i] = _stream(cluster.router_url, started[i].set)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for th in threads[:6]:
+        th.start()
+    assert all(e.wait(120) for e in started[:6]), "the first six never streamed"
+    os.kill(p.pid, signal.SIGSTOP)  # P holds the next two prompts
+    try:
+        for th in threads[6:]:
+            th.start()
+        deadline = time.monotonic() + 60
+        while _queued_on(cluster, p.url) < 2 * len(BODY["prompt"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _queued_on(cluster, p.url) >= 2 * len(BODY["prompt"]), "the two never reached P"
+    finally:
+        os.killpg(p.pgid, signal.SIGKILL)
+    p.proc.wait(10)
+    for th in threads:
+        th.join(300)
+    log = (cluster.run_dir / "router.log").read_text() if cluster.run_dir else ""
+    for i in range(CLIENTS):
+        status, events = results[i]
+        assert status == 200 and not any("error" in e for e in events), (i, status, events[-2:], log[-6000:])
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == reference, (i, log[-6000:])
+    migrated = scrape(cluster.router_url, "pdserve_router_migrations_total", labels=True)
+    assert migrated == {'pdserve_router_migrations_total{role="prefill"}': 2.0}, (migrated, log[-6000:])
