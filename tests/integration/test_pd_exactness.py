@@ -40,14 +40,15 @@ START_TIMEOUT_S = float(os.environ.get("PDSERVE_TEST_VLLM_START_S", "300"))
 
 
 class Server:
-    def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32") -> None:
+    def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32",
+                 env_extra: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         kv = {"kv_connector": "PdserveConnector", "kv_connector_module_path": "pdserve.vllm.connector",
               "kv_role": "kv_both", "kv_connector_extra_config": extra}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv)]
@@ -78,6 +79,18 @@ class Server:
 
     def stop(self) -> None:
         stop_children([self.child], timeout_s=20)
+
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty the worker's own prefix cache (vLLM's dev endpoint: start with env VLLM_SERVER_DEV_MODE=1), as a
+        restarted worker's would be; retried while blocks are still held."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read()).get("success"):
+                    return
+            time.sleep(0.2)
+        raise AssertionError("vLLM did not reset its prefix cache")
 
     # ---- requests ----
     def complete(self, prompt: list[int], max_tokens: int, **extra) -> dict:

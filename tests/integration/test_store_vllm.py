@@ -2,10 +2,10 @@
 
 A real pool (master + one node process) and a vLLM CPU server whose PdserveConnector has ``pool_master``
 set. A 1000-token prompt is served once (its 7 full blocks are saved to the pool after the request), the
-same prompt is served again under a fresh ``cache_salt`` (so the server's own prefix cache misses, as after a
-restart, while the pool's keys are the prompt's alone): the server loads the 7 blocks from the pool
+same prompt is served again after the server's own prefix cache was reset (vLLM's dev endpoint, as after a
+restart): the server loads the 7 blocks from the pool
 (``vllm:pdserve_kv_pool_loaded_tokens_total`` = 896) and its greedy output equals the first one's. Negative control: the pooled objects are replaced with random bytes under the same keys; a
-request that bypasses the local prefix cache (fresh cache_salt) then loads them and its output differs, so
+request that bypasses the local prefix cache (reset) then loads them and its output differs, so
 the tokens really came from the pool's bytes. Issue 27: a byte flipped in one pooled object is caught by its seal
 (that block and the ones after it are recomputed, the output stays exact, the failure is counted by path); the
 negative control's random bytes carry a valid seal (this worker's fingerprint, their own checksum), or the seal would
@@ -143,18 +143,28 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
     keys = block_hashes(prompt, BLOCK)
     assert len(keys) == 7
 
-    server = Server(model_dir, 0, tmp_path / "server.log", extra)
+    server = Server(model_dir, 0, tmp_path / "server.log", extra, env_extra={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         server.wait_ready(time.monotonic() + START_TIMEOUT_S)
         computed = _tokens(server.complete(prompt, GEN))
         _wait_pooled(client, keys)
         assert _wait_metric(server, "vllm:pdserve_kv_pool_saved_blocks_total", 7) == 7
         assert server.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
-        ext0, local0 = _by_source(server, "external_kv_transfer"), _by_source(server, "local_compute")
+        ext0 = _by_source(server, "external_kv_transfer")
 
-        # a fresh cache_salt misses the worker's own prefix cache (as a restarted worker would), while the pool's
-        # keys are the prompt's alone: the 7 full blocks come from the pool
-        loaded = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        # issue 25: the same prompt under a cache_salt is another tenant's: it loads nothing from the pool (its keys
+        # start from the salt's domain) and hits nothing in the worker's own prefix cache
+        hits0 = server.metric("vllm:prefix_cache_hits_total")
+        server.complete(prompt, GEN, cache_salt="tenant-b")
+        assert server.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
+        assert server.metric("vllm:prefix_cache_hits_total") == hits0
+        assert _by_source(server, "external_kv_transfer") == ext0
+
+        # the worker's own prefix cache emptied (as a restarted worker's would be): the 7 full blocks come from
+        # the pool
+        server.reset_prefix_cache()
+        local0 = _by_source(server, "local_compute")
+        loaded = _tokens(server.complete(prompt, GEN))
         assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
         assert server.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
         assert _by_source(server, "external_kv_transfer") - ext0 == 7 * BLOCK  # vLLM's own count: loaded
@@ -167,7 +177,8 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
         bad = objects[3].copy()
         bad[1000] ^= 0x10
         _replace_objects(port, client, keys[3:4], [bad])
-        flipped = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        server.reset_prefix_cache()
+        flipped = _tokens(server.complete(prompt, GEN))
         assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 10 * BLOCK) == 10 * BLOCK
         assert _wait_metric(server, "vllm:pdserve_kv_checksum_failures_total", 1) == 1
         assert 'path="pool"' in _metrics_text(server) and "KV pool block 3" in server.log_text()
@@ -186,7 +197,8 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
             seal = np.array([MAGIC | 1, fp, xxh3_spans([body])], dtype=np.uint64).view(np.uint8)
             junk.append(np.concatenate([body, seal]))
         _replace_objects(port, client, keys, junk)
-        garbage = _tokens(server.complete(prompt, GEN, cache_salt=_salt()))
+        server.reset_prefix_cache()
+        garbage = _tokens(server.complete(prompt, GEN))
         assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 17 * BLOCK) == 17 * BLOCK
         assert garbage != computed, "output unchanged with corrupted pool blocks: the KV did not come from the pool"
     finally:

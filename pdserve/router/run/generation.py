@@ -24,6 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from ...hashing import domain_root
 from ..api.protocol import GenerationRequest
 from ..api.tokenizer import IncrementalDetokenizer
 from ..errors import RouterError, upstream_failed
@@ -82,6 +83,9 @@ class Generation:
         o = options or RunOptions()
         self.req = req
         self.prompt_ids = prompt_ids
+        # the root of the prompt's block keys: its cache salt (and, with adapters, its LoRA), so the request is
+        # placed by its own domain's blocks only (pdserve.hashing.domain_root)
+        self.domain = domain_root(req.sampling.get("cache_salt"))
         self.max_tokens = max_tokens
         self.placement = placement
         self.metrics = metrics
@@ -265,7 +269,8 @@ class Generation:
             ticket = moved
         else:
             try:
-                ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id, self._left)
+                ticket = self.placement.choose(self._prompt, frozenset(dead | slow), self.req.request_id, self._left,
+                                               self.domain)
             except RouterError as e:
                 if e.status == 503 and slow:
                     slow.clear()
