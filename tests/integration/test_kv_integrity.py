@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.hashing import block_hashes
+from pdserve.hashing import block_hashes, domain_root
 from pdserve.procs import free_port
 from pdserve.store import ClientConfig, StoreClient
 
@@ -55,7 +55,8 @@ def stack(model_dir, tmp_path_factory):
     client = StoreClient(ClientConfig("127.0.0.1", port, secret=SECRET))
     extra = {"secret": SECRET, "lease_s": 30, "allow_test_faults": True, "pool_master": f"127.0.0.1:{port}"}
     p = Server(model_dir, 0, tmp / "p.log", extra)
-    d = Server(model_dir, 1 if (os.cpu_count() or 1) > 1 else 0, tmp / "d.log", extra)
+    d = Server(model_dir, 1 if (os.cpu_count() or 1) > 1 else 0, tmp / "d.log", extra,
+               env_extra={"VLLM_SERVER_DEV_MODE": "1"})  # reset_prefix_cache: the pool case misses D's own cache
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_ready(deadline)
@@ -145,15 +146,17 @@ def test_p_of_another_model_or_dtype_is_refused_by_field(stack, field, value):
 def test_byte_flipped_in_a_pool_object_is_a_miss(stack):
     _, d, port, client = stack
     prompt = _prompt(1000, seed=9)
-    keys = block_hashes(prompt, BLOCK)
-    reference = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
+    salt = _salt()  # a domain of its own: no earlier case pooled these keys (issue 25: salts key the pool)
+    keys = block_hashes(prompt, BLOCK, domain_root(salt))
+    reference = _tokens(d.complete(prompt, GEN, cache_salt=salt))
     _wait_pooled(client, keys)
     objects = _read_objects(port, keys, BLOCK_BYTES + 24)
     bad = objects[2].copy()
     bad[BLOCK_BYTES // 2] ^= 0x01
     _replace_objects(port, client, keys[2:3], [bad])
     before = _failures(d, "pool")
-    loaded = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
+    d.reset_prefix_cache()  # as a restarted D: its own cache misses, the pool holds the prefix
+    loaded = _tokens(d.complete(prompt, GEN, cache_salt=salt))
     assert loaded == reference, "a corrupt pool block reached the answer"
     assert _wait_failures(d, "pool", before + 1) == before + 1
     assert "KV pool block 2" in d.log_text()

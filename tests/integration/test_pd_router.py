@@ -349,6 +349,7 @@ def _forwarded_cases(cluster, plain: dict) -> list[dict]:
             {"logit_bias": {str(plain["token_ids"][0]): -100.0}}, {"allowed_token_ids": list(range(3000, 3040))},
             {"bad_words": [_one_token_word(cluster, plain["text"])]}, {"cache_salt": "tenant-a"}, {"priority": 0},
             {"logprobs": 1, "return_tokens_as_token_ids": True}, {"stream_interval": 3},
+            {"min_tokens": 8, "stop_token_ids": [plain["token_ids"][2]]},
             {"presence_penalty": 0.8, "cache_salt": "tenant-b", "logit_bias": {"1500": 5.0}}]
 
 
@@ -362,7 +363,9 @@ def test_forwarded_fields_equal_one_worker(cluster):
         body = {**base, **extra}
         ref = _alone(cluster, "/v1/completions", body)["choices"][0]
         if not {"cache_salt", "priority", "return_tokens_as_token_ids", "stream_interval"} & set(extra):
-            acted.append((extra, ref["text"] != plain["text"]))
+            without = {k: v for k, v in body.items() if k != "min_tokens"}  # min_tokens acts against the stop
+            baseline = plain if "min_tokens" not in extra else _alone(cluster, "/v1/completions", without)["choices"][0]
+            acted.append((extra, ref["text"] != baseline["text"]))
         mine = _post(cluster.router_url + "/v1/completions", body)["choices"][0]
         assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
             (ref["text"], ref["token_ids"], ref["finish_reason"]), extra

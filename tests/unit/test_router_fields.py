@@ -41,7 +41,8 @@ def _parse(endpoint: str, extra: dict):
 _VALUES = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"5": 1.0}, "allowed_token_ids": [1, 2],
            "cache_salt": "s", "priority": 3, "return_tokens_as_token_ids": True, "logprob_token_ids": [4],
            "vllm_xargs": {"k": 1}, "bad_words": ["x"], "repetition_detection": {"max_pattern_size": 4},
-           "thinking_token_budget": 10, "watermarking": True, "stream_interval": 4}
+           "thinking_token_budget": 10, "watermarking": True, "stream_interval": 4,
+           "min_tokens": 3}
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

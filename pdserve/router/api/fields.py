@@ -51,7 +51,8 @@ _COMMON: dict[str, tuple[Use, str]] = {
     "repetition_detection": ("regenerated", "looks at the output's n-grams"),
     "thinking_token_budget": ("regenerated", "counts output tokens"),
     "watermarking": ("regenerated", "the watermark depends on the output so far"),
-    "min_tokens": ("refused", "not yet served through P and D (P's max_tokens is 1)"),
+    "min_tokens": ("forwarded", "less the tokens already output (P's first, a migration's), at most each call's "
+                                "max_tokens"),
     "truncate_prompt_tokens": ("refused", "not yet served: the router would have to truncate before placement"),
     "truncation_side": ("refused", "with truncate_prompt_tokens"),
     "stream_interval": ("forwarded", "batches the streaming worker's chunks; the text is the same"),

@@ -205,7 +205,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         "logit_bias": (dict, False), "allowed_token_ids": (list, False), "cache_salt": (str, False),
         "priority": (int, False), "return_tokens_as_token_ids": (bool, False), "logprob_token_ids": (list, False),
         "vllm_xargs": (dict, False), "bad_words": (list, True), "repetition_detection": (dict, True),
-        "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False)}
+        "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False),
+        "min_tokens": (int, False)}
     for name, (kind, regenerated) in checks.items():
         v = body.get(name)
         if v is None:
@@ -215,6 +216,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' must be of type {want}, got {v!r}", name)
         if (name == "cache_salt" and not v) or (name == "stream_interval" and isinstance(v, int) and v < 1):
             raise bad_request(f"'{name}' must be {'a non-empty string' if kind is str else '>= 1'}, got {v!r}", name)
+        if name == "min_tokens" and isinstance(v, int) and v < 0:
+            raise bad_request(f"'min_tokens' must be >= 0, got {v!r}", name)
         if v in (False, [], {}) and name != "priority":
             continue  # vLLM's default: nothing to send
         s[name] = v

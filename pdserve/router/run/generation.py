@@ -156,8 +156,9 @@ class Generation:
                                 "return_token_ids": True, **self.req.sampling}
         if not computes_prompt or self._done:
             body.pop("prompt_logprobs", None)  # only the worker that computes the prompt scores it (P)
-        if self._done and isinstance(body.get("min_tokens"), int):
-            body["min_tokens"] = max(0, body["min_tokens"] - self._done)  # a migrated request: what is left
+        if isinstance(body.get("min_tokens"), int):  # what is left of it after the tokens already output (P's t1,
+            # a migration's), at most this call's max_tokens (P's is 1)
+            body["min_tokens"] = min(max(0, body["min_tokens"] - (len(prompt) - len(self.prompt_ids))), max_tokens)
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.req.stop and self.colocated:
