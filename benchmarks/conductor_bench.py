@@ -7,7 +7,8 @@
         (shortlist 0, the full scan); each conductor row says how many of its decisions equal the full scan's.
     python benchmarks/conductor_bench.py sim [--workers 64] [--requests 600] [--rate 30]
         64 simulated workers (pdserve.plan's simulator, the conductor's own cost model) replaying a slice of the
-        Mooncake conversation trace: prefix hit rate and TTFT, conductor vs round-robin vs least-loaded.
+        Mooncake conversation trace: prefix hit rate and TTFT, conductor vs round-robin vs least-loaded;
+        ``--shortlist 4 8`` adds conductor rows (``conductor/4``) that weigh fewer workers than each role has.
     python benchmarks/conductor_bench.py live [--requests 60] ...
         A real 2P1D vLLM run (pdserve serve, SmolLM2) replaying a scaled slice of the trace, conductor vs
         round-robin in turn: prefix hit rate (vLLM's counters), TTFT mean/p99.
@@ -153,13 +154,16 @@ def run_sim(args) -> dict:
 
     reqs = load_trace(default_trace(), rate=args.rate, limit=args.requests)
     rows = []
-    for pol in ("round_robin", "least_loaded", "conductor"):
+    variants = [("round_robin", 0), ("least_loaded", 0), ("conductor", 0)] + [("conductor", k) for k in args.shortlist]
+    for pol, k in variants:
         sim = Simulation(Cluster(prefill=args.workers // 2, decode=args.workers - args.workers // 2), gpu_like_cost(),
                          SimSettings(Targets(2.0, 0.1), policy=pol, kv_capacity_tokens=2_000_000))
+        if k:
+            sim.conductor.shortlist = k  # fewer candidates than workers per role: what the bound costs
         t0 = time.perf_counter()
         out = sim.run(reqs)
         hit = sum(max(0, j.cached) for j in sim.jobs) / sum(j.req.prompt_tokens for j in sim.jobs)
-        rows.append({"policy": pol, "prefix_hit_rate": round(hit, 4),
+        rows.append({"policy": pol + (f"/{k}" if k else ""), "prefix_hit_rate": round(hit, 4),
                      "ttft_p50_s": round(out["ttft_s"]["p50"], 3), "ttft_p99_s": round(out["ttft_s"]["p99"], 3),
                      "ttft_mean_s": round(statistics.mean(j.first_token_s - j.req.arrival_s for j in sim.jobs
                                                           if j.first_token_s is not None), 3),
@@ -179,7 +183,7 @@ def run_sim(args) -> dict:
     for r in rows:
         print(f"{r['policy']:>13} {r['prefix_hit_rate']:>9} {r['ttft_mean_s']:>10} {r['ttft_p50_s']:>9} "
               f"{r['ttft_p99_s']:>9}")
-    rr, co = rows[0], rows[-1]
+    rr, co = rows[0], rows[2]
     return {"bench": "conductor_sim", "workers": args.workers, "requests": len(reqs), "rate": args.rate,
             "ideal_hit_rate": round(ideal / tot, 4), "rows": rows,
             "hit_ratio_vs_rr": round(co["prefix_hit_rate"] / max(rr["prefix_hit_rate"], 1e-9), 2),
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workers", type=int, default=64)
     s.add_argument("--requests", type=int, default=600)
     s.add_argument("--rate", type=float, default=30.0)
+    s.add_argument("--shortlist", type=int, nargs="*", default=[],
+                   help="extra conductor rows weighing only the prefix holders + this many least-loaded per role")
     lv = sub.add_parser("live")
     lv.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct)")
     lv.add_argument("--requests", type=int, default=60)
