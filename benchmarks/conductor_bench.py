@@ -86,37 +86,42 @@ def indexed(n_workers: int, n_blocks: int, seed: int) -> tuple[PrefixIndex, list
     return index, convs
 
 
-def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], policy: str, shortlist: int,
-             n_requests: int, seed: int = 0) -> dict:
-    """Place n_requests prompts (a conversation's prefix + up to 2000 new tokens) on one fleet sharing ``index``;
-    32 requests stay in flight. Every variant sees the same prompts and the same (simulated) clock: each prefill
-    takes 60 us per prompt token, so the cost model refits (inside some placements) on the same observations."""
+def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], variants: list[tuple[str, int]],
+             n_requests: int, seed: int = 0) -> list[dict]:
+    """Place n_requests prompts (a conversation's prefix + up to 2000 new tokens) on one fleet per (policy,
+    shortlist) variant, all sharing ``index``; 32 requests stay in flight. The variants take turns request by
+    request (so the machine's noise hits them alike), and see the same prompts and the same simulated clock: each
+    prefill takes 60 us per uncached token, so the cost model refits (inside some placements) on observations
+    that depend only on the decisions."""
     rng = random.Random(seed + 1)
-    now = [0.0]
-    c = fleet(n_workers, policy, shortlist, index, lambda: now[0])
-    place_s, choose_s, picks = [], [], []
+    runs = []
+    for pol, k in variants:
+        now = [0.0]
+        runs.append((pol, k, fleet(n_workers, pol, k, index, lambda now=now: now[0]), now, [], [], []))
     for i in range(n_requests):
         base = rng.choice(convs)
         prompt = base[:rng.randint(16, 64) * BS] + [rng.randrange(32000) for _ in range(rng.randint(1, 2000))]
-        now[0] = i * 0.1
-        t0 = time.perf_counter()
-        keys = block_hashes(prompt, BS) if policy == "conductor" else ()
-        t1 = time.perf_counter()
-        d = c.place(PlacementRequest(f"r{i}", len(prompt), keys, 128))
-        t2 = time.perf_counter()
-        place_s.append(t2 - t1)
-        choose_s.append(t2 - t0)
-        picks.append((d.kind, d.prefill, d.decode))
-        # keep a realistic amount of work in flight: finish requests after a while
-        now[0] += 6e-5 * (len(prompt) - d.cached_tokens)
-        c.prefill_done(d.request_id)
-        if i >= 32:
-            c.finished(f"r{i - 32}")
-    return {"workers": n_workers, "policy": policy, "shortlist": shortlist or "all", "indexed_blocks": len(index),
-            "requests": n_requests,
-            "place_p50_us": round(pct(place_s, 50) * 1e6, 1), "place_p99_us": round(pct(place_s, 99) * 1e6, 1),
-            "choose_p50_us": round(pct(choose_s, 50) * 1e6, 1), "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1),
-            "picks": picks}
+        for pol, _, c, now, place_s, choose_s, picks in runs:
+            now[0] = i * 0.1
+            t0 = time.perf_counter()
+            keys = block_hashes(prompt, BS) if pol == "conductor" else ()
+            t1 = time.perf_counter()
+            d = c.place(PlacementRequest(f"r{i}", len(prompt), keys, 128))
+            t2 = time.perf_counter()
+            place_s.append(t2 - t1)
+            choose_s.append(t2 - t0)
+            picks.append((d.kind, d.prefill, d.decode))
+            # keep a realistic amount of work in flight: finish requests after a while
+            now[0] += 6e-5 * (len(prompt) - d.cached_tokens)
+            c.prefill_done(d.request_id)
+            if i >= 32:
+                c.finished(f"r{i - 32}")
+    return [{"workers": n_workers, "policy": pol, "shortlist": k or "all", "indexed_blocks": len(index),
+             "requests": n_requests,
+             "place_p50_us": round(pct(place_s, 50) * 1e6, 1), "place_p99_us": round(pct(place_s, 99) * 1e6, 1),
+             "choose_p50_us": round(pct(choose_s, 50) * 1e6, 1),
+             "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1), "picks": picks}
+            for pol, k, _, _, place_s, choose_s, picks in runs]
 
 
 def run_decision(args) -> dict:
@@ -124,7 +129,7 @@ def run_decision(args) -> dict:
     for n in args.workers:
         index, convs = indexed(n, args.blocks, 0)
         variants = [("round_robin", 0)] + [("conductor", k) for k in args.shortlist]
-        got = [decision(n, index, convs, pol, k, args.requests) for pol, k in variants]
+        got = decision(n, index, convs, variants, args.requests)
         full = next((r["picks"] for r in got if r["shortlist"] == "all" and r["policy"] == "conductor"), None)
         for r in got:
             picks = r.pop("picks")
