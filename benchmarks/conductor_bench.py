@@ -1,12 +1,14 @@
 """Conductor benchmarks.
 
-    python benchmarks/conductor_bench.py decision [--blocks 100000] [--workers 8 64]
+    python benchmarks/conductor_bench.py decision [--blocks 100000] [--workers 8 64] [--shortlist 32 0]
         Placement decision time (p50, p99) with N workers and 100k indexed blocks: the conductor alone, and the
-        router's whole choice (block hashing of the prompt's token ids + placement). Baseline in the same run:
-        round-robin placement.
+        router's whole choice (block hashing of the prompt's token ids + placement). Baselines in the same run,
+        on the same index and prompts: round-robin placement, and the conductor with every worker a candidate
+        (shortlist 0, the full scan); each conductor row says how many of its decisions equal the full scan's.
     python benchmarks/conductor_bench.py sim [--workers 64] [--requests 600] [--rate 30]
         64 simulated workers (pdserve.plan's simulator, the conductor's own cost model) replaying a slice of the
-        Mooncake conversation trace: prefix hit rate and TTFT, conductor vs round-robin vs least-loaded.
+        Mooncake conversation trace: prefix hit rate and TTFT, conductor vs round-robin vs least-loaded;
+        ``--shortlist 4 8`` adds conductor rows (``conductor/4``) that weigh fewer workers than each role has.
     python benchmarks/conductor_bench.py live [--requests 60] ...
         A real 2P1D vLLM run (pdserve serve, SmolLM2) replaying a scaled slice of the trace, conductor vs
         round-robin in turn: prefix hit rate (vLLM's counters), TTFT mean/p99.
@@ -22,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 from pdserve.bench.traces import default_trace, trace_lines  # noqa: E402
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel, PlacementRequest  # noqa: E402
 from pdserve.conductor.cost_model import Priors  # noqa: E402
+from pdserve.conductor.index import PrefixIndex  # noqa: E402
+from pdserve.conductor.shortlist import SHORTLIST  # noqa: E402
 from pdserve.hashing import block_hashes  # noqa: E402
 
 BS = 128
@@ -47,54 +52,103 @@ def gpu_like_cost() -> OnlineCostModel:
 
 
 # ---------------------------------------------------------------- decision time
-def decision(n_workers: int, n_blocks: int, policy: str, n_requests: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
-    c = Conductor(ConductorConfig(policy=policy, block_size=BS), gpu_like_cost())
+def fleet(n_workers: int, policy: str, shortlist: int, index: PrefixIndex | None = None,
+          clock: Callable[[], float] = time.monotonic) -> Conductor:
+    """n_workers // 2 prefill and the rest decode workers; ``shortlist`` 0: every worker is a candidate."""
+    c = Conductor(ConductorConfig(policy=policy, block_size=BS), gpu_like_cost(), clock,
+                  shortlist=shortlist or max(1, n_workers))
     n_p = n_workers // 2
     for i in range(n_p):
         c.add_worker(f"p{i}", "prefill", 1 << 20)
     for i in range(n_workers - n_p):
         c.add_worker(f"d{i}", "decode", 1 << 20)
-    # conversations: 64-block (8K-token) prompts; each cached on 1-3 workers, until n_blocks keys are indexed
+    if index is not None:
+        c.index = index
+    return c
+
+
+def indexed(n_workers: int, n_blocks: int, seed: int) -> tuple[PrefixIndex, list[list[int]]]:
+    """Conversations of 64-block (8K-token) prompts, each cached on 1-3 workers, until n_blocks keys are
+    indexed."""
     import numpy as np
 
+    rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
+    ids = list(fleet(n_workers, "round_robin", 1).workers)
+    index = PrefixIndex()
     convs: list[list[int]] = []
-    while len(c.index) < n_blocks:
+    while len(index) < n_blocks:
         toks = nprng.integers(0, 32000, 64 * BS).tolist()
         keys = block_hashes(toks, BS)
         convs.append(toks)
         for _ in range(rng.randint(1, 3)):
-            c.blocks_stored(rng.choice(list(c.workers)), keys[:rng.randint(8, 64)])
-    place_s, choose_s = [], []
+            index.stored(rng.choice(ids), keys[:rng.randint(8, 64)])
+    return index, convs
+
+
+def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], variants: list[tuple[str, int]],
+             n_requests: int, seed: int = 0) -> list[dict]:
+    """Place n_requests prompts (a conversation's prefix + up to 2000 new tokens) on one fleet per (policy,
+    shortlist) variant, all sharing ``index``; 32 requests stay in flight. The variants take turns request by
+    request (so the machine's noise hits them alike), and see the same prompts and the same simulated clock: each
+    prefill takes 60 us per uncached token, so the cost model refits (inside some placements) on observations
+    that depend only on the decisions."""
+    rng = random.Random(seed + 1)
+    runs = []
+    for pol, k in variants:
+        now = [0.0]
+        runs.append((pol, k, fleet(n_workers, pol, k, index, lambda now=now: now[0]), now, [], [], []))
     for i in range(n_requests):
         base = rng.choice(convs)
         prompt = base[:rng.randint(16, 64) * BS] + [rng.randrange(32000) for _ in range(rng.randint(1, 2000))]
-        t0 = time.perf_counter()
-        keys = block_hashes(prompt, BS) if policy == "conductor" else ()
-        t1 = time.perf_counter()
-        d = c.place(PlacementRequest(f"r{i}", len(prompt), keys, 128))
-        t2 = time.perf_counter()
-        place_s.append(t2 - t1)
-        choose_s.append(t2 - t0)
-        # keep a realistic amount of work in flight: finish requests after a while
-        c.prefill_done(d.request_id)
-        if i >= 32:
-            c.finished(f"r{i - 32}")
-    return {"workers": n_workers, "policy": policy, "indexed_blocks": len(c.index), "requests": n_requests,
-            "place_p50_us": round(pct(place_s, 50) * 1e6, 1), "place_p99_us": round(pct(place_s, 99) * 1e6, 1),
-            "choose_p50_us": round(pct(choose_s, 50) * 1e6, 1), "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1)}
+        for pol, _, c, now, place_s, choose_s, picks in runs:
+            now[0] = i * 0.1
+            t0 = time.perf_counter()
+            keys = block_hashes(prompt, BS) if pol == "conductor" else ()
+            t1 = time.perf_counter()
+            d = c.place(PlacementRequest(f"r{i}", len(prompt), keys, 128))
+            t2 = time.perf_counter()
+            place_s.append(t2 - t1)
+            choose_s.append(t2 - t0)
+            picks.append((d.kind, d.prefill, d.decode))
+            # keep a realistic amount of work in flight: finish requests after a while
+            now[0] += 6e-5 * (len(prompt) - d.cached_tokens)
+            c.prefill_done(d.request_id)
+            if i >= 32:
+                c.finished(f"r{i - 32}")
+    return [{"workers": n_workers, "policy": pol, "shortlist": k or "all", "indexed_blocks": len(index),
+             "requests": n_requests,
+             "place_p50_us": round(pct(place_s, 50) * 1e6, 1), "place_p99_us": round(pct(place_s, 99) * 1e6, 1),
+             "choose_p50_us": round(pct(choose_s, 50) * 1e6, 1),
+             "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1), "picks": picks}
+            for pol, k, _, _, place_s, choose_s, picks in runs]
 
 
 def run_decision(args) -> dict:
-    rows = [decision(n, args.blocks, pol, args.requests) for n in args.workers
-            for pol in ("round_robin", "conductor")]
-    print(f"{'workers':>7} {'policy':>12} {'blocks':>7} {'place p50':>10} {'place p99':>10} "
-          f"{'hash+place p50':>15} {'hash+place p99':>15}   (microseconds)")
+    rows = []
+    for n in args.workers:
+        index, convs = indexed(n, args.blocks, 0)
+        variants = [("round_robin", 0)] + [("conductor", k) for k in args.shortlist]
+        got = decision(n, index, convs, variants, args.requests)
+        full = next((r["picks"] for r in got if r["shortlist"] == "all" and r["policy"] == "conductor"), None)
+        for r in got:
+            picks = r.pop("picks")
+            if full is not None and r["policy"] == "conductor":
+                r["same_decisions_as_all"] = round(sum(a == b for a, b in zip(picks, full)) / len(full), 4)
+        rows += got
+    print(f"{'workers':>7} {'policy':>12} {'shortlist':>9} {'blocks':>7} {'place p50':>10} {'place p99':>10} "
+          f"{'hash+place p50':>15} {'hash+place p99':>15} {'same as all':>11}   (microseconds)")
     for r in rows:
-        print(f"{r['workers']:>7} {r['policy']:>12} {r['indexed_blocks']:>7} {r['place_p50_us']:>10} "
-              f"{r['place_p99_us']:>10} {r['choose_p50_us']:>15} {r['choose_p99_us']:>15}")
-    return {"bench": "conductor_decision", "rows": rows}
+        print(f"{r['workers']:>7} {r['policy']:>12} {r['shortlist']:>9} {r['indexed_blocks']:>7} "
+              f"{r['place_p50_us']:>10} {r['place_p99_us']:>10} {r['choose_p50_us']:>15} {r['choose_p99_us']:>15} "
+              f"{r.get('same_decisions_as_all', '-'):>11}")
+    out: dict = {"bench": "conductor_decision", "rows": rows}
+    for n in args.workers:
+        by = {r["shortlist"]: r for r in rows if r["workers"] == n and r["policy"] == "conductor"}
+        if "all" in by and len(by) > 1:
+            k = next(k for k in by if k != "all")
+            out[f"p99_ratio_vs_all_{n}"] = round(by[k]["place_p99_us"] / by["all"]["place_p99_us"], 3)
+    return out
 
 
 # ---------------------------------------------------------------- simulated workers
@@ -105,13 +159,16 @@ def run_sim(args) -> dict:
 
     reqs = load_trace(default_trace(), rate=args.rate, limit=args.requests)
     rows = []
-    for pol in ("round_robin", "least_loaded", "conductor"):
+    variants = [("round_robin", 0), ("least_loaded", 0), ("conductor", 0)] + [("conductor", k) for k in args.shortlist]
+    for pol, k in variants:
         sim = Simulation(Cluster(prefill=args.workers // 2, decode=args.workers - args.workers // 2), gpu_like_cost(),
                          SimSettings(Targets(2.0, 0.1), policy=pol, kv_capacity_tokens=2_000_000))
+        if k:
+            sim.conductor.shortlist = k  # fewer candidates than workers per role: what the bound costs
         t0 = time.perf_counter()
         out = sim.run(reqs)
         hit = sum(max(0, j.cached) for j in sim.jobs) / sum(j.req.prompt_tokens for j in sim.jobs)
-        rows.append({"policy": pol, "prefix_hit_rate": round(hit, 4),
+        rows.append({"policy": pol + (f"/{k}" if k else ""), "prefix_hit_rate": round(hit, 4),
                      "ttft_p50_s": round(out["ttft_s"]["p50"], 3), "ttft_p99_s": round(out["ttft_s"]["p99"], 3),
                      "ttft_mean_s": round(statistics.mean(j.first_token_s - j.req.arrival_s for j in sim.jobs
                                                           if j.first_token_s is not None), 3),
@@ -131,7 +188,7 @@ def run_sim(args) -> dict:
     for r in rows:
         print(f"{r['policy']:>13} {r['prefix_hit_rate']:>9} {r['ttft_mean_s']:>10} {r['ttft_p50_s']:>9} "
               f"{r['ttft_p99_s']:>9}")
-    rr, co = rows[0], rows[-1]
+    rr, co = rows[0], rows[2]
     return {"bench": "conductor_sim", "workers": args.workers, "requests": len(reqs), "rate": args.rate,
             "ideal_hit_rate": round(ideal / tot, 4), "rows": rows,
             "hit_ratio_vs_rr": round(co["prefix_hit_rate"] / max(rr["prefix_hit_rate"], 1e-9), 2),
@@ -284,10 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--blocks", type=int, default=100_000)
     d.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     d.add_argument("--requests", type=int, default=2000)
+    d.add_argument("--shortlist", type=int, nargs="+", default=[SHORTLIST, 0],
+                   help="least-loaded candidates per role; 0: every worker (the full scan, the baseline)")
     s = sub.add_parser("sim")
     s.add_argument("--workers", type=int, default=64)
     s.add_argument("--requests", type=int, default=600)
     s.add_argument("--rate", type=float, default=30.0)
+    s.add_argument("--shortlist", type=int, nargs="*", default=[],
+                   help="extra conductor rows weighing only the prefix holders + this many least-loaded per role")
     lv = sub.add_parser("live")
     lv.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct)")
     lv.add_argument("--requests", type=int, default=60)

@@ -34,6 +34,7 @@ from .config import ConductorConfig
 from .cost_model import CostModel
 from .decision import Decision, NoWorker, Placed, PlacementRequest, PrefillOption
 from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
+from .shortlist import SHORTLIST, LoadOrder, decode_key, prefill_key
 from .view import FleetView
 
 
@@ -41,9 +42,15 @@ class Conductor(FleetView):
     """The placement policy over a :class:`~.view.FleetView`: decides (:meth:`place`), records what it placed and
     keeps the load view and the cost model current from each request's lifecycle."""
 
-    def __init__(self, config: ConductorConfig, cost: CostModel, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+    def __init__(self, config: ConductorConfig, cost: CostModel, clock: Callable[[], float] = time.monotonic,
+                 shortlist: int = SHORTLIST) -> None:
         super().__init__(config, cost, clock)
+        if shortlist < 1:
+            raise ValueError(f"shortlist={shortlist!r}: at least 1 candidate per role")
+        self.shortlist = shortlist  # least-loaded candidates per role in a fixed-role placement (:mod:`.shortlist`)
+        self._prefill_order = LoadOrder(prefill_key)  # healthy workers that can prefill, least loaded first
+        self._decode_order = LoadOrder(decode_key)  # healthy workers that can decode
+        self._whole_ids: set[str] = set()  # healthy colocated and elastic workers (they take the full path)
         self._placed: dict[str, Placed] = {}
         self._rr = {"prefill": 0, "decode": 0, "colocated": 0, "survivor": 0}
         self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
@@ -57,14 +64,16 @@ class Conductor(FleetView):
         if old is not None and old.role == role:
             old.kv_capacity_tokens = kv_capacity_tokens or old.kv_capacity_tokens
             old.healthy = True
-            return
-        self.workers[worker_id] = WorkerLoad(worker_id, role, kv_capacity_tokens)
+        else:
+            self.workers[worker_id] = WorkerLoad(worker_id, role, kv_capacity_tokens)
+        self._rekey(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
         """Stop placing on it and forget its cache; requests already there finish (their ``finished`` call
         still works)."""
         self.workers.pop(worker_id, None)
         self.index.cleared(worker_id)
+        self._rekey(worker_id)
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
         w = self.workers.get(worker_id)
@@ -72,6 +81,26 @@ class Conductor(FleetView):
             if w.healthy and not healthy:
                 self.index.cleared(worker_id)  # a restarted worker comes back with an empty cache
             w.healthy = healthy
+            self._rekey(worker_id)
+
+    def _rekey(self, *worker_ids: str | None) -> None:
+        """Put each worker where its role, health and load now place it in the load orders (:mod:`.shortlist`):
+        called by every method here that changes a worker's queued prefills, decodes, role or health."""
+        for wid in worker_ids:
+            if wid is None:
+                continue
+            w = self.workers.get(wid)
+            live = w is not None and w.healthy
+            for order, member in ((self._prefill_order, live and w is not None and w.can_prefill),
+                                  (self._decode_order, live and w is not None and w.can_decode)):
+                if member and w is not None:
+                    order.update(w)
+                else:
+                    order.discard(wid)
+            if live and w is not None and w.role in ("colocated", "elastic"):
+                self._whole_ids.add(wid)
+            else:
+                self._whole_ids.discard(wid)
 
     def report_load(self, worker_id: str, waiting: int, running: int, kv_usage: float,
                     kv_capacity_tokens: int | None = None) -> None:
@@ -99,7 +128,48 @@ class Conductor(FleetView):
         With one role gone the survivors serve whole requests (kind "local", reason "degraded: ..."): a prefill
         worker decodes what it prefilled, a decode worker prefills locally. Workers at
         ``max_inflight_per_worker`` are skipped; when every candidate of a needed role is, the request is
-        rejected (kind "reject", Retry-After)."""
+        rejected (kind "reject", Retry-After).
+
+        Policy ``conductor`` over fixed roles weighs only the prefix holders and the least-loaded few of each role
+        (:meth:`_bounded`), so one placement does not grow with the fleet."""
+        d = self._bounded(req, exclude)
+        if d is None:
+            d = self._place_all(req, exclude)
+        self.counts[d.kind] += 1
+        if d.placement:
+            self.placements[d.placement] += 1
+        if d.kind != "reject":
+            self._reserve(req, d)
+        return d
+
+    def _bounded(self, req: PlacementRequest, exclude: frozenset[str]) -> Decision | None:
+        """The conductor's fixed-role decision among the prefill workers that hold a prefix of the prompt plus the
+        ``shortlist`` least-loaded ones, and the ``shortlist`` least-loaded decode workers (more when none of
+        those has KV room), all live and below their in-flight limit. None when another path decides: a baseline
+        policy, live colocated or elastic workers, or no such prefill or decode worker (a role missing, every
+        worker at its limit)."""
+        if self.config.policy != "conductor" or any(wid not in exclude for wid in self._whole_ids):
+            return None
+        limit = self.config.max_inflight_per_worker
+        ok: Callable[[WorkerLoad], bool] = lambda w: w.worker_id not in exclude and (  # noqa: E731
+            limit is None or w.in_flight() < limit)
+        now = self.clock()
+        decode = self._decode_order.least(self.shortlist, ok)
+        if decode and not any(self.fits(w, req, now) for w in decode) and len(self._decode_order) > len(decode):
+            decode += self._decode_order.least(self.shortlist, lambda w: ok(w) and self.fits(w, req, now))
+        prefill = self._prefill_order.least(self.shortlist, ok)
+        if not decode or not prefill:
+            return None
+        prefix = self.index.prefix_lengths(req.block_keys)
+        seen = {w.worker_id for w in prefill}
+        for h in prefix:
+            if h not in seen and h in self._prefill_order and ok(self.workers[h]):
+                prefill.append(self.workers[h])
+        return self._conduct(req, prefill, decode, prefix)
+
+    def _place_all(self, req: PlacementRequest, exclude: frozenset[str]) -> Decision:
+        """Every live worker weighed: the baselines, colocated and elastic pools, and what :meth:`_bounded`
+        leaves (a missing role, every candidate at its limit)."""
         live = [w for w in self.workers.values() if w.healthy and w.worker_id not in exclude]
         colocated = [w for w in live if w.role == "colocated"]
         elastic = [w for w in live if w.role == "elastic"]
@@ -126,11 +196,6 @@ class Conductor(FleetView):
                     d = self._baseline(req, fp, fd)
                 else:
                     d = self._conduct(req, fp, fd)
-        self.counts[d.kind] += 1
-        if d.placement:
-            self.placements[d.placement] += 1
-        if d.kind != "reject":
-            self._reserve(req, d)
         return d
 
     # -- limits and survivors --
@@ -211,9 +276,11 @@ class Conductor(FleetView):
         return elastic.place(self, req, ws)
 
     # -- the conductor --
-    def _conduct(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad]) -> Decision:
+    def _conduct(self, req: PlacementRequest, prefill: list[WorkerLoad], decode: list[WorkerLoad],
+                 prefix: dict[str, int] | None = None) -> Decision:
         now = self.clock()
-        prefix = self.index.prefix_lengths(req.block_keys)
+        if prefix is None:
+            prefix = self.index.prefix_lengths(req.block_keys)
         options = self.prefill_options(req, prefill, prefix, now)
         best = min(options, key=lambda o: (o.ttft_s, o.worker.queued_prefill_tokens(), o.worker.worker_id))
         at = now + best.ttft_s
@@ -276,6 +343,7 @@ class Conductor(FleetView):
                 pw.prefills[d.request_id] = prefill
         dw.decodes[d.request_id] = decode
         self._placed[d.request_id] = Placed(d, prefill_on, d.decode)
+        self._rekey(prefill_on, d.decode)
 
     def decision_of(self, request_id: str) -> Decision | None:
         """The decision a request now runs on (a move's replaces its first); None when it is not placed."""
@@ -305,6 +373,7 @@ class Conductor(FleetView):
                         else job.new_tokens + job.cached_tokens - cached_tokens
                     observe(new, job.cached_tokens if cached_tokens is None else cached_tokens, now - began)
             w.last_prefill_end = max(w.last_prefill_end, now)
+            self._rekey(w.worker_id)
         dw = self.workers.get(pl.decode_worker or "")
         if dw is not None and request_id in dw.decodes:
             job_d = dw.decodes[request_id]
@@ -343,6 +412,7 @@ class Conductor(FleetView):
             job.last_progress_at = now if job.started_at is not None else None
             d.decodes[request_id] = job
         pl.decode_worker = d.worker_id
+        self._rekey(old.worker_id if old is not None else None, d.worker_id)
         pl.first_decode_seen = True  # the wait on the failed D is no hand-off time: do not observe it
         return d.worker_id
 
@@ -383,6 +453,7 @@ class Conductor(FleetView):
             if w is not None:
                 w.prefills.pop(request_id, None)
                 w.decodes.pop(request_id, None)
+        self._rekey(pl.prefill_worker, pl.decode_worker)
 
     def in_flight(self) -> int:
         return len(self._placed)
