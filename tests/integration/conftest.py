@@ -98,3 +98,56 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     yield url
     proc.terminate()
     proc.wait(timeout=20)
+
+
+PD_GROUP = "pd-1p1d"  # xdist_group of the modules that share ``pd_cluster``
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tmp_path_factory):
+    """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
+    with a Hermes-style tool template, vLLM's hermes tool parser on every worker and the router, and whitespace
+    tokens that cannot stall a JSON grammar on random weights). Started once per test process and shared by every
+    module marked ``pytest.mark.xdist_group(PD_GROUP)``; those modules run in file order on one process, so the one
+    that kills a worker (test_router_prefill_kill.py) comes last."""
+    from pdserve.config import LauncherConfig
+    from pdserve.launcher import Cluster
+    from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
+
+    model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
+    model = quiet_whitespace_tokens(use_tool_chat_template(model))
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
+                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
+    with Cluster(cfg) as c:
+        yield c
+
+
+PAIR_GROUP = "pd-pair"  # xdist_group of the modules that share ``pd_pair``
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tmp_path_factory):
+    """Two vLLM servers P and D (fp32 random Llama, PdserveConnector with test faults allowed, no router, no pool),
+    started once per test process and shared by the modules marked ``pytest.mark.xdist_group(PAIR_GROUP)``
+    (test_kv_integrity.py, test_pd_exactness.py)."""
+    import time
+
+    from .test_pd_exactness import START_TIMEOUT_S, Server, model_path
+
+    model = model_path(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    extra = {"secret": "pd-exactness-test-secret", "lease_s": 30, "allow_test_faults": True,
+             # auto = same-host copy (process_vm_readv); tcp exercises the cross-host path
+             "backend": os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "auto")}
+    p = Server(model, 0, logs / "p.log", extra)
+    d = Server(model, 1 if (os.cpu_count() or 1) > 1 else 0, logs / "d.log", extra)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        p.wait_ready(deadline)
+        d.wait_ready(deadline)
+        yield p, d
+    finally:
+        p.stop()
+        d.stop()

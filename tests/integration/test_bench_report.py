@@ -1,5 +1,6 @@
-"""`pdserve bench` end to end against a live 1P1D stack (tiny random-weight Llama): a trace replay, an agent
-workload and a Poisson run produce records with the router's phases, the KV read counters, and a report."""
+"""`pdserve bench` end to end against a live 1P1D stack (tiny random-weight Llama; the one test_pd_router.py uses,
+shared): a trace replay, an agent workload and a Poisson run produce records with the router's phases, the KV read
+counters, and a report."""
 
 from __future__ import annotations
 
@@ -9,28 +10,24 @@ import json
 import pytest
 
 from pdserve.bench import cli
-from pdserve.bench.compare import CompareSettings, WorkloadPlan, launcher_config, run_on_cluster
+from pdserve.bench.compare import WorkloadPlan, run_on_cluster
 from pdserve.bench.metrics import SLO
 from pdserve.bench.report import slug, write_report
-from pdserve.launcher import Cluster
+
+from .conftest import PD_GROUP
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(600),
+    pytest.mark.xdist_group(PD_GROUP),  # the stack of test_pd_router.py, started once (conftest.py: pd_cluster)
 ]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
-
-    model = build_random_llama(tmp_path_factory.mktemp("bench-model") / "random-llama")
-    settings = CompareSettings(model=str(model), dtype="float32", max_model_len=2048,
-                               run_dir=str(tmp_path_factory.mktemp("bench-run")), worker_timeout_s=400)
-    with Cluster(launcher_config("1p1d", settings)) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster
 
 
 def test_compare_on_live_1p1d_writes_report(cluster, tmp_path, tmp_trace):

@@ -24,7 +24,10 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
+from .conftest import PAIR_GROUP
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600),
+              pytest.mark.xdist_group(PAIR_GROUP)]  # its servers are test_kv_integrity.py's too
 
 try:  # vLLM present and importable (its import is slow, but the servers need it anyway)
     import vllm  # noqa: F401
@@ -137,8 +140,8 @@ class Server:
         return float(m.group(1))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_path(tmp_path_factory) -> Path:
+    """The 2-layer random Llama these tests serve (built once per process, or taken from PDSERVE_TEST_MODEL_CACHE)."""
     from pdserve.models import build_random_llama
 
     cache = os.environ.get("PDSERVE_TEST_MODEL_CACHE")
@@ -147,21 +150,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    extra = {"secret": SECRET, "lease_s": 30, "allow_test_faults": True,
-             # auto = same-host copy (process_vm_readv); tcp exercises the cross-host path
-             "backend": os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "auto")}
-    p = Server(model_dir, 0, logs / "p.log", extra)
-    d = Server(model_dir, 1 if (os.cpu_count() or 1) > 1 else 0, logs / "d.log", extra)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        p.wait_ready(deadline)
-        d.wait_ready(deadline)
-        yield p, d
-    finally:
-        p.stop()
-        d.stop()
+def servers(pd_pair):
+    return pd_pair  # conftest.py: started once, shared with test_kv_integrity.py
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -319,17 +309,29 @@ def test_lease_frees_blocks_when_decode_never_comes(servers):
 
 
 def test_connector_metrics_exported(servers):
-    """Runs last: the connector's counters reached vLLM's /metrics on both sides."""
+    """The connector's counters reach vLLM's /metrics on both sides. The servers are shared with other
+    tests, so this one makes its own hand-offs and checks how far each counter moved."""
     p, d = servers
-    end = time.monotonic() + 10
-    while time.monotonic() < end and p.metric("vllm:pdserve_kv_released_lease_total") < 1:
+    names = {d: ("reads_total", "read_bytes_total", "read_failures_total", "read_seconds_count"),
+             p: ("released_notified_total", "released_lease_total")}
+    before = {(s, n): s.metric(f"vllm:pdserve_kv_{n}") for s, ns in names.items() for n in ns}
+    for seed in (41, 43):  # two clean reads of 3 blocks each
+        _, _, stats, _ = _handoff(p, d, _prompt(300, seed=seed))
+        assert stats and stats["ok"] and stats["blocks"] == 3, stats
+    pr = p.complete(_prompt(200, seed=47), 1, kv_transfer_params={"do_remote_decode": True, "lease_s": 2})
+    failed = dict(pr["kv_transfer_params"], remote_port=free_port())  # nobody there: the read fails
+    d.complete(_prompt(200, seed=47) + _tokens(pr), 2, kv_transfer_params=failed, cache_salt=_salt())
+    want = {(d, "reads_total"): 2, (d, "read_bytes_total"): 2 * 3 * 2 * 2 * BLOCK * 2 * 64 * 4,
+            (d, "read_failures_total"): 1, (d, "read_seconds_count"): 2,
+            (p, "released_notified_total"): 2, (p, "released_lease_total"): 1}
+    end = time.monotonic() + 15  # the failed read's blocks go back when their 2 s lease runs out
+    moved = {}
+    while time.monotonic() < end:
+        moved = {k: k[0].metric(f"vllm:pdserve_kv_{k[1]}") - before[k] for k in want}
+        if all(moved[k] >= v for k, v in want.items()):
+            break
         time.sleep(0.5)
-    assert d.metric("vllm:pdserve_kv_reads_total") >= 5
-    assert d.metric("vllm:pdserve_kv_read_bytes_total") >= (1 + 8 + 15) * 2 * 2 * BLOCK * 2 * 64 * 4
-    assert d.metric("vllm:pdserve_kv_read_failures_total") >= 3
-    assert d.metric("vllm:pdserve_kv_read_seconds_count") >= 5
-    assert p.metric("vllm:pdserve_kv_released_notified_total") >= 5
-    assert p.metric("vllm:pdserve_kv_released_lease_total") >= 1
+    assert all(moved[k] >= v for k, v in want.items()), {k[1]: (moved[k], v) for k, v in want.items()}
 
 
 @pytest.mark.parametrize("load, fault", [("auto", ""), ("async", ""), ("async", "fail")])

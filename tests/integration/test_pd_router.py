@@ -15,32 +15,23 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
+
+from .conftest import PD_GROUP
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(900),
+    pytest.mark.xdist_group(PD_GROUP),
 ]
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
-
-    model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
-    # the OpenAI API tests below (issue 15): a Hermes-style tool template, vLLM's hermes tool parser on every
-    # worker and the router, and whitespace tokens that cannot stall a JSON grammar on random weights
-    model = quiet_whitespace_tokens(use_tool_chat_template(model))
-    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
-    with Cluster(cfg) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster
 
 
 def _post(url: str, body: dict) -> dict:

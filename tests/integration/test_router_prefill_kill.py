@@ -16,30 +16,25 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
 from pdserve.prom import label_values
+
+from .conftest import PD_GROUP
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(600),
+    pytest.mark.xdist_group(PD_GROUP),  # the stack of test_pd_router.py, started once (conftest.py: pd_cluster)
 ]
 
 CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
-
-    model = build_random_llama(tmp_path_factory.mktemp("pkill-model") / "random-llama")
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pkill-run")),
-                         worker_timeout_s=400)
-    with Cluster(cfg) as c:
-        yield c
+def cluster(pd_cluster):
+    return pd_cluster
 
 
 def _post(url: str, body: dict) -> dict:
