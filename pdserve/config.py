@@ -99,6 +99,7 @@ class WorkerConfig:
     kv_cache_gib: int = _d("kv_cache_gib")
     max_model_len: int = _d("max_model_len")
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
     connector: bool = True
@@ -224,6 +225,7 @@ class LauncherConfig:
     kv_cache_gib: int = _d("kv_cache_gib")
     max_model_len: int = _d("max_model_len")
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
     connector: bool | None = _d("connector")

@@ -83,6 +83,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--served-model-name", worker.served_model_name]
     if worker.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(worker.max_num_batched_tokens)]
+    if worker.stream_interval > 1:  # tokens per streamed event (P's unstreamed prefill is not affected)
+        argv += ["--stream-interval", str(worker.stream_interval)]
     if worker.dtype:
         argv += ["--dtype", worker.dtype]
     if worker.connector:

@@ -257,7 +257,8 @@ def plan_workers(
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=worker_dtype(config.dtype).dtype,
+            max_num_batched_tokens=config.max_num_batched_tokens, stream_interval=config.stream_interval,
+            dtype=worker_dtype(config.dtype).dtype,
             served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),

@@ -121,6 +121,12 @@ SETTINGS: tuple[Setting, ...] = (
             targets=(Target("conductor", "chunk_tokens"),),
             advice="the workers' vLLM --max-num-batched-tokens (tokens per step, >= 1), or leave it unset when "
             "unknown"),
+    Setting("stream_interval", int, 1, "the streaming workers' vLLM --stream-interval: tokens per streamed event "
+            "(1: an event a token). Larger: fewer events, less worker and router CPU per token (the router relays "
+            "an event, not a token), coarser streaming: a chunk's first token reaches the client when its last "
+            "is made (the first token and the finish always go at once)", (L, W), unit="tokens", minimum=1,
+            group="workers", metavar="N",
+            advice="use a whole number of tokens >= 1 (1: vLLM's default, one event a token)"),
     Setting("local_prefill_tokens", int, None, "run requests with at most this many uncached prompt tokens on the "
             "decode worker alone (default: learned from the cost model)", (R, C), unit="tokens", minimum=0,
             optional=True, group="placement", targets=(Target("conductor", "local_prefill_tokens"),),

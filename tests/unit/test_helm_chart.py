@@ -514,3 +514,18 @@ def test_bad_values_fail_with_actionable_messages():
         out = subprocess.run([HELM, "template", RELEASE, str(CHART), "--skip-schema-validation",
                               *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and msg in out.stderr, (sets, out.stderr[-300:])
+
+
+def test_stream_interval_reaches_the_workers_only_when_set():
+    """model.streamInterval: vLLM's --stream-interval on every worker pod (1, the default, writes nothing); below
+    1 fails the schema."""
+    out = helm_template(sets=("model.streamInterval=4",))
+    assert out.returncode == 0, out.stderr
+    deps = {o["metadata"]["name"]: o for o in yaml.safe_load_all(out.stdout) if o and o["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        args = container(deps[f"{FULL}-{role}"], "vllm")["args"]
+        assert args[args.index("--stream-interval") + 1] == "4"
+    for dep in objs("default", "Deployment").values():
+        assert all("--stream-interval" not in c.get("args", []) for c in dep["spec"]["template"]["spec"]["containers"])
+    bad = helm_template(sets=("model.streamInterval=0",))
+    assert bad.returncode != 0 and "streamInterval" in bad.stderr

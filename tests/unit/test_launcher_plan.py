@@ -309,3 +309,17 @@ def test_memory_warning():
     assert memory_warning(LauncherConfig(), available=64 << 30) == ""
     text = memory_warning(LauncherConfig(prefill=2, decode=2, kv_cache_gib=2), available=8 << 30)
     assert "4 worker(s) need about 20 GiB" in text and "8.0 GiB is available" in text
+
+
+def test_stream_interval_reaches_every_worker_and_is_checked(model_dir):
+    """--stream-interval N: vLLM's flag on each worker (P's unstreamed prefill ignores it); 1 (vLLM's default)
+    writes nothing; below 1 is a config error."""
+    c = _cfg(["--model", str(model_dir), "--stream-interval", "4"])
+    assert c.stream_interval == 4
+    for w in plan_workers(c, model_dir, ports=[9001, 9002], cores=(0, 1)):
+        argv, _ = worker_command(w, "s" * 32)
+        assert argv[argv.index("--stream-interval") + 1] == "4"
+    (w,) = plan_workers(LauncherConfig(model=str(model_dir), colocated=1), model_dir, ports=[9001], cores=(0,))
+    assert "--stream-interval" not in worker_command(w, None)[0]
+    with pytest.raises(ConfigError, match="stream_interval"):
+        LauncherConfig(model=str(model_dir), stream_interval=0)
