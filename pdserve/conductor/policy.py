@@ -430,8 +430,11 @@ class Conductor(FleetView):
         if job.tokens_done >= 2 and job.last_progress_at is not None:
             observe = getattr(self.cost, "observe_decode_step", None)
             if observe is not None:
-                batch = sum(1 for j in w.decodes.values() if j.started_at is not None)
-                ctx = sum(j.context_tokens for j in w.decodes.values() if j.started_at is not None)
+                batch = ctx = 0  # one pass: this runs on every progress report of every running decode
+                for j in w.decodes.values():
+                    if j.started_at is not None:
+                        batch += 1
+                        ctx += j.context_tokens
                 observe(batch, ctx, (now - job.last_progress_at) / delta)
         elif job.tokens_done == 1 and pl.decision.kind == "disaggregated" and not pl.first_decode_seen:
             pl.first_decode_seen = True
