@@ -86,6 +86,13 @@ def test_router_pd_chat_equals_one_worker(cluster):
     assert out.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
 
 
+def test_pd_streams_are_relayed_as_bytes_and_equal_one_worker(cluster):
+    """D's stream goes through the byte relay once its text settles; text and ids equal one worker's."""
+    from tests.integration.pd_relay import check_pd_streams_are_relayed_and_exact
+
+    check_pd_streams_are_relayed_and_exact(cluster.router_url, cluster.worker_urls("decode")[0])
+
+
 def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
     released = _metric(p_url, "vllm:pdserve_kv_released_notified_total")
