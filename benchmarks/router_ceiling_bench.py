@@ -2,13 +2,14 @@
 P -> D and colocated streams, with 1 and 2 router processes, against a baseline router in the same run.
 
     python benchmarks/router_ceiling_bench.py [--streams 16 64 256] [--colocated-streams 256] [--routers 1 2]
-                                              [--tokens 400] [--token-ms 5] [--window-s 8] [--repeat 3]
-                                              [--baseline-root DIR] [--quick]
+                                              [--tokens 400] [--token-ms 5] [--stream-interval 1] [--window-s 8]
+                                              [--repeat 3] [--baseline-root DIR] [--quick]
 
 The workers are fakes (each its own process) that answer like vLLM 0.32 and cost next to nothing: a raw asyncio
 HTTP/1.1 server whose prefill answers one token and ``kv_transfer_params``, and whose streams are vLLM's compact
 events, one per token (the first with ``prompt_token_ids``, then the finish, usage and ``[DONE]``), ``--tokens``
-per request, every ``--token-ms`` from one shared ticker. So what is measured is the router: the clients (a raw
+per request, a token every ``--token-ms`` from one shared ticker (``--stream-interval N``: as vLLM's flag, the
+first token at once, then an event per N tokens). So what is measured is the router: the clients (a raw
 asyncio client in this process, closed loop, each stream followed at once by the next) keep ``S`` streams open for
 ``--window-s`` seconds after a warm-up, and the bench reads the tokens delivered in that window and the router
 processes' CPU time over it (``/proc/PID/task/*/schedstat``, all threads). With 2 routers, two router processes
@@ -41,10 +42,10 @@ VOCAB = ["[UNK]", "</s>"] + [f"w{i}" for i in range(2, 200)]
 
 # ----------------------------------------------------------------------------- the fake worker (own process)
 
-def _event(t: int, prompt: list[int] | None, finish: str | None) -> bytes:
-    """One streamed completion event, byte for byte in vLLM 0.32's shape."""
-    c = {"index": 0, "text": f" w{t}", "logprobs": None, "finish_reason": finish, "stop_reason": None,
-         "prompt_token_ids": prompt, "token_ids": [t]}
+def _event(ts: list[int], prompt: list[int] | None, finish: str | None) -> bytes:
+    """One streamed completion event carrying tokens ``ts``, byte for byte in vLLM 0.32's shape."""
+    c = {"index": 0, "text": "".join(f" w{t}" for t in ts), "logprobs": None, "finish_reason": finish,
+         "stop_reason": None, "prompt_token_ids": prompt, "token_ids": ts}
     ev = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": "m", "choices": [c]}
     return b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
 
@@ -68,7 +69,8 @@ class _Ticker:
             tr, events = s[0], s[1]
             if tr.is_closing():
                 continue
-            tr.write(events[s[2]])
+            if events[s[2]]:
+                tr.write(events[s[2]])
             s[2] += 1
             if s[2] < len(events):
                 keep.append(s)
@@ -76,13 +78,12 @@ class _Ticker:
         self.loop.call_later(self.period, self.tick)
 
 
-_EVENTS = [_event(2 + k % 198, None, None) for k in range(198)]
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
 
 class _WorkerProtocol(asyncio.Protocol):
-    def __init__(self, ticker: _Ticker, tokens: int) -> None:
-        self.ticker, self.tokens = ticker, tokens
+    def __init__(self, ticker: _Ticker, tokens: int, interval: int) -> None:
+        self.ticker, self.tokens, self.interval = ticker, tokens, interval
         self.buf = b""
         self.tr: asyncio.Transport | None = None
 
@@ -127,10 +128,14 @@ class _WorkerProtocol(asyncio.Protocol):
                           % (len(out), out))
             return
         n = int(req.get("max_tokens", self.tokens))
-        events = [_chunk(_event(2 + (prompt[-1] + 1) % 198, prompt, None if n > 1 else "length"))]
-        events += [_chunk(_EVENTS[(prompt[-1] + 2 + k) % 198]) for k in range(max(0, n - 2))]
-        if n > 1:
-            events.append(_chunk(_event(2 + (prompt[-1] + n) % 198, None, "length")))
+        ids = [2 + (prompt[-1] + 1 + k) % 198 for k in range(n)]
+        # as vLLM --stream-interval N: the first token at once, then an event per N tokens (a tick per token: the
+        # ticks in between write nothing), the finish with whatever is left
+        events = [_chunk(_event(ids[:1], prompt, None if n > 1 else "length"))]
+        for k in range(1, n, self.interval):
+            group = ids[k:k + self.interval]
+            last = k + len(group) >= n
+            events += [b""] * (len(group) - 1) + [_chunk(_event(group, None, "length" if last else None))]
         usage = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": "m", "choices": [],
                  "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}}
         events[-1] += _chunk(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
@@ -139,10 +144,10 @@ class _WorkerProtocol(asyncio.Protocol):
         self.ticker.streams.append([self.tr, events, 0])
 
 
-def fake_worker(port: int, token_ms: float, tokens: int) -> None:
+def fake_worker(port: int, token_ms: float, tokens: int, interval: int) -> None:
     async def main() -> None:
         ticker = _Ticker(token_ms / 1000.0)
-        server = await asyncio.get_running_loop().create_server(lambda: _WorkerProtocol(ticker, tokens),
+        server = await asyncio.get_running_loop().create_server(lambda: _WorkerProtocol(ticker, tokens, interval),
                                                                  "127.0.0.1", port, backlog=4096)
         await server.serve_forever()
 
@@ -152,7 +157,7 @@ def fake_worker(port: int, token_ms: float, tokens: int) -> None:
 # ----------------------------------------------------------------------------- the client (this process)
 
 class _ClientProtocol(asyncio.Protocol):
-    """One keep-alive connection to a router: requests one after another, counting the SSE events it gets."""
+    """One keep-alive connection to a router: requests one after another, counting the tokens it gets."""
 
     def __init__(self, stats: dict[str, int]) -> None:
         self.stats = stats
@@ -176,7 +181,8 @@ class _ClientProtocol(asyncio.Protocol):
         if len(self.body_head) < 64:
             self.body_head += data[:64]
         joined = self.tail + data
-        self.stats["events"] += joined.count(b"\n\n") - self.tail.count(b"\n\n")
+        # every token's text is " w<id>" (the fake's), and no other part of the router's chunks has " w"
+        self.stats["tokens"] += joined.count(b" w") - self.tail.count(b" w")
         self.tail = joined[-32:]
         if self.tail.endswith(b"\r\n0\r\n\r\n") and self.done is not None and not self.done.done():
             self.done.set_result(self.tail)
@@ -202,7 +208,7 @@ async def _drive(ports: list[int], streams: int, tokens: int, warmup_s: float, w
                  cpu: Any) -> dict[str, Any]:
     """``streams`` closed-loop clients split across ``ports``; events and CPU counted over the window only."""
     loop = asyncio.get_running_loop()
-    stats = {"events": 0, "completed": 0, "failed": 0}
+    stats = {"tokens": 0, "completed": 0, "failed": 0}
     phase = {"measuring": False, "stop": False}
 
     async def client(i: int) -> None:
@@ -225,17 +231,15 @@ async def _drive(ports: list[int], streams: int, tokens: int, warmup_s: float, w
 
     tasks = [asyncio.create_task(client(i)) for i in range(streams)]
     await asyncio.sleep(warmup_s)
-    e0, c0, t0 = stats["events"], cpu(), time.perf_counter()
+    e0, c0, t0 = stats["tokens"], cpu(), time.perf_counter()
     phase["measuring"] = True
     await asyncio.sleep(window_s)
-    e1, c1, t1 = stats["events"], cpu(), time.perf_counter()
+    e1, c1, t1 = stats["tokens"], cpu(), time.perf_counter()
     phase["stop"] = True
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    events = e1 - e0
-    # every event is a token but the [DONE] (no usage asked): one per completed request
-    tokens_out = events - stats["completed"]
+    tokens_out = e1 - e0
     cpu_s = c1 - c0
     wall = t1 - t0
     return {"tokens": tokens_out, "tokens_per_s": tokens_out / wall, "router_cpu_s": cpu_s,
@@ -335,6 +339,8 @@ def main() -> int:
     ap.add_argument("--routers", type=int, nargs="+", default=[1, 2], help="router processes (1 and/or 2)")
     ap.add_argument("--tokens", type=int, default=400, help="tokens per request")
     ap.add_argument("--token-ms", type=float, default=5.0, help="the fake workers' time per token")
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed event, as vLLM's "
+                    "--stream-interval (the first token and the finish go at once)")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--window-s", type=float, default=8.0, help="the measured window of each case")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (each case once per round, per router tree)")
@@ -343,14 +349,15 @@ def main() -> int:
     ap.add_argument("--fake-worker", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.fake_worker:
-        fake_worker(a.fake_worker, a.token_ms, a.tokens)
+        fake_worker(a.fake_worker, a.token_ms, a.tokens, a.stream_interval)
         return 0
     if a.quick:
         a.repeat, a.warmup_s, a.window_s = 1, 2.0, 4.0
     trees = [("this", ROOT)] + ([("baseline", Path(a.baseline_root).resolve())] if a.baseline_root else [])
     wports = {"prefill": _free_port(), "decode": _free_port(), "colocated": _free_port()}
     fakes = {role: subprocess.Popen([sys.executable, __file__, "--fake-worker", str(p), "--token-ms",
-                                     str(a.token_ms), "--tokens", str(a.tokens)], start_new_session=True)
+                                     str(a.token_ms), "--tokens", str(a.tokens), "--stream-interval",
+                                     str(a.stream_interval)], start_new_session=True)
              for role, p in wports.items()}
     routers: dict[tuple[str, str, int], list[tuple[subprocess.Popen, int]]] = {}
     rows: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
@@ -413,14 +420,16 @@ def main() -> int:
         table.append(entry)
     cols = ["tree", "mode", "routers", "streams", "offered_tokens_per_s", "tokens_per_s", "tokens_per_router_cpu_s",
             "router_cpu_ms_per_token", "vs_baseline_tokens_per_cpu_s", "vs_one_router_tokens_per_s", "failed"]
-    print(f"\nrouter ceiling: fake vLLM-shaped workers, {a.tokens} tokens a request, one event a token every "
-          f"{a.token_ms:g} ms; medians of {a.repeat} round(s), {a.window_s:g} s windows; {os.cpu_count()} CPUs")
+    print(f"\nrouter ceiling: fake vLLM-shaped workers, {a.tokens} tokens a request, a token every "
+          f"{a.token_ms:g} ms, {a.stream_interval} token(s) an event; medians of {a.repeat} round(s), "
+          f"{a.window_s:g} s windows; {os.cpu_count()} CPUs")
     print(" | ".join(f"{c:>12}" for c in cols))
     for e in table:
         print(" | ".join(f"{e.get(c, '')!s:>12}" for c in cols))
     head = next((e for e in table if e["tree"] == "this" and e["mode"] == "pd" and e["routers"] == 1
                  and e["streams"] == max(a.streams)), None) if a.streams else None
-    print(json.dumps({"bench": "router_ceiling", "tokens": a.tokens, "token_ms": a.token_ms, "window_s": a.window_s,
+    print(json.dumps({"bench": "router_ceiling", "tokens": a.tokens, "token_ms": a.token_ms,
+                      "stream_interval": a.stream_interval, "window_s": a.window_s,
                       "repeat": a.repeat, "cpus": os.cpu_count(), "baseline_root": a.baseline_root or None,
                       "rows": table,
                       "ratio": head.get("vs_baseline_tokens_per_cpu_s") if head else None,
