@@ -334,7 +334,7 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256], help="concurrent P -> D streams")
+    ap.add_argument("--streams", type=int, nargs="*", default=[16, 64, 256], help="concurrent P -> D streams")
     ap.add_argument("--colocated-streams", type=int, nargs="*", default=[256], help="concurrent colocated streams")
     ap.add_argument("--routers", type=int, nargs="+", default=[1, 2], help="router processes (1 and/or 2)")
     ap.add_argument("--tokens", type=int, default=400, help="tokens per request")
