@@ -1,0 +1,49 @@
+"""``POST /v1/messages``: the Anthropic Messages API through P and D, as vLLM 0.32 serves it.
+
+The request becomes a chat-completion body (:mod:`.messages_request`), which runs on the router's chat path
+(:mod:`.chat_bridge`); the answer is written in the Messages API's shapes (:mod:`.messages_stream`), streamed or
+not. Every error is in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the router's
+status (400 naming the field, 404 for an unknown model, 413, 429, 502, 504): before the first event as the HTTP
+answer, after it as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..errors import RouterError
+from .chat_bridge import ChatBridge
+from .limits import read_body
+from .messages_request import to_chat
+from .messages_stream import MessageEvents, error_body, message_body
+from .protocol import parse_json
+from .response import dumps
+
+
+class MessagesEndpoint:
+    """The /v1/messages handler over the router's chat path."""
+
+    def __init__(self, bridge: ChatBridge) -> None:
+        self.bridge = bridge
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        b = self.bridge
+        try:
+            async with b.admitted("messages") as status:
+                chat = to_chat(parse_json(await read_body(request, b.max_body_bytes)))
+                run = await b.start(chat)
+                if chat["stream"]:
+                    resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.model_name,
+                                                                                 run.prompt_tokens))
+                    return resp
+                r = await run.result()
+                b.count(run)
+                body = message_body(run.request_id, b.model_name, r.message, r.finish_reason, r.stop_reason,
+                                    r.prompt_tokens, r.completion_tokens)
+                return web.Response(text=dumps(body), content_type="application/json")
+        except RouterError as e:
+            return web.json_response(error_body(e), status=e.status, headers=e.headers)
+
+
+def add_routes(app: web.Application, bridge: ChatBridge) -> None:
+    app.router.add_post("/v1/messages", MessagesEndpoint(bridge).handle)

@@ -1,0 +1,155 @@
+"""/v1/messages (Anthropic Messages API) through the router's P -> D path, over fake workers: the request's
+translation to chat, the answer's shapes (whole and SSE events), and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.router.api.chat_bridge import ChatPiece
+from pdserve.router.api.messages_request import to_chat
+from pdserve.router.api.messages_stream import MessageEvents, message_body, stop_reason
+from pdserve.router.errors import RouterError
+from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
+
+BODY = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "the cat sat"}],
+        "temperature": 0}
+
+
+def _events(raw: str) -> list[tuple[str, dict]]:
+    out = []
+    assert raw.endswith("\n\n")
+    for ev in raw.split("\n\n")[:-1]:
+        name, data = ev.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        obj = json.loads(data[len("data: "):])
+        assert obj["type"] == name[len("event: "):]
+        out.append((obj["type"], obj))
+    return out
+
+
+async def _sse(env: Env, path: str, body: dict) -> tuple[int, str]:
+    async with env.session.post(env.url + path, json=body) as r:
+        return r.status, (await r.read()).decode()
+
+
+def test_messages_through_p_and_d_whole_and_streamed(model_dir, tokenizer):
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/messages", {**BODY, "system": "a b"})
+            assert st == 200, out
+            assert out["type"] == "message" and out["role"] == "assistant" and out["model"] == "tiny"
+            assert out["content"] == [{"type": "text", "text": " hello world the cat"}]
+            assert out["stop_reason"] == "max_tokens" and "stop_sequence" not in out
+            # the system prompt renders first: "<|system|> a b <|user|> the cat sat <|assistant|>" (8 words)
+            assert out["usage"] == {"input_tokens": 8, "output_tokens": 4}
+            assert out["id"].startswith("chatcmpl-")
+            assert len(p.requests) == 1 and p.requests[0]["max_tokens"] == 1  # P's prefill, then D
+            assert d.requests[0]["kv_transfer_params"]["remote_engine_id"] == "P"
+
+            st, raw = await _sse(env, "/v1/messages", {**BODY, "stream": True})
+            assert st == 200, raw
+            events = _events(raw)
+            names = [n for n, _ in events]
+            assert names[0] == "message_start" and names[1] == "content_block_start"
+            assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+            start = events[0][1]["message"]
+            assert start["content"] == [] and start["stop_reason"] is None and start["stop_sequence"] is None
+            assert start["usage"] == {"input_tokens": 5, "output_tokens": 0}
+            text = "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta")
+            assert text == " hello world the cat"
+            assert events[-2][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+            assert events[-2][1]["usage"] == {"input_tokens": 5, "output_tokens": 4}
+    run(main())
+
+
+def test_messages_stop_sequence_and_errors_in_anthropic_shape(model_dir, tokenizer):
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/messages", {**BODY, "max_tokens": 8, "stop_sequences": ["mat"]})
+            assert st == 200 and out["stop_reason"] == "stop_sequence" and out["stop_sequence"] == "mat"
+            assert out["content"][0]["text"] == " hello world the cat sat on "
+            for body, status in (({k: v for k, v in BODY.items() if k != "max_tokens"}, 400),
+                                 ({**BODY, "model": "nope"}, 404), ({**BODY, "max_tokens": 0}, 400),
+                                 ({**BODY, "max_tokens": 500}, 400), ({**BODY, "thinking": {"type": "enabled"}}, 400),
+                                 ({**BODY, "messages": [{"role": "tool", "content": "x"}]}, 400), ("{bad", 400),
+                                 ({**BODY, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400)):
+                st, out = await env.post("/v1/messages", body)
+                assert st == status, (body, out)
+                assert out["type"] == "error" and set(out["error"]) == {"type", "message"}, out
+    run(main())
+
+
+def test_messages_request_translation():
+    chat = to_chat({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "x-anthropic-billing-header: 1"},
+                                                               {"type": "text", "text": "sys"}],
+                    "stop_sequences": ["z"], "top_k": 3, "top_p": 0.5, "cache_salt": "s", "metadata": {"u": 1},
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                 {"role": "assistant", "content": [
+                                     {"type": "text", "text": "ok"},
+                                     {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                               "content": [{"type": "text", "text": "42"}]}]}],
+                    "tools": [{"name": "f", "input_schema": {"properties": {}}}],
+                    "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert chat["messages"] == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "42"}]
+    assert chat["max_tokens"] == 5 and chat["stop"] == ["z"] and chat["top_k"] == 3 and chat["cache_salt"] == "s"
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["tools"][0]["function"]["parameters"] == {"properties": {}, "type": "object"}
+    assert "metadata" not in chat and chat["stream"] is False
+    named = to_chat({**BODY, "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "f"}})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    for bad, param in (({**BODY, "kv_transfer_params": {}}, "kv_transfer_params"),
+                       ({**BODY, "tool_choice": {"type": "tool"}}, "tool_choice"),
+                       ({**BODY, "stop_sequences": "z"}, "stop_sequences"), ({**BODY, "temperature": "x"}, "temperature"),
+                       ({**BODY, "tools": [{"name": "f"}]}, "tools")):
+        with pytest.raises(RouterError) as e:
+            to_chat(bad)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_stop_reason_rules():
+    assert stop_reason("length", None, True, True) == ("max_tokens", None)
+    assert stop_reason("stop", "x", False, False) == ("stop_sequence", "x")
+    assert stop_reason("stop", "x", True, True) == ("tool_use", None)
+    assert stop_reason("stop", None, True, False) == ("tool_use", None)
+    assert stop_reason("tool_calls", None, False, False) == ("tool_use", None)
+    assert stop_reason("stop", 2, False, False) == ("end_turn", None)
+
+
+def test_message_body_blocks():
+    msg = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    out = message_body("m1", "tiny", msg, "tool_calls", None, 3, 2)
+    assert out["content"] == [{"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}]
+    assert out["stop_reason"] == "tool_use" and out["usage"] == {"input_tokens": 3, "output_tokens": 2}
+    empty = message_body("m1", "tiny", {"role": "assistant", "content": ""}, "stop", None, 3, 0)
+    assert empty["content"] == [{"type": "text", "text": ""}] and empty["stop_reason"] == "end_turn"
+
+
+def test_stream_events_hold_text_inside_a_tool_block():
+    ev = MessageEvents("m1", "tiny", 5)
+    raw = ev.start() + ev.feed(ChatPiece({"content": "hi"}))
+    raw += ev.feed(ChatPiece({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{"}}]}))
+    raw += ev.feed(ChatPiece({"content": "late"}))
+    raw += ev.feed(ChatPiece({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}))
+    raw += ev.finish(ChatPiece({}, "tool_calls"), 7)
+    events = _events(raw.decode())
+    seq = [(n, e.get("index")) for n, e in events]
+    assert seq == [("message_start", None), ("content_block_start", 0), ("content_block_delta", 0),
+                   ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1),
+                   ("content_block_delta", 1), ("content_block_stop", 1), ("content_block_start", 2),
+                   ("content_block_delta", 2), ("content_block_stop", 2), ("message_delta", None),
+                   ("message_stop", None)]
+    assert events[4][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
+    assert events[9][1]["delta"] == {"type": "text_delta", "text": "late"}
+    assert events[11][1]["delta"]["stop_reason"] == "tool_use"
