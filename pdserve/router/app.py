@@ -26,7 +26,6 @@ from ..conductor.moves import MoveConfig
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
-from .api.chat_bridge import ChatBridge
 from .api.limits import body_too_large, check_prompt_chars, read_body
 from .api.logprobs import LogprobTrack
 from .api.openapi import openapi_document
@@ -47,6 +46,7 @@ from .fleet.registry import WorkerRegistry
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
 from .run.answer import collect, stream
+from .run.chat_bridge import ChatBridge
 from .run.choices import Choice, choice_seed, sum_usage
 from .run.generation import Generation, RunOptions, Timings
 from .run.kv_protocol import protocol_for
@@ -412,7 +412,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/openapi.json", _openapi)
     bridge = ChatBridge(config.served_model_name, router.admission, router.metrics, router.tools, router._choices,
                         config.mode, config.max_body_bytes)
-    messages.add_routes(app, bridge)  # /v1/messages and /v1/responses run as chat requests (api/chat_bridge.py)
+    messages.add_routes(app, bridge)  # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
     responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
                         config.max_body_bytes)

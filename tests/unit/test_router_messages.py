@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from pdserve.router.api.chat_bridge import ChatPiece
 from pdserve.router.api.messages_request import to_chat
 from pdserve.router.api.messages_stream import MessageEvents, message_body, stop_reason
 from pdserve.router.errors import RouterError
+from pdserve.router.run.chat_bridge import ChatPiece
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 BODY = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "the cat sat"}],

@@ -1,7 +1,7 @@
 """``POST /v1/messages``: the Anthropic Messages API through P and D, as vLLM 0.32 serves it.
 
 The request becomes a chat-completion body (:mod:`.messages_request`), which runs on the router's chat path
-(:mod:`.chat_bridge`); the answer is written in the Messages API's shapes (:mod:`.messages_stream`), streamed or
+(:mod:`..run.chat_bridge`); the answer is written in the Messages API's shapes (:mod:`.messages_stream`), streamed or
 not. Every error is in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the router's
 status (400 naming the field, 404 for an unknown model, 413, 429, 502, 504): before the first event as the HTTP
 answer, after it as an ``error`` event.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..errors import RouterError
-from .chat_bridge import ChatBridge
+from ..run.chat_bridge import ChatBridge
 from .limits import read_body
 from .messages_request import to_chat
 from .messages_stream import MessageEvents, error_body, message_body

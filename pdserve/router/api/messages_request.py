@@ -1,7 +1,7 @@
 """An Anthropic Messages API request (``POST /v1/messages``) as the chat-completion body vLLM 0.32 turns it into.
 
 vLLM's ``AnthropicServingMessages`` converts the request to a ``ChatCompletionRequest`` and serves that; the
-router does the same conversion here and runs the chat body on its P -> D path (:mod:`.chat_bridge`):
+router does the same conversion here and runs the chat body on its P -> D path (:mod:`..run.chat_bridge`):
 
 - ``system`` (a string or text blocks, joined; blocks starting ``x-anthropic-billing-header`` dropped) becomes
   the first system message; a system message inside ``messages`` stays where it is;

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ..errors import RouterError
-from .chat_bridge import ChatPiece
+from ..run.chat_bridge import ChatPiece
 from .response import dumps
 
 

@@ -1,7 +1,7 @@
 """``POST /v1/responses``: the OpenAI Responses API (stateless) through P and D, as vLLM 0.32 serves it.
 
 The request becomes a chat-completion body (:mod:`.responses_request`), which runs on the router's chat path
-(:mod:`.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`.responses_shape`), streamed or
+(:mod:`..run.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`.responses_shape`), streamed or
 not. Errors are OpenAI-shaped, as vLLM's /v1/responses answers them; a context-length error names
 ``max_output_tokens`` (the chat path says ``max_tokens``).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..errors import RouterError
-from .chat_bridge import ChatBridge
+from ..run.chat_bridge import ChatBridge
 from .limits import read_body
 from .protocol import parse_json
 from .response import dumps

@@ -4,7 +4,7 @@ vLLM renders a Responses request (not a gpt-oss "harmony" model) through the cha
 first as a system message, then ``input`` (a string: one user message; items: messages by role, an assistant's
 ``function_call`` items as its ``tool_calls``, ``function_call_output`` items as ``tool`` messages), and samples
 with the request's fields. The router builds that chat body here and runs it on its P -> D path
-(:mod:`.chat_bridge`):
+(:mod:`..run.chat_bridge`):
 
 - ``max_output_tokens`` -> ``max_tokens``; ``text.format`` (json_schema / json_object) -> ``structured_outputs``;
   ``reasoning.effort`` -> ``reasoning_effort``; function ``tools`` and ``tool_choice`` -> the chat forms;

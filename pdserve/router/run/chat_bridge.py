@@ -1,8 +1,8 @@
 """Runs a chat-completion request on the router's own chat path (P -> D) for another API's endpoint.
 
-The Anthropic Messages (:mod:`.messages`) and OpenAI Responses (:mod:`.responses`) endpoints translate their
+The Anthropic Messages (:mod:`..api.messages`) and OpenAI Responses (:mod:`..api.responses`) endpoints translate their
 request into a chat-completion body, as vLLM's own servers do, and run it here: the same parsing
-(:func:`.protocol.parse_chat`), chat template, tools (:mod:`.tools`), admission, placement, P -> D hand-off,
+(:func:`..api.protocol.parse_chat`), chat template, tools (:mod:`..api.tools`), admission, placement, P -> D hand-off,
 stop strings and metrics as ``/v1/chat/completions``. What comes back is the chat output in a neutral form: the
 streamed chat deltas (:meth:`ChatRun.pieces`, ``{"content"}`` and/or ``{"tool_calls"}`` as a chat chunk's
 ``delta``) or the whole message (:meth:`ChatRun.result`), which each endpoint writes in its own shape.
@@ -23,13 +23,13 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..admission import Admission
+from ..api.protocol import GenerationRequest, parse_chat
+from ..api.tools import ToolCalls, ToolSupport
 from ..errors import RouterError, not_found, upstream_failed
 from ..fleet.workers import WorkerError
 from ..metrics import RouterMetrics
-from ..run.choices import Choice, merged, sum_usage
-from ..run.timings import Timings
-from .protocol import GenerationRequest, parse_chat
-from .tools import ToolCalls, ToolSupport
+from .choices import Choice, merged, sum_usage
+from .timings import Timings
 
 log = logging.getLogger("pdserve.router")
 

@@ -1,0 +1,151 @@
+"""/v1/messages (Anthropic Messages API) and /v1/responses (OpenAI Responses API) through the 1P1D router, against
+the same greedy requests on one plain vLLM worker's own /v1/messages and /v1/responses (issue 25, item 4): the
+same text, tool calls, stop reasons and token counts, whole and streamed, and the same SSE event sequence.
+Random per-request values (ids, created_at) and the workers' prefix-cache hit counts (``cached_tokens``: the
+router does not see them, a documented difference) are left out of the comparison. Run from
+tests/integration/test_pd_router.py, whose stack (hermes tool parser on the workers and the router) it uses."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from itertools import groupby
+from typing import Any
+
+WEATHER = {"name": "get_weather", "description": "the weather in a city",
+           "schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                      "required": ["city"], "additionalProperties": False}}
+QUESTION = "What is the weather in Paris?"
+
+MESSAGES_CASES: list[dict[str, Any]] = [
+    {"model": "rl", "max_tokens": 12, "temperature": 0, "system": "Be brief.",
+     "messages": [{"role": "user", "content": "Name three colours, please."}]},
+    {"model": "rl", "max_tokens": 16, "temperature": 0, "stop_sequences": ["e"],
+     "messages": [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]},
+    {"model": "rl", "max_tokens": 48, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}],
+     "tools": [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["schema"]}],
+     "tool_choice": {"type": "tool", "name": "get_weather"}},
+]
+RESPONSES_CASES: list[dict[str, Any]] = [
+    {"model": "rl", "max_output_tokens": 12, "temperature": 0, "ignore_eos": True, "input": "Name three colours."},
+    {"model": "rl", "max_output_tokens": 10, "temperature": 0, "instructions": "Be brief.", "metadata": {"k": "v"},
+     "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say something."}]}]},
+]
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _events(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for ev in raw.decode().split("\n\n"):
+        if not ev.strip():
+            continue
+        name, data = ev.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), ev
+        out.append((name[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def _collapsed(events: list[tuple[str, dict]]) -> list[str]:
+    """The event names with each run of deltas as one (the two sides may cut the text into deltas differently)."""
+    return [name for name, _ in groupby(n for n, _ in events)]
+
+
+def _message_blocks(content: list[dict]) -> list[dict]:
+    return [{k: v for k, v in b.items() if k != "id"} for b in content]
+
+
+def _streamed_message(events: list[tuple[str, dict]]) -> dict:
+    """What a streamed Messages answer says: its blocks (text joined, tool input parsed), stop and usage."""
+    blocks: list[dict] = []
+    for name, e in events:
+        if name == "content_block_start":
+            blocks.append({k: v for k, v in e["content_block"].items() if k != "id"})
+            blocks[-1]["_json"] = ""
+        elif name == "content_block_delta":
+            d = e["delta"]
+            if d["type"] == "text_delta":
+                blocks[-1]["text"] += d["text"]
+            else:
+                blocks[-1]["_json"] += d["partial_json"]
+    for b in blocks:
+        raw = b.pop("_json")
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(raw)
+    start = events[0][1]["message"]
+    last = events[-2][1]
+    return {"blocks": blocks, "start_usage": start["usage"], "delta": last["delta"], "usage": last["usage"],
+            "names": _collapsed(events)}
+
+
+def check_messages(router: str, worker: str) -> int:
+    """Every Messages case, whole and streamed, equal on both sides; returns how many tool_use blocks were
+    compared (the caller checks that the tool case produced one)."""
+    tool_blocks = 0
+    for body in MESSAGES_CASES:
+        st_r, mine = _post(router + "/v1/messages", body)
+        st_w, ref = _post(worker + "/v1/messages", body)
+        assert st_r == st_w == 200, (st_r, mine[:500], st_w, ref[:500])
+        a, b = json.loads(mine), json.loads(ref)
+        assert _message_blocks(a["content"]) == _message_blocks(b["content"]), (a, b)
+        for key in ("type", "role", "model", "stop_reason", "stop_sequence", "usage"):
+            assert a.get(key) == b.get(key), (key, a, b)
+        assert set(a) == set(b), (set(a) ^ set(b))
+        tool_blocks += sum(1 for blk in a["content"] if blk["type"] == "tool_use")
+        st_r, mine = _post(router + "/v1/messages", {**body, "stream": True})
+        st_w, ref = _post(worker + "/v1/messages", {**body, "stream": True})
+        assert st_r == st_w == 200
+        sa, sb = _streamed_message(_events(mine)), _streamed_message(_events(ref))
+        assert sa == sb, (sa, sb)
+        assert sa["usage"]["output_tokens"] == a["usage"]["output_tokens"]
+    return tool_blocks
+
+
+def _normal_response(r: dict) -> dict:
+    """A response object without its random values and the workers' prefix-cache hit counts."""
+    out = {k: v for k, v in r.items() if k not in ("id", "created_at")}
+    out["output"] = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in r["output"]]
+    if out.get("usage"):
+        out["usage"] = {**out["usage"], "input_tokens_details": {
+            **out["usage"]["input_tokens_details"], "cached_tokens": 0}}
+    return out
+
+
+def check_responses(router: str, worker: str) -> None:
+    for body in RESPONSES_CASES:
+        st_r, mine = _post(router + "/v1/responses", body)
+        st_w, ref = _post(worker + "/v1/responses", body)
+        assert st_r == st_w == 200, (st_r, mine[:500], st_w, ref[:500])
+        a, b = _normal_response(json.loads(mine)), _normal_response(json.loads(ref))
+        assert a == b, (a, b)
+        st_r, mine = _post(router + "/v1/responses", {**body, "stream": True})
+        st_w, ref = _post(worker + "/v1/responses", {**body, "stream": True})
+        assert st_r == st_w == 200
+        ea, eb = _events(mine), _events(ref)
+        assert _collapsed(ea) == _collapsed(eb), (_collapsed(ea), _collapsed(eb))
+        for events in (ea, eb):
+            assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+        text_a = "".join(e["delta"] for n, e in ea if n == "response.output_text.delta")
+        text_b = "".join(e["delta"] for n, e in eb if n == "response.output_text.delta")
+        assert text_a == text_b
+        fa, fb = _normal_response(ea[-1][1]["response"]), _normal_response(eb[-1][1]["response"])
+        assert fa == fb, (fa, fb)
+        assert fa["usage"] == a["usage"] and fa["output"] == a["output"]
+
+
+def check_stateful_refused(router: str) -> None:
+    """What needs vLLM's response store is refused by name; Messages errors are in Anthropic's shape."""
+    st, raw = _post(router + "/v1/responses", {**RESPONSES_CASES[0], "previous_response_id": "resp_1"})
+    assert st == 400 and json.loads(raw)["error"]["param"] == "previous_response_id"
+    st, raw = _post(router + "/v1/messages", {"model": "nope", "max_tokens": 4,
+                                              "messages": [{"role": "user", "content": "x"}]})
+    err = json.loads(raw)
+    assert st == 404 and err["type"] == "error" and set(err["error"]) == {"type", "message"}
