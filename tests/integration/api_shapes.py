@@ -24,7 +24,8 @@ MESSAGES_CASES: list[dict[str, Any]] = [
     {"model": "rl", "max_tokens": 16, "temperature": 0, "stop_sequences": ["e"],
      "messages": [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]},
     {"model": "rl", "max_tokens": 48, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}],
-     "tools": [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["schema"]}],
+     "tools": [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["schema"],
+                "strict": True}],
      "tool_choice": {"type": "tool", "name": "get_weather"}},
 ]
 RESPONSES_CASES: list[dict[str, Any]] = [
@@ -64,7 +65,8 @@ def _message_blocks(content: list[dict]) -> list[dict]:
 
 
 def _streamed_message(events: list[tuple[str, dict]]) -> dict:
-    """What a streamed Messages answer says: its blocks (text joined, tool input parsed), stop and usage."""
+    """What a streamed Messages answer says: its blocks (text joined, tool input as the streamed JSON text), stop
+    and usage."""
     blocks: list[dict] = []
     for name, e in events:
         if name == "content_block_start":
@@ -76,10 +78,6 @@ def _streamed_message(events: list[tuple[str, dict]]) -> dict:
                 blocks[-1]["text"] += d["text"]
             else:
                 blocks[-1]["_json"] += d["partial_json"]
-    for b in blocks:
-        raw = b.pop("_json")
-        if b["type"] == "tool_use":
-            b["input"] = json.loads(raw)
     start = events[0][1]["message"]
     last = events[-2][1]
     return {"blocks": blocks, "start_usage": start["usage"], "delta": last["delta"], "usage": last["usage"],

@@ -134,6 +134,11 @@ def test_message_body_blocks():
     assert out["stop_reason"] == "tool_use" and out["usage"] == {"input_tokens": 3, "output_tokens": 2}
     empty = message_body("m1", "tiny", {"role": "assistant", "content": ""}, "stop", None, 3, 0)
     assert empty["content"] == [{"type": "text", "text": ""}] and empty["stop_reason"] == "end_turn"
+    bad = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}
+    with pytest.raises(RouterError) as e:  # a 502 in Anthropic's shape, never a 500
+        message_body("m1", "tiny", bad, "tool_calls", None, 3, 2)
+    assert e.value.status == 502
 
 
 def test_stream_events_hold_text_inside_a_tool_block():

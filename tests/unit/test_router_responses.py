@@ -77,6 +77,7 @@ def test_responses_refuses_stateful_fields_and_bad_input(model_dir, tokenizer):
                     ({**BODY, "model": "nope"}, 404, "model"), ({**BODY, "max_output_tokens": 0}, 400,
                                                                 "max_output_tokens"),
                     ({**BODY, "max_output_tokens": 500}, 400, "max_output_tokens"),
+                    ({**BODY, "input": "the cat " * 40}, 400, "input"),
                     ({**BODY, "tools": [{"type": "web_search"}]}, 400, "tools"),
                     ({**BODY, "input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
                     ({**BODY, "tool_choice": "required"}, 400, "tool_choice")):

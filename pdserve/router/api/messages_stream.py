@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import RouterError
+from ..errors import RouterError, upstream_failed
 from ..run.chat_bridge import ChatPiece
 from .response import dumps
 
@@ -65,8 +65,12 @@ def message_body(msg_id: str, model: str, message: dict[str, Any], finish_reason
         content.append({"type": "text", "text": message["content"]})
     for call in calls:
         fn = call["function"]
-        content.append({"type": "tool_use", "id": call["id"], "name": fn["name"],
-                        "input": json.loads(fn["arguments"])})
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise upstream_failed(f"the tool call to {fn['name']!r} has arguments that are not JSON",
+                                  "bad_tool_call") from None
+        content.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args})
     out: dict[str, Any] = {"id": msg_id, "type": "message", "role": "assistant",
                            "content": content or [{"type": "text", "text": ""}], "model": model}
     if reason is not None:

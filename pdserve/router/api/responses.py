@@ -3,7 +3,7 @@
 The request becomes a chat-completion body (:mod:`.responses_request`), which runs on the router's chat path
 (:mod:`..run.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`.responses_shape`), streamed or
 not. Errors are OpenAI-shaped, as vLLM's /v1/responses answers them; a context-length error names
-``max_output_tokens`` (the chat path says ``max_tokens``).
+``max_output_tokens`` or ``input`` (the chat path says ``max_tokens`` or ``messages``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from .protocol import parse_json
 from .response import dumps
 from .responses_request import to_chat
 from .responses_shape import ResponseEvents, ResponseShape, output_items, status_of, usage
+
+# the chat path's names for this endpoint's fields (a context-length error names the prompt or the output budget)
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
 class ResponsesEndpoint:
@@ -42,8 +45,7 @@ class ResponsesEndpoint:
                                      usage(r.prompt_tokens, r.completion_tokens))
                 return web.Response(text=dumps(out), content_type="application/json")
         except RouterError as e:
-            if e.param == "max_tokens":
-                e.param = "max_output_tokens"
+            e.param = _PARAMS.get(e.param or "", e.param)
             return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
 
 
