@@ -158,3 +158,25 @@ def test_stream_events_hold_text_inside_a_tool_block():
     assert events[4][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
     assert events[9][1]["delta"] == {"type": "text_delta", "text": "late"}
     assert events[11][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_every_vllm_messages_field_is_classified_and_refusals_name_the_field():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+    from pdserve.router.api.agent_fields import MESSAGES, counts
+
+    assert sorted(set(AnthropicMessagesRequest.model_fields) ^ set(MESSAGES)) == [], \
+        "classify these in pdserve/router/api/agent_fields.py"
+    assert sum(counts("messages").values()) == len(MESSAGES)
+    values = {"thinking": {"type": "enabled", "budget_tokens": 1024}, "kv_transfer_params": {"a": 1},
+              "ec_transfer_params": {"a": 1}}
+    for name, (kind, _) in MESSAGES.items():
+        if kind == "refused":
+            with pytest.raises(RouterError) as e:
+                to_chat({**BODY, name: values[name]})
+            assert e.value.status == 400 and e.value.param == name
+        elif kind == "same":
+            same = {"max_tokens": 4, "temperature": 0.5, "top_p": 0.5, "top_k": 2, "cache_salt": "s",
+                    "watermarking": True, "vllm_xargs": {"a": 1}, "chat_template_kwargs": {"a": 1}}
+            assert to_chat({**BODY, name: same[name]})[name] == same[name], name

@@ -135,3 +135,25 @@ def test_streamed_tool_call_items_and_whole_output_items():
         {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, True)
     assert [i["type"] for i in items] == ["function_call"] and items[0]["id"].startswith("fc_")
     assert output_items({"content": ""}, False)[0]["content"] == []
+
+
+def test_every_vllm_responses_field_is_classified_and_refusals_name_the_field():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    from pdserve.router.api.agent_fields import RESPONSES, counts
+
+    assert sorted(set(ResponsesRequest.model_fields) ^ set(RESPONSES)) == [], \
+        "classify these in pdserve/router/api/agent_fields.py"
+    assert sum(counts("responses").values()) == len(RESPONSES)
+    values = {"include": ["message.output_text.logprobs"], "truncation": "auto", "previous_response_id": "r",
+              "previous_input_messages": [{"role": "user", "content": "x"}], "background": True,
+              "enable_response_messages": True, "prompt": {"id": "p"}, "kv_transfer_params": {"a": 1},
+              "ec_transfer_params": {"a": 1}}
+    for name, (kind, _) in RESPONSES.items():
+        if kind == "refused":
+            with pytest.raises(RouterError) as e:
+                to_chat({**BODY, name: values[name]})
+            assert e.value.status == 400 and e.value.param == name
+        elif kind == "same":
+            assert name in to_chat({**BODY, name: 1}), name
