@@ -3,6 +3,7 @@ translation to chat, the answer's shapes (whole and SSE events), and errors in A
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -180,3 +181,27 @@ def test_every_vllm_messages_field_is_classified_and_refusals_name_the_field():
             same = {"max_tokens": 4, "temperature": 0.5, "top_p": 0.5, "top_k": 2, "cache_salt": "s",
                     "watermarking": True, "vllm_xargs": {"a": 1}, "chat_template_kwargs": {"a": 1}}
             assert to_chat({**BODY, name: same[name]})[name] == same[name], name
+
+
+def test_messages_worker_error_client_leaving_and_metrics(model_dir, tokenizer):
+    async def main():
+        async with Env(model_dir, tokenizer, [FakeWorker("P", status=400)], [FakeWorker("D")]) as env:
+            st, out = await env.post("/v1/messages", BODY)  # a worker's 400 before the first token: its status
+            assert st == 400 and out["type"] == "error" and "fake error from P" in out["error"]["message"]
+        p, d = FakeWorker("P"), FakeWorker("D", delay_s=0.05)
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            async with env.session.post(env.url + "/v1/messages", json={**BODY, "max_tokens": 40, "stream": True}) as r:
+                assert r.status == 200
+                seen = 0
+                async for line in r.content:
+                    seen += line.startswith(b"event: content_block_delta")
+                    if seen == 3:
+                        break
+                r.close()  # the client hangs up mid-stream: D's request is aborted
+            await asyncio.wait_for(d.aborted.wait(), 5)
+            assert d.finished == 0
+            st, out = await env.post("/v1/messages", BODY)
+            assert st == 200
+            st, text = await env.get("/metrics")
+            assert 'pdserve_router_requests_total{endpoint="messages",status="200"} 1.0' in text
+    run(main())

@@ -13,6 +13,7 @@ router's answer goes (no byte relay), since every event is rewritten.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -167,6 +168,9 @@ class ChatBridge:
             yield status
         except RouterError as e:
             status[0] = str(e.status)
+            raise
+        except asyncio.CancelledError:
+            status[0] = "client_disconnected"
             raise
         finally:
             if admitted:
