@@ -412,7 +412,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/openapi.json", _openapi)
     bridge = ChatBridge(config.served_model_name, router.admission, router.metrics, router.tools, router._choices,
                         config.mode, config.max_body_bytes)
-    messages.add_routes(app, bridge)  # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
+    # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
+    messages.add_routes(app, bridge, router.tokenizer)
     responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
                         config.max_body_bytes)

@@ -205,3 +205,22 @@ def test_messages_worker_error_client_leaving_and_metrics(model_dir, tokenizer):
             st, text = await env.get("/metrics")
             assert 'pdserve_router_requests_total{endpoint="messages",status="200"} 1.0' in text
     run(main())
+
+
+def test_inline_system_messages_merge_only_for_a_system_first_template():
+    body = {**BODY, "system": "s1", "messages": [{"role": "user", "content": "u1"}, {"role": "system", "content": "s2"},
+                                                 {"role": "user", "content": "u2"}]}
+    assert [m["role"] for m in to_chat(body)["messages"]] == ["system", "user", "system", "user"]
+    merged = to_chat(body, merge_inline_system=True)["messages"]
+    assert merged == [{"role": "system", "content": "s1s2"}, {"role": "user", "content": "u1"},
+                      {"role": "user", "content": "u2"}]
+
+    from pdserve.router.api.messages import MessagesEndpoint
+
+    class Strict:  # a template with Qwen's loop.first guard on system messages
+        def render_chat(self, messages, add_generation_prompt=True, **kw):
+            if any(m["role"] == "system" for m in messages[1:]):
+                raise RouterError(400, "chat template failed")
+            return ""
+
+    assert MessagesEndpoint(None, Strict()).merge_inline_system() is True  # type: ignore[arg-type]

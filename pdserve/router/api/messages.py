@@ -18,19 +18,36 @@ from .messages_request import to_chat
 from .messages_stream import MessageEvents, error_body, message_body
 from .protocol import parse_json
 from .response import dumps
+from .tokenizer import PromptTokenizer
+
+# vLLM's probe of a chat template: does it take a system message after the first turn?
+_PROBE = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+          {"role": "system", "content": "t"}, {"role": "user", "content": "t"}]
 
 
 class MessagesEndpoint:
     """The /v1/messages handler over the router's chat path."""
 
-    def __init__(self, bridge: ChatBridge) -> None:
+    def __init__(self, bridge: ChatBridge, tokenizer: PromptTokenizer) -> None:
         self.bridge = bridge
+        self.tokenizer = tokenizer
+        self._merge: bool | None = None
+
+    def merge_inline_system(self) -> bool:
+        """True when the chat template rejects a system message after the first turn (probed once)."""
+        if self._merge is None:
+            try:
+                self.tokenizer.render_chat(_PROBE, add_generation_prompt=False)
+                self._merge = False
+            except RouterError:
+                self._merge = True
+        return self._merge
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         b = self.bridge
         try:
             async with b.admitted("messages") as status:
-                chat = to_chat(parse_json(await read_body(request, b.max_body_bytes)))
+                chat = to_chat(parse_json(await read_body(request, b.max_body_bytes)), self.merge_inline_system())
                 run = await b.start(chat)
                 if chat["stream"]:
                     resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.model_name,
@@ -45,5 +62,5 @@ class MessagesEndpoint:
             return web.json_response(error_body(e), status=e.status, headers=e.headers)
 
 
-def add_routes(app: web.Application, bridge: ChatBridge) -> None:
-    app.router.add_post("/v1/messages", MessagesEndpoint(bridge).handle)
+def add_routes(app: web.Application, bridge: ChatBridge, tokenizer: PromptTokenizer) -> None:
+    app.router.add_post("/v1/messages", MessagesEndpoint(bridge, tokenizer).handle)

@@ -4,7 +4,8 @@ vLLM's ``AnthropicServingMessages`` converts the request to a ``ChatCompletionRe
 router does the same conversion here and runs the chat body on its P -> D path (:mod:`..run.chat_bridge`):
 
 - ``system`` (a string or text blocks, joined; blocks starting ``x-anthropic-billing-header`` dropped) becomes
-  the first system message; a system message inside ``messages`` stays where it is;
+  the first system message; a system message inside ``messages`` stays where it is, unless the chat template
+  takes a leading system message only: then it joins the first (vLLM probes the template the same way);
 - text blocks become text parts (one alone: a string), ``tool_use`` blocks an assistant's ``tool_calls``
   (``input`` as JSON arguments), a user's ``tool_result`` a ``tool`` message, an assistant's
   ``Tool result: ...`` text; ``redacted_thinking`` is skipped;
@@ -186,8 +187,22 @@ def _output_config(body: dict[str, Any], chat: dict[str, Any]) -> None:
         chat["reasoning_effort"] = oc["effort"]
 
 
-def to_chat(body: Any) -> dict[str, Any]:
-    """The chat-completion body of a Messages request (400 naming the field when it is not valid)."""
+def _inline_system(messages: list[Any]) -> str:
+    """The text of the system messages inside ``messages``, for a template that takes a leading one only."""
+    parts = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            content = _blocks(m.get("content"), f"messages[{i}]")
+            text = content if isinstance(content, str) else _block_text(content)
+            if text and not text.startswith(_BILLING):
+                parts.append(text)
+    return "".join(parts)
+
+
+def to_chat(body: Any, merge_inline_system: bool = False) -> dict[str, Any]:
+    """The chat-completion body of a Messages request (400 naming the field when it is not valid).
+    ``merge_inline_system``: the chat template takes one leading system message only (vLLM probes the template
+    for this), so system messages inside ``messages`` join the top-level system prompt, as vLLM merges them."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     for name in _REFUSED_FIELDS:
@@ -205,13 +220,15 @@ def to_chat(body: Any) -> dict[str, Any]:
     if not isinstance(messages, list):
         raise bad_request("'messages' is required: a list of {\"role\", \"content\"} objects", "messages")
     chat_messages: list[dict[str, Any]] = []
-    system = _system(body.get("system"))
-    if system:
-        chat_messages.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
-        _message(m["role"], _blocks(m.get("content"), f"messages[{i}]"), chat_messages)
+    system = _system(body.get("system")) + (_inline_system(messages) if merge_inline_system else "")
+    if system:
+        chat_messages.append({"role": "system", "content": system})
+    for i, m in enumerate(messages):
+        if not (merge_inline_system and m["role"] == "system"):
+            _message(m["role"], _blocks(m.get("content"), f"messages[{i}]"), chat_messages)
     chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": mt}
     stop = body.get("stop_sequences")
     if stop is not None:
