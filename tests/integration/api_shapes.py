@@ -145,11 +145,26 @@ def check_responses(router: str, worker: str) -> None:
             assert fa["output"] == a["output"]
 
 
-def check_stateful_refused(router: str) -> None:
-    """What needs vLLM's response store is refused by name; Messages errors are in Anthropic's shape."""
-    st, raw = _post(router + "/v1/responses", {**RESPONSES_CASES[0], "previous_response_id": "resp_1"})
+def check_errors(router: str, worker: str) -> None:
+    """Bad requests get the worker's status on both endpoints, Messages errors in Anthropic's shape (vLLM's own
+    request-validation errors on /v1/messages are OpenAI-shaped: only the status is compared for those); what
+    needs vLLM's response store is refused by name."""
+    m, r = MESSAGES_CASES[0], RESPONSES_CASES[0]
+    shaped = [({**m, "model": "nope"}, 404), ({**m, "max_tokens": 5000}, 400)]
+    for body, status in shaped + [({k: v for k, v in m.items() if k != "max_tokens"}, 400),
+                                  ({**m, "messages": [{"role": "tool", "content": "x"}]}, 400)]:
+        (st_r, mine), (st_w, _) = _post(router + "/v1/messages", body), _post(worker + "/v1/messages", body)
+        err = json.loads(mine)
+        assert st_r == st_w == status and err["type"] == "error" and set(err["error"]) == {"type", "message"}, \
+            (body, st_r, st_w, mine)
+    for body, _ in shaped:
+        (_, mine), (_, ref) = _post(router + "/v1/messages", body), _post(worker + "/v1/messages", body)
+        assert set(json.loads(ref)) == set(json.loads(mine)), (mine, ref)
+    for body, status, param in (({**r, "model": "nope"}, 404, "model"), ({**r, "input": 5}, 400, None),
+                                ({**r, "max_output_tokens": 5000}, 400, "max_output_tokens")):
+        (st_r, mine), (st_w, ref) = _post(router + "/v1/responses", body), _post(worker + "/v1/responses", body)
+        assert st_r == st_w == status, (body, st_r, st_w, mine, ref)
+        if param is not None:
+            assert json.loads(mine)["error"]["param"] == json.loads(ref)["error"]["param"] == param
+    st, raw = _post(router + "/v1/responses", {**r, "previous_response_id": "resp_1"})
     assert st == 400 and json.loads(raw)["error"]["param"] == "previous_response_id"
-    st, raw = _post(router + "/v1/messages", {"model": "nope", "max_tokens": 4,
-                                              "messages": [{"role": "user", "content": "x"}]})
-    err = json.loads(raw)
-    assert st == 404 and err["type"] == "error" and set(err["error"]) == {"type", "message"}

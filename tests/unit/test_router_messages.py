@@ -224,3 +224,29 @@ def test_inline_system_messages_merge_only_for_a_system_first_template():
             return ""
 
     assert MessagesEndpoint(None, Strict()).merge_inline_system() is True  # type: ignore[arg-type]
+
+
+def test_thinking_maps_to_a_budget_or_an_effort():
+    assert to_chat({**BODY, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+                   )["thinking_token_budget"] == 1024
+    assert to_chat({**BODY, "thinking": {"type": "disabled"}}, disabled_effort="low")["reasoning_effort"] == "low"
+    adaptive = to_chat({**BODY, "thinking": {"type": "adaptive", "display": "omitted"}})
+    assert "reasoning_effort" not in adaptive and "thinking_token_budget" not in adaptive
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": 10},
+                     {"type": "maybe"}, "yes"):
+        with pytest.raises(RouterError) as e:
+            to_chat({**BODY, "thinking": thinking})
+        assert e.value.status == 400 and e.value.param == "thinking"
+
+    from pdserve.router.api.messages import MessagesEndpoint
+
+    class Plain:  # a template that never reads reasoning_effort: "none" renders as every effort, so "low"
+        def render_chat(self, messages, add_generation_prompt=True, **kw):
+            return "same"
+
+    class Honours:
+        def render_chat(self, messages, add_generation_prompt=True, **kw):
+            return kw["reasoning_effort"]
+
+    assert MessagesEndpoint(None, Plain()).disabled_effort() == "low"  # type: ignore[arg-type]
+    assert MessagesEndpoint(None, Honours()).disabled_effort() == "none"  # type: ignore[arg-type]

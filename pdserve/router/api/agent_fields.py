@@ -35,7 +35,7 @@ MESSAGES: dict[str, tuple[str, str]] = {
     "metadata": ("ignored_as_vllm", "vLLM does not read it"),
     "mm_payload": ("ignored_as_vllm", "render endpoints only"),
     "return_mm_kwargs": ("ignored_as_vllm", "render endpoints only"),
-    "thinking": ("refused", "no reasoning budget on the router's chat path yet"),
+    "thinking": ("mapped", "enabled -> thinking_token_budget; disabled -> reasoning_effort none (or low)"),
     "kv_transfer_params": ("refused", "the router owns the P -> D hand-off"),
     "ec_transfer_params": ("refused", "the router owns the hand-offs"),
 }

@@ -14,7 +14,7 @@ from aiohttp import web
 from ..errors import RouterError
 from ..run.chat_bridge import ChatBridge
 from .limits import read_body
-from .messages_request import to_chat
+from .messages_request import EFFORTS, to_chat
 from .messages_stream import MessageEvents, error_body, message_body
 from .protocol import parse_json
 from .response import dumps
@@ -32,6 +32,22 @@ class MessagesEndpoint:
         self.bridge = bridge
         self.tokenizer = tokenizer
         self._merge: bool | None = None
+        self._effort: str | None = None
+
+    def disabled_effort(self) -> str:
+        """The reasoning effort ``thinking: disabled`` sends: "none", or "low" when the chat template fails on
+        "none" or renders it as some effort (it cannot turn thinking off). Probed once, as vLLM probes."""
+        if self._effort is None:
+            prompts = [self._render(e) for e in ("none", *EFFORTS)]
+            self._effort = "low" if prompts[0] is None or prompts[0] in prompts[1:] else "none"
+        return self._effort
+
+    def _render(self, effort: str) -> str | None:
+        try:
+            return self.tokenizer.render_chat([{"role": "user", "content": "Hi"}], reasoning_effort=effort,
+                                              enable_thinking=effort != "none")
+        except RouterError:
+            return None
 
     def merge_inline_system(self) -> bool:
         """True when the chat template rejects a system message after the first turn (probed once)."""
@@ -47,7 +63,10 @@ class MessagesEndpoint:
         b = self.bridge
         try:
             async with b.admitted("messages") as status:
-                chat = to_chat(parse_json(await read_body(request, b.max_body_bytes)), self.merge_inline_system())
+                body = parse_json(await read_body(request, b.max_body_bytes))
+                disabled = isinstance(body, dict) and isinstance(body.get("thinking"), dict) \
+                    and body["thinking"].get("type") == "disabled"
+                chat = to_chat(body, self.merge_inline_system(), self.disabled_effort() if disabled else "none")
                 run = await b.start(chat)
                 if chat["stream"]:
                     resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.model_name,

@@ -11,12 +11,12 @@ router does the same conversion here and runs the chat body on its P -> D path (
   ``Tool result: ...`` text; ``redacted_thinking`` is skipped;
 - ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``cache_salt``, ``vllm_xargs``,
   ``chat_template_kwargs``, ``watermarking`` map to the chat fields of the same meaning; ``output_config``'s
-  JSON schema to ``response_format``, its ``effort`` to ``reasoning_effort``;
+  JSON schema to ``response_format``, its ``effort`` to ``reasoning_effort``; ``thinking`` (:func:`_thinking`);
 - ``tools`` (``input_schema`` as ``parameters``) and ``tool_choice`` (auto, any -> required, none, tool -> a named
   function; ``disable_parallel_tool_use`` -> ``parallel_tool_calls``).
 
-Refused by name (400): ``thinking`` and ``thinking`` / ``image`` / ``tool_reference`` / ``tool_addition`` /
-``tool_removal`` blocks (the router's chat path renders text only and has no reasoning budget), and
+Refused by name (400): ``thinking`` / ``image`` / ``tool_reference`` / ``tool_addition`` / ``tool_removal``
+blocks (the router's chat path renders text only and does not hand earlier reasoning to the template), and
 ``kv_transfer_params`` / ``ec_transfer_params`` (the router owns the hand-off). ``metadata`` is accepted and
 ignored, as vLLM ignores it.
 """
@@ -33,7 +33,8 @@ _ROLES = ("user", "assistant", "system")
 _BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
            "tool_addition", "tool_removal")
 _REFUSED_BLOCKS = ("image", "thinking", "tool_reference", "tool_addition", "tool_removal")
-_REFUSED_FIELDS = ("thinking", "kv_transfer_params", "ec_transfer_params")
+_REFUSED_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _BILLING = "x-anthropic-billing-header"
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -199,7 +200,28 @@ def _inline_system(messages: list[Any]) -> str:
     return "".join(parts)
 
 
-def to_chat(body: Any, merge_inline_system: bool = False) -> dict[str, Any]:
+def _thinking(body: dict[str, Any], chat: dict[str, Any], disabled_effort: str) -> None:
+    """``thinking``: enabled -> ``thinking_token_budget`` (its budget, at least 1024 and under max_tokens);
+    disabled -> ``reasoning_effort`` (``disabled_effort``: "none", or "low" for a template that cannot turn
+    thinking off); adaptive -> nothing (the model chooses). ``display`` is ignored, as vLLM ignores it."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_request("'thinking' must be {\"type\": enabled | disabled | adaptive}", "thinking")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            raise bad_request("thinking.budget_tokens must be an integer >= 1024", "thinking")
+        if budget >= chat["max_tokens"]:
+            raise bad_request("thinking.budget_tokens must be less than max_tokens", "thinking")
+        chat["thinking_token_budget"] = budget
+    elif kind == "disabled":
+        chat["reasoning_effort"] = disabled_effort
+
+
+def to_chat(body: Any, merge_inline_system: bool = False, disabled_effort: str = "none") -> dict[str, Any]:
     """The chat-completion body of a Messages request (400 naming the field when it is not valid).
     ``merge_inline_system``: the chat template takes one leading system message only (vLLM probes the template
     for this), so system messages inside ``messages`` join the top-level system prompt, as vLLM merges them."""
@@ -247,5 +269,6 @@ def to_chat(body: Any, merge_inline_system: bool = False) -> dict[str, Any]:
         raise bad_request(f"'stream' must be true or false, got {stream!r}", "stream")
     chat["stream"] = bool(stream)
     _output_config(body, chat)
+    _thinking(body, chat, disabled_effort)
     _tools(body, chat)
     return chat

@@ -137,7 +137,10 @@ _MESSAGES_REQUEST: dict[str, Any] = {
         "output_config": {"type": "object", "properties": {"format": {"type": "object", "properties": {
             "type": {"const": "json_schema"}, "schema": {"type": "object"}}}}},
         **{name: {"type": "null", "description": "not supported"} for name in
-           ("thinking", "kv_transfer_params", "ec_transfer_params")}}}
+           ("kv_transfer_params", "ec_transfer_params")},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": {"type": "integer",
+                                                                                     "minimum": 1024}}}}}
 _INPUT_ITEM = {"type": "object", "properties": {
     "type": {"enum": ["message", "function_call", "function_call_output"]},
     "role": {"enum": ["user", "system", "developer", "assistant"]},
