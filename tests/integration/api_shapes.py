@@ -32,6 +32,8 @@ RESPONSES_CASES: list[dict[str, Any]] = [
     {"model": "rl", "max_output_tokens": 12, "temperature": 0, "ignore_eos": True, "input": "Name three colours."},
     {"model": "rl", "max_output_tokens": 10, "temperature": 0, "instructions": "Be brief.", "metadata": {"k": "v"},
      "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say something."}]}]},
+    {"model": "rl", "max_output_tokens": 6, "temperature": 0, "ignore_eos": True, "input": "Say a word.",
+     "include": ["message.output_text.logprobs"], "top_logprobs": 2},
     {"model": "rl", "max_output_tokens": 48, "temperature": 0, "input": QUESTION,
      "tools": [{"type": "function", "name": WEATHER["name"], "description": WEATHER["description"],
                 "parameters": WEATHER["schema"], "strict": True}],
@@ -121,13 +123,34 @@ def _normal_response(r: dict) -> dict:
     return out
 
 
+def _logprob_values(obj: Any, out: list[float]) -> Any:
+    """``obj`` with every ``logprob`` number set to 0.0, the numbers appended to ``out`` (they are compared to
+    1e-3: P computes the first token's, D the rest)."""
+    if isinstance(obj, dict):
+        return {k: (out.append(v) or 0.0) if k == "logprob" and isinstance(v, float) else _logprob_values(v, out)
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_logprob_values(v, out) for v in obj]
+    return obj
+
+
+def _same(a: Any, b: Any) -> None:
+    va: list[float] = []
+    vb: list[float] = []
+    sa, sb = _logprob_values(a, va), _logprob_values(b, vb)
+    assert sa == sb, (sa, sb)
+    assert len(va) == len(vb) and all(abs(x - y) < 1e-3 for x, y in zip(va, vb)), (va, vb)
+
+
 def check_responses(router: str, worker: str) -> None:
     for body in RESPONSES_CASES:
         st_r, mine = _post(router + "/v1/responses", body)
         st_w, ref = _post(worker + "/v1/responses", body)
         assert st_r == st_w == 200, (st_r, mine[:500], st_w, ref[:500])
         a, b = _normal_response(json.loads(mine)), _normal_response(json.loads(ref))
-        assert a == b, (a, b)
+        _same(a, b)
+        if "include" in body:
+            assert a["output"][0]["content"][0]["logprobs"], "no logprobs came back"
         st_r, mine = _post(router + "/v1/responses", {**body, "stream": True})
         st_w, ref = _post(worker + "/v1/responses", {**body, "stream": True})
         assert st_r == st_w == 200
@@ -139,10 +162,12 @@ def check_responses(router: str, worker: str) -> None:
         text_b = "".join(e["delta"] for n, e in eb if n == "response.output_text.delta")
         assert text_a == text_b
         fa, fb = _normal_response(ea[-1][1]["response"]), _normal_response(eb[-1][1]["response"])
-        assert fa == fb, (fa, fb)
+        _same(fa, fb)
+        _same([lp for n, e in ea if n == "response.output_text.delta" for lp in e["logprobs"]],
+              [lp for n, e in eb if n == "response.output_text.delta" for lp in e["logprobs"]])
         assert fa["usage"] == a["usage"]
         if "tools" not in body:  # with tools vLLM itself builds the whole answer's items otherwise than the stream's
-            assert fa["output"] == a["output"]
+            _same(fa["output"], a["output"])
 
 
 def check_errors(router: str, worker: str) -> None:

@@ -72,7 +72,9 @@ def test_responses_refuses_stateful_fields_and_bad_input(model_dir, tokenizer):
             for body, status, param in (
                     ({**BODY, "previous_response_id": "resp_1"}, 400, "previous_response_id"),
                     ({**BODY, "background": True}, 400, "background"),
-                    ({**BODY, "include": ["message.output_text.logprobs"]}, 400, "include"),
+                    ({**BODY, "include": "message.output_text.logprobs"}, 400, "include"),
+                    ({**BODY, "include": ["message.output_text.logprobs"], "top_logprobs": -1}, 400,
+                     "top_logprobs"),
                     ({**BODY, "input": 5}, 400, "input"), ({"model": "tiny"}, 400, "input"),
                     ({**BODY, "model": "nope"}, 404, "model"), ({**BODY, "max_output_tokens": 0}, 400,
                                                                 "max_output_tokens"),
@@ -157,3 +159,23 @@ def test_every_vllm_responses_field_is_classified_and_refusals_name_the_field():
             assert e.value.status == 400 and e.value.param == name
         elif kind == "same":
             assert name in to_chat({**BODY, name: 1}), name
+
+
+def test_output_logprobs_in_the_responses_shapes():
+    chat = to_chat({**BODY, "include": ["message.output_text.logprobs"], "top_logprobs": 2})
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 2
+    entry = {"token": " a", "logprob": -0.5, "bytes": [32, 97],
+             "top_logprobs": [{"token": " a", "logprob": -0.5, "bytes": [32, 97]}]}
+    [item] = output_items({"content": " a"}, False, [entry])
+    assert item["content"][0]["logprobs"] == [{"token": " a", "bytes": [32, 97], "logprob": -0.5,
+                                               "top_logprobs": [{"token": " a", "bytes": [32, 97], "logprob": -0.5}]}]
+    shape = ResponseShape({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, "tiny", 4)
+    ev = ResponseEvents(shape, 3)
+    raw = ev.start() + ev.feed(ChatPiece({"content": " a"}, logprobs=[entry]))
+    raw += ev.finish(ChatPiece({}, "length"), 1)
+    events = _events(raw.decode())
+    delta = next(e for e in events if e["type"] == "response.output_text.delta")
+    assert delta["logprobs"] == [{"token": " a", "logprob": -0.5, "top_logprobs": [{"token": " a", "logprob": -0.5}]}]
+    final = events[-1]["response"]
+    assert final["top_logprobs"] == 2 and final["output"][0]["content"][0]["logprobs"][0]["bytes"] == [32, 97]
+    assert ResponseShape({}, "tiny", 4).response([], "completed", None)["top_logprobs"] is None

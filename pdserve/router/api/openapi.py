@@ -170,7 +170,8 @@ _RESPONSES_REQUEST: dict[str, Any] = {
         **{name: {"anyOf": [{"type": "null"}, {"const": False}], "description": "stateful: not supported"} for name in
            ("previous_response_id", "background", "previous_input_messages", "enable_response_messages")},
         **{name: {"type": "null", "description": "not supported"} for name in
-           ("prompt", "include", "kv_transfer_params", "ec_transfer_params")}}}
+           ("prompt", "kv_transfer_params", "ec_transfer_params")},
+        "include": {"type": "array", "items": _STR}, "top_logprobs": {"type": "integer", "minimum": 0}}}
 ANTHROPIC_ERROR: dict[str, Any] = {"type": "object", "required": ["type", "error"], "properties": {
     "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
         "type": _STR, "message": _STR}}}}

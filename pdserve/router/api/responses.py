@@ -41,8 +41,8 @@ class ResponsesEndpoint:
                     return resp
                 r = await run.result()
                 b.count(run)
-                out = shape.response(output_items(r.message, bool(chat.get("tools"))), status_of(r.finish_reason),
-                                     usage(r.prompt_tokens, r.completion_tokens))
+                out = shape.response(output_items(r.message, bool(chat.get("tools")), r.logprobs),
+                                     status_of(r.finish_reason), usage(r.prompt_tokens, r.completion_tokens))
                 return web.Response(text=dumps(out), content_type="application/json")
         except RouterError as e:
             e.param = _PARAMS.get(e.param or "", e.param)

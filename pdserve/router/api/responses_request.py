@@ -11,14 +11,15 @@ with the request's fields. The router builds that chat body here and runs it on 
 - the sampling fields vLLM's ``ResponsesRequest`` shares with chat (temperature, top_p, top_k, min_p, penalties,
   seed, stop, stop_token_ids, ignore_eos, logit_bias, skip_special_tokens, include_stop_str_in_output,
   cache_salt, priority, vllm_xargs, chat_template_kwargs, watermarking, structured_outputs) go as they are;
-- a last assistant message whose ``status`` is in_progress or incomplete is continued (continue_final_message).
+- a last assistant message whose ``status`` is in_progress or incomplete is continued (continue_final_message);
+- ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` -> chat ``logprobs`` / ``top_logprobs``.
 
 Stateless only. Refused by name (400): ``previous_response_id``, ``background``, ``previous_input_messages``,
 ``enable_response_messages`` (they need the server-side store vLLM keeps only with
-``VLLM_ENABLE_RESPONSES_API_STORE``), ``prompt`` (vLLM refuses it too), ``include`` of output logprobs,
-``truncation: auto``, non-function tools, ``reasoning`` and image/file input items, ``kv_transfer_params`` /
-``ec_transfer_params``. ``store`` is accepted and nothing is stored, as vLLM does without its store (the answer
-says nothing about it either). ``metadata``, ``user``, ``service_tier``, ``max_tool_calls`` are echoed only.
+``VLLM_ENABLE_RESPONSES_API_STORE``), ``prompt`` (vLLM refuses it too), ``truncation: auto``, non-function
+tools, ``reasoning`` and image/file input items, ``kv_transfer_params`` / ``ec_transfer_params``. ``store`` is
+accepted and nothing is stored, as vLLM does without its store (the answer says nothing about it either).
+``metadata``, ``user``, ``service_tier``, ``max_tool_calls`` are echoed only.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def _refusals(body: dict[str, Any]) -> None:
         if body.get(name) is not None:
             raise _unsupported(name, f"'{name}'")
     include = body.get("include")
-    if include is not None and (not isinstance(include, list) or LOGPROBS_INCLUDE in include):
-        raise _unsupported("include", f"'include' of {LOGPROBS_INCLUDE!r}")
+    if include is not None and not isinstance(include, list):
+        raise bad_request("'include' must be a list of strings", "include")
     if body.get("truncation") not in (None, "disabled"):
         raise _unsupported("truncation", "'truncation' other than \"disabled\"")
     reasoning = body.get("reasoning")
@@ -205,6 +206,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     for name in _SAME:
         if body.get(name) is not None:
             chat[name] = body[name]
+    if LOGPROBS_INCLUDE in (body.get("include") or []):  # output logprobs, top_logprobs alternatives each
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
     if isinstance(items, list) and _continues(items):
         chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     effort = (body.get("reasoning") or {}).get("effort")

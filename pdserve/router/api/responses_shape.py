@@ -12,6 +12,8 @@ message ``response.content_part.added``, ``response.output_text.delta``..., ``re
 ``response.function_call_arguments.done``; ``response.output_item.done``; last ``response.completed`` with the
 whole response (its output the streamed items). An error after the first event is an ``error`` event.
 
+Output logprobs (``include: ["message.output_text.logprobs"]``) come from the chat path's logprobs, reshaped.
+
 Known differences from one vLLM worker (documented in docs/architecture.md): ``usage.input_tokens_details.
 cached_tokens`` is 0 (the router does not see the workers' prefix-cache hits), and ``temperature`` / ``top_p``
 echo the request or 1.0 (vLLM echoes the model's generation-config defaults when the request has none).
@@ -44,9 +46,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def message_item(item_id: str, text: str | None, done: bool = True) -> dict[str, Any]:
+def logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Chat's logprobs entries in the output text's shape (``token, bytes, logprob, top_logprobs``)."""
+    if entries is None:
+        return None
+    return [{"token": e["token"], "bytes": e["bytes"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "bytes": t["bytes"], "logprob": t["logprob"]}
+                              for t in e.get("top_logprobs") or []]} for e in entries]
+
+
+def delta_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A text delta event's logprobs (``token, logprob, top_logprobs``, no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in logprobs(entries) or []]
+
+
+def message_item(item_id: str, text: str | None, done: bool = True, lps: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
     content: list[dict[str, Any]] = [] if text is None else [
-        {"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
+        {"annotations": [], "text": text, "type": "output_text", "logprobs": lps}]
     return {"id": item_id, "content": content, "role": "assistant", "status": "completed" if done else "in_progress",
             "type": "message", "phase": None}
 
@@ -56,13 +75,14 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, done: bool 
             "async": None, "caller": None, "namespace": None, "status": "completed" if done else "in_progress"}
 
 
-def output_items(message: dict[str, Any], with_tools: bool) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], with_tools: bool, lps: list[dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
     """A whole chat message as output items: the text (always without tools, as vLLM's fallback; with tools
     only when there is some, as its parser path), then the tool calls."""
     items = []
     text = message.get("content")
     if text or not with_tools:
-        items.append(message_item(new_id("msg_"), text or None))
+        items.append(message_item(new_id("msg_"), text or None, lps=logprobs(lps) or None))
     for call in message.get("tool_calls") or []:
         fn = call["function"]
         items.append(call_item(new_id("fc_"), call["id"], fn["name"], fn["arguments"]))
@@ -94,6 +114,9 @@ class ResponseShape:
             else new_id("resp_")
         self.created = int(time.time())
         self.tools = [_tool_echo(t) for t in body.get("tools") or []]
+        # vLLM echoes the sampling's logprobs: top_logprobs when output logprobs are included, else null
+        self.top_logprobs = (body.get("top_logprobs") or 0) if "message.output_text.logprobs" in (
+            body.get("include") or []) else None
 
     def _tool_choice(self) -> Any:
         choice = self.body.get("tool_choice", "auto")
@@ -117,7 +140,7 @@ class ResponseShape:
             "max_output_tokens": self.max_tokens, "max_tool_calls": b.get("max_tool_calls"),
             "previous_response_id": None, "prompt": None, "reasoning": b.get("reasoning"),
             "service_tier": b.get("service_tier") or "auto", "status": status, "text": b.get("text"),
-            "top_logprobs": None, "truncation": b.get("truncation") or "disabled", "usage": use,
+            "top_logprobs": self.top_logprobs, "truncation": b.get("truncation") or "disabled", "usage": use,
             "user": b.get("user"), "presence_penalty": _float(b.get("presence_penalty"), 0.0),
             "frequency_penalty": _float(b.get("frequency_penalty"), 0.0), "kv_transfer_params": None,
             "ec_transfer_params": None, "input_messages": None, "output_messages": None}
@@ -139,6 +162,7 @@ class ResponseEvents:
         self.item_id = ""
         self.text: list[str] = []
         self.call: dict[str, Any] = {}  # the open call: call_id, name, index
+        self.lps: list[dict[str, Any]] | None = None  # the open text's logprobs (None: not asked)
 
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
         data = {**data, "sequence_number": self.seq, "type": kind}
@@ -160,7 +184,7 @@ class ResponseEvents:
             out += self._event("response.output_text.done", {"content_index": 0, "item_id": self.item_id,
                                                             "logprobs": [], "output_index": len(self.items),
                                                             "text": text})
-            item = message_item(self.item_id, text)
+            item = message_item(self.item_id, text, lps=self.lps or None)
             out += self._event("response.content_part.done", {"content_index": 0, **self._ref(),
                                                              "part": item["content"][0]})
         elif self.state == "tool":
@@ -174,19 +198,22 @@ class ResponseEvents:
         self.state, self.text = None, []
         return out
 
-    def _content(self, text: str) -> bytes:
+    def _content(self, text: str, lps: list[dict[str, Any]] | None) -> bytes:
         out = b""
         if self.state != "content":
             out += self._close()
-            self.state, self.item_id = "content", new_id("msg_")
+            self.state, self.item_id, self.lps = "content", new_id("msg_"), []
             out += self._event("response.output_item.added", {"item": message_item(self.item_id, None, False),
                                                              "output_index": len(self.items)})
             out += self._event("response.content_part.added", {
                 "content_index": 0, **self._ref(),
                 "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}})
         self.text.append(text)
+        if self.lps is not None:
+            self.lps += logprobs(lps) or []
         return out + self._event("response.output_text.delta", {"content_index": 0, "delta": text,
-                                                               "item_id": self.item_id, "logprobs": [],
+                                                               "item_id": self.item_id,
+                                                               "logprobs": delta_logprobs(lps),
                                                                "output_index": len(self.items)})
 
     def _tool_calls(self, calls: list[dict[str, Any]]) -> bytes:
@@ -212,7 +239,7 @@ class ResponseEvents:
     def feed(self, piece: ChatPiece) -> bytes:
         out = b""
         if piece.delta.get("content"):
-            out += self._content(piece.delta["content"])
+            out += self._content(piece.delta["content"], piece.logprobs)
         if piece.delta.get("tool_calls"):
             out += self._tool_calls(piece.delta["tool_calls"])
         return out

@@ -45,6 +45,7 @@ class ChatPiece:
     finish_reason: str | None = None
     stop_reason: Any = None
     tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content`` entries of these tokens, if asked
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ChatResult:
     stop_reason: Any
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content``, if asked
 
 
 class EventWriter(Protocol):
@@ -112,7 +114,7 @@ class ChatRun:
                     c.parts.append(d.text)
                     c.tokens += len(d.token_ids)
                     yield ChatPiece(delta or {}, finish, d.stop_reason if finish is not None else None,
-                                    len(d.token_ids))
+                                    len(d.token_ids), self._logprobs(d.logprobs))
             except WorkerError as e:
                 raise upstream_failed(str(e)) from None
         if c.gen.finish_reason is None:
@@ -125,6 +127,7 @@ class ChatRun:
             try:
                 async for _, d in deltas:
                     c.parts.append(d.text)
+                    self._logprobs(d.logprobs)
             except WorkerError as e:
                 raise upstream_failed(str(e)) from None
         c.gen.t.end = time.perf_counter()
@@ -133,7 +136,14 @@ class ChatRun:
         if self.tools is not None:
             message, finish = self.tools.message(c.text, c.gen.token_ids, finish)
         prompt_tokens, completion_tokens = sum_usage([c])
-        return ChatResult(message, finish, c.gen.stop_reason, prompt_tokens, completion_tokens)
+        return ChatResult(message, finish, c.gen.stop_reason, prompt_tokens, completion_tokens,
+                          None if c.track is None else c.track.chat_total()["content"])
+
+    def _logprobs(self, raw: Any) -> list[dict[str, Any]] | None:
+        """A delta's logprobs as chat's ``content`` entries (kept in the choice's track for the whole answer)."""
+        track = self.choice.track
+        part = None if track is None else track.chat_part(raw)
+        return None if part is None else part["content"]
 
 
 class ChatBridge:
