@@ -1,6 +1,7 @@
 """The router's HTTP server (aiohttp): the one public port.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /tokenize and /detokenize
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /v1/messages and
+/v1/responses (run as chat requests: :mod:`.api.messages`, :mod:`.api.responses`), POST /tokenize and /detokenize
 (:mod:`.tokenize_api`), GET /v1/models, GET /health (200 only when every configured worker answers its /health),
 GET /ready (200 while a healthy worker can serve requests end to end, "degraded" with one role gone: the
 Kubernetes readiness probe), GET /metrics (Prometheus text), and worker membership: GET/POST/DELETE
@@ -24,6 +25,7 @@ from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
 from ..settings.targets import handed_on
 from .admission import Admission
+from .api import messages, responses
 from .api.limits import body_too_large, check_prompt_chars, read_body
 from .api.logprobs import LogprobTrack
 from .api.openapi import openapi_document
@@ -44,6 +46,7 @@ from .fleet.registry import WorkerRegistry
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
 from .run.answer import collect, stream
+from .run.chat_bridge import ChatBridge
 from .run.choices import Choice, choice_seed, sum_usage
 from .run.generation import Generation, RunOptions, Timings
 from .run.kv_protocol import protocol_for
@@ -407,6 +410,11 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
+    bridge = ChatBridge(config.served_model_name, router.admission, router.metrics, router.tools, router._choices,
+                        config.mode, config.max_body_bytes)
+    # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
+    messages.add_routes(app, bridge, router.tokenizer)
+    responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
                         config.max_body_bytes)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)

@@ -332,6 +332,17 @@ def test_tool_calls_equal_one_worker(cluster, client, choice):
         assert streamed == (theirs["message"]["content"] or "")
 
 
+def test_messages_and_responses_apis_equal_one_worker(cluster):
+    """/v1/messages and /v1/responses through P and D, whole and streamed (with a tool call), equal one worker's
+    own endpoints (body in tests/integration/api_shapes.py)."""
+    from tests.integration.api_shapes import check_errors, check_messages, check_responses
+
+    router, worker = cluster.router_url, cluster.worker_urls("decode")[0]
+    assert check_messages(router, worker) >= 1, "the named tool case made no tool_use block"
+    check_responses(router, worker)
+    check_errors(router, worker)
+
+
 def test_unsupported_fields_are_400(client):
     for kw in ({"suffix": "x"}, {"extra_body": {"use_beam_search": True}}, {"extra_body": {"guided_json": {"type": "object"}}},
                {"extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}}):
