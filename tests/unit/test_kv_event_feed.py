@@ -168,6 +168,33 @@ def test_a_gap_replay_cannot_fill_clears_and_a_forgotten_worker_is_unsubscribed(
     asyncio.run(main())
 
 
+def test_a_first_batch_past_zero_after_a_replay_found_no_worker_catches_up(publisher):
+    from pdserve.router.fleet.kv_replay import replay
+
+    calls = []
+
+    async def not_up_the_first_time(ctx, endpoint: str, start: int):
+        calls.append(start)
+        return None if len(calls) == 1 else await replay(ctx, endpoint, start)
+
+    async def main() -> None:
+        idx = Index()
+        feed = KVEventFeed(idx, BS, replayer=not_up_the_first_time)
+        feed.follow(URL, publisher.publisher)
+        await _until(lambda: not feed.streams[URL].catching_up)
+        parent = None
+        for i in range(0, 6, 2):  # published before the subscription took effect
+            publisher.publish(_stored(i, parent), send=False)
+            parent = i
+        await asyncio.sleep(0.2)
+        publisher.publish(_stored(6, 4))  # the first live batch is seq 3: 0..2 come by replay
+        await _until(lambda: len(idx.held.get(URL, ())) == 4)
+        assert calls == [0, 0] and idx.clears == 0 and feed.duplicates == 1
+        await feed.close()
+
+    asyncio.run(main())
+
+
 def test_replay_that_no_longer_starts_where_asked_starts_over():
     idx = Index()
 

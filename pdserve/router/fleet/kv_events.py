@@ -152,9 +152,12 @@ class KVEventFeed:
             st.held.append((seq, payload))
             return
         last = st.translator.last_seq
-        if last is not None and seq != last + 1 and st.publisher is not None and st.publisher.replay:
-            st.held.append((seq, payload))  # lost batches (seq > last + 1) or a restarted publisher (seq <= last)
-            self._catch_up(worker, st, last + 1 if seq > last + 1 else 0)
+        expected = 0 if last is None else last + 1
+        if seq != expected and st.publisher is not None and st.publisher.replay:
+            # batches lost (seq > expected: on the way, or before this replica's subscription took effect while
+            # its first replay found no worker yet) or a restarted publisher (seq < expected)
+            st.held.append((seq, payload))
+            self._catch_up(worker, st, last + 1 if last is not None and seq > last + 1 else 0)
             return
         self._apply(worker, st, seq, payload)
 
