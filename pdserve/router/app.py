@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -416,6 +417,13 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
+    if config.routers > 1:  # which replica answered (a client or the chaos bench can tell them apart)
+        replica = str(os.getpid())
+
+        async def name_replica(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers["X-Pdserve-Replica"] = replica
+
+        app.on_response_prepare.append(name_replica)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
     app.router.add_get("/v1/models", router.models)

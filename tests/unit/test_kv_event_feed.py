@@ -215,3 +215,12 @@ def test_replay_that_no_longer_starts_where_asked_starts_over():
 
 async def _no_replay(ctx, endpoint: str, start: int):
     return None
+
+
+def test_a_worker_with_no_named_publisher_gets_the_port_convention():
+    from pdserve.router.fleet.kv_events import default_publisher
+
+    assert default_publisher("http://10.0.0.5:8000", 5557) == Publisher("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    assert default_publisher("http://[fd00::5]:8000", 5557) == Publisher("tcp://[fd00::5]:5557",
+                                                                          "tcp://[fd00::5]:5558")
+    assert default_publisher("http://10.0.0.5:8000", 0) is None

@@ -319,3 +319,17 @@ def test_memory_warning():
     assert memory_warning(LauncherConfig(), available=64 << 30) == ""
     text = memory_warning(LauncherConfig(prefill=2, decode=2, kv_cache_gib=2), available=8 << 30)
     assert "4 worker(s) need about 20 GiB" in text and "8.0 GiB is available" in text
+
+
+def test_routers_n_runs_n_router_processes_on_one_port_sharing_the_membership_file(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), port=9000, policy="conductor", routers=3, pool=False)
+    plan = make_plan(cfg, model_dir, run_dir="/runs/r2", cores=(0, 1), python="/py")
+    routers = plan.of_kind("router")
+    assert [r.name for r in routers] == ["router", "router1", "router2"] and plan.router is routers[0]
+    assert len({r.argv for r in routers}) == 1 and {r.url for r in routers} == {"http://127.0.0.1:9000"}
+    argv = routers[0].argv
+    assert argv[argv.index("--routers") + 1] == "3"
+    assert argv[argv.index("--membership-file") + 1] == "/runs/r2/membership.json"
+    one = make_plan(LauncherConfig(model=str(model_dir), port=9000), model_dir, run_dir="/runs/r3", cores=(0, 1))
+    assert [r.name for r in one.of_kind("router")] == ["router"] and "--routers" not in one.router_argv
+    assert "--membership-file" in one.router_argv  # a restarted router keeps run-time members too
