@@ -107,7 +107,10 @@ class WorkerConfig:
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
+    # KV events (policy conductor): where vLLM binds its publisher and its replay socket (ipc://PATH or
+    # tcp://*:PORT; every router replica subscribes), topic = url; "" none
+    kv_events_endpoint: str = ""
+    kv_events_replay: str = ""
     # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
     # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); kv_connector: the data plane
     # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
@@ -129,8 +132,10 @@ class WorkerConfig:
         for s in _WORKER:  # the table's checks of what a worker gets, named decode0.kv_cache_gib, ...
             s.check(getattr(self, s.name), f"{self.name}.{s.name}")
         setting("port").check(self.port, f"{self.name}.port")
-        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith("tcp://"):
-            raise ConfigError(f"{self.name}.kv_events_endpoint={self.kv_events_endpoint!r}: use tcp://HOST:PORT")
+        for name in ("kv_events_endpoint", "kv_events_replay"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{self.name}.{name}={value!r}: use ipc://PATH or tcp://*:PORT (vLLM binds it)")
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
@@ -219,6 +224,7 @@ class LauncherConfig:
     colocated: int = _d("colocated")
     host: str = _d("host")
     port: int = _d("port")
+    routers: int = _d("routers")  # router processes on the public port (SO_REUSEPORT), all supervised
     worker_host: str = _d("worker_host")
     cores: tuple[int, ...] = ()
     cores_per_worker: int = _d("cores_per_worker")

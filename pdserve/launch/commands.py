@@ -59,10 +59,20 @@ def nixl_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
 
 
 def kv_events_config(worker: WorkerConfig) -> dict[str, Any]:
-    """The ``--kv-events-config`` value: vLLM connects to the router's sink (a host, not ``*``, in the endpoint)
-    and publishes BlockStored/BlockRemoved/AllBlocksCleared with the worker's URL as the topic."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": worker.kv_events_endpoint,
-            "topic": worker.url}
+    """The ``--kv-events-config`` value: vLLM binds its publisher (an ``ipc://`` or ``tcp://*`` endpoint) and,
+    when given, its replay socket, and publishes BlockStored/BlockRemoved/AllBlocksCleared with the worker's URL
+    as the topic; every router replica subscribes (:mod:`pdserve.router.fleet.kv_events`)."""
+    out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": worker.kv_events_endpoint, "topic": worker.url}
+    if worker.kv_events_replay:
+        out["replay_endpoint"] = worker.kv_events_replay
+    return out
+
+
+def kv_publisher_entry(worker: WorkerConfig) -> str:
+    """The router's ``--kv-events`` entry for one worker: ``URL=ENDPOINT[,REPLAY]``."""
+    replay = f",{worker.kv_events_replay}" if worker.kv_events_replay else ""
+    return f"{worker.url}={worker.kv_events_endpoint}{replay}"
 
 
 def _json(value: Any) -> str:
@@ -122,13 +132,12 @@ def router_command(
     model_dir: str | os.PathLike,
     port: int,
     python: str = sys.executable,
-    kv_events_bind: str = "",
     pool_master: str = "",
+    membership_file: str = "",
 ) -> list[str]:
-    """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py).
-
-    kv_events_bind: the endpoint the router binds for the workers' KV events ("" none); pool_master: HOST:PORT
-    of the KV pool master the conductor follows ("" none)."""
+    """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py): each worker's KV
+    event publisher (``--kv-events``) when the workers publish; pool_master: HOST:PORT of the KV pool master the
+    conductor follows ("" none); membership_file: where the router processes share run-time membership."""
     argv = [python, "-m", ROUTER_MODULE, "--host", config.host, "--port", str(port),
             "--model-dir", str(model_dir)]
     if config.colocated:
@@ -138,14 +147,18 @@ def router_command(
     else:
         argv += ["--prefill", *[w.url for w in workers if w.role == "prefill"]]
         argv += ["--decode", *[w.url for w in workers if w.role == "decode"]]
+    publishers = [kv_publisher_entry(w) for w in workers if w.kv_events_endpoint]
+    if publishers:
+        argv += ["--kv-events", *publishers]
     # every setting the router shares with the launcher, as the table's argv rules say, and what the launch
-    # derives for it: the served name, the KV event sink, the conductor's step budget (elastic only)
+    # derives for it: the served name, the conductor's step budget (elastic only)
     values = launcher_values_for_router(config)
-    values.update(served_model_name=served_name(config, model_dir), kv_events_bind=kv_events_bind,
+    values.update(served_model_name=served_name(config, model_dir),
                   max_num_batched_tokens=step_tokens(workers) if config.elastic else None)
     argv += router_flags(values)
     argv += list(config.router_args)
-    argv += router_flags({"pool_master": pool_master})  # after router_args: the launch's own pool wins
+    # after router_args: the launch's own pool and membership file win
+    argv += router_flags({"pool_master": pool_master, "membership_file": membership_file})
     return argv
 
 

@@ -37,6 +37,26 @@ def check_url(flag: str, url: str) -> str:
     return url.rstrip("/")
 
 
+def check_endpoint(flag: str, endpoint: str) -> str:
+    """A ZMQ endpoint the router connects to (``tcp://HOST:PORT`` or ``ipc://PATH``)."""
+    if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) <= len("ipc://"):
+        raise RouterConfigError(f"{flag} {endpoint!r}: give a ZMQ endpoint such as tcp://10.0.0.5:5557 or "
+                                "ipc:///run/pdserve/kv-0.pub")
+    return endpoint
+
+
+def check_kv_publisher(entry: str) -> tuple[str, str, str]:
+    """``URL=ENDPOINT[,REPLAY]`` (``--kv-events``): a worker, where its vLLM publishes KV events, and where it
+    answers replay requests ("" none) -> (url, endpoint, replay)."""
+    url, sep, rest = entry.partition("=")
+    if not sep:
+        raise RouterConfigError(f"--kv-events {entry!r}: give URL=ENDPOINT[,REPLAY_ENDPOINT], e.g. "
+                                "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558")
+    endpoint, _, replay = rest.partition(",")
+    return (check_url("--kv-events", url), check_endpoint("--kv-events", endpoint),
+            check_endpoint("--kv-events", replay) if replay else "")
+
+
 def context_length_from_model_dir(model_dir: str) -> int | None:
     """The model's maximum context from ``config.json`` (None when no key says it)."""
     try:
@@ -87,8 +107,12 @@ class RouterConfig:
     upstream_idle_timeout_s: a worker that sends nothing for this long fails the request (no hung streams).
     health_interval_s: period of the background health probes (0 turns them off; /health always probes).
     policy: placement: ``round_robin`` | ``least_loaded`` | ``conductor`` (see :mod:`pdserve.conductor`).
-    kv_events_bind: ZMQ endpoint the router binds for the workers' KV events (e.g. tcp://127.0.0.1:5557);
-        workers publish to it with their own URL as the topic. Empty: no prefix index (load-only placement).
+    kv_events: ``URL=ENDPOINT[,REPLAY]`` per worker: where its vLLM binds its KV event publisher (and replay
+        endpoint); the router subscribes to each, so every router replica hears every worker
+        (:mod:`pdserve.router.fleet.kv_events`).
+    kv_events_bind: the older layout, one router only: a ZMQ endpoint the router binds for the workers' KV events
+        (e.g. tcp://127.0.0.1:5557); workers publish to it with their own URL as the topic.
+        Neither: no prefix index (load-only placement).
     ttft_slo_ms / tpot_slo_ms: conductor targets (429 + Retry-After when predicted to miss); None: no target.
     local_prefill_tokens: conductor: decode-local at most this many uncached prompt tokens (None: learned).
     block_size: the workers' KV block size in tokens (vLLM CPU: 128); block keys must match it.
@@ -124,6 +148,8 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     host: str = _d("host")
     port: int = _d("port")
+    routers: int = _d("routers")  # router replicas on this port (SO_REUSEPORT above 1)
+    membership_file: str = _d("membership_file")  # run-time membership shared with the other replicas
     served_model_name: str = _d("served_model_name")
     max_model_len: int = _d("max_model_len")
     connect_timeout_s: float = _d("connect_timeout_s")
@@ -133,6 +159,7 @@ class RouterConfig:
     log_level: str = _d("log_level")
     policy: str = _d("policy")
     kv_events_bind: str = _d("kv_events_bind")
+    kv_events_port: int = _d("kv_events_port")  # a worker's publisher at tcp://<its host>:PORT when none is named
     ttft_slo_ms: float | None = _d("ttft_slo_ms")
     tpot_slo_ms: float | None = _d("tpot_slo_ms")
     local_prefill_tokens: int | None = _d("local_prefill_tokens")
@@ -153,6 +180,7 @@ class RouterConfig:
     probe_failures: int = _d("probe_failures")
     probe_window_s: float = _d("probe_window_s")
     tool_call_parser: str = _d("tool_call_parser")  # vLLM's --tool-call-parser name (e.g. hermes)
+    kv_events: tuple[str, ...] = ()  # URL=ENDPOINT[,REPLAY]: each worker's KV event publisher (the router subscribes)
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
@@ -162,6 +190,8 @@ class RouterConfig:
         write_resolved(self, self._resolved())
         check_fields(self, _SETTINGS, RouterConfigError, flags=True)
         self._check_mode()
+        for entry in self.kv_events:
+            check_kv_publisher(entry)
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
             raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
                                     "tcp://127.0.0.1:5557")

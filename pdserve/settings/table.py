@@ -52,6 +52,15 @@ SETTINGS: tuple[Setting, ...] = (
             advice="an address such as 127.0.0.1"),
     Setting("port", int, 8000, "router port (0 = a free port)", (L, R), minimum=0, maximum=65535, advice=_PORT,
             group="server"),
+    Setting("routers", int, 1, "router processes sharing the public port (SO_REUSEPORT; the kernel spreads "
+            "connections); every one subscribes to every worker's KV events, shares run-time membership (the "
+            "launch's membership file) and, above 1, counts the other routers' load from the workers' /metrics",
+            (L, R), minimum=1, maximum=64, metavar="N", group="server", argv="changed",
+            targets=(Target("conductor", "replicas", default=1),),
+            advice="use a whole number of router processes from 1 to 64"),
+    Setting("membership_file", str, "", "share run-time worker membership with the other router processes of "
+            "this host through this JSON file (the launcher sets one in the run folder); a restarted router "
+            "takes the set it holds", (R,), metavar="PATH", group="server", argv="set"),
     Setting("worker_host", str, "127.0.0.1", "address workers bind", (L,), minimum=1, group="workers",
             advice="an address such as 127.0.0.1"),
     Setting("cores_per_worker", int, 1, "cores per worker", (L,), minimum=1, group="workers",
@@ -102,9 +111,14 @@ SETTINGS: tuple[Setting, ...] = (
             group="placement", argv="always", targets=(Target("conductor", "policy", default="conductor"),),
             advice="choose one of " + ", ".join(POLICIES) + " (conductor: prefix-, load- and SLO-aware "
             "placement; the others are baselines)"),
-    Setting("kv_events_bind", str, "", "bind this ZMQ endpoint for workers' KV events (e.g. tcp://127.0.0.1:5557); "
-            "workers set --kv-events-config endpoint to it and topic to their own URL (the launcher does, with "
-            "--policy conductor)", (R,), metavar="ENDPOINT", group="placement", argv="set"),
+    Setting("kv_events_bind", str, "", "one router only: bind this ZMQ endpoint for workers' KV events (e.g. "
+            "tcp://127.0.0.1:5557); workers set --kv-events-config endpoint to it and topic to their own URL. "
+            "The launcher instead has each worker bind its publisher and the routers subscribe (--kv-events)",
+            (R,), metavar="ENDPOINT", group="placement", argv="set"),
+    Setting("kv_events_port", int, 0, "subscribe to the KV events of every worker with no --kv-events entry (one "
+            "discovery or the membership API added) at tcp://<its host>:PORT, replay at PORT+1 (its vLLM binds "
+            "tcp://*:PORT; the chart does); 0: only the workers --kv-events names", (R,), minimum=0,
+            maximum=65534, metavar="PORT", group="placement", advice="use a TCP port 1-65534, or 0 for none"),
     Setting("ttft_slo_ms", float, None, "conductor: reject (429) requests predicted to miss this TTFT",
             (L, R, C), unit="ms", minimum=0, above=True, optional=True, advice=_SLO, group="placement",
             argv="set", targets=(Target("conductor", "ttft_slo_s", 1000.0, "s"),)),

@@ -86,10 +86,6 @@ device) or when elastic.extraArgs sets it. */}}
 {{- printf "%s-router-peers.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
-{{- define "pdserve.routerEventsHost" -}}
-{{- printf "%s-router-events.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
-{{- end -}}
-
 {{- define "pdserve.storeMaster" -}}
 {{- printf "%s-store-master.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.store.master.port) -}}
 {{- end -}}
@@ -167,12 +163,6 @@ device) or when elastic.extraArgs sets it. */}}
 {{- end -}}
 {{- if and (eq (include "pdserve.kvConnector" .) "nixl") .Values.store.enabled -}}
 {{- fail "store.enabled with kvConnector=nixl: the KV pool saves and loads through pdserve's connector; turn the store off or use kvConnector=pdserve" -}}
-{{- end -}}
-{{- if and (include "pdserve.elastic" .) (gt (int .Values.router.replicas) 1) -}}
-{{- fail (printf "elastic.replicas=%v with router.replicas=%v: elastic roles are placed by the conductor, whose KV event sink is per router; use router.replicas=1" .Values.elastic.replicas .Values.router.replicas) -}}
-{{- end -}}
-{{- if and (eq .Values.router.policy "conductor") (gt (int .Values.router.replicas) 1) -}}
-{{- fail (printf "router.policy=conductor with router.replicas=%v: each worker's vLLM publishes its KV events to one sink, so only one router would see them; use router.replicas=1 with the conductor (or least_loaded with several routers)" .Values.router.replicas) -}}
 {{- end -}}
 {{- if include "pdserve.elastic" . -}}
 {{- if eq (include "pdserve.kvConnector" .) "nixl" -}}
