@@ -13,7 +13,7 @@ def check_pool(cfg: LaunchShape) -> None:
 
     if cfg.pool and cfg.kv_connector != "pdserve":
         raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: the KV pool saves and loads through "
-                          "pdserve's connector; use --no-pool with --kv-connector nixl")
+                          f"pdserve's connector; use --no-pool with --kv-connector {cfg.kv_connector}")
     if cfg.pool and not cfg.connector:
         raise ConfigError("pool=true needs the connector (it saves and loads KV through it): add --connector, "
                           "or pool=false")

@@ -96,10 +96,10 @@ def allocate_ports(config: LauncherConfig) -> Ports:
     if config.pool:
         pool_metrics = free_ports(1, POOL_HOST, exclude=taken)[0]
         pool = config.pool_port or free_ports(1, POOL_HOST, exclude=(*taken, pool_metrics))[0]
-    from .plan import wants_nixl_side_channels
+    from .plan import wants_side_channels
 
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):  # NixlConnector's handshake listener, one per worker
+    if wants_side_channels(config):  # NixlConnector's handshake listener or MooncakeConnector's bootstrap server
         side = tuple(free_ports(config.num_workers, config.worker_host, exclude=(*taken, pool, pool_metrics)))
     return Ports(router, workers, kv_events, pool, pool_metrics, side)
 

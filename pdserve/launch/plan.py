@@ -34,24 +34,26 @@ DEFAULT_BASE_PORT = 8000  # a dry run with port=0 numbers its ports from here
 @dataclass(frozen=True)
 class Ports:
     """Every port a launch listens on. kv_events: the router's KV event sink (policy conductor, else 0);
-    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool); nixl_side_channels: one
-    NixlConnector handshake port per worker (``--kv-connector nixl``, else empty)."""
+    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool); side_channels: one port per
+    worker for vLLM's connector to meet its peers on: NixlConnector's handshake listener (``--kv-connector nixl``)
+    or MooncakeConnector's bootstrap server (``--kv-connector mooncake``); else empty."""
 
     router: int
     workers: tuple[int, ...]
     kv_events: int = 0
     pool: int = 0
     pool_metrics: int = 0
-    nixl_side_channels: tuple[int, ...] = ()
+    side_channels: tuple[int, ...] = ()
 
     def all(self) -> tuple[int, ...]:
         return tuple(p for p in (self.router, *self.workers, self.kv_events, self.pool, self.pool_metrics,
-                                 *self.nixl_side_channels) if p)
+                                 *self.side_channels) if p)
 
 
-def wants_nixl_side_channels(config: LauncherConfig) -> bool:
-    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
-    return bool(config.connector) and config.kv_connector == "nixl"
+def wants_side_channels(config: LauncherConfig) -> bool:
+    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT), those
+    that load its MooncakeConnector a bootstrap server port (VLLM_MOONCAKE_BOOTSTRAP_PORT)."""
+    return bool(config.connector) and config.kv_connector in ("nixl", "mooncake")
 
 
 def wants_kv_events(config: LauncherConfig) -> bool:
@@ -84,7 +86,7 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
     if config.pool:
         pool_metrics = next(nxt)
         pool = config.pool_port or next(nxt)
-    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_nixl_side_channels(config) else ()
+    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_side_channels(config) else ()
     return Ports(base, workers, kv_events, pool, pool_metrics, side)
 
 
@@ -206,15 +208,15 @@ def plan_workers(
     cores: Sequence[int] | None = None,
     kv_events_endpoint: str = "",
     pool_master: str = "",
-    nixl_side_channels: Sequence[int] | None = None,
+    side_channels: Sequence[int] | None = None,
 ) -> list[WorkerConfig]:
     """One WorkerConfig per worker: prefill workers first, then decode (or the colocated, or the elastic ones).
 
     ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
     ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
     kv_events_endpoint: the router's KV event sink the workers publish to; pool_master: HOST:PORT of the KV pool
-    master every connector saves to and loads from ("" none); nixl_side_channels: one NixlConnector handshake
-    port per worker (default: :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
+    master every connector saves to and loads from ("" none); side_channels: one NixlConnector handshake
+    (or MooncakeConnector bootstrap) port per worker (default: :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
     :func:`pdserve.launch.gpus.assign_gpus` (none: CPU workers, exactly as before).
     """
     if config.colocated:
@@ -248,11 +250,11 @@ def plan_workers(
     slots = assign_gpus(len(roles), config.gpus, config.gpus_per_worker, config.share_gpu,
                         config.gpu_memory_utilization)
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):
-        side = dry_run_ports(config).nixl_side_channels if nixl_side_channels is None else tuple(nixl_side_channels)
+    if wants_side_channels(config):
+        side = dry_run_ports(config).side_channels if side_channels is None else tuple(side_channels)
         if len(side) != len(roles):
-            raise ValueError(f"need {len(roles)} NixlConnector side-channel ports, got {len(side)}")
-        extra_config = dict(config.connector_extra)  # NixlConnector's own settings: no pdserve pool
+            raise ValueError(f"need {len(roles)} {config.kv_connector} side-channel ports, got {len(side)}")
+        extra_config = dict(config.connector_extra)  # vLLM's connector's own settings: no pdserve pool
     workers = [
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
@@ -277,9 +279,11 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
     # the CPU dtype rule (pdserve.dtype) is for CPU workers: a GPU worker keeps vLLM's default unless --dtype
     dtype = worker.dtype if not slot.devices or config.dtype else None
+    side = side_port if worker.connector else 0
     return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
-                   tp=tp, kv_connector=config.kv_connector, dtype=dtype,
-                   nixl_side_channel_port=side_port if worker.connector else 0)
+                   tp=tp, kv_connector=config.kv_connector, dtype=dtype, mooncake_protocol=config.mooncake_protocol,
+                   nixl_side_channel_port=side if config.kv_connector == "nixl" else 0,
+                   mooncake_bootstrap_port=side if config.kv_connector == "mooncake" else 0)
 
 
 def assign_rank_cores(widths: Sequence[int], pool: Sequence[int]) -> list[tuple[int, ...]]:
@@ -322,10 +326,11 @@ def make_plan(
         raise ValueError("policy=conductor needs a port for the router's KV event sink")
     pool = plan_pool(config, ports, run_dir)
     sink = f"tcp://{kv_events_host(config)}:{ports.kv_events}" if wants_kv_events(config) else ""
-    if wants_nixl_side_channels(config) and len(ports.nixl_side_channels) != config.num_workers:
-        raise ValueError(f"--kv-connector nixl needs {config.num_workers} side-channel ports, got {ports}")
+    if wants_side_channels(config) and len(ports.side_channels) != config.num_workers:
+        raise ValueError(f"--kv-connector {config.kv_connector} needs {config.num_workers} side-channel ports, "
+                         f"got {ports}")
     workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "",
-                           ports.nixl_side_channels)
+                           ports.side_channels)
     processes: list[ProcessSpec] = []
     base_env = {"PYTHONUNBUFFERED": "1"}
     if pool is not None:
