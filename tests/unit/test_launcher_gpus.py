@@ -254,8 +254,8 @@ def test_nixl_side_channel_host_from_env_wins(tmp_path):
 def test_nixl_refusals(tmp_path):
     with pytest.raises(ConfigError, match="pool=true with kv_connector='nixl'"):
         _cfg(tmp_path, kv_connector="nixl", pool=True)
-    with pytest.raises(ConfigError, match="kv_connector='mooncake': choose pdserve"):
-        _cfg(tmp_path, kv_connector="mooncake")
+    with pytest.raises(ConfigError, match="kv_connector='lmcache': choose pdserve"):
+        _cfg(tmp_path, kv_connector="lmcache")
     with pytest.raises(ConfigError, match="nixl_side_channel_port=0"):
         WorkerConfig(role="decode", index=0, model="/m", cores=(0,), kv_connector="nixl")
     # colocated without a connector: the data plane does not matter, and no side-channel port is needed
