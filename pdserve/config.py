@@ -119,6 +119,9 @@ class WorkerConfig:
     nixl_side_channel_port: int = 0
     mooncake_bootstrap_port: int = 0
     mooncake_protocol: str = _d("mooncake_protocol")
+    # pool_backend mooncake: the Mooncake Store config file (MOONCAKE_CONFIG_PATH) of vLLM's MooncakeStoreConnector,
+    # which the worker then loads next to its P -> D connector through vLLM's MultiConnector ("": no store)
+    mooncake_store_config: str = ""
     # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
     tp: int = 1
 
@@ -251,6 +254,7 @@ class LauncherConfig:
     pool_disk: str = _d("pool_disk")
     pool_disk_dir: str = _d("pool_disk_dir")
     pool_port: int = _d("pool_port")
+    pool_backend: str = _d("pool_backend")  # "pdserve" | "mooncake" (Mooncake Store through vLLM's MultiConnector)
     # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
     # default), "nixl" (vLLM's NixlConnector) or "mooncake" (vLLM's MooncakeConnector, over mooncake_protocol); with
     # either of vLLM's the router speaks its hand-off and there is no KV pool. gpus: device ids for
@@ -452,7 +456,8 @@ def _resolved(cfg: LauncherConfig) -> dict[str, Any]:
         out[name] = tuple(value) if isinstance(value, list) else value
     if cfg.pool is None:
         tp = tensor_parallel(cfg, out["gpus"])
-        out["pool"] = bool(out["connector"]) and cfg.kv_connector == "pdserve" and not tp
+        own = cfg.kv_connector == "pdserve" or cfg.pool_backend == "mooncake"
+        out["pool"] = bool(out["connector"]) and own and not tp
     return out
 
 

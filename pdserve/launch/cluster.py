@@ -222,6 +222,8 @@ class Cluster:
                 self.log(warning)
             self.run_dir = new_run_dir(cfg)
             self.plan = plan = make_plan(cfg, model_dir, ports, self.run_dir)
+            if plan.pool is not None and plan.pool.store_config:  # Mooncake Store: the workers' MOONCAKE_CONFIG_PATH
+                Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from ..settings.argv import launcher_values_for_router, router_flags
-from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env
+from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
@@ -30,11 +30,11 @@ def served_name(config: LauncherConfig, model_dir: str | os.PathLike) -> str:
 
 def kv_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value naming the pdserve connector (secret excluded: it is in the env), or
-    vLLM's NixlConnector / MooncakeConnector when ``worker.kv_connector`` is ``nixl`` / ``mooncake``."""
-    if worker.kv_connector == "nixl":
-        return nixl_transfer_config(worker)
-    if worker.kv_connector == "mooncake":
-        return mooncake_transfer_config(worker)
+    vLLM's NixlConnector / MooncakeConnector when ``worker.kv_connector`` is ``nixl`` / ``mooncake``; with a
+    Mooncake Store (``mooncake_store_config``) that one and MooncakeStoreConnector in vLLM's MultiConnector."""
+    if worker.kv_connector in ("nixl", "mooncake"):
+        p2d = nixl_transfer_config(worker) if worker.kv_connector == "nixl" else mooncake_transfer_config(worker)
+        return with_mooncake_store(p2d) if worker.mooncake_store_config else p2d
     extra: dict[str, Any] = {"lease_s": worker.lease_s}
     extra.update(worker.connector_extra)
     return {
@@ -116,6 +116,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", worker.host)
     if worker.connector and worker.kv_connector == "mooncake":
         env.update(mooncake_worker_env(worker, env))
+    if worker.connector and worker.mooncake_store_config:  # MooncakeStoreConnector reads its store from this file
+        env["MOONCAKE_CONFIG_PATH"] = worker.mooncake_store_config
     return env
 
 

@@ -25,6 +25,7 @@ from ..config_gpus import GpuSlot, assign_gpus
 from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers
@@ -92,7 +93,9 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """The KV pool a launch starts: a master (metadata) and one store node on this host."""
+    """The KV pool a launch starts: pdserve's (a master and one store node on this host) or Mooncake Store
+    (``backend`` mooncake: ``mooncake_master`` on this host, each worker lending ``mem``; ``store_config``: the file
+    the workers' MooncakeStoreConnector reads, whose text is ``store_config_text``)."""
 
     port: int
     metrics_port: int
@@ -100,6 +103,9 @@ class PoolPlan:
     disk: str
     disk_dir: str
     owns_disk_dir: bool  # the launch made disk_dir (in its run folder) and removes it at stop
+    backend: str = "pdserve"
+    store_config: str = ""
+    store_config_text: str = ""
 
     @property
     def master(self) -> str:
@@ -304,6 +310,10 @@ def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) 
         return None
     if not ports.pool or not ports.pool_metrics:
         raise ValueError(f"a launch with the KV pool needs its master's ports; got {ports}")
+    if config.pool_backend == "mooncake":
+        text = mooncake_store_config(f"{POOL_HOST}:{ports.pool}", config.pool_mem, config.mooncake_protocol)
+        return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, "0", "", False, "mooncake",
+                        str(Path(run_dir) / STORE_CONFIG_FILE), text)
     own = not config.pool_disk_dir
     disk_dir = str(Path(run_dir) / "pool-ssd") if own else str(Path(config.pool_disk_dir).expanduser())
     return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, config.pool_disk, disk_dir, own)
@@ -329,11 +339,18 @@ def make_plan(
     if wants_side_channels(config) and len(ports.side_channels) != config.num_workers:
         raise ValueError(f"--kv-connector {config.kv_connector} needs {config.num_workers} side-channel ports, "
                          f"got {ports}")
-    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "",
+    own_pool = pool is not None and pool.backend == "pdserve"
+    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool and own_pool else "",
                            ports.side_channels)
+    if pool is not None and pool.backend == "mooncake":
+        workers = [replace(w, mooncake_store_config=pool.store_config) if w.connector else w for w in workers]
     processes: list[ProcessSpec] = []
     base_env = {"PYTHONUNBUFFERED": "1"}
-    if pool is not None:
+    if pool is not None and pool.backend == "mooncake":
+        processes.append(ProcessSpec("mooncake-master", "pool", tuple(mooncake_master_argv(
+            pool.port, pool.metrics_port, POOL_HOST, python)), base_env, url=pool.metrics_url,
+            listen_port=pool.port))
+    elif pool is not None:
         processes.append(ProcessSpec("pool-master", "pool", tuple(pool_master_argv(pool.port, pool.metrics_port,
                                                                                    python)),
                                      base_env, secret=True, url=pool.metrics_url, listen_port=pool.port))
@@ -345,7 +362,7 @@ def make_plan(
                                      secret=_needs_secret(w), url=w.url))
     # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
     # master with the secret, which is the router's only use for it (it never touches KV bytes)
-    follows_pool = pool is not None and config.policy == "conductor"
+    follows_pool = own_pool and config.policy == "conductor"
     router_argv = router_command(config, workers, model_dir, ports.router, python, kv_events_bind=sink,
                                  pool_master=pool.master if pool is not None and follows_pool else "")
     processes.append(ProcessSpec("router", "router", tuple(router_argv), base_env, secret=follows_pool,

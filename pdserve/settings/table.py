@@ -20,6 +20,7 @@ POLICIES = ("round_robin", "least_loaded", "conductor")
 BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")  # the transfer engine's data paths
 KV_CONNECTORS = ("pdserve", "nixl", "mooncake")  # the workers' KV data plane: pdserve's, or vLLM's Nixl/Mooncake
 MOONCAKE_PROTOCOLS = ("tcp", "rdma", "efa")  # vLLM MooncakeConnector's mooncake_protocol (efa: where Mooncake has it)
+POOL_BACKENDS = ("pdserve", "mooncake")  # the KV pool: pdserve's store, or Mooncake Store through vLLM's connector
 MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: P's bootstrap server on its host
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
@@ -229,6 +230,11 @@ SETTINGS: tuple[Setting, ...] = (
             (L, P), metavar="DIR", group="pool"),
     Setting("pool_port", int, 0, "pool master port (0: a free one)", (L, P), minimum=0, maximum=65535,
             advice=_PORT, group="pool"),
+    Setting("pool_backend", str, "pdserve", "the KV pool: pdserve (pdserve store master + node, through pdserve's "
+            "connector) or mooncake (Mooncake Store: the launcher runs mooncake_master, each worker lends pool_mem "
+            "and loads vLLM's MooncakeStoreConnector next to the P -> D connector through vLLM's MultiConnector; "
+            "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
+            group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

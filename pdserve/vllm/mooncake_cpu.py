@@ -17,6 +17,10 @@ vLLM's MooncakeConnector unchanged. GPU workers are given vLLM's class directly 
 
 The class keeps vLLM's name, so ``kv_connector`` stays ``MooncakeConnector`` and vLLM's name-based checks
 (``KVTransferConfig.has_connector``) see what they would see for the class in tree.
+
+It also registers Prometheus counters for the connector's transfer stats (:mod:`pdserve.vllm.mooncake_metrics`):
+vLLM's class registers none, which inside vLLM's MultiConnector (``--pool-backend mooncake``) kills the API server
+at the first transfer. GPU workers load this class too when they run MultiConnector.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeConnector as VllmMooncakeConnector,
 )
+
+from pdserve.vllm.mooncake_metrics import MooncakePromMetrics
 
 CPU_DEVICE_INDEX = 0  # what torch.cpu.current_device() answers ("cpu" has one device)
 _patch_lock = threading.Lock()
@@ -66,3 +72,8 @@ class MooncakeConnector(VllmMooncakeConnector):
                 super().__init__(vllm_config, role, kv_cache_config)
         else:
             super().__init__(vllm_config, role, kv_cache_config)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> MooncakePromMetrics:
+        return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -234,3 +234,26 @@ def test_cpu_device_index_only_inside_and_only_without_accelerator():
     with pytest.raises(ValueError), cpu_device_index():
         raise ValueError("the constructor failed")
     assert torch.accelerator.current_device_index is original
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("mooncake") is None,
+                    reason="vllm and mooncake are needed")
+def test_mooncake_prometheus_counters_count_the_connectors_stats():
+    """vLLM's MultiConnector asserts every connector reporting stats registered metrics: ours are real counters."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from pdserve.vllm.mooncake_cpu import MooncakeConnector
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = MooncakeConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
+                                                {0: ["0"]})
+    prom.observe({"transfer_duration": [0.5, 0.25], "bytes_transferred": [1000, 24], "num_descriptors": [3, 1],
+                  "num_failed_transfers": [1], "num_failed_recvs": [], "num_kv_expired_reqs": []})
+    got = {m.name: m.samples[0].value for m in reg.collect() if m.samples}
+    assert got["vllm:pdserve_mooncake_kv_transfers"] == 2 and got["vllm:pdserve_mooncake_kv_bytes"] == 1024
+    assert got["vllm:pdserve_mooncake_kv_transfer_seconds"] == 0.75
+    assert got["vllm:pdserve_mooncake_kv_failed_transfers"] == 1 and got["vllm:pdserve_mooncake_kv_failed_recvs"] == 0

@@ -88,3 +88,43 @@ def test_cli_flags(tmp_path):
                                       "--mooncake-protocol", "rdma", "--gpus", "none"])
     cfg = config_from_args(args, discover=lambda: ())
     assert (cfg.kv_connector, cfg.mooncake_protocol, cfg.pool) == ("mooncake", "rdma", False)
+
+
+# ---------------------------------------------------------------- --pool-backend mooncake (Mooncake Store)
+
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_mooncake_store_pool_plan(tmp_path, connector):
+    cfg = _cfg(tmp_path, kv_connector=connector, pool_backend="mooncake", pool_mem="256MiB", policy="conductor")
+    assert cfg.pool is True  # the backend turns the pool on
+    plan = make_plan(cfg, cfg.model_dir, run_dir=tmp_path / "run")
+    assert plan.pool is not None and plan.pool.backend == "mooncake"
+    assert [p.name for p in plan.of_kind("pool")] == ["mooncake-master"]  # no pdserve store node
+    master = plan.process("mooncake-master")
+    assert master.argv[0].endswith("mooncake_master") and not master.secret
+    assert master.argv[master.argv.index("--rpc_port") + 1] == str(plan.pool.port) == str(master.listen_port)
+    store = json.loads(plan.pool.store_config_text)
+    assert store["master_server_address"] == f"127.0.0.1:{plan.pool.port}"
+    assert store["global_segment_size"] == 256 << 20 and store["metadata_server"] == "P2PHANDSHAKE"
+    assert plan.pool.store_config == str(tmp_path / "run" / "mooncake-store.json")
+    for p in plan.of_kind("worker"):
+        kv = _kv(p.argv)
+        assert kv["kv_connector"] == "MultiConnector"
+        first, second = kv["kv_connector_extra_config"]["connectors"]
+        assert first["kv_connector"] == {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}[connector]
+        assert second == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {}}
+        assert p.env["MOONCAKE_CONFIG_PATH"] == plan.pool.store_config
+        if connector == "mooncake":  # the class whose Prometheus counters MultiConnector needs
+            assert first["kv_connector_module_path"] == "pdserve.vllm.mooncake_cpu"
+        assert "pool_master" not in json.dumps(kv)  # pdserve's pool is not involved
+    assert "--pool-master" not in plan.router.argv  # the conductor follows pdserve's pool only
+
+
+def test_mooncake_store_pool_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="pool_backend=mooncake with kv_connector='pdserve'"):
+        _cfg(tmp_path, pool_backend="mooncake")
+    with pytest.raises(ConfigError, match="--pool-backend mooncake"):
+        _cfg(tmp_path, kv_connector="nixl", pool=True)
+    off = _cfg(tmp_path, kv_connector="nixl", pool_backend="mooncake", pool=False)
+    plan = make_plan(off, off.model_dir)
+    assert plan.pool is None and "MultiConnector" not in " ".join(plan.process("prefill0").argv)
