@@ -114,11 +114,18 @@ class WorkerConfig:
     # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
     # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); kv_connector: the data plane
     # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
-    # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds.
+    # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds;
+    # mooncake_bootstrap_port: VLLM_MOONCAKE_BOOTSTRAP_PORT, where MooncakeConnector's bootstrap server binds
+    # (mooncake_protocol: its transfer engine's protocol).
     gpus: tuple[str, ...] = ()
     gpu_memory_utilization: float | None = _d("gpu_memory_utilization")
     kv_connector: str = _d("kv_connector")
     nixl_side_channel_port: int = 0
+    mooncake_bootstrap_port: int = 0
+    mooncake_protocol: str = _d("mooncake_protocol")
+    # pool_backend mooncake: the Mooncake Store config file (MOONCAKE_CONFIG_PATH) of vLLM's MooncakeStoreConnector,
+    # which the worker then loads next to its P -> D connector through vLLM's MultiConnector ("": no store)
+    mooncake_store_config: str = ""
     # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
     tp: int = 1
 
@@ -255,12 +262,15 @@ class LauncherConfig:
     pool_disk: str = _d("pool_disk")
     pool_disk_dir: str = _d("pool_disk_dir")
     pool_port: int = _d("pool_port")
+    pool_backend: str = _d("pool_backend")  # "pdserve" | "mooncake" (Mooncake Store through vLLM's MultiConnector)
     # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
-    # default) or "nixl" (vLLM's NixlConnector; the router speaks its hand-off, no KV pool). gpus: device ids for
+    # default), "nixl" (vLLM's NixlConnector) or "mooncake" (vLLM's MooncakeConnector, over mooncake_protocol); with
+    # either of vLLM's the router speaks its hand-off and there is no KV pool. gpus: device ids for
     # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
     # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, one GPU per rank).
     # share_gpu: several workers per GPU, splitting gpu_memory_utilization (default 0.9) evenly between them.
     kv_connector: str = _d("kv_connector")
+    mooncake_protocol: str = _d("mooncake_protocol")
     gpus: tuple[str, ...] = ()
     gpus_per_worker: int = _d("gpus_per_worker")
     share_gpu: bool = _d("share_gpu")
@@ -454,7 +464,8 @@ def _resolved(cfg: LauncherConfig) -> dict[str, Any]:
         out[name] = tuple(value) if isinstance(value, list) else value
     if cfg.pool is None:
         tp = tensor_parallel(cfg, out["gpus"])
-        out["pool"] = bool(out["connector"]) and cfg.kv_connector == "pdserve" and not tp
+        own = cfg.kv_connector == "pdserve" or cfg.pool_backend == "mooncake"
+        out["pool"] = bool(out["connector"]) and own and not tp
     return out
 
 

@@ -92,10 +92,10 @@ def allocate_ports(config: LauncherConfig) -> Ports:
     if config.pool:
         pool_metrics = free_ports(1, POOL_HOST, exclude=taken)[0]
         pool = config.pool_port or free_ports(1, POOL_HOST, exclude=(*taken, pool_metrics))[0]
-    from .plan import wants_nixl_side_channels
+    from .plan import wants_side_channels
 
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):  # NixlConnector's handshake listener, one per worker
+    if wants_side_channels(config):  # NixlConnector's handshake listener or MooncakeConnector's bootstrap server
         side = tuple(free_ports(config.num_workers, config.worker_host, exclude=(*taken, pool, pool_metrics)))
     return Ports(router, workers, pool, pool_metrics, side)
 
@@ -222,6 +222,8 @@ class Cluster:
                 self.log(warning)
             self.run_dir = new_run_dir(cfg)
             self.plan = plan = make_plan(cfg, model_dir, ports, self.run_dir)
+            if plan.pool is not None and plan.pool.store_config:  # Mooncake Store: the workers' MOONCAKE_CONFIG_PATH
+                Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from ..settings.argv import launcher_values_for_router, router_flags
+from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
@@ -29,9 +30,11 @@ def served_name(config: LauncherConfig, model_dir: str | os.PathLike) -> str:
 
 def kv_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value naming the pdserve connector (secret excluded: it is in the env), or
-    vLLM's NixlConnector when ``worker.kv_connector`` is ``nixl``."""
-    if worker.kv_connector == "nixl":
-        return nixl_transfer_config(worker)
+    vLLM's NixlConnector / MooncakeConnector when ``worker.kv_connector`` is ``nixl`` / ``mooncake``; with a
+    Mooncake Store (``mooncake_store_config``) that one and MooncakeStoreConnector in vLLM's MultiConnector."""
+    if worker.kv_connector in ("nixl", "mooncake"):
+        p2d = nixl_transfer_config(worker) if worker.kv_connector == "nixl" else mooncake_transfer_config(worker)
+        return with_mooncake_store(p2d) if worker.mooncake_store_config else p2d
     extra: dict[str, Any] = {"lease_s": worker.lease_s}
     extra.update(worker.connector_extra)
     return {
@@ -123,6 +126,10 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         # kv_transfer_params (a host set in the worker's env wins, e.g. this node's address across hosts)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(worker.nixl_side_channel_port)
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", worker.host)
+    if worker.connector and worker.kv_connector == "mooncake":
+        env.update(mooncake_worker_env(worker, env))
+    if worker.connector and worker.mooncake_store_config:  # MooncakeStoreConnector reads its store from this file
+        env["MOONCAKE_CONFIG_PATH"] = worker.mooncake_store_config
     return env
 
 
@@ -156,6 +163,8 @@ def router_command(
     values.update(served_model_name=served_name(config, model_dir),
                   max_num_batched_tokens=step_tokens(workers) if config.elastic else None)
     argv += router_flags(values)
+    if config.connector and config.kv_connector == "mooncake":  # where each P's bootstrap server listens
+        argv += router_flags({"mooncake_bootstrap": mooncake_bootstrap_flag(workers)})
     argv += list(config.router_args)
     # after router_args: the launch's own pool and membership file win
     argv += router_flags({"pool_master": pool_master, "membership_file": membership_file})

@@ -26,6 +26,7 @@ from ..config_gpus import GpuSlot, assign_gpus
 from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers
@@ -42,23 +43,24 @@ def router_name(i: int) -> str:
 class Ports:
     """Every port a launch listens on (the workers' KV event publishers bind Unix sockets, no port: see
     :func:`kv_events_prefix`). pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a
-    pool); nixl_side_channels: one
-    NixlConnector handshake port per worker (``--kv-connector nixl``, else empty)."""
+    pool); side_channels: one port per worker for vLLM's connector to meet its peers on: NixlConnector's
+    handshake listener (``--kv-connector nixl``) or MooncakeConnector's bootstrap server (``--kv-connector
+    mooncake``); else empty."""
 
     router: int
     workers: tuple[int, ...]
     pool: int = 0
     pool_metrics: int = 0
-    nixl_side_channels: tuple[int, ...] = ()
+    side_channels: tuple[int, ...] = ()
 
     def all(self) -> tuple[int, ...]:
-        return tuple(p for p in (self.router, *self.workers, self.pool, self.pool_metrics,
-                                 *self.nixl_side_channels) if p)
+        return tuple(p for p in (self.router, *self.workers, self.pool, self.pool_metrics, *self.side_channels) if p)
 
 
-def wants_nixl_side_channels(config: LauncherConfig) -> bool:
-    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
-    return bool(config.connector) and config.kv_connector == "nixl"
+def wants_side_channels(config: LauncherConfig) -> bool:
+    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT), those
+    that load its MooncakeConnector a bootstrap server port (VLLM_MOONCAKE_BOOTSTRAP_PORT)."""
+    return bool(config.connector) and config.kv_connector in ("nixl", "mooncake")
 
 
 def wants_kv_events(config: LauncherConfig) -> bool:
@@ -102,13 +104,15 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
     if config.pool:
         pool_metrics = next(nxt)
         pool = config.pool_port or next(nxt)
-    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_nixl_side_channels(config) else ()
+    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_side_channels(config) else ()
     return Ports(base, workers, pool, pool_metrics, side)
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """The KV pool a launch starts: a master (metadata) and one store node on this host."""
+    """The KV pool a launch starts: pdserve's (a master and one store node on this host) or Mooncake Store
+    (``backend`` mooncake: ``mooncake_master`` on this host, each worker lending ``mem``; ``store_config``: the file
+    the workers' MooncakeStoreConnector reads, whose text is ``store_config_text``)."""
 
     port: int
     metrics_port: int
@@ -116,6 +120,9 @@ class PoolPlan:
     disk: str
     disk_dir: str
     owns_disk_dir: bool  # the launch made disk_dir (in its run folder) and removes it at stop
+    backend: str = "pdserve"
+    store_config: str = ""
+    store_config_text: str = ""
 
     @property
     def master(self) -> str:
@@ -222,16 +229,16 @@ def plan_workers(
     cores: Sequence[int] | None = None,
     kv_events_prefix: str = "",
     pool_master: str = "",
-    nixl_side_channels: Sequence[int] | None = None,
+    side_channels: Sequence[int] | None = None,
 ) -> list[WorkerConfig]:
     """One WorkerConfig per worker: prefill workers first, then decode (or the colocated, or the elastic ones).
 
     ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
     ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
     kv_events_prefix: where each worker's KV event publisher binds (:func:`kv_events_prefix`; "" no KV
-    events); pool_master: HOST:PORT of the KV pool
-    master every connector saves to and loads from ("" none); nixl_side_channels: one NixlConnector handshake
-    port per worker (default: :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
+    events); pool_master: HOST:PORT of the KV pool master every connector saves to and loads from ("" none);
+    side_channels: one NixlConnector handshake (or MooncakeConnector bootstrap) port per worker (default:
+    :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
     :func:`pdserve.launch.gpus.assign_gpus` (none: CPU workers, exactly as before).
     """
     if config.colocated:
@@ -265,11 +272,11 @@ def plan_workers(
     slots = assign_gpus(len(roles), config.gpus, config.gpus_per_worker, config.share_gpu,
                         config.gpu_memory_utilization)
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):
-        side = dry_run_ports(config).nixl_side_channels if nixl_side_channels is None else tuple(nixl_side_channels)
+    if wants_side_channels(config):
+        side = dry_run_ports(config).side_channels if side_channels is None else tuple(side_channels)
         if len(side) != len(roles):
-            raise ValueError(f"need {len(roles)} NixlConnector side-channel ports, got {len(side)}")
-        extra_config = dict(config.connector_extra)  # NixlConnector's own settings: no pdserve pool
+            raise ValueError(f"need {len(roles)} {config.kv_connector} side-channel ports, got {len(side)}")
+        extra_config = dict(config.connector_extra)  # vLLM's connector's own settings: no pdserve pool
     workers = [
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
@@ -302,9 +309,11 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
     # the CPU dtype rule (pdserve.dtype) is for CPU workers: a GPU worker keeps vLLM's default unless --dtype
     dtype = worker.dtype if not slot.devices or config.dtype else None
+    side = side_port if worker.connector else 0
     return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
-                   tp=tp, kv_connector=config.kv_connector, dtype=dtype,
-                   nixl_side_channel_port=side_port if worker.connector else 0)
+                   tp=tp, kv_connector=config.kv_connector, dtype=dtype, mooncake_protocol=config.mooncake_protocol,
+                   nixl_side_channel_port=side if config.kv_connector == "nixl" else 0,
+                   mooncake_bootstrap_port=side if config.kv_connector == "mooncake" else 0)
 
 
 def assign_rank_cores(widths: Sequence[int], pool: Sequence[int]) -> list[tuple[int, ...]]:
@@ -325,6 +334,10 @@ def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) 
         return None
     if not ports.pool or not ports.pool_metrics:
         raise ValueError(f"a launch with the KV pool needs its master's ports; got {ports}")
+    if config.pool_backend == "mooncake":
+        text = mooncake_store_config(f"{POOL_HOST}:{ports.pool}", config.pool_mem, config.mooncake_protocol)
+        return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, "0", "", False, "mooncake",
+                        str(Path(run_dir) / STORE_CONFIG_FILE), text)
     own = not config.pool_disk_dir
     disk_dir = str(Path(run_dir) / "pool-ssd") if own else str(Path(config.pool_disk_dir).expanduser())
     return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, config.pool_disk, disk_dir, own)
@@ -345,13 +358,21 @@ def make_plan(
         raise ValueError(f"need {config.num_workers} worker ports, got {ports.workers}")
     pool = plan_pool(config, ports, run_dir)
     events = kv_events_prefix(run_dir) if wants_kv_events(config) else ""
-    if wants_nixl_side_channels(config) and len(ports.nixl_side_channels) != config.num_workers:
-        raise ValueError(f"--kv-connector nixl needs {config.num_workers} side-channel ports, got {ports}")
-    workers = plan_workers(config, model_dir, ports.workers, cores, events, pool.master if pool else "",
-                           ports.nixl_side_channels)
+    if wants_side_channels(config) and len(ports.side_channels) != config.num_workers:
+        raise ValueError(f"--kv-connector {config.kv_connector} needs {config.num_workers} side-channel ports, "
+                         f"got {ports}")
+    own_pool = pool is not None and pool.backend == "pdserve"
+    workers = plan_workers(config, model_dir, ports.workers, cores, events, pool.master if pool and own_pool else "",
+                           ports.side_channels)
+    if pool is not None and pool.backend == "mooncake":
+        workers = [replace(w, mooncake_store_config=pool.store_config) if w.connector else w for w in workers]
     processes: list[ProcessSpec] = []
     base_env = {"PYTHONUNBUFFERED": "1"}
-    if pool is not None:
+    if pool is not None and pool.backend == "mooncake":
+        processes.append(ProcessSpec("mooncake-master", "pool", tuple(mooncake_master_argv(
+            pool.port, pool.metrics_port, POOL_HOST, python)), base_env, url=pool.metrics_url,
+            listen_port=pool.port))
+    elif pool is not None:
         processes.append(ProcessSpec("pool-master", "pool", tuple(pool_master_argv(pool.port, pool.metrics_port,
                                                                                    python)),
                                      base_env, secret=True, url=pool.metrics_url, listen_port=pool.port))
@@ -363,7 +384,7 @@ def make_plan(
                                      secret=_needs_secret(w), url=w.url))
     # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
     # master with the secret, which is the router's only use for it (it never touches KV bytes)
-    follows_pool = pool is not None and config.policy == "conductor"
+    follows_pool = own_pool and config.policy == "conductor"
     router_argv = router_command(config, workers, model_dir, ports.router, python,
                                  pool_master=pool.master if pool is not None and follows_pool else "",
                                  membership_file=f"{run_dir}/{MEMBERSHIP_FILE}")

@@ -76,6 +76,8 @@ class Router:
         self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
         self.registry.probe_failures, self.registry.probe_window_s = config.probe_failures, config.probe_window_s
         self.admission = Admission(config.max_inflight, self.metrics)
+        # the data plane's P -> D hand-off (Mooncake's keeps P's engine ids: one per app)
+        self.kv_protocol = protocol_for(config.kv_connector, config.mooncake_bootstrap_port, config.mooncake_bootstrap)
         self.session: aiohttp.ClientSession | None = None
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -377,7 +379,7 @@ class Router:
                                                req.sampling.get("spaces_between_special_tokens", True))
         # the data plane's hand-off; constrained output: D regenerates the first token so its grammar state
         # covers the whole output
-        options = RunOptions(**protocol_for(self.config.kv_connector).options(constrained=req.constrained),
+        options = RunOptions(**self.kv_protocol.options(constrained=req.constrained),
                              migration_limit=self.config.migration_limit,
                              request_timeout_s=self.config.request_timeout_s,
                              handoff_timeout_s=self.config.handoff_timeout_s)

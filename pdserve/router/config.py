@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from ..settings import ConfigError, check_fields, default, of, write_resolved
 from ..settings.rules import check_host_port
+from .run.mooncake import parse_bootstrap_ports
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -122,7 +123,9 @@ class RouterConfig:
         accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
     max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
     kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.run.kv_protocol`):
-        ``pdserve`` (default: pdserve's connector) or ``nixl`` (vLLM's NixlConnector).
+        ``pdserve`` (default: pdserve's connector), ``nixl`` (vLLM's NixlConnector) or ``mooncake`` (vLLM's
+        MooncakeConnector; ``mooncake_bootstrap_port`` / ``mooncake_bootstrap`` say where each P's bootstrap
+        server listens).
     migration_limit: how many times one request may move to another worker after its worker failed with it in
         flight (prompt + tokens so far go to the new worker); past it the client gets an error event.
     request_timeout_s: every request's deadline, arrival to last token (504, or an error event after the first
@@ -172,6 +175,8 @@ class RouterConfig:
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = _d("max_body_bytes")
     kv_connector: str = _d("kv_connector")
+    mooncake_bootstrap_port: int = _d("mooncake_bootstrap_port")  # kv_connector mooncake: P's bootstrap server port
+    mooncake_bootstrap: str = _d("mooncake_bootstrap")  # URL=PORT,...: per-worker bootstrap ports (shared hosts)
     migration_limit: int = _d("migration_limit")
     request_timeout_s: float = _d("request_timeout_s")
     handoff_timeout_s: float = _d("handoff_timeout_s")
@@ -195,6 +200,10 @@ class RouterConfig:
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
             raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
                                     "tcp://127.0.0.1:5557")
+        try:
+            parse_bootstrap_ports(self.mooncake_bootstrap)
+        except ValueError as e:
+            raise RouterConfigError(f"--mooncake-bootstrap {e}") from None
         check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
         if self.pool_master and not self.pool_secret:
             raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")

@@ -18,7 +18,10 @@ from .spec import Setting, Target
 
 POLICIES = ("round_robin", "least_loaded", "conductor")
 BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")  # the transfer engine's data paths
-KV_CONNECTORS = ("pdserve", "nixl")  # the workers' KV data plane: pdserve's connector or vLLM's NixlConnector
+KV_CONNECTORS = ("pdserve", "nixl", "mooncake")  # the workers' KV data plane: pdserve's, or vLLM's Nixl/Mooncake
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "efa")  # vLLM MooncakeConnector's mooncake_protocol (efa: where Mooncake has it)
+POOL_BACKENDS = ("pdserve", "mooncake")  # the KV pool: pdserve's store, or Mooncake Store through vLLM's connector
+MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: P's bootstrap server on its host
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
 LEASE_MIN_S = 0.1
@@ -126,9 +129,22 @@ SETTINGS: tuple[Setting, ...] = (
             (L, R, C), unit="ms", minimum=0, above=True, optional=True, advice=_SLO, group="placement",
             argv="set", targets=(Target("conductor", "tpot_slo_s", 1000.0, "s"),)),
     Setting("kv_connector", str, "pdserve", "the workers' KV data plane: pdserve (pdserve's connector and transfer "
-            "engine) or nixl (vLLM's NixlConnector; no KV pool); the router speaks its P -> D hand-off",
+            "engine), nixl (vLLM's NixlConnector; no KV pool) or mooncake (vLLM's MooncakeConnector over Mooncake "
+            "Transfer Engine; no KV pool); the router speaks its P -> D hand-off",
             (L, W, R), choices=KV_CONNECTORS, group="gpus", argv="changed",
-            advice="choose pdserve (pdserve's KV connector, the default) or nixl (vLLM's NixlConnector)"),
+            advice="choose pdserve (pdserve's KV connector, the default), nixl (vLLM's NixlConnector) or mooncake "
+            "(vLLM's MooncakeConnector)"),
+    Setting("mooncake_protocol", str, "tcp", "--kv-connector mooncake: Mooncake Transfer Engine's protocol "
+            "(MooncakeConnector's mooncake_protocol): tcp (any host), rdma or efa (clusters whose Mooncake build "
+            "has them)", (L, W), choices=MOONCAKE_PROTOCOLS, group="gpus",
+            advice="choose " + ", ".join(MOONCAKE_PROTOCOLS)),
+    Setting("mooncake_bootstrap_port", int, MOONCAKE_BOOTSTRAP_PORT, "--kv-connector mooncake: the port of each "
+            "prefill worker's Mooncake bootstrap server on the worker's host (vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT); "
+            "the router asks it for P's engine id and hands its address to D", (R,), minimum=1, maximum=65535,
+            group="gpus", argv="changed", metavar="PORT", advice="use a TCP port 1-65535"),
+    Setting("mooncake_bootstrap", str, "", "--kv-connector mooncake: per-worker bootstrap ports where workers "
+            "share a host, as URL=PORT,URL=PORT (the launcher sets it); a worker not listed uses "
+            "--mooncake-bootstrap-port", (R,), metavar="URL=PORT,...", group="gpus", argv="set"),
     Setting("max_num_batched_tokens", int, None, "the workers' vLLM --max-num-batched-tokens (per-step token "
             "budget, prefill chunk size; default vLLM's); the conductor's chunk model for elastic placement",
             (L, W, R, C), unit="tokens", minimum=1, optional=True, group="workers", argv="set", metavar="N",
@@ -234,6 +250,11 @@ SETTINGS: tuple[Setting, ...] = (
             (L, P), metavar="DIR", group="pool"),
     Setting("pool_port", int, 0, "pool master port (0: a free one)", (L, P), minimum=0, maximum=65535,
             advice=_PORT, group="pool"),
+    Setting("pool_backend", str, "pdserve", "the KV pool: pdserve (pdserve store master + node, through pdserve's "
+            "connector) or mooncake (Mooncake Store: the launcher runs mooncake_master, each worker lends pool_mem "
+            "and loads vLLM's MooncakeStoreConnector next to the P -> D connector through vLLM's MultiConnector; "
+            "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
+            group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

@@ -17,6 +17,7 @@ P -> D hand-off; past either the client gets a 504 (or an error event after the 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -63,7 +64,7 @@ class RunOptions:
 
     first_from_prefill: bool = True
     prefill_kv_params: dict[str, Any] | None = None
-    decode_kv_params: Callable[[str, Any], dict[str, Any] | None] | None = None
+    decode_kv_params: Callable[..., Any] | None = None  # (prefill_url, kvp, finish) -> params or their awaitable
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     request_timeout_s: float | None = None
     handoff_timeout_s: float | None = None
@@ -374,7 +375,7 @@ class Generation:
         if not self._done:
             self.output.prompt_logprobs = c0.get("prompt_logprobs")
         if not self.first_from_prefill:  # D gets the prompt alone and produces the whole output itself
-            kvp = self._decode_params(ticket, kvp)
+            kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             d_body = self._body(self._prompt, self._left, True, computes_prompt=False)
         else:
             t1, finish = c0["token_ids"][0], c0.get("finish_reason")
@@ -387,7 +388,7 @@ class Generation:
             if finish != "length":
                 p.end("error", f"finished with {finish!r} after one token")
                 raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
-            kvp = self._decode_params(ticket, kvp)
+            kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             yield first
             d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
@@ -410,12 +411,13 @@ class Generation:
         p.end("ok", "prefilled")
         return c0
 
-    def _decode_params(self, ticket: PlacementTicket, kvp: Any) -> Any:
+    async def _decode_params(self, ticket: PlacementTicket, kvp: Any, finish: str | None) -> Any:
         if self.decode_kv_params is None:
             return kvp
         prefill = ticket.prefill.url if ticket.prefill is not None else "?"
         try:
-            return self.decode_kv_params(prefill, kvp)
+            params = self.decode_kv_params(prefill, kvp, finish)
+            return await params if inspect.isawaitable(params) else params
         except RouterError:
             self.metrics.worker_errors.labels("prefill", "protocol").inc()
             raise
