@@ -1,6 +1,7 @@
 """Fault injection under steady load: kill -9 a P, a D, the pool node and the router, SIGSTOP a worker for 10 s.
 
     python benchmarks/chaos_bench.py --quick            # ~60 s of load (plus start-up, recovery and drain)
+    python benchmarks/chaos_bench.py --quick --routers 2   # two router replicas on one port; one is killed
     python benchmarks/chaos_bench.py --duration 180 --rate 1.5 --prefill 1 --decode 2 --seed 7
 
 A stack of at least three vLLM workers (default 1P2D, a tiny random Llama from pdserve.models, fp32) plus the KV
@@ -26,6 +27,11 @@ may overlap, so one recovery can include another fault's. "Back" is the faulted 
 healthy (the launcher's ``pdserve_process_up``), or SIGCONT'ed and its /health answering. Migrations: read
 from the router's /metrics (any ``*migrat*`` counter) or a response header naming them; "n/a" when the router
 exposes neither.
+
+With ``--routers N`` (N > 1) the launch runs N router processes on one port (``pdserve serve --routers N``) and
+``kill_router`` kills the last one. Every replica names itself in the ``X-Pdserve-Replica`` response header, so
+each failed request is counted as one the killed replica was serving (it had answered with its headers), one
+that no replica had answered yet, or one elsewhere.
 
 Prints a table, then a final JSON line.
 """
@@ -103,16 +109,17 @@ class Stack:
 
     def pid(self, name: str) -> int:
         m = self.manifest()
-        if name == "router":
+        if name == "router" and "routers" not in m:
             return int(m["router"]["pid"])
-        for entry in m["workers"] + m["pool"]:
+        for entry in m["workers"] + m["pool"] + m.get("routers", []):
             if entry["name"] == name:
                 return int(entry["pid"])
         raise KeyError(name)
 
     def pgids(self) -> list[int]:
         m = self.manifest()
-        return [int(e["pid"]) for e in m["workers"] + m["pool"]] + [int(m["router"]["pid"])]
+        routers = [int(e["pid"]) for e in m["routers"]] if "routers" in m else [int(m["router"]["pid"])]
+        return [int(e["pid"]) for e in m["workers"] + m["pool"]] + routers
 
 
 def start_stack(args: argparse.Namespace, model: Path, run_dir: Path) -> Stack:
@@ -120,7 +127,7 @@ def start_stack(args: argparse.Namespace, model: Path, run_dir: Path) -> Stack:
     argv = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model), "--prefill", str(args.prefill),
             "--decode", str(args.decode), "--port", "0", "--run-dir", str(run_dir), "--dtype", "float32",
             "--lease-s", str(args.lease_s), "--worker-timeout", str(args.startup_timeout),
-            "--router-args=--health-interval-s 1"]
+            "--router-args=--health-interval-s 1", "--routers", str(args.routers)]
     with open(err_path, "w") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT),
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -161,6 +168,7 @@ class Outcome:
     kind: str = ""  # correct | wrong | clear_error | refused | cut | hung
     detail: str = ""
     migrated: bool = False
+    replica: int | None = None  # the router replica that answered (X-Pdserve-Replica), None before any did
 
 
 def make_prompts(n: int, rng: random.Random, vocab: int = 49152) -> list[list[int]]:
@@ -187,6 +195,8 @@ async def one_request(session: Any, url: str, model: str, idx: int, prompt: list
         async with asyncio.timeout(timeout_s):
             async with session.post(url + "/v1/completions", json=body) as resp:
                 o.migrated = any("migrat" in k.lower() and v not in ("", "0") for k, v in resp.headers.items())
+                replica = resp.headers.get("X-Pdserve-Replica", "")
+                o.replica = int(replica) if replica.isdigit() else None
                 if resp.status != 200:
                     raw = await resp.read()
                     try:
@@ -243,6 +253,7 @@ class Fault:
     recovered_s: float | None = None
     back_s: float | None = None
     note: str = ""
+    pid: int = 0
 
 
 def plan_faults(duration_s: float, rng: random.Random) -> list[Fault]:
@@ -255,14 +266,15 @@ def plan_faults(duration_s: float, rng: random.Random) -> list[Fault]:
 
 def target_of(kind: str, args: argparse.Namespace) -> str:
     return {"kill_prefill": "prefill0", "kill_decode": "decode0", "kill_pool_node": "pool-node",
-            "kill_router": "router", "stop_worker": f"decode{args.decode - 1}" if args.decode > 1 else "prefill0"
+            "kill_router": f"router{args.routers - 1}" if args.routers > 1 else "router",
+            "stop_worker": f"decode{args.decode - 1}" if args.decode > 1 else "prefill0"
             }[kind]
 
 
 async def inject(stack: Stack, faults: list[Fault], t0: float, stop_s: float, log: list[str]) -> None:
     for f in sorted(faults, key=lambda f: f.at_s):
         await asyncio.sleep(max(0.0, t0 + f.at_s - time.monotonic()))
-        pid = stack.pid(f.target)
+        pid = f.pid = stack.pid(f.target)
         f.restarts_before = launcher_metric(stack, "pdserve_process_restarts_total", f.target) or 0.0
         f.fired_at = time.monotonic()
         if f.kind == "stop_worker":
@@ -397,17 +409,26 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
            log: list[str]) -> dict[str, Any]:
     kinds = ("correct", "wrong", "clear_error", "refused", "cut", "hung")
     by = {k: [o for o in outcomes if o.kind == k] for k in kinds}
+    killed = {f.pid for f in faults if f.kind == "kill_router" and f.fired_at is not None}
+    failed = [o for o in outcomes if o.kind not in ("correct", "wrong")]
+    on_killed = [o for o in failed if o.replica in killed]
+    unanswered = [o for o in failed if o.replica is None]
+    elsewhere = [o for o in failed if o.replica is not None and o.replica not in killed]
     held_total = sum(int(h["held_blocks"]) for h in held.values() if h is not None)
     header_migrated = sum(1 for o in by["correct"] if o.migrated)
     migrated: Any = header_migrated if header_migrated or migrations is not None else "n/a"
     result = {
-        "bench": "chaos", "topology": f"{args.prefill}P{args.decode}D", "duration_s": args.duration,
+        "bench": "chaos", "duration_s": args.duration,
+        "topology": f"{args.prefill}P{args.decode}D" + (f", {args.routers} routers" if args.routers > 1 else ""),
         "rate_rps": args.rate, "max_tokens": args.max_tokens, "seed": args.seed,
         "requests_sent": len(outcomes), "completed_correct": len(by["correct"]),
         "completed_after_migration": migrated, "router_migrations_total": migrations,
         "failed_clear_error": len(by["clear_error"]), "failed_refused": len(by["refused"]),
         "failed_cut": len(by["cut"]),
-        "hung": len(by["hung"]), "wrong_output": len(by["wrong"]),
+        "hung": len(by["hung"]), "wrong_output": len(by["wrong"]), "routers": args.routers,
+        "correct_pct": round(100.0 * len(by["correct"]) / max(1, len(outcomes)), 1),
+        "failed_on_killed_replica": len(on_killed), "failed_before_a_replica_answered": len(unanswered),
+        "failed_elsewhere": len(elsewhere),
         "kv_blocks_held_after_drain": held_total,
         "kv_held_per_worker": {n: (None if h is None else int(h["held_blocks"])) for n, h in held.items()},
         "lease_expiries": sum(h["released_lease"] for h in held.values() if h is not None),
@@ -430,6 +451,9 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
             ("failed: refused (router down)", len(by["refused"])),
             ("failed: cut mid-response (router killed)", len(by["cut"])), ("hung (must be 0)", len(by["hung"])),
             ("wrong output (must be 0)", len(by["wrong"])),
+            ("failed: served by the killed router replica", len(on_killed)),
+            ("failed: before any router replica answered", len(unanswered)),
+            ("failed: on a live router replica", len(elsewhere)),
             ("KV blocks held after drain (must be 0)", held_total)]
     def secs(v: float | None) -> str:
         return "not within the wait" if v is None else f"{v:.1f} s"
@@ -453,6 +477,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests per second (1.0)")
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--routers", type=int, default=1, help="router processes on the one port (kill_router kills "
+                                                           "the last)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=24, help="distinct prompts (each run once for the reference)")
     ap.add_argument("--seed", type=int, default=0)
@@ -491,7 +517,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             outcomes, _ = asyncio.run(run_load(stack, args, prompts, expected, faults, log))
             held = wait_kv_free(stack, args.lease_s + 30.0)
-            names = [w["name"] for w in m["workers"]] + [p["name"] for p in m["pool"]] + ["router"]
+            names = ([w["name"] for w in m["workers"]] + [p["name"] for p in m["pool"]]
+                     + [r["name"] for r in m.get("routers", [{"name": "router"}])])
             restarts = {n: launcher_metric(stack, "pdserve_process_restarts_total", n) for n in names}
             migrations = migrations_from_router(stack)
         finally:

@@ -11,7 +11,9 @@
         ``--shortlist 4 8`` adds conductor rows (``conductor/4``) that weigh fewer workers than each role has.
     python benchmarks/conductor_bench.py live [--requests 60] ...
         A real 2P1D vLLM run (pdserve serve, SmolLM2) replaying a scaled slice of the trace, conductor vs
-        round-robin in turn: prefix hit rate (vLLM's counters), TTFT mean/p99.
+        round-robin in turn: prefix hit rate (vLLM's counters), TTFT mean/p99. ``--configs conductor,
+        conductor/2routers`` compares one router with two replicas on one port (``--routers 2``: the kernel
+        spreads the connections; the decisions shown are one replica's).
 
 Each prints a table and ends with one JSON line.
 """
@@ -291,13 +293,15 @@ def run_live(args) -> dict:
     rows = sample_conversations(args.requests, args.seed)
     reuse = trace_reuse(rows)
     results = []
-    for name, policy, extra in (("round_robin", "round_robin", ()),
-                                ("conductor", "conductor", ("--local-prefill-tokens", "0")),
-                                ("conductor+local", "conductor", ())):
-        if name not in args.configs:
+    for name, policy, extra, routers in (("round_robin", "round_robin", (), 1),
+                                         ("conductor", "conductor", ("--local-prefill-tokens", "0"), 1),
+                                         ("conductor+local", "conductor", (), 1),
+                                         ("conductor/2routers", "conductor", ("--local-prefill-tokens", "0"), 2)):
+        if name not in args.configs.split(","):
             continue
         cfg = LauncherConfig(model=args.model, prefill=2, decode=1, port=0, max_model_len=args.max_model_len,
-                             policy=policy, router_args=extra, run_dir=str(Path(args.run_dir) / name))
+                             policy=policy, router_args=extra, run_dir=str(Path(args.run_dir) / name),
+                             routers=routers)
         with Cluster(cfg) as c:
             vocab = json.loads((c.model_dir / "config.json").read_text()).get("vocab_size", 32000)
             reqs = scaled_requests(rows, args.input_scale, args.duration, args.max_model_len - args.output - 1,
@@ -331,6 +335,10 @@ def run_live(args) -> dict:
         rr, co = results[0], results[1]
         out["ttft_mean_ratio"] = round(co["ttft_mean_s"] / rr["ttft_mean_s"], 3)
         out["ttft_p99_ratio"] = round(co["ttft_p99_s"] / rr["ttft_p99_s"], 3)
+        out["ttft_p50_ratio"] = round(co["ttft_p50_s"] / rr["ttft_p50_s"], 3)
+        out["prefill_tokens_computed_ratio"] = round(co["prefill_tokens_computed"]
+                                                     / max(1, rr["prefill_tokens_computed"]), 3)
+        out["ratio_of"] = f"{co['config']} / {rr['config']}"
     return out
 
 
@@ -358,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     lv.add_argument("--duration", type=float, default=120.0, help="seconds the slice is compressed into")
     lv.add_argument("--max-model-len", type=int, default=4096)
     lv.add_argument("--settle", type=float, default=20.0, help="seconds for the conductor's calibration")
-    lv.add_argument("--configs", default="round_robin,conductor,conductor+local")
+    lv.add_argument("--configs", default="round_robin,conductor,conductor+local",
+                    help="comma-separated: round_robin, conductor, conductor+local, conductor/2routers")
     lv.add_argument("--run-dir", default=".pdserve/conductor-bench")
     args = ap.parse_args(argv)
     out = {"decision": run_decision, "sim": run_sim, "live": run_live}[args.what](args)

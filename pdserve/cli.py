@@ -217,8 +217,8 @@ def _supervise(cluster, say) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         gone = set(cluster.given_up())
-        if cluster.router is not None and cluster.router.name in gone:
-            print("pdserve: the router exited and is not restarted; stopping", file=sys.stderr)
+        if cluster.routers and all(r.name in gone for r in cluster.routers):
+            print("pdserve: every router exited and none is restarted; stopping", file=sys.stderr)
             return 1
         if cluster.workers and all(w.name in gone for w in cluster.workers):
             print("pdserve: every worker exited and none is restarted; stopping", file=sys.stderr)

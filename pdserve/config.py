@@ -99,6 +99,7 @@ class WorkerConfig:
     kv_cache_gib: int = _d("kv_cache_gib")
     max_model_len: int = _d("max_model_len")
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
     connector: bool = True
@@ -106,15 +107,25 @@ class WorkerConfig:
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    kv_events_endpoint: str = ""  # the router's KV event sink (tcp://HOST:PORT): vLLM publishes there, topic = url
+    # KV events (policy conductor): where vLLM binds its publisher and its replay socket (ipc://PATH or
+    # tcp://*:PORT; every router replica subscribes), topic = url; "" none
+    kv_events_endpoint: str = ""
+    kv_events_replay: str = ""
     # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
     # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); kv_connector: the data plane
     # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
-    # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds.
+    # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds;
+    # mooncake_bootstrap_port: VLLM_MOONCAKE_BOOTSTRAP_PORT, where MooncakeConnector's bootstrap server binds
+    # (mooncake_protocol: its transfer engine's protocol).
     gpus: tuple[str, ...] = ()
     gpu_memory_utilization: float | None = _d("gpu_memory_utilization")
     kv_connector: str = _d("kv_connector")
     nixl_side_channel_port: int = 0
+    mooncake_bootstrap_port: int = 0
+    mooncake_protocol: str = _d("mooncake_protocol")
+    # pool_backend mooncake: the Mooncake Store config file (MOONCAKE_CONFIG_PATH) of vLLM's MooncakeStoreConnector,
+    # which the worker then loads next to its P -> D connector through vLLM's MultiConnector ("": no store)
+    mooncake_store_config: str = ""
     # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
     tp: int = 1
 
@@ -128,8 +139,10 @@ class WorkerConfig:
         for s in _WORKER:  # the table's checks of what a worker gets, named decode0.kv_cache_gib, ...
             s.check(getattr(self, s.name), f"{self.name}.{s.name}")
         setting("port").check(self.port, f"{self.name}.port")
-        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith("tcp://"):
-            raise ConfigError(f"{self.name}.kv_events_endpoint={self.kv_events_endpoint!r}: use tcp://HOST:PORT")
+        for name in ("kv_events_endpoint", "kv_events_replay"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{self.name}.{name}={value!r}: use ipc://PATH or tcp://*:PORT (vLLM binds it)")
         if not self.cores or not all(isinstance(c, int) and c >= 0 for c in self.cores):
             raise ConfigError(f"{self.name}.cores={self.cores!r}: give at least one CPU id >= 0")
         _check_common(self, self.name + ".")
@@ -218,12 +231,14 @@ class LauncherConfig:
     colocated: int = _d("colocated")
     host: str = _d("host")
     port: int = _d("port")
+    routers: int = _d("routers")  # router processes on the public port (SO_REUSEPORT), all supervised
     worker_host: str = _d("worker_host")
     cores: tuple[int, ...] = ()
     cores_per_worker: int = _d("cores_per_worker")
     kv_cache_gib: int = _d("kv_cache_gib")
     max_model_len: int = _d("max_model_len")
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")
+    stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
     connector: bool | None = _d("connector")
@@ -247,12 +262,15 @@ class LauncherConfig:
     pool_disk: str = _d("pool_disk")
     pool_disk_dir: str = _d("pool_disk_dir")
     pool_port: int = _d("pool_port")
+    pool_backend: str = _d("pool_backend")  # "pdserve" | "mooncake" (Mooncake Store through vLLM's MultiConnector)
     # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
-    # default) or "nixl" (vLLM's NixlConnector; the router speaks its hand-off, no KV pool). gpus: device ids for
+    # default), "nixl" (vLLM's NixlConnector) or "mooncake" (vLLM's MooncakeConnector, over mooncake_protocol); with
+    # either of vLLM's the router speaks its hand-off and there is no KV pool. gpus: device ids for
     # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
     # gpus_per_worker: GPUs per worker (> 1 runs vLLM with --tensor-parallel-size, one GPU per rank).
     # share_gpu: several workers per GPU, splitting gpu_memory_utilization (default 0.9) evenly between them.
     kv_connector: str = _d("kv_connector")
+    mooncake_protocol: str = _d("mooncake_protocol")
     gpus: tuple[str, ...] = ()
     gpus_per_worker: int = _d("gpus_per_worker")
     share_gpu: bool = _d("share_gpu")
@@ -446,7 +464,8 @@ def _resolved(cfg: LauncherConfig) -> dict[str, Any]:
         out[name] = tuple(value) if isinstance(value, list) else value
     if cfg.pool is None:
         tp = tensor_parallel(cfg, out["gpus"])
-        out["pool"] = bool(out["connector"]) and cfg.kv_connector == "pdserve" and not tp
+        own = cfg.kv_connector == "pdserve" or cfg.pool_backend == "mooncake"
+        out["pool"] = bool(out["connector"]) and own and not tp
     return out
 
 

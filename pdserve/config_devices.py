@@ -77,7 +77,8 @@ def check_gpus_and_data_plane(cfg: LaunchShape) -> None:
 
 
 def check_worker_gpu(w: WorkerShape) -> None:
-    """A worker's GPU ids and NixlConnector side channel (kv_connector and the memory fraction: the table)."""
+    """A worker's GPU ids and its vLLM connector's side channel: NixlConnector's handshake port or MooncakeConnector's
+    bootstrap port (kv_connector and the memory fraction: the table)."""
     if not isinstance(w.gpus, tuple) or not all(isinstance(g, str) and g for g in w.gpus):
         raise ConfigError(f"{w.name}.gpus={w.gpus!r}: a tuple of GPU ids (strings)")
     if w.connector and w.kv_connector == "nixl":
@@ -85,6 +86,11 @@ def check_worker_gpu(w: WorkerShape) -> None:
         if not w.nixl_side_channel_port:
             raise ConfigError(f"{w.name}.nixl_side_channel_port=0: NixlConnector binds and advertises this port "
                               "(VLLM_NIXL_SIDE_CHANNEL_PORT); give each worker a free one")
+    if w.connector and w.kv_connector == "mooncake":
+        setting("port").check(w.mooncake_bootstrap_port, f"{w.name}.mooncake_bootstrap_port")
+        if not w.mooncake_bootstrap_port:
+            raise ConfigError(f"{w.name}.mooncake_bootstrap_port=0: MooncakeConnector's bootstrap server binds this "
+                              "port (VLLM_MOONCAKE_BOOTSTRAP_PORT) and D finds P there; give each worker a free one")
 
 
 def cpu_list_text(cores: tuple[int, ...]) -> str:

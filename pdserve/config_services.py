@@ -11,9 +11,13 @@ def check_pool(cfg: LaunchShape) -> None:
     """KV pool settings (pdserve.store): sizes parse (``pool`` itself is resolved by the config)."""
     from .store.config import StoreConfigError, parse_size
 
-    if cfg.pool and cfg.kv_connector != "pdserve":
-        raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: the KV pool saves and loads through "
-                          "pdserve's connector; use --no-pool with --kv-connector nixl")
+    if cfg.pool and cfg.pool_backend == "pdserve" and cfg.kv_connector != "pdserve":
+        raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: pdserve's KV pool saves and loads "
+                          f"through pdserve's connector; use --pool-backend mooncake (Mooncake Store) or --no-pool "
+                          f"with --kv-connector {cfg.kv_connector}")
+    if cfg.pool_backend == "mooncake" and cfg.kv_connector == "pdserve":
+        raise ConfigError("pool_backend=mooncake with kv_connector='pdserve': pdserve's connector has its own pool; "
+                          "use --kv-connector nixl or mooncake with Mooncake Store, or --pool-backend pdserve")
     if cfg.pool and not cfg.connector:
         raise ConfigError("pool=true needs the connector (it saves and loads KV through it): add --connector, "
                           "or pool=false")

@@ -55,6 +55,7 @@ class Conductor(FleetView):
         self._rr = {"prefill": 0, "decode": 0, "colocated": 0, "survivor": 0}
         self.counts = {"disaggregated": 0, "local": 0, "reject": 0}
         self.placements = {"colocated": 0, "chunked": 0, "split": 0}  # elastic decisions by placement kind
+        self.last_prefill: PrefillJob | None = None
 
     # ---- membership ----
     def add_worker(self, worker_id: str, role: str, kv_capacity_tokens: int) -> None:
@@ -109,6 +110,18 @@ class Conductor(FleetView):
             w.reported = Reported(self.clock(), waiting, running, kv_usage)
             if kv_capacity_tokens:
                 w.kv_capacity_tokens = kv_capacity_tokens
+            if self.config.replicas > 1:  # beyond this replica's own: the other replicas' (load.Others)
+                w.merge_report(w.reported.at, waiting, running, self.last_prefill)
+                self._rekey(worker_id)
+
+    def expire_reports(self) -> None:
+        """Drop the other replicas' load where its report went stale (call once per load round)."""
+        if self.config.replicas <= 1:
+            return
+        now = self.clock()
+        for w in list(self.workers.values()):
+            if w.expire_others(now, self.config.load_staleness_s):
+                self._rekey(w.worker_id)
 
     # ---- index events ----
     def blocks_stored(self, holder: str, keys: Iterable[int]) -> None:
@@ -325,6 +338,7 @@ class Conductor(FleetView):
         now = self.clock()
         new = req.prompt_tokens - d.cached_tokens
         prefill = PrefillJob(req.request_id, new, d.cached_tokens, self.cost.prefill_s(new, d.cached_tokens), now)
+        self.last_prefill = prefill  # what one of another replica's prefills costs where this one has none
         self.record(d, prefill, DecodeJob(req.request_id, req.prompt_tokens, req.max_tokens,
                                           req.prompt_tokens + req.max_tokens))
 
@@ -430,8 +444,11 @@ class Conductor(FleetView):
         if job.tokens_done >= 2 and job.last_progress_at is not None:
             observe = getattr(self.cost, "observe_decode_step", None)
             if observe is not None:
-                batch = sum(1 for j in w.decodes.values() if j.started_at is not None)
-                ctx = sum(j.context_tokens for j in w.decodes.values() if j.started_at is not None)
+                batch = ctx = 0  # one pass: this runs on every progress report of every running decode
+                for j in w.decodes.values():
+                    if j.started_at is not None:
+                        batch += 1
+                        ctx += j.context_tokens
                 observe(batch, ctx, (now - job.last_progress_at) / delta)
         elif job.tokens_done == 1 and pl.decision.kind == "disaggregated" and not pl.first_decode_seen:
             pl.first_decode_seen = True

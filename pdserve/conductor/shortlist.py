@@ -15,6 +15,9 @@ The keys:
   its queue (the running prefill's elapsed time is not subtracted), ordered as the placement breaks its ties;
 - decode: (decodes placed there, the KV tokens they may occupy, worker id).
 
+With router replicas the others' load on a worker (:class:`~.load.Others`) is in both keys; it changes with a
+worker's report, which re-keys that worker.
+
 What the bound may miss is said in docs/conductor.md ("Placement at fleet scale").
 """
 
@@ -32,12 +35,13 @@ Key = tuple[float, float, str]
 
 def prefill_key(w: WorkerLoad) -> Key:
     """Queued prefill seconds (not less the running one's elapsed time), then queued tokens, then the id."""
-    return (sum(j.predicted_s for j in w.prefills.values()), float(w.queued_prefill_tokens()), w.worker_id)
+    return (sum(j.predicted_s for j in w.prefills.values()) + w.others_prefills * w.mean_prefill_s,
+            float(w.queued_prefill_tokens()), w.worker_id)
 
 
 def decode_key(w: WorkerLoad) -> Key:
     """Decodes placed there, then the KV tokens they may occupy, then the id."""
-    return (float(len(w.decodes)), float(sum(j.kv_tokens for j in w.decodes.values())), w.worker_id)
+    return (float(w.running_decodes()), float(sum(j.kv_tokens for j in w.decodes.values())), w.worker_id)
 
 
 class LoadOrder:

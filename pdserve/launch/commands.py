@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from ..settings.argv import launcher_values_for_router, router_flags
+from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
@@ -29,9 +30,11 @@ def served_name(config: LauncherConfig, model_dir: str | os.PathLike) -> str:
 
 def kv_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value naming the pdserve connector (secret excluded: it is in the env), or
-    vLLM's NixlConnector when ``worker.kv_connector`` is ``nixl``."""
-    if worker.kv_connector == "nixl":
-        return nixl_transfer_config(worker)
+    vLLM's NixlConnector / MooncakeConnector when ``worker.kv_connector`` is ``nixl`` / ``mooncake``; with a
+    Mooncake Store (``mooncake_store_config``) that one and MooncakeStoreConnector in vLLM's MultiConnector."""
+    if worker.kv_connector in ("nixl", "mooncake"):
+        p2d = nixl_transfer_config(worker) if worker.kv_connector == "nixl" else mooncake_transfer_config(worker)
+        return with_mooncake_store(p2d) if worker.mooncake_store_config else p2d
     extra: dict[str, Any] = {"lease_s": worker.lease_s}
     extra.update(worker.connector_extra)
     return {
@@ -59,10 +62,20 @@ def nixl_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
 
 
 def kv_events_config(worker: WorkerConfig) -> dict[str, Any]:
-    """The ``--kv-events-config`` value: vLLM connects to the router's sink (a host, not ``*``, in the endpoint)
-    and publishes BlockStored/BlockRemoved/AllBlocksCleared with the worker's URL as the topic."""
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": worker.kv_events_endpoint,
-            "topic": worker.url}
+    """The ``--kv-events-config`` value: vLLM binds its publisher (an ``ipc://`` or ``tcp://*`` endpoint) and,
+    when given, its replay socket, and publishes BlockStored/BlockRemoved/AllBlocksCleared with the worker's URL
+    as the topic; every router replica subscribes (:mod:`pdserve.router.fleet.kv_events`)."""
+    out: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": worker.kv_events_endpoint, "topic": worker.url}
+    if worker.kv_events_replay:
+        out["replay_endpoint"] = worker.kv_events_replay
+    return out
+
+
+def kv_publisher_entry(worker: WorkerConfig) -> str:
+    """The router's ``--kv-events`` entry for one worker: ``URL=ENDPOINT[,REPLAY]``."""
+    replay = f",{worker.kv_events_replay}" if worker.kv_events_replay else ""
+    return f"{worker.url}={worker.kv_events_endpoint}{replay}"
 
 
 def _json(value: Any) -> str:
@@ -83,6 +96,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--served-model-name", worker.served_model_name]
     if worker.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(worker.max_num_batched_tokens)]
+    if worker.stream_interval > 1:  # tokens per streamed event (P's unstreamed prefill is not affected)
+        argv += ["--stream-interval", str(worker.stream_interval)]
     if worker.dtype:
         argv += ["--dtype", worker.dtype]
     if worker.connector:
@@ -111,6 +126,10 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         # kv_transfer_params (a host set in the worker's env wins, e.g. this node's address across hosts)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(worker.nixl_side_channel_port)
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", worker.host)
+    if worker.connector and worker.kv_connector == "mooncake":
+        env.update(mooncake_worker_env(worker, env))
+    if worker.connector and worker.mooncake_store_config:  # MooncakeStoreConnector reads its store from this file
+        env["MOONCAKE_CONFIG_PATH"] = worker.mooncake_store_config
     return env
 
 
@@ -120,13 +139,12 @@ def router_command(
     model_dir: str | os.PathLike,
     port: int,
     python: str = sys.executable,
-    kv_events_bind: str = "",
     pool_master: str = "",
+    membership_file: str = "",
 ) -> list[str]:
-    """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py).
-
-    kv_events_bind: the endpoint the router binds for the workers' KV events ("" none); pool_master: HOST:PORT
-    of the KV pool master the conductor follows ("" none)."""
+    """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py): each worker's KV
+    event publisher (``--kv-events``) when the workers publish; pool_master: HOST:PORT of the KV pool master the
+    conductor follows ("" none); membership_file: where the router processes share run-time membership."""
     argv = [python, "-m", ROUTER_MODULE, "--host", config.host, "--port", str(port),
             "--model-dir", str(model_dir)]
     if config.colocated:
@@ -136,14 +154,20 @@ def router_command(
     else:
         argv += ["--prefill", *[w.url for w in workers if w.role == "prefill"]]
         argv += ["--decode", *[w.url for w in workers if w.role == "decode"]]
+    publishers = [kv_publisher_entry(w) for w in workers if w.kv_events_endpoint]
+    if publishers:
+        argv += ["--kv-events", *publishers]
     # every setting the router shares with the launcher, as the table's argv rules say, and what the launch
-    # derives for it: the served name, the KV event sink, the conductor's step budget (elastic only)
+    # derives for it: the served name, the conductor's step budget (elastic only)
     values = launcher_values_for_router(config)
-    values.update(served_model_name=served_name(config, model_dir), kv_events_bind=kv_events_bind,
+    values.update(served_model_name=served_name(config, model_dir),
                   max_num_batched_tokens=step_tokens(workers) if config.elastic else None)
     argv += router_flags(values)
+    if config.connector and config.kv_connector == "mooncake":  # where each P's bootstrap server listens
+        argv += router_flags({"mooncake_bootstrap": mooncake_bootstrap_flag(workers)})
     argv += list(config.router_args)
-    argv += router_flags({"pool_master": pool_master})  # after router_args: the launch's own pool wins
+    # after router_args: the launch's own pool and membership file win
+    argv += router_flags({"pool_master": pool_master, "membership_file": membership_file})
     return argv
 
 

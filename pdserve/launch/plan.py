@@ -12,6 +12,7 @@ transfer secret is a field of its :class:`ProcessSpec`, decided here from the co
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import sys
@@ -25,33 +26,41 @@ from ..config_gpus import GpuSlot, assign_gpus
 from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers
 DEFAULT_BASE_PORT = 8000  # a dry run with port=0 numbers its ports from here
+MEMBERSHIP_FILE = "membership.json"  # in the run folder: run-time membership the router processes share
+
+
+def router_name(i: int) -> str:
+    """``router`` for the first router process, ``router1``, ``router2``, ... for the other replicas."""
+    return "router" if i == 0 else f"router{i}"
 
 
 @dataclass(frozen=True)
 class Ports:
-    """Every port a launch listens on. kv_events: the router's KV event sink (policy conductor, else 0);
-    pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a pool); nixl_side_channels: one
-    NixlConnector handshake port per worker (``--kv-connector nixl``, else empty)."""
+    """Every port a launch listens on (the workers' KV event publishers bind Unix sockets, no port: see
+    :func:`kv_events_prefix`). pool / pool_metrics: the KV pool master's RPC and metrics ports (0 without a
+    pool); side_channels: one port per worker for vLLM's connector to meet its peers on: NixlConnector's
+    handshake listener (``--kv-connector nixl``) or MooncakeConnector's bootstrap server (``--kv-connector
+    mooncake``); else empty."""
 
     router: int
     workers: tuple[int, ...]
-    kv_events: int = 0
     pool: int = 0
     pool_metrics: int = 0
-    nixl_side_channels: tuple[int, ...] = ()
+    side_channels: tuple[int, ...] = ()
 
     def all(self) -> tuple[int, ...]:
-        return tuple(p for p in (self.router, *self.workers, self.kv_events, self.pool, self.pool_metrics,
-                                 *self.nixl_side_channels) if p)
+        return tuple(p for p in (self.router, *self.workers, self.pool, self.pool_metrics, *self.side_channels) if p)
 
 
-def wants_nixl_side_channels(config: LauncherConfig) -> bool:
-    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
-    return bool(config.connector) and config.kv_connector == "nixl"
+def wants_side_channels(config: LauncherConfig) -> bool:
+    """Workers that load vLLM's NixlConnector each need a handshake port (VLLM_NIXL_SIDE_CHANNEL_PORT), those
+    that load its MooncakeConnector a bootstrap server port (VLLM_MOONCAKE_BOOTSTRAP_PORT)."""
+    return bool(config.connector) and config.kv_connector in ("nixl", "mooncake")
 
 
 def wants_kv_events(config: LauncherConfig) -> bool:
@@ -59,14 +68,26 @@ def wants_kv_events(config: LauncherConfig) -> bool:
     return config.policy == "conductor"
 
 
-def kv_events_host(config: LauncherConfig) -> str:
-    """Where the router binds its KV event sink: its own address, or loopback when it listens on all."""
-    return "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+IPC_PATH_MAX = 100  # a Unix socket path holds ~107 bytes; leave room for the worker's name
+
+
+def kv_events_prefix(run_dir: str | os.PathLike) -> str:
+    """Where the workers' KV event publishers bind their Unix sockets (``<prefix><worker>.kvpub`` / ``.kvrpl``):
+    the run folder, or a name under /tmp derived from it when its path is too long for a socket address."""
+    prefix = f"{run_dir}/"
+    if len(prefix) + len("colocated99.kvpub") <= IPC_PATH_MAX:
+        return prefix
+    return f"/tmp/pdserve-kv-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]}-"
+
+
+def kv_event_endpoints(prefix: str, worker: str) -> tuple[str, str]:
+    """The (publisher, replay) endpoints one worker's vLLM binds (ipc://: vLLM binds, every router connects)."""
+    return f"ipc://{prefix}{worker}.kvpub", f"ipc://{prefix}{worker}.kvrpl"
 
 
 def dry_run_ports(config: LauncherConfig) -> Ports:
-    """Ports numbered from the config's base port (``port``, or 8000 when 0): router, workers, KV event sink,
-    pool metrics, pool master (``pool_port`` when set). Deterministic and socket-free: for ``--dry-run``."""
+    """Ports numbered from the config's base port (``port``, or 8000 when 0): router, workers, pool metrics,
+    pool master (``pool_port`` when set). Deterministic and socket-free: for ``--dry-run``."""
     base = config.port or DEFAULT_BASE_PORT
     reserved = {base, config.pool_port} - {0}
 
@@ -79,18 +100,19 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
 
     nxt = numbers()
     workers = tuple(next(nxt) for _ in range(config.num_workers))
-    kv_events = next(nxt) if wants_kv_events(config) else 0
     pool_metrics = pool = 0
     if config.pool:
         pool_metrics = next(nxt)
         pool = config.pool_port or next(nxt)
-    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_nixl_side_channels(config) else ()
-    return Ports(base, workers, kv_events, pool, pool_metrics, side)
+    side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_side_channels(config) else ()
+    return Ports(base, workers, pool, pool_metrics, side)
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """The KV pool a launch starts: a master (metadata) and one store node on this host."""
+    """The KV pool a launch starts: pdserve's (a master and one store node on this host) or Mooncake Store
+    (``backend`` mooncake: ``mooncake_master`` on this host, each worker lending ``mem``; ``store_config``: the file
+    the workers' MooncakeStoreConnector reads, whose text is ``store_config_text``)."""
 
     port: int
     metrics_port: int
@@ -98,6 +120,9 @@ class PoolPlan:
     disk: str
     disk_dir: str
     owns_disk_dir: bool  # the launch made disk_dir (in its run folder) and removes it at stop
+    backend: str = "pdserve"
+    store_config: str = ""
+    store_config_text: str = ""
 
     @property
     def master(self) -> str:
@@ -192,8 +217,6 @@ class Plan:
         p = self.ports
         parts = [f"router {p.router}"]
         parts += [f"{w.name} {w.port}" for w in self.workers]
-        if p.kv_events:
-            parts.append(f"kv events {p.kv_events}")
         if self.pool:
             parts.append(f"pool master {self.pool.port} (metrics {self.pool.metrics_port})")
         return "ports: " + ", ".join(parts)
@@ -204,17 +227,18 @@ def plan_workers(
     model_dir: str | os.PathLike,
     ports: Sequence[int] | None = None,
     cores: Sequence[int] | None = None,
-    kv_events_endpoint: str = "",
+    kv_events_prefix: str = "",
     pool_master: str = "",
-    nixl_side_channels: Sequence[int] | None = None,
+    side_channels: Sequence[int] | None = None,
 ) -> list[WorkerConfig]:
     """One WorkerConfig per worker: prefill workers first, then decode (or the colocated, or the elastic ones).
 
     ports: one per worker (default: :func:`dry_run_ports`); cores: the pool to spread workers over (default:
     ``config.cores`` or this process's CPU affinity), ``config.cores_per_worker`` each, round-robin;
-    kv_events_endpoint: the router's KV event sink the workers publish to; pool_master: HOST:PORT of the KV pool
-    master every connector saves to and loads from ("" none); nixl_side_channels: one NixlConnector handshake
-    port per worker (default: :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
+    kv_events_prefix: where each worker's KV event publisher binds (:func:`kv_events_prefix`; "" no KV
+    events); pool_master: HOST:PORT of the KV pool master every connector saves to and loads from ("" none);
+    side_channels: one NixlConnector handshake (or MooncakeConnector bootstrap) port per worker (default:
+    :func:`dry_run_ports`'s). GPUs: ``config.gpus`` split by
     :func:`pdserve.launch.gpus.assign_gpus` (none: CPU workers, exactly as before).
     """
     if config.colocated:
@@ -248,25 +272,33 @@ def plan_workers(
     slots = assign_gpus(len(roles), config.gpus, config.gpus_per_worker, config.share_gpu,
                         config.gpu_memory_utilization)
     side: tuple[int, ...] = ()
-    if wants_nixl_side_channels(config):
-        side = dry_run_ports(config).nixl_side_channels if nixl_side_channels is None else tuple(nixl_side_channels)
+    if wants_side_channels(config):
+        side = dry_run_ports(config).side_channels if side_channels is None else tuple(side_channels)
         if len(side) != len(roles):
-            raise ValueError(f"need {len(roles)} NixlConnector side-channel ports, got {len(side)}")
-        extra_config = dict(config.connector_extra)  # NixlConnector's own settings: no pdserve pool
+            raise ValueError(f"need {len(roles)} {config.kv_connector} side-channel ports, got {len(side)}")
+        extra_config = dict(config.connector_extra)  # vLLM's connector's own settings: no pdserve pool
     workers = [
         WorkerConfig(
             role=role, index=index, model=str(model_dir), port=port, host=config.worker_host, cores=bind,
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=worker_dtype(config.dtype).dtype,
+            max_num_batched_tokens=config.max_num_batched_tokens, stream_interval=config.stream_interval,
+            dtype=worker_dtype(config.dtype).dtype,
             served_model_name=name,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
-            kv_events_endpoint=kv_events_endpoint, tp=tp,
+            tp=tp,
         )
         for (role, index), port, bind, tp in zip(roles, ports, bindings, tps)
     ]
+    if kv_events_prefix:
+        workers = [_publishing(w, kv_events_prefix) for w in workers]
     return [_on_gpus_and_plane(w, config, slot, side[i] if side else 0) for i, (w, slot) in
             enumerate(zip(workers, slots))]
+
+
+def _publishing(worker: WorkerConfig, prefix: str) -> WorkerConfig:
+    endpoint, replay = kv_event_endpoints(prefix, worker.name)
+    return replace(worker, kv_events_endpoint=endpoint, kv_events_replay=replay)
 
 
 def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSlot, side_port: int
@@ -277,9 +309,11 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
     # the CPU dtype rule (pdserve.dtype) is for CPU workers: a GPU worker keeps vLLM's default unless --dtype
     dtype = worker.dtype if not slot.devices or config.dtype else None
+    side = side_port if worker.connector else 0
     return replace(worker, gpus=slot.devices, gpu_memory_utilization=slot.memory_utilization,
-                   tp=tp, kv_connector=config.kv_connector, dtype=dtype,
-                   nixl_side_channel_port=side_port if worker.connector else 0)
+                   tp=tp, kv_connector=config.kv_connector, dtype=dtype, mooncake_protocol=config.mooncake_protocol,
+                   nixl_side_channel_port=side if config.kv_connector == "nixl" else 0,
+                   mooncake_bootstrap_port=side if config.kv_connector == "mooncake" else 0)
 
 
 def assign_rank_cores(widths: Sequence[int], pool: Sequence[int]) -> list[tuple[int, ...]]:
@@ -300,6 +334,10 @@ def plan_pool(config: LauncherConfig, ports: Ports, run_dir: str | os.PathLike) 
         return None
     if not ports.pool or not ports.pool_metrics:
         raise ValueError(f"a launch with the KV pool needs its master's ports; got {ports}")
+    if config.pool_backend == "mooncake":
+        text = mooncake_store_config(f"{POOL_HOST}:{ports.pool}", config.pool_mem, config.mooncake_protocol)
+        return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, "0", "", False, "mooncake",
+                        str(Path(run_dir) / STORE_CONFIG_FILE), text)
     own = not config.pool_disk_dir
     disk_dir = str(Path(run_dir) / "pool-ssd") if own else str(Path(config.pool_disk_dir).expanduser())
     return PoolPlan(ports.pool, ports.pool_metrics, config.pool_mem, config.pool_disk, disk_dir, own)
@@ -318,17 +356,23 @@ def make_plan(
     ports = dry_run_ports(config) if ports is None else ports
     if len(ports.workers) != config.num_workers:
         raise ValueError(f"need {config.num_workers} worker ports, got {ports.workers}")
-    if wants_kv_events(config) and not ports.kv_events:
-        raise ValueError("policy=conductor needs a port for the router's KV event sink")
     pool = plan_pool(config, ports, run_dir)
-    sink = f"tcp://{kv_events_host(config)}:{ports.kv_events}" if wants_kv_events(config) else ""
-    if wants_nixl_side_channels(config) and len(ports.nixl_side_channels) != config.num_workers:
-        raise ValueError(f"--kv-connector nixl needs {config.num_workers} side-channel ports, got {ports}")
-    workers = plan_workers(config, model_dir, ports.workers, cores, sink, pool.master if pool else "",
-                           ports.nixl_side_channels)
+    events = kv_events_prefix(run_dir) if wants_kv_events(config) else ""
+    if wants_side_channels(config) and len(ports.side_channels) != config.num_workers:
+        raise ValueError(f"--kv-connector {config.kv_connector} needs {config.num_workers} side-channel ports, "
+                         f"got {ports}")
+    own_pool = pool is not None and pool.backend == "pdserve"
+    workers = plan_workers(config, model_dir, ports.workers, cores, events, pool.master if pool and own_pool else "",
+                           ports.side_channels)
+    if pool is not None and pool.backend == "mooncake":
+        workers = [replace(w, mooncake_store_config=pool.store_config) if w.connector else w for w in workers]
     processes: list[ProcessSpec] = []
     base_env = {"PYTHONUNBUFFERED": "1"}
-    if pool is not None:
+    if pool is not None and pool.backend == "mooncake":
+        processes.append(ProcessSpec("mooncake-master", "pool", tuple(mooncake_master_argv(
+            pool.port, pool.metrics_port, POOL_HOST, python)), base_env, url=pool.metrics_url,
+            listen_port=pool.port))
+    elif pool is not None:
         processes.append(ProcessSpec("pool-master", "pool", tuple(pool_master_argv(pool.port, pool.metrics_port,
                                                                                    python)),
                                      base_env, secret=True, url=pool.metrics_url, listen_port=pool.port))
@@ -340,11 +384,13 @@ def make_plan(
                                      secret=_needs_secret(w), url=w.url))
     # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
     # master with the secret, which is the router's only use for it (it never touches KV bytes)
-    follows_pool = pool is not None and config.policy == "conductor"
-    router_argv = router_command(config, workers, model_dir, ports.router, python, kv_events_bind=sink,
-                                 pool_master=pool.master if pool is not None and follows_pool else "")
-    processes.append(ProcessSpec("router", "router", tuple(router_argv), base_env, secret=follows_pool,
-                                 url=f"http://{config.host}:{ports.router}"))
+    follows_pool = own_pool and config.policy == "conductor"
+    router_argv = router_command(config, workers, model_dir, ports.router, python,
+                                 pool_master=pool.master if pool is not None and follows_pool else "",
+                                 membership_file=f"{run_dir}/{MEMBERSHIP_FILE}")
+    for i in range(config.routers):  # replicas share the port (SO_REUSEPORT) and the membership file
+        processes.append(ProcessSpec(router_name(i), "router", tuple(router_argv), base_env, secret=follows_pool,
+                                     url=f"http://{config.host}:{ports.router}"))
     return Plan(model_dir, served_name(config, model_dir), tuple(workers), ports, pool, tuple(processes))
 
 

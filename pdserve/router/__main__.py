@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", nargs="+", action="extend", default=[], metavar="URL",
                    help="workers with no fixed role (kv_both): each request runs colocated on one or split P -> D "
                         "over two, chosen per request (use with --policy conductor; instead of --prefill/--decode)")
+    p.add_argument("--kv-events", nargs="+", action="extend", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                   help="a worker's KV event publisher (its vLLM --kv-events-config endpoint, bound there, and "
+                        "replay_endpoint): the router subscribes to it (repeatable; with --policy conductor)")
     add_flags(p, "router")
     return p
 
@@ -34,7 +37,7 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
     a = build_parser().parse_args(argv)
     pool_secret = os.environ.get("PDSERVE_TRANSFER_SECRET", "") if a.pool_master else ""
     return RouterConfig(model_dir=a.model_dir, prefill=tuple(a.prefill), decode=tuple(a.decode),
-                        colocated=tuple(a.colocated), elastic=tuple(a.elastic),
+                        colocated=tuple(a.colocated), elastic=tuple(a.elastic), kv_events=tuple(a.kv_events),
                         admin_token=os.environ.get("PDSERVE_ADMIN_TOKEN", ""), pool_secret=pool_secret,
                         **values_from_args(a, "router"))
 

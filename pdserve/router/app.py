@@ -1,6 +1,7 @@
 """The router's HTTP server (aiohttp): the one public port.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /tokenize and /detokenize
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /v1/messages and
+/v1/responses (run as chat requests: :mod:`.api.messages`, :mod:`.api.responses`), POST /tokenize and /detokenize
 (:mod:`.tokenize_api`), GET /v1/models, GET /health (200 only when every configured worker answers its /health),
 GET /ready (200 while a healthy worker can serve requests end to end, "degraded" with one role gone: the
 Kubernetes readiness probe), GET /metrics (Prometheus text), and worker membership: GET/POST/DELETE
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -24,6 +26,7 @@ from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
 from ..settings.targets import handed_on
 from .admission import Admission
+from .api import messages, responses
 from .api.limits import body_too_large, check_prompt_chars, read_body
 from .api.logprobs import LogprobTrack
 from .api.openapi import openapi_document
@@ -32,18 +35,20 @@ from .api.response import ResponseBuilder
 from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
-from .config import RouterConfig, kv_bytes_per_token
+from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request, not_found
 from .fleet.calibration import calibrate
-from .fleet.kv_events import KVEventSink
+from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
 from .fleet.membership import Membership
 from .fleet.placement import ConductorPlacement, Placement, make_placement
 from .fleet.pool_index import PoolIndexFollower
 from .fleet.registry import WorkerRegistry
+from .fleet.shared_membership import MembershipFile
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
 from .run.answer import collect, stream
+from .run.chat_bridge import ChatBridge
 from .run.choices import Choice, choice_seed, sum_usage
 from .run.generation import Generation, RunOptions, Timings
 from .run.kv_protocol import protocol_for
@@ -71,11 +76,21 @@ class Router:
         self.registry: WorkerRegistry = self.placement.registry  # the one owner of membership and health
         self.registry.probe_failures, self.registry.probe_window_s = config.probe_failures, config.probe_window_s
         self.admission = Admission(config.max_inflight, self.metrics)
+        # the data plane's P -> D hand-off (Mooncake's keeps P's engine ids: one per app)
+        self.kv_protocol = protocol_for(config.kv_connector, config.mooncake_bootstrap_port, config.mooncake_bootstrap)
         self.session: aiohttp.ClientSession | None = None
         self.client: WorkerClient | None = None
         self._health_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
-        self.events: KVEventSink | None = None
+        self.events: KVEventFeed | None = None
+        # each worker's KV event publisher (--kv-events, or given when it joins through the membership API)
+        self.publishers: dict[str, Publisher] = {}
+        for entry in config.kv_events:
+            url, endpoint, replay = check_kv_publisher(entry)
+            self.publishers[url] = Publisher(endpoint, replay)
+        self.shared: MembershipFile | None = None  # run-time membership shared with the other replicas
+        if config.membership_file:
+            self.shared = MembershipFile(config.membership_file, self.registry, self.publishers)
         self.pool: PoolIndexFollower | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
@@ -89,9 +104,11 @@ class Router:
     def conducted(self) -> ConductorPlacement | None:
         return self.placement if isinstance(self.placement, ConductorPlacement) else None
 
-    # ---- RegistryListener: a removed worker's KV event stream is forgotten ----
+    # ---- RegistryListener: the KV event feed follows each worker's publisher while the worker is registered ----
     def worker_added(self, worker: Worker) -> None:
-        pass
+        publisher = self.publishers.get(worker.url) or default_publisher(worker.url, self.config.kv_events_port)
+        if self.events is not None and publisher is not None:
+            self.events.follow(worker.url, publisher)
 
     def health_changed(self, worker: Worker) -> None:
         pass
@@ -108,11 +125,16 @@ class Router:
         self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
+        if self.shared is not None:  # before the KV event feed: it follows the workers the file lists
+            self.shared.start()
+            self._tasks.append(asyncio.create_task(self.shared.follow()))
         cp = self.conducted
         if cp is not None and self.config.policy != "round_robin":
-            if self.config.kv_events_bind:
-                self.events = KVEventSink(self.config.kv_events_bind, cp.conductor, self.config.block_size)
+            self.events = KVEventFeed(cp.conductor, self.config.block_size, self.config.kv_events_bind)
+            if self.events.endpoint:
                 log.info("KV event sink on %s", self.events.endpoint)
+            for w in self.registry:
+                self.worker_added(w)
             if self.config.pool_master and self.config.policy == "conductor":
                 self.pool = PoolIndexFollower(self.config.pool_master, self.config.pool_secret, cp.conductor)
             self._tasks.append(asyncio.create_task(self._load_loop(cp)))
@@ -153,6 +175,7 @@ class Router:
             for w, r in zip(workers, reports):
                 if r is not None:
                     cp.conductor.report_load(w.url, r.waiting, r.running, r.kv_usage, r.kv_capacity_tokens)
+            cp.conductor.expire_reports()
             await asyncio.sleep(self.config.load_interval_s)
 
     async def _calibrate(self, cp: ConductorPlacement) -> None:
@@ -356,7 +379,7 @@ class Router:
                                                req.sampling.get("spaces_between_special_tokens", True))
         # the data plane's hand-off; constrained output: D regenerates the first token so its grammar state
         # covers the whole output
-        options = RunOptions(**protocol_for(self.config.kv_connector).options(constrained=req.constrained),
+        options = RunOptions(**self.kv_protocol.options(constrained=req.constrained),
                              migration_limit=self.config.migration_limit,
                              request_timeout_s=self.config.request_timeout_s,
                              handoff_timeout_s=self.config.handoff_timeout_s)
@@ -399,14 +422,27 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
+    if config.routers > 1:  # which replica answered (a client or the chaos bench can tell them apart)
+        replica = str(os.getpid())
+
+        async def name_replica(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers["X-Pdserve-Replica"] = replica
+
+        app.on_response_prepare.append(name_replica)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
-    Membership(config, router.registry, router.placement, lambda: router.calibration).add_routes(app)
+    Membership(config, router.registry, router.placement, lambda: router.calibration, router.publishers,
+               router.shared.changed if router.shared is not None else None).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
+    bridge = ChatBridge(config.served_model_name, router.admission, router.metrics, router.tools, router._choices,
+                        config.mode, config.max_body_bytes)
+    # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
+    messages.add_routes(app, bridge, router.tokenizer)
+    responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
                         config.max_body_bytes)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
@@ -417,4 +453,4 @@ def serve(config: RouterConfig) -> None:
     """Run the router until interrupted."""
     app = create_app(config)
     web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, access_log=None,
-                print=lambda msg: log.info(msg), shutdown_timeout=5.0)
+                print=lambda msg: log.info(msg), shutdown_timeout=5.0, reuse_port=config.routers > 1)

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from ..settings import ConfigError, check_fields, default, of, write_resolved
 from ..settings.rules import check_host_port
+from .run.mooncake import parse_bootstrap_ports
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -35,6 +36,26 @@ def check_url(flag: str, url: str) -> str:
     if parts.path.rstrip("/") not in ("",):
         raise RouterConfigError(f"{flag} {url!r}: give the base URL without a path (the router adds /v1/...)")
     return url.rstrip("/")
+
+
+def check_endpoint(flag: str, endpoint: str) -> str:
+    """A ZMQ endpoint the router connects to (``tcp://HOST:PORT`` or ``ipc://PATH``)."""
+    if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) <= len("ipc://"):
+        raise RouterConfigError(f"{flag} {endpoint!r}: give a ZMQ endpoint such as tcp://10.0.0.5:5557 or "
+                                "ipc:///run/pdserve/kv-0.pub")
+    return endpoint
+
+
+def check_kv_publisher(entry: str) -> tuple[str, str, str]:
+    """``URL=ENDPOINT[,REPLAY]`` (``--kv-events``): a worker, where its vLLM publishes KV events, and where it
+    answers replay requests ("" none) -> (url, endpoint, replay)."""
+    url, sep, rest = entry.partition("=")
+    if not sep:
+        raise RouterConfigError(f"--kv-events {entry!r}: give URL=ENDPOINT[,REPLAY_ENDPOINT], e.g. "
+                                "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558")
+    endpoint, _, replay = rest.partition(",")
+    return (check_url("--kv-events", url), check_endpoint("--kv-events", endpoint),
+            check_endpoint("--kv-events", replay) if replay else "")
 
 
 def context_length_from_model_dir(model_dir: str) -> int | None:
@@ -87,8 +108,12 @@ class RouterConfig:
     upstream_idle_timeout_s: a worker that sends nothing for this long fails the request (no hung streams).
     health_interval_s: period of the background health probes (0 turns them off; /health always probes).
     policy: placement: ``round_robin`` | ``least_loaded`` | ``conductor`` (see :mod:`pdserve.conductor`).
-    kv_events_bind: ZMQ endpoint the router binds for the workers' KV events (e.g. tcp://127.0.0.1:5557);
-        workers publish to it with their own URL as the topic. Empty: no prefix index (load-only placement).
+    kv_events: ``URL=ENDPOINT[,REPLAY]`` per worker: where its vLLM binds its KV event publisher (and replay
+        endpoint); the router subscribes to each, so every router replica hears every worker
+        (:mod:`pdserve.router.fleet.kv_events`).
+    kv_events_bind: the older layout, one router only: a ZMQ endpoint the router binds for the workers' KV events
+        (e.g. tcp://127.0.0.1:5557); workers publish to it with their own URL as the topic.
+        Neither: no prefix index (load-only placement).
     ttft_slo_ms / tpot_slo_ms: conductor targets (429 + Retry-After when predicted to miss); None: no target.
     local_prefill_tokens: conductor: decode-local at most this many uncached prompt tokens (None: learned).
     block_size: the workers' KV block size in tokens (vLLM CPU: 128); block keys must match it.
@@ -98,7 +123,9 @@ class RouterConfig:
         accept only clients on this host (loopback). Also read from $PDSERVE_ADMIN_TOKEN.
     max_body_bytes: largest request body accepted (413 above it, before parsing); default 4 MiB.
     kv_connector: the workers' KV data plane, whose hand-off the router speaks (:mod:`pdserve.router.run.kv_protocol`):
-        ``pdserve`` (default: pdserve's connector) or ``nixl`` (vLLM's NixlConnector).
+        ``pdserve`` (default: pdserve's connector), ``nixl`` (vLLM's NixlConnector) or ``mooncake`` (vLLM's
+        MooncakeConnector; ``mooncake_bootstrap_port`` / ``mooncake_bootstrap`` say where each P's bootstrap
+        server listens).
     migration_limit: how many times one request may move to another worker after its worker failed with it in
         flight (prompt + tokens so far go to the new worker); past it the client gets an error event.
     request_timeout_s: every request's deadline, arrival to last token (504, or an error event after the first
@@ -124,6 +151,8 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     host: str = _d("host")
     port: int = _d("port")
+    routers: int = _d("routers")  # router replicas on this port (SO_REUSEPORT above 1)
+    membership_file: str = _d("membership_file")  # run-time membership shared with the other replicas
     served_model_name: str = _d("served_model_name")
     max_model_len: int = _d("max_model_len")
     connect_timeout_s: float = _d("connect_timeout_s")
@@ -133,6 +162,7 @@ class RouterConfig:
     log_level: str = _d("log_level")
     policy: str = _d("policy")
     kv_events_bind: str = _d("kv_events_bind")
+    kv_events_port: int = _d("kv_events_port")  # a worker's publisher at tcp://<its host>:PORT when none is named
     ttft_slo_ms: float | None = _d("ttft_slo_ms")
     tpot_slo_ms: float | None = _d("tpot_slo_ms")
     local_prefill_tokens: int | None = _d("local_prefill_tokens")
@@ -145,6 +175,8 @@ class RouterConfig:
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
     max_body_bytes: int = _d("max_body_bytes")
     kv_connector: str = _d("kv_connector")
+    mooncake_bootstrap_port: int = _d("mooncake_bootstrap_port")  # kv_connector mooncake: P's bootstrap server port
+    mooncake_bootstrap: str = _d("mooncake_bootstrap")  # URL=PORT,...: per-worker bootstrap ports (shared hosts)
     migration_limit: int = _d("migration_limit")
     request_timeout_s: float = _d("request_timeout_s")
     handoff_timeout_s: float = _d("handoff_timeout_s")
@@ -153,6 +185,7 @@ class RouterConfig:
     probe_failures: int = _d("probe_failures")
     probe_window_s: float = _d("probe_window_s")
     tool_call_parser: str = _d("tool_call_parser")  # vLLM's --tool-call-parser name (e.g. hermes)
+    kv_events: tuple[str, ...] = ()  # URL=ENDPOINT[,REPLAY]: each worker's KV event publisher (the router subscribes)
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
@@ -162,9 +195,15 @@ class RouterConfig:
         write_resolved(self, self._resolved())
         check_fields(self, _SETTINGS, RouterConfigError, flags=True)
         self._check_mode()
+        for entry in self.kv_events:
+            check_kv_publisher(entry)
         if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
             raise RouterConfigError(f"--kv-events-bind {self.kv_events_bind!r}: give an endpoint to bind such as "
                                     "tcp://127.0.0.1:5557")
+        try:
+            parse_bootstrap_ports(self.mooncake_bootstrap)
+        except ValueError as e:
+            raise RouterConfigError(f"--mooncake-bootstrap {e}") from None
         check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
         if self.pool_master and not self.pool_secret:
             raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")

@@ -18,7 +18,10 @@ from .spec import Setting, Target
 
 POLICIES = ("round_robin", "least_loaded", "conductor")
 BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")  # the transfer engine's data paths
-KV_CONNECTORS = ("pdserve", "nixl")  # the workers' KV data plane: pdserve's connector or vLLM's NixlConnector
+KV_CONNECTORS = ("pdserve", "nixl", "mooncake")  # the workers' KV data plane: pdserve's, or vLLM's Nixl/Mooncake
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "efa")  # vLLM MooncakeConnector's mooncake_protocol (efa: where Mooncake has it)
+POOL_BACKENDS = ("pdserve", "mooncake")  # the KV pool: pdserve's store, or Mooncake Store through vLLM's connector
+MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: P's bootstrap server on its host
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
 LEASE_MIN_S = 0.1
@@ -52,6 +55,15 @@ SETTINGS: tuple[Setting, ...] = (
             advice="an address such as 127.0.0.1"),
     Setting("port", int, 8000, "router port (0 = a free port)", (L, R), minimum=0, maximum=65535, advice=_PORT,
             group="server"),
+    Setting("routers", int, 1, "router processes sharing the public port (SO_REUSEPORT; the kernel spreads "
+            "connections); every one subscribes to every worker's KV events, shares run-time membership (the "
+            "launch's membership file) and, above 1, counts the other routers' load from the workers' /metrics",
+            (L, R), minimum=1, maximum=64, metavar="N", group="server", argv="changed",
+            targets=(Target("conductor", "replicas", default=1),),
+            advice="use a whole number of router processes from 1 to 64"),
+    Setting("membership_file", str, "", "share run-time worker membership with the other router processes of "
+            "this host through this JSON file (the launcher sets one in the run folder); a restarted router "
+            "takes the set it holds", (R,), metavar="PATH", group="server", argv="set"),
     Setting("worker_host", str, "127.0.0.1", "address workers bind", (L,), minimum=1, group="workers",
             advice="an address such as 127.0.0.1"),
     Setting("cores_per_worker", int, 1, "cores per worker", (L,), minimum=1, group="workers",
@@ -102,9 +114,14 @@ SETTINGS: tuple[Setting, ...] = (
             group="placement", argv="always", targets=(Target("conductor", "policy", default="conductor"),),
             advice="choose one of " + ", ".join(POLICIES) + " (conductor: prefix-, load- and SLO-aware "
             "placement; the others are baselines)"),
-    Setting("kv_events_bind", str, "", "bind this ZMQ endpoint for workers' KV events (e.g. tcp://127.0.0.1:5557); "
-            "workers set --kv-events-config endpoint to it and topic to their own URL (the launcher does, with "
-            "--policy conductor)", (R,), metavar="ENDPOINT", group="placement", argv="set"),
+    Setting("kv_events_bind", str, "", "one router only: bind this ZMQ endpoint for workers' KV events (e.g. "
+            "tcp://127.0.0.1:5557); workers set --kv-events-config endpoint to it and topic to their own URL. "
+            "The launcher instead has each worker bind its publisher and the routers subscribe (--kv-events)",
+            (R,), metavar="ENDPOINT", group="placement", argv="set"),
+    Setting("kv_events_port", int, 0, "subscribe to the KV events of every worker with no --kv-events entry (one "
+            "discovery or the membership API added) at tcp://<its host>:PORT, replay at PORT+1 (its vLLM binds "
+            "tcp://*:PORT; the chart does); 0: only the workers --kv-events names", (R,), minimum=0,
+            maximum=65534, metavar="PORT", group="placement", advice="use a TCP port 1-65534, or 0 for none"),
     Setting("ttft_slo_ms", float, None, "conductor: reject (429) requests predicted to miss this TTFT",
             (L, R, C), unit="ms", minimum=0, above=True, optional=True, advice=_SLO, group="placement",
             argv="set", targets=(Target("conductor", "ttft_slo_s", 1000.0, "s"),)),
@@ -112,15 +129,34 @@ SETTINGS: tuple[Setting, ...] = (
             (L, R, C), unit="ms", minimum=0, above=True, optional=True, advice=_SLO, group="placement",
             argv="set", targets=(Target("conductor", "tpot_slo_s", 1000.0, "s"),)),
     Setting("kv_connector", str, "pdserve", "the workers' KV data plane: pdserve (pdserve's connector and transfer "
-            "engine) or nixl (vLLM's NixlConnector; no KV pool); the router speaks its P -> D hand-off",
+            "engine), nixl (vLLM's NixlConnector; no KV pool) or mooncake (vLLM's MooncakeConnector over Mooncake "
+            "Transfer Engine; no KV pool); the router speaks its P -> D hand-off",
             (L, W, R), choices=KV_CONNECTORS, group="gpus", argv="changed",
-            advice="choose pdserve (pdserve's KV connector, the default) or nixl (vLLM's NixlConnector)"),
+            advice="choose pdserve (pdserve's KV connector, the default), nixl (vLLM's NixlConnector) or mooncake "
+            "(vLLM's MooncakeConnector)"),
+    Setting("mooncake_protocol", str, "tcp", "--kv-connector mooncake: Mooncake Transfer Engine's protocol "
+            "(MooncakeConnector's mooncake_protocol): tcp (any host), rdma or efa (clusters whose Mooncake build "
+            "has them)", (L, W), choices=MOONCAKE_PROTOCOLS, group="gpus",
+            advice="choose " + ", ".join(MOONCAKE_PROTOCOLS)),
+    Setting("mooncake_bootstrap_port", int, MOONCAKE_BOOTSTRAP_PORT, "--kv-connector mooncake: the port of each "
+            "prefill worker's Mooncake bootstrap server on the worker's host (vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT); "
+            "the router asks it for P's engine id and hands its address to D", (R,), minimum=1, maximum=65535,
+            group="gpus", argv="changed", metavar="PORT", advice="use a TCP port 1-65535"),
+    Setting("mooncake_bootstrap", str, "", "--kv-connector mooncake: per-worker bootstrap ports where workers "
+            "share a host, as URL=PORT,URL=PORT (the launcher sets it); a worker not listed uses "
+            "--mooncake-bootstrap-port", (R,), metavar="URL=PORT,...", group="gpus", argv="set"),
     Setting("max_num_batched_tokens", int, None, "the workers' vLLM --max-num-batched-tokens (per-step token "
             "budget, prefill chunk size; default vLLM's); the conductor's chunk model for elastic placement",
             (L, W, R, C), unit="tokens", minimum=1, optional=True, group="workers", argv="set", metavar="N",
             targets=(Target("conductor", "chunk_tokens"),),
             advice="the workers' vLLM --max-num-batched-tokens (tokens per step, >= 1), or leave it unset when "
             "unknown"),
+    Setting("stream_interval", int, 1, "the streaming workers' vLLM --stream-interval: tokens per streamed event "
+            "(1: an event a token). Larger: fewer events, less worker and router CPU per token (the router relays "
+            "an event, not a token), coarser streaming: a chunk's first token reaches the client when its last "
+            "is made (the first token and the finish always go at once)", (L, W), unit="tokens", minimum=1,
+            group="workers", metavar="N",
+            advice="use a whole number of tokens >= 1 (1: vLLM's default, one event a token)"),
     Setting("local_prefill_tokens", int, None, "run requests with at most this many uncached prompt tokens on the "
             "decode worker alone (default: learned from the cost model)", (R, C), unit="tokens", minimum=0,
             optional=True, group="placement", targets=(Target("conductor", "local_prefill_tokens"),),
@@ -214,6 +250,11 @@ SETTINGS: tuple[Setting, ...] = (
             (L, P), metavar="DIR", group="pool"),
     Setting("pool_port", int, 0, "pool master port (0: a free one)", (L, P), minimum=0, maximum=65535,
             advice=_PORT, group="pool"),
+    Setting("pool_backend", str, "pdserve", "the KV pool: pdserve (pdserve store master + node, through pdserve's "
+            "connector) or mooncake (Mooncake Store: the launcher runs mooncake_master, each worker lends pool_mem "
+            "and loads vLLM's MooncakeStoreConnector next to the P -> D connector through vLLM's MultiConnector; "
+            "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
+            group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

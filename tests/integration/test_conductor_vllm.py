@@ -1,6 +1,8 @@
-"""The conductor with real vLLM workers (2 prefill, 1 decode): the workers' KV events reach the router's prefix
-index, and a repeated long prefix goes to the prefill worker that holds it, which then computes only the new
-tokens (its vLLM prefix-cache hit counter shows it). Greedy output still equals one worker serving alone."""
+"""The conductor with real vLLM workers (2 prefill, 1 decode) behind two router replicas on one port: the workers'
+KV events reach every replica's prefix index, and a repeated long prefix goes to the prefill worker that holds it
+(whichever replica the kernel hands the request to), which then computes only the new tokens (its vLLM
+prefix-cache hit counter shows it). Greedy output still equals one worker serving alone. The replicas' shared
+membership and a replica's kill -9 are in tests/integration/router_replicas.py."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def cluster(tmp_path_factory):
     model = build_random_llama(tmp_path_factory.mktemp("conductor-model") / "random-llama")
     cfg = LauncherConfig(model=str(model), prefill=2, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("conductor-run")),
-                         worker_timeout_s=400, policy="conductor",
+                         worker_timeout_s=400, policy="conductor", routers=2,
                          router_args=("--local-prefill-tokens", "0", "--no-calibrate"))
     with Cluster(cfg) as c:
         yield c
@@ -85,6 +87,16 @@ def test_repeated_prefix_goes_to_its_holder(cluster):
     assert _counter(holder, "vllm:prefix_cache_hits_total") - hits_before >= 3 * 1280
     assert _counter(other, "vllm:prefix_cache_queries_total") == other_queries  # the other P computed nothing
 
-    metrics = _get(router + "/metrics")
-    assert 'pdserve_conductor_decisions_total{kind="disaggregated"} 4' in metrics
-    assert "pdserve_worker_queued_prefill_tokens{" in metrics
+    from tests.integration.router_replicas import listings
+
+    # the four requests were placed by one replica or the other, each once
+    assert sum(b["decisions"].get("disaggregated", 0) for b in listings(router).values()) == 4
+    assert "pdserve_worker_queued_prefill_tokens{" in _get(router + "/metrics")
+
+
+def test_router_replicas_share_the_fleet(cluster):
+    """Both replicas index alike, membership changes through one reach both, a replica killed with SIGKILL costs
+    no later request and comes back with the current set (tests/integration/router_replicas.py)."""
+    from tests.integration.router_replicas import run_replica_case
+
+    run_replica_case(cluster)

@@ -77,6 +77,13 @@ def test_router_pd_chat_equals_one_worker(cluster):
     assert out.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
 
 
+def test_pd_streams_are_relayed_as_bytes_and_equal_one_worker(cluster):
+    """D's stream goes through the byte relay once its text settles; text and ids equal one worker's."""
+    from tests.integration.pd_relay import check_pd_streams_are_relayed_and_exact
+
+    check_pd_streams_are_relayed_and_exact(cluster.router_url, cluster.worker_urls("decode")[0])
+
+
 def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
     released = _metric(p_url, "vllm:pdserve_kv_released_notified_total")
@@ -314,6 +321,17 @@ def test_tool_calls_equal_one_worker(cluster, client, choice):
         assert _streamed_calls(deltas) == calls
     else:
         assert streamed == (theirs["message"]["content"] or "")
+
+
+def test_messages_and_responses_apis_equal_one_worker(cluster):
+    """/v1/messages and /v1/responses through P and D, whole and streamed (with a tool call), equal one worker's
+    own endpoints (body in tests/integration/api_shapes.py)."""
+    from tests.integration.api_shapes import check_errors, check_messages, check_responses
+
+    router, worker = cluster.router_url, cluster.worker_urls("decode")[0]
+    assert check_messages(router, worker) >= 1, "the named tool case made no tool_use block"
+    check_responses(router, worker)
+    check_errors(router, worker)
 
 
 def test_unsupported_fields_are_400(client):

@@ -276,8 +276,9 @@ def test_timings_and_router_overhead(stack, mode):
                                            extra_body={"pdserve_timings": True, "ignore_eos": True}))
         tm = chunks[-1].model_extra["pdserve_timings"]
         assert tm["completion_tokens"] == 32
-        # vLLM's plain events pass through as bytes (pdserve.router.run.relay); P -> D text is the router's own
-        assert (tm["relayed_tokens"] == 0) if mode == "pd" else (24 <= tm["relayed_tokens"] <= 30), tm
+        # vLLM's plain events pass through as bytes (pdserve.router.run.relay); P -> D too, once D's first events
+        # agree with the router's detokenizer (pdserve.router.run.textsync): P's token and those are not relayed
+        assert (20 <= tm["relayed_tokens"] <= 28) if mode == "pd" else (24 <= tm["relayed_tokens"] <= 30), tm
         s_overhead.append(tm["router_overhead_ms"])
     _, metrics = _get(stack[mode] + "/metrics")
     assert f'pdserve_router_phase_seconds_count{{mode="{tm["mode"]}",phase="e2e"}}' in metrics

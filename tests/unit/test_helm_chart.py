@@ -256,26 +256,30 @@ def test_conductor_policy_wires_kv_events_from_workers_to_the_router():
     sc = "conductor-no-discovery"
     router = objs(sc, "Deployment")[f"{FULL}-router"]
     a = router_parser().parse_args(container(router, "router")["args"])
-    assert a.policy == "conductor" and a.kv_events_bind == "tcp://*:5557"
-    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container(router, "router")["ports"]
-    sink = objs(sc, "Service")[f"{FULL}-router-events"]["spec"]
-    assert sink["ports"][0]["port"] == 5557 and selects(sink["selector"], pod_labels(router))
+    # every worker binds its publisher; the router subscribes to each worker it knows at that port
+    assert a.policy == "conductor" and a.kv_events_port == 5557 and a.kv_events_bind == ""
+    assert all(p["name"] == "http" for p in container(router, "router")["ports"])
     for role in ("prefill", "decode"):
         c = container(objs(sc, "Deployment")[f"{FULL}-{role}"], "vllm")
         ev = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
-        # vLLM connects to a named host (it binds only "*"); the topic is the worker's URL as the router knows it
-        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"tcp://{FULL}-router-events.{NAMESPACE}.svc:5557", "topic": "http://$(POD_IP):8000"}
+        # vLLM binds "*" (and the replay socket); the topic is the worker's URL as the router knows it
+        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                      "replay_endpoint": "tcp://*:5558", "topic": "http://$(POD_IP):8000"}
+        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in c["ports"]
+        assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in c["ports"]
         assert "--kv-events-config" not in container(objs("default", "Deployment")[f"{FULL}-{role}"], "vllm")["args"]
-    # the sink port is open to the release's pods only
-    rules = objs(sc, "NetworkPolicy")[f"{FULL}-router"]["spec"]["ingress"]
-    assert rules[1] == {"ports": [{"port": "kv-events", "protocol": "TCP"}],
-                        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
-                                                                   "app.kubernetes.io/name": "pdserve"}}}]}
-    assert f"{FULL}-router-events" not in objs("default", "Service")
-    # one sink per router: the conductor with several routers is refused
+    # the event ports are open to the release's pods only (the workers' policy)
+    rules = objs(sc, "NetworkPolicy")[f"{FULL}-workers"]["spec"]["ingress"]
+    ports = [p["port"] for p in rules[0]["ports"]]
+    assert "kv-events" in ports and "kv-replay" in ports
+    assert f"{FULL}-router-events" not in objs(sc, "Service")
+    # any number of routers with the conductor: each subscribes and counts the others' load (--routers)
     out = helm_template(sets=("router.policy=conductor",))
-    assert out.returncode != 0 and "use router.replicas=1 with the conductor" in out.stderr
+    assert out.returncode == 0, out.stderr
+    many = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+            and d["metadata"]["name"] == f"{FULL}-router"][0]
+    b = router_parser().parse_args(container(many, "router")["args"])
+    assert many["spec"]["replicas"] == 2 and b.routers == 2 and b.kv_events_port == 5557
     # a single router gets no PDB (it would block node drains)
     assert f"{FULL}-router" not in objs(sc, "PodDisruptionBudget")
 
@@ -514,3 +518,18 @@ def test_bad_values_fail_with_actionable_messages():
         out = subprocess.run([HELM, "template", RELEASE, str(CHART), "--skip-schema-validation",
                               *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and msg in out.stderr, (sets, out.stderr[-300:])
+
+
+def test_stream_interval_reaches_the_workers_only_when_set():
+    """model.streamInterval: vLLM's --stream-interval on every worker pod (1, the default, writes nothing); below
+    1 fails the schema."""
+    out = helm_template(sets=("model.streamInterval=4",))
+    assert out.returncode == 0, out.stderr
+    deps = {o["metadata"]["name"]: o for o in yaml.safe_load_all(out.stdout) if o and o["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        args = container(deps[f"{FULL}-{role}"], "vllm")["args"]
+        assert args[args.index("--stream-interval") + 1] == "4"
+    for dep in objs("default", "Deployment").values():
+        assert all("--stream-interval" not in c.get("args", []) for c in dep["spec"]["template"]["spec"]["containers"])
+    bad = helm_template(sets=("model.streamInterval=0",))
+    assert bad.returncode != 0 and "streamInterval" in bad.stderr

@@ -82,7 +82,7 @@ def test_router_runs_the_conductor_in_elastic_mode_and_discovery_follows_the_poo
     a = router_args(ELASTIC)
     assert (a.policy, a.mode_hint, a.elastic, a.prefill, a.decode) == ("conductor", "elastic", [], [], [])
     assert a.max_num_batched_tokens == 2048  # vLLM's CPU default: the conductor's chunk model
-    assert a.kv_events_bind == "tcp://*:5557"
+    assert a.kv_events_port == 5557 and a.kv_events_bind == ""
     disc = container(of_kind(ELASTIC, "Deployment")[f"{FULL}-router"], "discovery")
     cfg, _ = config_from_args(disc["args"])
     assert cfg.pools == (PoolTarget("elastic", POOL_HOST, 8000),)
@@ -99,10 +99,13 @@ def test_without_discovery_the_pool_service_is_the_one_elastic_member_and_the_st
     assert router_args(("elastic.replicas=2", "router.replicas=1")).max_num_batched_tokens is None
 
 
+def test_elastic_roles_with_several_routers():
+    a = router_args(("elastic.replicas=2", "router.replicas=2", "elastic.gpus=0"))
+    assert (a.policy, a.routers, a.kv_events_port) == ("conductor", 2, 5557)  # each replica subscribes
+
+
 def test_elastic_values_that_cannot_work_fail_with_actionable_messages():
-    cases = {("elastic.replicas=2",): "elastic.replicas=2 with router.replicas=2: elastic roles are placed by the "
-                                      "conductor, whose KV event sink is per router; use router.replicas=1",
-             (*ELASTIC, "kvConnector=nixl"): "elastic roles split requests through pdserve's connector; use "
+    cases = {(*ELASTIC, "kvConnector=nixl"): "elastic roles split requests through pdserve's connector; use "
                                              "kvConnector=pdserve",
              (*ELASTIC, "elastic.kvRole=kv_producer"): "elastic.kvRole=\"kv_producer\": elastic workers prefill "
                                                        "and decode, per request; use kv_both",

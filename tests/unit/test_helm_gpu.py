@@ -85,7 +85,7 @@ def test_nixl_extra_config_and_cpu_buffer():
 def test_nixl_refusals():
     out = helm_template(sets=("kvConnector=nixl", "store.enabled=true"))
     assert out.returncode != 0 and "store.enabled with kvConnector=nixl" in out.stderr
-    out = helm_template(sets=("kvConnector=mooncake",))
+    out = helm_template(sets=("kvConnector=lmcache",))
     assert out.returncode != 0 and "kvConnector" in out.stderr
     out = helm_template(sets=("prefill.extraArgs={--tensor-parallel-size,2}",))
     assert out.returncode != 0 and "set prefill.tensorParallelSize instead" in out.stderr

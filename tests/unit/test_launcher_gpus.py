@@ -228,10 +228,10 @@ def test_nixl_plan_workers_router_and_ports(tmp_path):
     cfg = _cfg(tmp_path, kv_connector="nixl", lease_s=12.5, connector_extra={"backends": ["UCX"]})
     assert cfg.pool is False  # the KV pool works through pdserve's connector only
     ports = dry_run_ports(cfg)
-    assert ports.nixl_side_channels == (ports.workers[-1] + 1, ports.workers[-1] + 2)
+    assert ports.side_channels == (ports.workers[-1] + 1, ports.workers[-1] + 2)
     plan = make_plan(cfg, cfg.model_dir)
     assert plan.pool is None and not plan.of_kind("pool")
-    for w, p, side in zip(plan.workers, plan.of_kind("worker"), ports.nixl_side_channels):
+    for w, p, side in zip(plan.workers, plan.of_kind("worker"), ports.side_channels):
         kv = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
         assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
                       "kv_load_failure_policy": "recompute",
@@ -254,11 +254,11 @@ def test_nixl_side_channel_host_from_env_wins(tmp_path):
 def test_nixl_refusals(tmp_path):
     with pytest.raises(ConfigError, match="pool=true with kv_connector='nixl'"):
         _cfg(tmp_path, kv_connector="nixl", pool=True)
-    with pytest.raises(ConfigError, match="kv_connector='mooncake': choose pdserve"):
-        _cfg(tmp_path, kv_connector="mooncake")
+    with pytest.raises(ConfigError, match="kv_connector='lmcache': choose pdserve"):
+        _cfg(tmp_path, kv_connector="lmcache")
     with pytest.raises(ConfigError, match="nixl_side_channel_port=0"):
         WorkerConfig(role="decode", index=0, model="/m", cores=(0,), kv_connector="nixl")
     # colocated without a connector: the data plane does not matter, and no side-channel port is needed
     plain = _cfg(tmp_path, colocated=1, kv_connector="nixl")
-    assert dry_run_ports(plain).nixl_side_channels == ()
+    assert dry_run_ports(plain).side_channels == ()
     assert "--kv-transfer-config" not in make_plan(plain, plain.model_dir).process("colocated0").argv

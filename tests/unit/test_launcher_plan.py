@@ -11,6 +11,7 @@ import pytest
 from pdserve import cli
 from pdserve.config import SECRET_ENV, ConfigError, LauncherConfig
 from pdserve.launch import Ports, allocate_ports, dry_run_ports
+from pdserve.launch.plan import kv_events_prefix
 from pdserve.launcher import kv_transfer_config, make_plan, plan_workers, router_command, worker_command
 from pdserve.procs import assign_cores, available_cores, free_ports, port_is_free
 
@@ -169,7 +170,7 @@ def test_router_command_parses_with_router_cli(model_dir):
 def test_make_plan_port_zero_picks_a_free_router_port(model_dir):
     cfg = LauncherConfig(model=str(model_dir), port=0, policy="conductor")
     ports = allocate_ports(cfg)
-    assert len(set(ports.all())) == 6 and all(port_is_free("127.0.0.1", p) for p in ports.all())
+    assert len(set(ports.all())) == 5 and all(port_is_free("127.0.0.1", p) for p in ports.all())
     plan = make_plan(cfg, model_dir, ports)
     assert plan.router_port == ports.router != 0 and plan.router_port not in [w.port for w in plan.workers]
     assert plan.ports is ports and plan.pool is not None and plan.pool.port == ports.pool
@@ -179,9 +180,9 @@ def test_make_plan_port_zero_picks_a_free_router_port(model_dir):
 
 def test_dry_run_ports_count_up_from_the_base_port():
     assert dry_run_ports(LauncherConfig(port=9000, colocated=2)) == Ports(9000, (9001, 9002))
-    assert dry_run_ports(LauncherConfig(port=0)) == Ports(8000, (8001, 8002), 0, 8004, 8003)
+    assert dry_run_ports(LauncherConfig(port=0)) == Ports(8000, (8001, 8002), 8004, 8003)
     assert dry_run_ports(LauncherConfig(port=9000, policy="conductor", pool_port=9002)) == Ports(
-        9000, (9001, 9003), 9004, 9002, 9005)
+        9000, (9001, 9003), 9002, 9004)
 
 
 def test_plan_is_data_in_start_order_with_the_secret_as_a_field(model_dir):
@@ -192,12 +193,21 @@ def test_plan_is_data_in_start_order_with_the_secret_as_a_field(model_dir):
         ("router", "router")]
     assert all(p.secret for p in plan.processes)  # the router follows the pool's event log with it
     master, node = plan.process("pool-master"), plan.process("pool-node")
-    assert master.listen_port == 9005 and master.url == "http://127.0.0.1:9004"
+    assert master.listen_port == 9004 and master.url == "http://127.0.0.1:9003"
     assert plan.pool is not None and plan.pool.disk_dir == "/runs/r1/pool-ssd" and plan.pool.owns_disk_dir
-    assert node.argv[node.argv.index("--master") + 1] == "127.0.0.1:9005"
+    assert node.argv[node.argv.index("--master") + 1] == "127.0.0.1:9004"
     assert plan.router.url == "http://127.0.0.1:9000" and plan.router.argv[:3] == ("/py", "-m", "pdserve.router")
-    assert plan.router.argv[plan.router.argv.index("--kv-events-bind") + 1] == "tcp://127.0.0.1:9003"
-    assert {w.kv_events_endpoint for w in plan.workers} == {"tcp://127.0.0.1:9003"}
+    # each worker's vLLM binds its KV event publisher and replay socket; the router subscribes to each
+    assert [w.kv_events_endpoint for w in plan.workers] == ["ipc:///runs/r1/prefill0.kvpub",
+                                                            "ipc:///runs/r1/decode0.kvpub"]
+    i = plan.router.argv.index("--kv-events")
+    assert plan.router.argv[i + 1:i + 3] == (
+        "http://127.0.0.1:9001=ipc:///runs/r1/prefill0.kvpub,ipc:///runs/r1/prefill0.kvrpl",
+        "http://127.0.0.1:9002=ipc:///runs/r1/decode0.kvpub,ipc:///runs/r1/decode0.kvrpl")
+    ev = json.loads(plan.process("decode0").argv[plan.process("decode0").argv.index("--kv-events-config") + 1])
+    assert ev == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///runs/r1/decode0.kvpub",
+                  "replay_endpoint": "ipc:///runs/r1/decode0.kvrpl", "topic": "http://127.0.0.1:9002"}
+    assert kv_events_prefix("/r" * 60).startswith("/tmp/pdserve-kv-")  # too long for a socket address
     env = plan.process("decode0").environ({"PATH": "/bin", SECRET_ENV: "old"}, "s" * 32)
     assert env[SECRET_ENV] == "s" * 32 and env["FOO"] == "bar" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["PYTHONPATH"] == str(Path(__file__).resolve().parents[2])
@@ -223,9 +233,9 @@ def test_dry_run_opens_no_socket(model_dir, monkeypatch, capsys):
     argv = ["serve", "--model", str(model_dir), "--port", "9100", "--policy", "conductor", "--dry-run"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "ports: router 9100, prefill0 9101, decode0 9102, kv events 9103, pool master 9105 (metrics 9104)" in out
-    assert "--port 9101" in out and "--kv-events-bind tcp://127.0.0.1:9103" in out
-    assert "--pool-master 127.0.0.1:9105" in out and "[pool-master]" in out
+    assert "ports: router 9100, prefill0 9101, decode0 9102, pool master 9104 (metrics 9103)" in out
+    assert "--port 9101" in out and "--kv-events 'http://127.0.0.1:9101=ipc://<run dir>/prefill0.kvpub" in out
+    assert "--pool-master 127.0.0.1:9104" in out and "[pool-master]" in out
     assert cli.main(argv) == 0 and capsys.readouterr().out == out  # the same plan every time
 
 
@@ -309,3 +319,31 @@ def test_memory_warning():
     assert memory_warning(LauncherConfig(), available=64 << 30) == ""
     text = memory_warning(LauncherConfig(prefill=2, decode=2, kv_cache_gib=2), available=8 << 30)
     assert "4 worker(s) need about 20 GiB" in text and "8.0 GiB is available" in text
+
+
+def test_stream_interval_reaches_every_worker_and_is_checked(model_dir):
+    """--stream-interval N: vLLM's flag on each worker (P's unstreamed prefill ignores it); 1 (vLLM's default)
+    writes nothing; below 1 is a config error."""
+    c = _cfg(["--model", str(model_dir), "--stream-interval", "4"])
+    assert c.stream_interval == 4
+    for w in plan_workers(c, model_dir, ports=[9001, 9002], cores=(0, 1)):
+        argv, _ = worker_command(w, "s" * 32)
+        assert argv[argv.index("--stream-interval") + 1] == "4"
+    (w,) = plan_workers(LauncherConfig(model=str(model_dir), colocated=1), model_dir, ports=[9001], cores=(0,))
+    assert "--stream-interval" not in worker_command(w, None)[0]
+    with pytest.raises(ConfigError, match="stream_interval"):
+        LauncherConfig(model=str(model_dir), stream_interval=0)
+
+
+def test_routers_n_runs_n_router_processes_on_one_port_sharing_the_membership_file(model_dir):
+    cfg = LauncherConfig(model=str(model_dir), port=9000, policy="conductor", routers=3, pool=False)
+    plan = make_plan(cfg, model_dir, run_dir="/runs/r2", cores=(0, 1), python="/py")
+    routers = plan.of_kind("router")
+    assert [r.name for r in routers] == ["router", "router1", "router2"] and plan.router is routers[0]
+    assert len({r.argv for r in routers}) == 1 and {r.url for r in routers} == {"http://127.0.0.1:9000"}
+    argv = routers[0].argv
+    assert argv[argv.index("--routers") + 1] == "3"
+    assert argv[argv.index("--membership-file") + 1] == "/runs/r2/membership.json"
+    one = make_plan(LauncherConfig(model=str(model_dir), port=9000), model_dir, run_dir="/runs/r3", cores=(0, 1))
+    assert [r.name for r in one.of_kind("router")] == ["router"] and "--routers" not in one.router_argv
+    assert "--membership-file" in one.router_argv  # a restarted router keeps run-time members too

@@ -25,11 +25,11 @@ NIXL_P_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_b
 # ---------------------------------------------------------------- units
 
 def test_protocol_lookup_and_modes():
-    assert KV_CONNECTORS == ("pdserve", "nixl")
+    assert KV_CONNECTORS == ("pdserve", "nixl", "mooncake")
     assert isinstance(protocol_for("pdserve"), PdserveProtocol) and protocol_for("pdserve").first_from_prefill
     assert isinstance(protocol_for("nixl"), NixlProtocol) and not protocol_for("nixl").first_from_prefill
-    with pytest.raises(ValueError, match="choose one of pdserve, nixl"):
-        protocol_for("mooncake")
+    with pytest.raises(ValueError, match="choose one of pdserve, nixl, mooncake"):
+        protocol_for("lmcache")
 
 
 def test_prefill_params_are_fresh_dicts():
@@ -89,9 +89,9 @@ def test_pdserve_protocol_passes_params_through():
 def test_router_config_kv_connector(model_dir):  # noqa: F811
     ok = RouterConfig(model_dir=str(model_dir), prefill=("http://a:1",), decode=("http://b:1",))
     assert ok.kv_connector == "pdserve"
-    with pytest.raises(RouterConfigError, match="--kv-connector 'mooncake': choose pdserve"):
+    with pytest.raises(RouterConfigError, match="--kv-connector 'lmcache': choose pdserve"):
         RouterConfig(model_dir=str(model_dir), prefill=("http://a:1",), decode=("http://b:1",),
-                     kv_connector="mooncake")
+                     kv_connector="lmcache")
     from pdserve.router.__main__ import config_from_args
 
     cfg = config_from_args(["--model-dir", str(model_dir), "--prefill", "http://a:1", "--decode", "http://b:1",

@@ -307,3 +307,50 @@ def test_slow_client_gets_every_byte(model_dir, tokenizer, monkeypatch):
 
     run(main())
     assert sum(stretches) == 38 and drains  # it did wait for the client
+
+
+def test_pd_stream_is_relayed_once_ds_text_settles(model_dir, tokenizer, monkeypatch):
+    """P -> D: the router's detokenizer makes the text of D's first events only; once two agree with it (.textsync)
+    D's plain events pass through as bytes, and the client gets what the per-token path gives, byte for byte."""
+    p, d = VllmShapedWorker("P"), VllmShapedWorker("D", delay_s=0.002)
+    body: dict[str, Any] = {"prompt": "a", "max_tokens": 16, "stream": True, "return_token_ids": True,
+                            "stream_options": {"include_usage": True}}
+    stretches = _count_relays(monkeypatch)
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with Env(model_dir, tokenizer, prefill=[p], decode=[d]) as env:
+            st, relayed = await env.stream("/v1/completions", body, headers={"X-Pdserve-Timings": "1"})
+            assert st == 200
+            monkeypatch.setattr(relay_mod, "plain_event", lambda ev: None)  # every event the full path
+            st, full = await env.stream("/v1/completions", body, headers={"X-Pdserve-Timings": "1"})
+            assert st == 200
+            return relayed, full
+
+    relayed, full = run(main())
+    timings = json.loads(relayed[-1])["pdserve_timings"]
+    # t1 from P, D's first two events checked against the router's detokenizer, D's finish the full path
+    assert sum(stretches) == timings["relayed_tokens"] == 12
+    assert json.loads(relayed[-1])["usage"]["completion_tokens"] == 16
+    assert _normalized(relayed) == _normalized(full)
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in relayed if json.loads(c)["choices"])
+    assert text == " b c" + "".join(f" w{i}" for i in range(15, 29))
+    assert d.requests[-1]["prompt"][-1] == 13 and not open_taps()  # D continued from P's token
+
+
+def test_pd_stream_whose_text_never_agrees_keeps_the_routers_text(model_dir, tokenizer, monkeypatch):
+    """A D whose own text is not one worker's (here: the fake's texts are not its tokenizer's) never settles: every
+    token keeps the router's detokenized text and nothing is relayed."""
+    wrong = {t: f" x{t}" for t in range(5, 100)}
+    p, d = VllmShapedWorker("P", texts=wrong), VllmShapedWorker("D", texts=wrong)
+    stretches = _count_relays(monkeypatch)
+
+    async def main() -> list[str]:
+        async with Env(model_dir, tokenizer, prefill=[p], decode=[d]) as env:
+            st, chunks = await env.stream("/v1/completions", {"prompt": "a", "max_tokens": 16, "stream": True})
+            assert st == 200
+            return chunks
+
+    chunks = run(main())
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
+    assert text == " b c" + "".join(f" w{i}" for i in range(15, 29))  # the tokenizer's text, not the fake's
+    assert stretches == []

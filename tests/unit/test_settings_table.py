@@ -77,7 +77,8 @@ def test_launcher_writes_what_the_router_reads_back(model_dir):
     rc = router_config(argv[3:])
     for name in ("policy", "ttft_slo_ms", "tpot_slo_ms", "kv_connector", "max_model_len"):
         assert getattr(rc, name) == getattr(cfg, name), name
-    assert rc.kv_events_bind.startswith("tcp://127.0.0.1:") and rc.served_model_name == cfg.model_dir.name
+    assert rc.kv_events_bind == "" and rc.served_model_name == cfg.model_dir.name
+    assert [e.split("=")[0] for e in rc.kv_events] == [rc.prefill[0], rc.decode[0]]  # each worker's publisher
 
 
 def test_argv_rules():
@@ -93,7 +94,8 @@ def test_the_conductor_gets_the_slos_in_seconds(model_dir):
                       tpot_slo_ms=50.5, max_inflight_per_worker=None, max_num_batched_tokens=256, moves=False)
     kw = handed_on(rc, "conductor")
     assert kw == {"policy": "conductor", "ttft_slo_s": 0.5, "tpot_slo_s": 50.5 / 1000.0, "local_prefill_tokens": None,
-                  "block_size": 128, "chunk_tokens": 256, "max_inflight_per_worker": None}
+                  "block_size": 128, "chunk_tokens": 256, "max_inflight_per_worker": None,
+                  "replicas": 1}
     assert ConductorConfig(**kw).tpot_slo_s == 0.0505
     assert MoveConfig(**handed_on(rc, "moves")).enabled is False
 

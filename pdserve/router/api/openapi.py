@@ -111,6 +111,71 @@ _CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("parallel_tool_calls", _BOOL, "allow several tool calls in one answer (default true)"),
 ]
 
+# /v1/messages (Anthropic Messages API) and /v1/responses (OpenAI Responses API): run as chat requests
+# (.messages_request, .responses_request); the fields those modules refuse are listed as null/false only.
+_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "tool_use", "tool_result", "redacted_thinking"]}, "text": _STR, "id": _STR,
+    "name": _STR, "input": {"type": "object"}, "tool_use_id": _STR,
+    "content": {"anyOf": [_STR, {"type": "array", "items": {"type": "object"}}]}}}
+_MESSAGES_REQUEST: dict[str, Any] = {
+    "type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True, "properties": {
+        "model": {"type": "string", "minLength": 1}, "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"enum": ["user", "assistant", "system"]},
+                "content": {"anyOf": [_STR, {"type": "array", "items": _BLOCK}]}}}},
+        "system": {"anyOf": [_STR, {"type": "array", "items": _BLOCK}]}, "stream": _BOOL,
+        "stop_sequences": {"type": "array", "items": _STR}, "metadata": {"type": "object"},
+        "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "exclusiveMinimum": 0,
+                                                                   "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "cache_salt": {"type": "string", "minLength": 1},
+        "chat_template_kwargs": {"type": "object"},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+            "name": _STR, "description": _STR, "input_schema": {"type": "object"}}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _STR, "disable_parallel_tool_use": _BOOL}},
+        "output_config": {"type": "object", "properties": {"format": {"type": "object", "properties": {
+            "type": {"const": "json_schema"}, "schema": {"type": "object"}}}}},
+        **{name: {"type": "null", "description": "not supported"} for name in
+           ("kv_transfer_params", "ec_transfer_params")},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": {"type": "integer",
+                                                                                     "minimum": 1024}}}}}
+_INPUT_ITEM = {"type": "object", "properties": {
+    "type": {"enum": ["message", "function_call", "function_call_output"]},
+    "role": {"enum": ["user", "system", "developer", "assistant"]},
+    "content": {"anyOf": [_STR, {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                                            "properties": {"type": {"enum": ["input_text",
+                                                                                             "output_text"]},
+                                                                           "text": _STR}}}]},
+    "call_id": _STR, "name": _STR, "arguments": _STR, "output": _STR, "status": _STR}}
+_RESPONSES_REQUEST: dict[str, Any] = {
+    "type": "object", "required": ["input"], "additionalProperties": True, "properties": {
+        **{name: {**schema, "description": desc} for name, schema, desc in _COMMON
+           if name in ("model", "stream", "stop", "stop_token_ids", "include_stop_str_in_output", "temperature",
+                       "top_p", "min_p", "repetition_penalty", "top_k", "seed", "ignore_eos", "skip_special_tokens",
+                       "presence_penalty", "frequency_penalty", "cache_salt", "priority", "structured_outputs")},
+        "input": {"anyOf": [_STR, {"type": "array", "items": _INPUT_ITEM}]}, "instructions": _STR,
+        "max_output_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": _STR, "description": _STR, "parameters": {"type": "object"}}}},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
+                                                                        "name": _STR}}]},
+        "parallel_tool_calls": _BOOL, "store": _BOOL, "metadata": {"type": "object"}, "user": _STR,
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}, "schema": {"type": "object"}}}}},
+        "reasoning": {"type": "object", "properties": {"effort": _STR}},
+        "truncation": {"const": "disabled"},
+        **{name: {"anyOf": [{"type": "null"}, {"const": False}], "description": "stateful: not supported"} for name in
+           ("previous_response_id", "background", "previous_input_messages", "enable_response_messages")},
+        **{name: {"type": "null", "description": "not supported"} for name in
+           ("prompt", "kv_transfer_params", "ec_transfer_params")},
+        "include": {"type": "array", "items": _STR}, "top_logprobs": {"type": "integer", "minimum": 0}}}
+ANTHROPIC_ERROR: dict[str, Any] = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": _STR, "message": _STR}}}}
+
 ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": _STR, "type": _STR, "param": _nullable(_STR), "code": _nullable(_STR)}}}}
@@ -130,20 +195,20 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
     text = {400: "invalid request", 403: "not allowed from this client", 404: "unknown model or worker",
             413: "body over --max-body-bytes", 429: "predicted to miss the SLO", 502: "a worker failed",
-            503: "no healthy worker"}
-    return {str(s): {"description": text[s], "content": _json(_ref("Error"))} for s in statuses}
+            503: "no healthy worker", 504: "the request's deadline passed"}
+    return {str(s): {"description": text[s], "content": _json(_ref(schema))} for s in statuses}
 
 
-def _generation(summary: str, schema: str) -> dict[str, Any]:
+def _generation(summary: str, schema: str, error: str = "Error") -> dict[str, Any]:
     return {"post": {"summary": summary, "operationId": schema[0].lower() + schema[1:-len("Request")],
                      "requestBody": {"required": True, "content": _json(_ref(schema))},
                      "responses": {"200": {"description": "the completion (JSON), or server-sent events with "
                                                           "stream: true",
                                            "content": {**_json(_ANY_OBJECT), "text/event-stream": {"schema": _STR}}},
-                                   **_errors(400, 404, 413, 429, 502, 503)}}}
+                                   **_errors(400, 404, 413, 429, 502, 503, schema=error)}}}
 
 
 def _get(summary: str, op: str, content_type: str = "application/json", *statuses: int) -> dict[str, Any]:
@@ -192,6 +257,9 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dic
         "paths": {
             "/v1/completions": _generation("text completion", "CompletionRequest"),
             "/v1/chat/completions": _generation("chat completion", "ChatCompletionRequest"),
+            "/v1/messages": _generation("Anthropic Messages API (stateless; errors in Anthropic's shape)",
+                                        "MessagesRequest", "AnthropicError"),
+            "/v1/responses": _generation("OpenAI Responses API (stateless)", "ResponsesRequest"),
             "/v1/models": _get("the served model", "listModels"),
             "/health": _get("200 when every worker answers its /health", "health", "application/json", 503),
             "/ready": _get("200 when a healthy worker of each needed role is known", "ready", "application/json",
@@ -209,6 +277,9 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dic
             "schemas": {
                 "CompletionRequest": _request_schema(_COMPLETION, UNSUPPORTED_FIELDS["completions"], "prompt"),
                 "ChatCompletionRequest": _request_schema(_CHAT, UNSUPPORTED_FIELDS["chat"], "messages"),
+                "MessagesRequest": _MESSAGES_REQUEST,
+                "ResponsesRequest": _RESPONSES_REQUEST,
+                "AnthropicError": ANTHROPIC_ERROR,
                 "WorkerChange": _WORKER_BODY,
                 "Error": ERROR,
             },

@@ -94,6 +94,9 @@ class IncrementalDetokenizer:
         self.stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
         self.added: dict[int, str] | None = None
         self.last_special = False
+        # the last step's token completed the text so far (the stream emitted at it; its window starts over there):
+        # what run/textsync.py needs to know where a continuing worker's stream is
+        self.emitted = False
         if not (skip_special_tokens or spaces_between_special_tokens):
             added = {tid: t.content for tid, t in backend.get_added_tokens_decoder().items()}
             self.added = added or None
@@ -108,6 +111,7 @@ class IncrementalDetokenizer:
                 raise
             self.stream = self._decode_stream(skip_special_tokens=self.skip)
             piece = self.stream.step(self.backend, token_id)
+        self.emitted = piece is not None
         if self.added is not None:
             special = self.added.get(token_id)
             if special is not None and self.last_special:

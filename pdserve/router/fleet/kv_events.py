@@ -1,43 +1,131 @@
-"""The router's KV event sink: one ZMQ SUB socket the router binds; every worker's vLLM publisher connects to
-it (``--kv-events-config {"endpoint": "tcp://ROUTER:PORT", "topic": "<worker URL>"}``: vLLM connects when the
-endpoint names a host, binds only for ``*``). The topic says which worker an event batch is from, so workers
-that join later (or restart) need no router-side set-up, and no worker has to open a port.
+"""The router's KV event feed: one ZMQ SUB socket that **subscribes to every worker's publisher**, so any number
+of router replicas each hear every worker.
+
+Each worker's vLLM binds its publisher (``--kv-events-config {"endpoint": "ipc://..." | "tcp://*:PORT",
+"replay_endpoint": ..., "topic": "<worker URL>"}``: vLLM binds for ``*``, ``::`` and ``ipc://``) and keeps its
+last batches for replay. The router connects its SUB socket to a worker when the worker joins the registry
+(:meth:`KVEventFeed.follow`) and disconnects when it leaves (:meth:`KVEventFeed.forget`). A replica that joins
+later, a worker that restarts and a batch lost on the way are caught up through the worker's replay endpoint
+(:mod:`.kv_replay`): the replica asks for the batches from the one it lacks (from 0 on joining), applies them
+in order, then the live ones it held meanwhile, each sequence number once. When replay cannot fill the gap (the
+worker's buffer no longer has it, or it has no replay endpoint) the clear-on-gap rule holds: that worker's
+entries are dropped and re-learned from later events, so the index can under-state a worker's cache but never
+claims blocks it no longer has.
+
+The older layout still works: ``bind`` (``--kv-events-bind``) makes the same socket bind an endpoint that
+workers' publishers connect to (one router only).
 
 Frames are (topic, 8-byte big-endian sequence number, msgpack batch); see :mod:`pdserve.conductor.events`.
-A lost batch or a publisher restart clears that worker's entries (re-learned from later events), so the index
-can under-state a worker's cache but never claims blocks it no longer has.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from ...conductor import Conductor
-from ...conductor.events import EventTranslator, decode_batch
+from ...conductor.events import EventTranslator, IndexLike, decode_batch
+from .kv_replay import replay
 
 log = logging.getLogger("pdserve.router.fleet.kv_events")
 
+Replayer = Callable[[zmq.asyncio.Context, str, int], Awaitable[list[tuple[int, bytes]] | None]]
 
-class KVEventSink:
-    def __init__(self, endpoint: str, conductor: Conductor, block_size: int) -> None:
-        self.conductor = conductor
+
+@dataclass(frozen=True)
+class Publisher:
+    """Where one worker's vLLM publishes its KV events (``replay`` "" when it keeps none to replay)."""
+
+    endpoint: str
+    replay: str = ""
+
+
+def default_publisher(url: str, port: int) -> Publisher | None:
+    """A worker's publisher by convention (``--kv-events-port``): ``tcp://<its host>:PORT``, replay ``PORT + 1``;
+    None when ``port`` is 0."""
+    host = urlsplit(url).hostname
+    if not port or not host:
+        return None
+    host = f"[{host}]" if ":" in host else host
+    return Publisher(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
+
+
+@dataclass
+class _Stream:
+    """One worker's event stream as this replica applies it."""
+
+    translator: EventTranslator
+    publisher: Publisher | None = None
+    catching_up: asyncio.Task | None = None
+    held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches that arrived during a catch-up
+
+
+class KVEventFeed:
+    def __init__(self, index: IndexLike, block_size: int, bind: str = "", replayer: Replayer = replay) -> None:
+        self.index = index
         self.block_size = block_size
+        self.replayer = replayer
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.translators: dict[str, EventTranslator] = {}
+        self.sock.setsockopt(zmq.IPV6, 1)  # workers on IPv6 addresses too
+        self.endpoint = ""
+        if bind:
+            self.sock.bind(bind)
+            self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.streams: dict[str, _Stream] = {}
         self.batches: dict[str, int] = {}
         self.skipped_blocks = 0
         self.bad_batches = 0
+        self.duplicates = 0  # batches seen twice (replay overlapping live) and applied once
+        self.replayed = 0  # batches applied from a replay
+        self.clears = 0  # gaps replay could not fill: the worker's entries dropped
         self.task = asyncio.create_task(self._run())
 
+    # ---- membership ----
+    def follow(self, worker: str, publisher: Publisher) -> None:
+        """Subscribe to ``worker``'s publisher and catch up from its first buffered batch."""
+        worker = worker.rstrip("/")
+        st = self._stream(worker)
+        if st.publisher == publisher:
+            return
+        if st.publisher is not None:
+            self._disconnect(st.publisher)
+        st.publisher = publisher
+        self.sock.connect(publisher.endpoint)
+        log.info("KV events of %s: subscribed to %s (replay %s)", worker, publisher.endpoint,
+                 publisher.replay or "none")
+        if publisher.replay:
+            self._catch_up(worker, st, 0)
+
+    def forget(self, worker: str) -> None:
+        st = self.streams.pop(worker.rstrip("/"), None)
+        if st is None:
+            return
+        if st.catching_up is not None:
+            st.catching_up.cancel()
+        if st.publisher is not None:
+            self._disconnect(st.publisher)
+
+    def _disconnect(self, publisher: Publisher) -> None:
+        try:
+            self.sock.disconnect(publisher.endpoint)
+        except zmq.ZMQError:  # never connected (or already gone)
+            pass
+
+    def _stream(self, worker: str) -> _Stream:
+        st = self.streams.get(worker)
+        if st is None:
+            st = self.streams[worker] = _Stream(EventTranslator(self.block_size))
+        return st
+
+    # ---- the live stream ----
     async def _run(self) -> None:
         try:
             while True:
@@ -45,37 +133,88 @@ class KVEventSink:
         except asyncio.CancelledError:
             pass
         except Exception:  # never let a bad publisher kill the router
-            log.exception("KV event sink stopped")
-
-    def forget(self, worker: str) -> None:
-        self.translators.pop(worker, None)
+            log.exception("KV event feed stopped")
 
     def handle(self, frames: list[bytes]) -> None:
+        """One live batch: applied in order, held while its worker catches up, or the start of a catch-up when
+        batches are missing."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self.bad_batches += 1
             return
         try:
             worker = frames[0].decode().rstrip("/")
-            events = decode_batch(frames[2])
-        except (UnicodeDecodeError, ValueError):
+        except UnicodeDecodeError:
             self.bad_batches += 1
             return
-        tr = self.translators.get(worker)
-        if tr is None:
-            tr = self.translators[worker] = EventTranslator(self.block_size)
-        if tr.sequence(int.from_bytes(frames[1], "big")):
+        seq, payload = int.from_bytes(frames[1], "big"), frames[2]
+        st = self._stream(worker)
+        if st.catching_up is not None:
+            st.held.append((seq, payload))
+            return
+        last = st.translator.last_seq
+        expected = 0 if last is None else last + 1
+        if seq != expected and st.publisher is not None and st.publisher.replay:
+            # batches lost (seq > expected: on the way, or before this replica's subscription took effect while
+            # its first replay found no worker yet) or a restarted publisher (seq < expected)
+            st.held.append((seq, payload))
+            self._catch_up(worker, st, last + 1 if last is not None and seq > last + 1 else 0)
+            return
+        self._apply(worker, st, seq, payload)
+
+    def _apply(self, worker: str, st: _Stream, seq: int, payload: bytes) -> None:
+        try:
+            events = decode_batch(payload)
+        except ValueError:
+            self.bad_batches += 1
+            return
+        if st.translator.sequence(seq):
             log.info("KV events from %s: gap or restart; clearing its index entries", worker)
-            self.conductor.all_cleared(worker)
-        up = tr.apply(events)
+            self.clears += 1
+            self.index.all_cleared(worker)
+        up = st.translator.apply(events)
         self.batches[worker] = self.batches.get(worker, 0) + 1
         self.skipped_blocks += up.skipped
-        up.apply_to(worker, self.conductor)
+        up.apply_to(worker, self.index)
+
+    # ---- catching up through the worker's replay endpoint ----
+    def _catch_up(self, worker: str, st: _Stream, start: int) -> None:
+        assert st.publisher is not None
+        st.catching_up = asyncio.create_task(self._replay_then_live(worker, st, st.publisher.replay, start))
+
+    async def _replay_then_live(self, worker: str, st: _Stream, endpoint: str, start: int) -> None:
+        got = await self.replayer(self.ctx, endpoint, start)
+        if self.streams.get(worker) is not st:  # forgotten meanwhile
+            return
+        held, st.held, st.catching_up = st.held, [], None
+        self.merge(worker, st, start, got or [], held)
+
+    def merge(self, worker: str, st: _Stream, start: int, replayed: list[tuple[int, bytes]],
+              held: list[tuple[int, bytes]]) -> None:
+        """Apply what replay returned from ``start`` and then the live batches held meanwhile, each sequence number
+        once and in order. Starting over (``start`` 0: a replica joining, a publisher restarted) or a replay
+        that does not begin at ``start`` (the worker's buffer moved on) drops the worker's entries first."""
+        first = replayed[0][0] if replayed else (held[0][0] if held else start)
+        if start == 0 or first != start:
+            if st.translator.last_seq is not None or st.translator.keys:
+                self.clears += 1
+                self.index.all_cleared(worker)
+            st.translator = EventTranslator(self.block_size)
+        self.replayed += len(replayed)
+        for seq, payload in sorted(replayed + held, key=lambda b: b[0]):
+            last = st.translator.last_seq
+            if last is not None and seq <= last:
+                self.duplicates += 1
+                continue
+            self._apply(worker, st, seq, payload)
 
     async def close(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
+        tasks = [self.task, *(s.catching_up for s in self.streams.values() if s.catching_up is not None)]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
         self.sock.close(0)
         self.ctx.term()

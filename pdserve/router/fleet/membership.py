@@ -1,9 +1,12 @@
 """Worker membership at run time: ``/v1/pdserve/workers``.
 
-GET lists workers with health and the conductor's load view; POST ``{"url", "role"}`` adds a
-worker (or a role to it; role ``elastic`` in an elastic router, ``colocated`` in a colocated one, else ``prefill``
-or ``decode``); DELETE ``{"url"}`` (or ``?url=``) removes one: it gets no new requests from that
-moment, its in-flight requests finish. Used by the Kubernetes discovery sidecar and by drain hooks.
+GET lists workers with health and the conductor's load view (and which router replica answered: ``replica``);
+POST ``{"url", "role"}`` adds a worker (or a role to it; role ``elastic`` in an elastic router, ``colocated`` in
+a colocated one, else ``prefill`` or ``decode``), with ``"kv_events"`` (and ``"kv_replay"``): the ZMQ endpoints
+where its vLLM publishes KV events (the conductor subscribes); DELETE ``{"url"}`` (or ``?url=``) removes one: it
+gets no new requests from that moment, its in-flight requests finish. With a shared membership file every router
+replica of the host follows the change (:mod:`.shared_membership`). Used by the Kubernetes discovery sidecar
+and by drain hooks.
 Guarded: a bearer token (``RouterConfig.admin_token`` / $PDSERVE_ADMIN_TOKEN) or, when none is set, clients on
 this host only.
 """
@@ -12,14 +15,16 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from ..api.limits import load_json
-from ..config import RouterConfig, RouterConfigError, check_url
+from ..config import RouterConfig, RouterConfigError, check_endpoint, check_url
 from ..errors import RouterError, bad_request, not_found
+from .kv_events import Publisher
 from .placement import Placement
 from .registry import WorkerRegistry
 
@@ -72,12 +77,28 @@ def _check_role(config: RouterConfig, role: Any) -> str:
     return role
 
 
+def _publisher(body: dict[str, Any]) -> Publisher | None:
+    """The worker's KV event publisher from ``kv_events`` / ``kv_replay`` (None when not given)."""
+    if not body.get("kv_events"):
+        return None
+    try:
+        endpoint = check_endpoint("kv_events", str(body["kv_events"]))
+        replay = check_endpoint("kv_replay", str(body["kv_replay"])) if body.get("kv_replay") else ""
+    except RouterConfigError as e:
+        raise bad_request(str(e), "kv_events") from None
+    return Publisher(endpoint, replay)
+
+
 class Membership:
     """The membership API over the app's registry; the conductor follows the registry by itself."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, placement: Placement,
-                 calibration: Callable[[], dict | None] = lambda: None) -> None:
+                 calibration: Callable[[], dict | None] = lambda: None,
+                 publishers: dict[str, Publisher] | None = None,
+                 changed: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.publishers = publishers if publishers is not None else {}  # shared with the app's KV event feed
+        self.changed = changed  # tells the other router replicas (the shared membership file)
         self.registry = registry
         self.placement = placement
         self.calibration = calibration
@@ -92,7 +113,8 @@ class Membership:
             item.update({k: v for k, v in snap.get(w.url, {}).items() if k not in ("worker", "role", "healthy")})
             workers.append(item)
         out: dict[str, Any] = {"policy": self.config.policy, "mode": self.config.mode, "workers": workers,
-                               "elastic": self.config.is_elastic}
+                               "elastic": self.config.is_elastic,
+                               "replica": {"pid": os.getpid(), "routers": self.config.routers}}
         if conductor is not None:
             describe = getattr(conductor.cost, "describe", None)
             if describe is not None:
@@ -118,15 +140,23 @@ class Membership:
             url = check_url("url", str(body.get("url") or ""))
         except RouterConfigError as e:
             raise bad_request(str(e), "url") from None
+        publisher = _publisher(body)
+        if publisher is not None:
+            self.publishers[url] = publisher
         w = self.registry.add(url, role)
+        if self.changed is not None:
+            self.changed(url)
         return web.json_response({"added": url, "roles": sorted(w.roles)}, status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         _authorize(self.config, request)
         body = await _body(request)
         url = str(body.get("url") or "").rstrip("/")
+        self.publishers.pop(url, None)
         if self.registry.remove(url) is None:
             raise not_found(f"no worker {url!r} is registered (GET {PATH} lists them)", "url")
+        if self.changed is not None:
+            self.changed(url)
         return web.json_response({"removed": url})
 
     def add_routes(self, app: web.Application) -> None:

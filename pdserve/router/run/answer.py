@@ -156,5 +156,8 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
         except ConnectionError:
             # client went away: leaving this block closes the worker streams, so vLLM aborts the requests
             return resp, "client_disconnected"
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except ConnectionError:  # the client left after the last event, before the stream's end: nothing lost
+            return resp, "client_disconnected"
         return resp, "200"

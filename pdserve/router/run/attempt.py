@@ -28,6 +28,7 @@ from .failures import Migrate, Outcome, Retry, classify
 from .interrupts import Interrupts
 from .output import Output
 from .relay import Relay
+from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
 log = logging.getLogger("pdserve.router")
@@ -122,11 +123,13 @@ class Attempt:
 
     # ---- the streamed call ----
     async def deltas(self, body: dict[str, Any], own_text: bool, answered: bool, relay: bool = False,
-                     keep_prompt_logprobs: bool = False) -> AsyncGenerator[Delta, None]:
+                     keep_prompt_logprobs: bool = False, sync: TextSync | None = None
+                     ) -> AsyncGenerator[Delta, None]:
         """Stream the body: one delta per worker event, the finish last (its text made only when it goes out).
-        ``own_text``: the router's detokenizer makes the text (P -> D, a migrated attempt); ``answered``: the client
-        has output of this request already (its failure is then a mid-request one); ``relay``: plain events may pass
-        through as bytes after the first (:mod:`.relay`)."""
+        ``own_text``: the router's detokenizer makes the text (P -> D, a migrated attempt); ``sync``: only until
+        the worker's own text is settled (:mod:`.textsync`), then the worker's text as it is; ``answered``: the
+        client has output of this request already (its failure is then a mid-request one); ``relay``: plain
+        events may pass through as bytes (:mod:`.relay`) once the text is the worker's own and one delta is out."""
         t, out = self.t, self.ctx.output
         now = time.perf_counter()
         if t.dispatch is None:
@@ -156,8 +159,11 @@ class Attempt:
                     if keep_prompt_logprobs and out.prompt_logprobs is None and c0.get("prompt_logprobs"):
                         out.prompt_logprobs = c0.get("prompt_logprobs")
                     if c0.get("finish_reason") is None:
-                        yield out.delta(ids, c0, own_text)
-                        if relay and started and self.stream is not None:
+                        d = out.delta(ids, c0, own_text)
+                        if own_text and sync is not None and ids and out.settled(sync, c0, d):
+                            own_text = False  # the worker's text from the next event on (.textsync)
+                        yield d
+                        if relay and started and not own_text and self.stream is not None:
                             yield Delta("", [], relay=Relay(self, self.stream))
                     else:  # read on to [DONE] (vLLM sends it at once) so the connection is reused, not dropped
                         t.d_end = time.perf_counter()

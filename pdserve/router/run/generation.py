@@ -17,6 +17,7 @@ P -> D hand-off; past either the client gets a 504 (or an error event after the 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -39,6 +40,7 @@ from .delta import Delta
 from .failures import Migrate, Retry
 from .output import Output
 from .stops import StopStrings
+from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "Generation", "RunOptions", "Timings"]
@@ -62,7 +64,7 @@ class RunOptions:
 
     first_from_prefill: bool = True
     prefill_kv_params: dict[str, Any] | None = None
-    decode_kv_params: Callable[[str, Any], dict[str, Any] | None] | None = None
+    decode_kv_params: Callable[..., Any] | None = None  # (prefill_url, kvp, finish) -> params or their awaitable
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     request_timeout_s: float | None = None
     handoff_timeout_s: float | None = None
@@ -315,6 +317,17 @@ class Generation:
         self.attempt = Attempt(self.ctx, ticket, w, role, kind)
         return self.attempt
 
+    def _relay(self) -> bool:
+        """The worker's plain events may go to the client as bytes once its text is the output's: nothing to cut
+        (no router-side stop strings) and the answer needs no per-token transform (``passthrough``)."""
+        return self.passthrough and not self.output.stopper.stops
+
+    def _sync(self, own_text: bool) -> TextSync | None:
+        """An attempt that continues the output (D after P's token, a migrated attempt) takes the router's text
+        only until its own is settled (.textsync); with stop strings every token keeps the router's text, whose
+        per-token pieces cut a multi-token delta at the token that completes the stop string (``Output.accept``)."""
+        return TextSync() if own_text and not self.output.stopper.stops else None
+
     def _whole(self, ticket: PlacementTicket) -> AsyncGenerator[Delta, None]:
         """The whole request on ticket.decode: its stream as it is (no generator of its own in between), or, for
         ``prompt_logprobs`` (which vLLM does not stream), one unstreamed answer."""
@@ -322,11 +335,9 @@ class Generation:
         if "prompt_logprobs" in self.req.sampling and not self._done:
             return self._scored(self._attempt(ticket, "scored", role))
         own_text = self._done > 0  # a migrated attempt: the router's detokenizer carries the text on
-        # the worker's text as it is, nothing to cut: its plain events may go to the client as bytes
-        relay = self.passthrough and not own_text and not self.output.stopper.stops
         return self._attempt(ticket, "whole", role).deltas(
-            self._body(self._prompt, self._left, True), own_text, answered=self._done > 0, relay=relay,
-            keep_prompt_logprobs=not self._done)
+            self._body(self._prompt, self._left, True), own_text, answered=self._done > 0, relay=self._relay(),
+            keep_prompt_logprobs=not self._done, sync=self._sync(own_text))
 
     async def _scored(self, attempt: Attempt) -> AsyncGenerator[Delta, None]:
         t = self.t
@@ -364,7 +375,7 @@ class Generation:
         if not self._done:
             self.output.prompt_logprobs = c0.get("prompt_logprobs")
         if not self.first_from_prefill:  # D gets the prompt alone and produces the whole output itself
-            kvp = self._decode_params(ticket, kvp)
+            kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             d_body = self._body(self._prompt, self._left, True, computes_prompt=False)
         else:
             t1, finish = c0["token_ids"][0], c0.get("finish_reason")
@@ -377,7 +388,7 @@ class Generation:
             if finish != "length":
                 p.end("error", f"finished with {finish!r} after one token")
                 raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
-            kvp = self._decode_params(ticket, kvp)
+            kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             yield first
             d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
@@ -400,12 +411,13 @@ class Generation:
         p.end("ok", "prefilled")
         return c0
 
-    def _decode_params(self, ticket: PlacementTicket, kvp: Any) -> Any:
+    async def _decode_params(self, ticket: PlacementTicket, kvp: Any, finish: str | None) -> Any:
         if self.decode_kv_params is None:
             return kvp
         prefill = ticket.prefill.url if ticket.prefill is not None else "?"
         try:
-            return self.decode_kv_params(prefill, kvp)
+            params = self.decode_kv_params(prefill, kvp, finish)
+            return await params if inspect.isawaitable(params) else params
         except RouterError:
             self.metrics.worker_errors.labels("prefill", "protocol").inc()
             raise
@@ -417,12 +429,11 @@ class Generation:
         tries: set[str] = set()
         after_first = self.first_from_prefill
         own_text = after_first or self._done > 0  # the router's detokenizer carries the text on
-        relay = self.passthrough and not own_text and not self.output.stopper.stops
         while True:
             try:
                 async with aclosing(self._attempt(ticket, "decode", "decode").deltas(
-                        d_body, own_text, answered=own_text, relay=relay,
-                        keep_prompt_logprobs=not own_text)) as deltas:
+                        d_body, own_text, answered=own_text, relay=self._relay(),
+                        keep_prompt_logprobs=not own_text, sync=self._sync(own_text))) as deltas:
                     async for delta in deltas:
                         yield delta
                 return

@@ -18,16 +18,29 @@ blocks, recomputes the last prompt token and samples the first token itself. Tha
 random sampling they are independent draws, and even greedy ties may differ between P's prefill and D's
 one-token step, so D's continuation is consistent only with D's own first token. P's token is therefore never
 streamed early: the first token reaches the client after the hand-off (TTFT includes it).
+
+``mooncake``: vLLM's own MooncakeConnector (Mooncake Transfer Engine; tcp, rdma or efa). The router names the
+transfer: P gets ``do_remote_decode`` + a fresh ``transfer_id`` and answers no ``kv_transfer_params`` at all
+(``MooncakeConnectorScheduler.request_finished`` returns None); it keeps the prompt's blocks only when its one
+token ended the request by length (``FINISHED_LENGTH_CAPPED``; any other finish frees them at once). D gets the
+prompt alone with ``do_remote_prefill``, the same ``transfer_id``, P's bootstrap address and P's engine id (asked
+of P's bootstrap server, :mod:`.mooncake`); D's worker asks P's sender for that transfer id, pulls the blocks
+and samples the first token itself, as with NIXL, so P's token is never streamed early. P's blocks are freed when
+D's pull completes, or after ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` (the launcher sets it to ``lease_s``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import uuid
+from collections.abc import Awaitable, Mapping
 from typing import Any, ClassVar
 
+from ...settings.table import MOONCAKE_BOOTSTRAP_PORT
 from ..errors import RouterError, upstream_failed
+from .mooncake import BootstrapBook, parse_bootstrap_ports
 
-KV_CONNECTORS = ("pdserve", "nixl")
+KV_CONNECTORS = ("pdserve", "nixl", "mooncake")
 DEFAULT_KV_CONNECTOR = "pdserve"
 
 
@@ -41,9 +54,11 @@ class KVProtocol:
         """``kv_transfer_params`` for P's one-token request (a fresh dict: vLLM mutates what it is given)."""
         raise NotImplementedError
 
-    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
-        """D's ``kv_transfer_params`` from what P answered; None: D computes the prompt itself. Raises
-        RouterError (502) when P answered something this data plane's D would misread."""
+    def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None
+                      ) -> dict[str, Any] | None | Awaitable[dict[str, Any] | None]:
+        """D's ``kv_transfer_params`` from what P answered (its ``kv_transfer_params`` and its one token's
+        ``finish_reason``), or an awaitable of them; None: D computes the prompt itself. Raises RouterError (502)
+        when P answered something this data plane's D would misread."""
         raise NotImplementedError
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
@@ -62,7 +77,7 @@ class PdserveProtocol(KVProtocol):
     def prefill_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
 
-    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
+    def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None) -> dict[str, Any] | None:
         return kvp if isinstance(kvp, dict) else None
 
 
@@ -88,7 +103,7 @@ class NixlProtocol(KVProtocol):
         return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
-    def decode_params(self, prefill_url: str, kvp: Any) -> dict[str, Any] | None:
+    def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None) -> dict[str, Any] | None:
         """P's answer, checked: a D given ``do_remote_prefill`` without block ids stops its engine on an
         assertion, and one without host/port/engine waits for KV that never comes, so neither is passed on."""
         if kvp is None:
@@ -118,17 +133,68 @@ def _block_ids_ok(blocks: list[Any]) -> bool:
     return ints(blocks) or all(ints(g) for g in blocks)
 
 
-def _bad_params(prefill_url: str, what: str) -> RouterError:
+def _bad_params(prefill_url: str, what: str, connector: str = "NixlConnector", flag: str = "nixl") -> RouterError:
     return upstream_failed(
-        f"prefill worker {prefill_url} answered kv_transfer_params that vLLM's NixlConnector cannot use ({what}); "
-        "is every worker started with --kv-transfer-config naming NixlConnector (pdserve serve --kv-connector "
-        "nixl)?", code="kv_transfer_params_invalid")
+        f"prefill worker {prefill_url} answered kv_transfer_params that vLLM's {connector} cannot use ({what}); "
+        f"is every worker started with --kv-transfer-config naming {connector} (pdserve serve --kv-connector "
+        f"{flag})?", code="kv_transfer_params_invalid")
+
+
+class MooncakeProtocol(KVProtocol):
+    """vLLM's MooncakeConnector: the router names each transfer; D pulls by it and regenerates the first token."""
+
+    name = "mooncake"
+    first_from_prefill = False
+
+    def __init__(self, book: BootstrapBook | None = None) -> None:
+        self.book = book or BootstrapBook(MOONCAKE_BOOTSTRAP_PORT)
+
+    def prefill_params(self, transfer_id: str = "") -> dict[str, Any]:
+        return {"do_remote_decode": True, "do_remote_prefill": False,
+                "transfer_id": transfer_id or new_transfer_id()}
+
+    def options(self, constrained: bool = False) -> dict[str, Any]:
+        """One transfer id per request: P's params and D's reading of P's answer share it."""
+        transfer_id = new_transfer_id()
+        return {"first_from_prefill": False, "prefill_kv_params": self.prefill_params(transfer_id),
+                "decode_kv_params": functools.partial(self.decode_for, transfer_id)}
+
+    def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None
+                      ) -> Awaitable[dict[str, Any] | None]:
+        """Without the request's transfer id there is nothing D could pull: use :meth:`options`."""
+        raise NotImplementedError("MooncakeProtocol.decode_for(transfer_id, ...) through options()")
+
+    async def decode_for(self, transfer_id: str, prefill_url: str, kvp: Any, finish: str | None = None
+                         ) -> dict[str, Any] | None:
+        """D's params for the transfer P just kept; None (D computes the prompt itself) when P kept nothing (its
+        token did not end by length) or P's bootstrap server names no engine (P died after answering). P answering
+        params of its own means it runs another connector: a 502 before D is sent anything."""
+        if kvp is not None:
+            raise _bad_params(prefill_url, f"MooncakeConnector answers none, got {kvp!r}", "MooncakeConnector",
+                              "mooncake")
+        if finish != "length":
+            return None
+        engine = await self.book.engine_id(prefill_url)
+        if engine is None:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine,
+                "remote_bootstrap_addr": self.book.address(prefill_url), "transfer_id": transfer_id}
+
+
+def new_transfer_id() -> str:
+    """A transfer id no other request shares (P's sender and D's pull meet on it)."""
+    return f"xfer-{uuid.uuid4().hex}"
 
 
 PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(), "nixl": NixlProtocol()}
 
 
-def protocol_for(name: str) -> KVProtocol:
+def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = ""
+                 ) -> KVProtocol:
+    """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids): build it once per router.
+    Raises ValueError for an unknown name or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
+    if name == "mooncake":
+        return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)))
     try:
         return PROTOCOLS[name]
     except KeyError:

@@ -14,6 +14,7 @@ from ..api.tokenizer import IncrementalDetokenizer
 from ..fleet.ticket import PlacementTicket
 from .delta import Delta, tokens_to
 from .stops import StopStrings
+from .textsync import TextSync
 from .timings import Timings
 
 
@@ -45,6 +46,13 @@ class Output:
             return Delta("".join(pieces), ids, finish, stop, c0.get("logprobs"), pieces=pieces)
         text = c0.get("text")
         return Delta(text if isinstance(text, str) else "", ids, finish, stop, c0.get("logprobs"))
+
+    def settled(self, sync: TextSync, c0: dict[str, Any], ours: Delta) -> bool:
+        """A continuing worker's event (``c0``) whose text the router made (``ours``): True once the worker's own
+        text is the output's from the next event on (:mod:`.textsync`; at once without a detokenizer of the
+        router's, whose text is then the worker's anyway)."""
+        detok = self.detok
+        return detok is None or sync.settled(c0.get("text"), ours.text, detok.emitted)
 
     def catch_up(self) -> None:
         """Before a migrated attempt: give the detokenizer the streamed tokens whose text came from a worker

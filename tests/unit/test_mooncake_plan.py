@@ -1,0 +1,130 @@
+"""`pdserve serve --kv-connector mooncake`: the launch plan (pdserve/launch/plan.py, pdserve/launch/mooncake.py) --
+each worker's --kv-transfer-config and MooncakeConnector variables, the router's flags, and what is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.cli import build_parser, config_from_args
+from pdserve.config import ConfigError, LauncherConfig, WorkerConfig
+from pdserve.launch.commands import worker_argv, worker_env
+from pdserve.launch.plan import dry_run_ports, make_plan
+
+
+def _cfg(tmp_path, **kw) -> LauncherConfig:
+    model = tmp_path / "m"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return LauncherConfig(model=str(model), cores=(0, 1), **kw)
+
+
+def _kv(argv) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+def test_cpu_plan_workers_router_and_ports(tmp_path):
+    cfg = _cfg(tmp_path, kv_connector="mooncake", lease_s=12.5, prefill=2, decode=1,
+               connector_extra={"num_workers": 4})
+    assert cfg.pool is False  # pdserve's KV pool works through pdserve's connector only
+    ports = dry_run_ports(cfg)
+    assert ports.side_channels == tuple(ports.workers[-1] + i for i in (1, 2, 3))
+    plan = make_plan(cfg, cfg.model_dir)
+    assert plan.pool is None and not plan.of_kind("pool")
+    for w, p, side in zip(plan.workers, plan.of_kind("worker"), ports.side_channels):
+        assert _kv(p.argv) == {
+            "kv_connector": "MooncakeConnector", "kv_connector_module_path": "pdserve.vllm.mooncake_cpu",
+            "kv_role": "kv_both", "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 4}}
+        assert p.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == str(side) == str(w.mooncake_bootstrap_port)
+        assert p.env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] == "13"  # P's hold on unpulled blocks: lease_s
+        assert p.env["VLLM_HOST_IP"] == "127.0.0.1" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in p.env
+        assert w.nixl_side_channel_port == 0
+        assert not p.secret  # MooncakeConnector has no use for pdserve's transfer secret
+    r = plan.router.argv
+    assert r[r.index("--kv-connector") + 1] == "mooncake"
+    assert r[r.index("--mooncake-bootstrap") + 1] == ",".join(
+        f"{w.url}={w.mooncake_bootstrap_port}" for w in plan.workers)
+    assert "--mooncake-bootstrap" not in make_plan(_cfg(tmp_path), cfg.model_dir).router.argv
+
+
+def test_protocol_and_gpu_workers(tmp_path):
+    cfg = _cfg(tmp_path, kv_connector="mooncake", mooncake_protocol="rdma", gpus=("0", "1"),
+               connector_extra={"device_name": "mlx5_0"})
+    for p in make_plan(cfg, cfg.model_dir).of_kind("worker"):
+        kv = _kv(p.argv)  # a GPU worker loads vLLM's class as it is: no torch patch
+        assert "kv_connector_module_path" not in kv and kv["kv_buffer_device"] == "cuda"
+        assert kv["kv_connector_extra_config"] == {"mooncake_protocol": "rdma", "device_name": "mlx5_0"}
+        assert p.env["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+
+
+def test_host_from_env_wins_and_wildcard_is_not_advertised(tmp_path):
+    w = WorkerConfig(role="prefill", index=0, model="/m", port=8100, cores=(0,), kv_connector="mooncake",
+                     mooncake_bootstrap_port=8998, env={"VLLM_HOST_IP": "10.1.2.3"})
+    assert worker_env(w)["VLLM_HOST_IP"] == "10.1.2.3"
+    assert "MooncakeConnector" in " ".join(worker_argv(w))
+    anywhere = WorkerConfig(role="prefill", index=0, model="/m", port=8100, host="0.0.0.0", cores=(0,),
+                            kv_connector="mooncake", mooncake_bootstrap_port=8998)
+    assert "VLLM_HOST_IP" not in worker_env(anywhere)  # vLLM then finds this host's address itself
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="pool=true with kv_connector='mooncake'.*--kv-connector mooncake"):
+        _cfg(tmp_path, kv_connector="mooncake", pool=True)
+    with pytest.raises(ConfigError, match="kv_connector='mooncake' with elastic workers"):
+        _cfg(tmp_path, kv_connector="mooncake", elastic=2)
+    with pytest.raises(ConfigError, match="mooncake_bootstrap_port=0"):
+        WorkerConfig(role="decode", index=0, model="/m", cores=(0,), kv_connector="mooncake")
+    with pytest.raises(ConfigError, match="mooncake_protocol"):
+        _cfg(tmp_path, kv_connector="mooncake", mooncake_protocol="carrier-pigeon")
+
+
+def test_cli_flags(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = build_parser().parse_args(["serve", "--model", str(model), "--kv-connector", "mooncake",
+                                      "--mooncake-protocol", "rdma", "--gpus", "none"])
+    cfg = config_from_args(args, discover=lambda: ())
+    assert (cfg.kv_connector, cfg.mooncake_protocol, cfg.pool) == ("mooncake", "rdma", False)
+
+
+# ---------------------------------------------------------------- --pool-backend mooncake (Mooncake Store)
+
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_mooncake_store_pool_plan(tmp_path, connector):
+    cfg = _cfg(tmp_path, kv_connector=connector, pool_backend="mooncake", pool_mem="256MiB", policy="conductor")
+    assert cfg.pool is True  # the backend turns the pool on
+    plan = make_plan(cfg, cfg.model_dir, run_dir=tmp_path / "run")
+    assert plan.pool is not None and plan.pool.backend == "mooncake"
+    assert [p.name for p in plan.of_kind("pool")] == ["mooncake-master"]  # no pdserve store node
+    master = plan.process("mooncake-master")
+    assert master.argv[0].endswith("mooncake_master") and not master.secret
+    assert master.argv[master.argv.index("--rpc_port") + 1] == str(plan.pool.port) == str(master.listen_port)
+    store = json.loads(plan.pool.store_config_text)
+    assert store["master_server_address"] == f"127.0.0.1:{plan.pool.port}"
+    assert store["global_segment_size"] == 256 << 20 and store["metadata_server"] == "P2PHANDSHAKE"
+    assert plan.pool.store_config == str(tmp_path / "run" / "mooncake-store.json")
+    for p in plan.of_kind("worker"):
+        kv = _kv(p.argv)
+        assert kv["kv_connector"] == "MultiConnector"
+        first, second = kv["kv_connector_extra_config"]["connectors"]
+        assert first["kv_connector"] == {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}[connector]
+        assert second == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {}}
+        assert p.env["MOONCAKE_CONFIG_PATH"] == plan.pool.store_config
+        if connector == "mooncake":  # the class whose Prometheus counters MultiConnector needs
+            assert first["kv_connector_module_path"] == "pdserve.vllm.mooncake_cpu"
+        assert "pool_master" not in json.dumps(kv)  # pdserve's pool is not involved
+    assert "--pool-master" not in plan.router.argv  # the conductor follows pdserve's pool only
+
+
+def test_mooncake_store_pool_refusals(tmp_path):
+    with pytest.raises(ConfigError, match="pool_backend=mooncake with kv_connector='pdserve'"):
+        _cfg(tmp_path, pool_backend="mooncake")
+    with pytest.raises(ConfigError, match="--pool-backend mooncake"):
+        _cfg(tmp_path, kv_connector="nixl", pool=True)
+    off = _cfg(tmp_path, kv_connector="nixl", pool_backend="mooncake", pool=False)
+    plan = make_plan(off, off.model_dir)
+    assert plan.pool is None and "MultiConnector" not in " ".join(plan.process("prefill0").argv)
