@@ -3,9 +3,9 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh tests/unit      # quick loop: unit tests only (any pytest arguments work)
 # ruff, mypy and pytest-xdist come with the [dev] extras that setup.sh installs; their settings are in pyproject.toml.
-# pytest runs the tests on 2 processes (pytest-xdist). Each file, or each xdist_group of files that share one
-# vLLM stack, runs whole on one process, so a stack starts once (tests/conftest.py). A serial run keeps only ~1.2
-# of 2 cores busy, most of it in vLLM's single-threaded start-up.
+# pytest runs the tests on 2 processes (pytest-xdist). Each file, or each set of files that share one vLLM stack
+# (tests/conftest.py: SHARED_STACKS, whose scheduler replaces --dist loadfile's), runs whole on one process, so a
+# stack starts once. A serial run keeps only ~1.2 of 2 cores busy, most of it in vLLM's single-threaded start-up.
 # PDSERVE_TEST_WORKERS=0 runs them serially (one process).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,4 +15,4 @@ echo "[test] ruff check ." >&2
 .venv/bin/python -m ruff check --quiet .
 echo "[test] mypy (pdserve/)" >&2
 .venv/bin/python -m mypy --no-error-summary
-exec .venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"
+exec .venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "${@:-tests}"

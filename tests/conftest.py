@@ -11,10 +11,12 @@ with vLLM's default (multiprocess) executor instead.
 
 Tests marked ``slow`` (minutes each on 2 cores: tensor-parallel stacks) run only with ``PDSERVE_TEST_SLOW=1``.
 
-pytest-xdist runs with ``--dist loadgroup`` (scripts/test.sh): every test file is one group, so a module's fixtures
-start once, on one process, as ``--dist loadfile`` did; modules marked with the same ``xdist_group`` instead share
-one process and so a session-scoped stack (tests/integration/conftest.py: ``pd_cluster``), which saves the vLLM
-start-ups that dominate the suite's time.
+pytest-xdist (scripts/test.sh: ``-n 2``) runs with :class:`SharedStackScheduling`: each test file is one unit of
+work, so a module's fixtures start once, on one process; the files listed together in :data:`SHARED_STACKS` are
+one unit instead, so they run on one process, in file order, and share a session-scoped vLLM stack
+(tests/integration/conftest.py: ``pd_cluster``, ``pd_pair``), which saves the vLLM start-ups that dominate the
+suite's time. (xdist's own ``--dist loadgroup`` cannot do this with pytest 9.2: it renames ``item._nodeid``, which
+pytest no longer reads, so every test became its own unit and every module's stack started on both processes.)
 """
 
 from __future__ import annotations
@@ -27,11 +29,28 @@ if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group into the test's scheduling unit
+# test files that share one session-scoped stack, by the fixture they share; each tuple runs in this order
+SHARED_STACKS: dict[str, tuple[str, ...]] = {
+    "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
+                   "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
+    "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py"),
+}
+STACK_OF = {path: stack for stack, paths in SHARED_STACKS.items() for path in paths}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scheduler (controller side, which sees only node ids): whole files, or whole shared stacks."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedStackScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return STACK_OF.get(path, path)
+
+    return SharedStackScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if os.environ.get("PDSERVE_TEST_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow (minutes on 2 cores): run with PDSERVE_TEST_SLOW=1")

@@ -100,16 +100,13 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     proc.wait(timeout=20)
 
 
-PD_GROUP = "pd-1p1d"  # xdist_group of the modules that share ``pd_cluster``
-
-
 @pytest.fixture(scope="session")
 def pd_cluster(tmp_path_factory):
     """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
     with a Hermes-style tool template, vLLM's hermes tool parser on every worker and the router, and whitespace
-    tokens that cannot stall a JSON grammar on random weights). Started once per test process and shared by every
-    module marked ``pytest.mark.xdist_group(PD_GROUP)``; those modules run in file order on one process, so the one
-    that kills a worker (test_router_prefill_kill.py) comes last."""
+    tokens that cannot stall a JSON grammar on random weights). Started once per test process and shared by the
+    modules listed with it in tests/conftest.py's ``SHARED_STACKS``; they run in that order on one process, so the
+    one that kills a worker (test_router_prefill_kill.py) comes last."""
     from pdserve.config import LauncherConfig
     from pdserve.launcher import Cluster
     from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
@@ -124,13 +121,10 @@ def pd_cluster(tmp_path_factory):
         yield c
 
 
-PAIR_GROUP = "pd-pair"  # xdist_group of the modules that share ``pd_pair``
-
-
 @pytest.fixture(scope="session")
 def pd_pair(tmp_path_factory):
     """Two vLLM servers P and D (fp32 random Llama, PdserveConnector with test faults allowed, no router, no pool),
-    started once per test process and shared by the modules marked ``pytest.mark.xdist_group(PAIR_GROUP)``
+    started once per test process and shared by the modules listed with it in tests/conftest.py's ``SHARED_STACKS``
     (test_kv_integrity.py, test_pd_exactness.py)."""
     import time
 

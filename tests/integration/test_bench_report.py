@@ -14,15 +14,12 @@ from pdserve.bench.compare import WorkloadPlan, run_on_cluster
 from pdserve.bench.metrics import SLO
 from pdserve.bench.report import slug, write_report
 
-from .conftest import PD_GROUP
-
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(600),
-    pytest.mark.xdist_group(PD_GROUP),  # the stack of test_pd_router.py, started once (conftest.py: pd_cluster)
-]
+]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 
 
 @pytest.fixture(scope="module")

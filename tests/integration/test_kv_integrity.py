@@ -21,10 +21,9 @@ import urllib.request
 
 import pytest
 
-from .conftest import PAIR_GROUP
 from .test_pd_exactness import Server, _prompt, _salt, _tokens, _wait_usage_zero
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.xdist_group(PAIR_GROUP)]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
 GEN = 12
 BLOCK = 128
 PROMPT = 700  # 6 blocks, the last partial

@@ -24,10 +24,7 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-from .conftest import PAIR_GROUP
-
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600),
-              pytest.mark.xdist_group(PAIR_GROUP)]  # its servers are test_kv_integrity.py's too
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
 
 try:  # vLLM present and importable (its import is slow, but the servers need it anyway)
     import vllm  # noqa: F401

@@ -17,15 +17,12 @@ import pytest
 from pdserve.bench.prom import scrape
 from pdserve.launcher import Cluster
 
-from .conftest import PD_GROUP
-
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(900),
-    pytest.mark.xdist_group(PD_GROUP),
-]
+]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 openai = pytest.importorskip("openai")
 
 

@@ -19,15 +19,12 @@ from pdserve.bench.prom import scrape
 from pdserve.launcher import Cluster
 from pdserve.prom import label_values
 
-from .conftest import PD_GROUP
-
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(600),
-    pytest.mark.xdist_group(PD_GROUP),  # the stack of test_pd_router.py, started once (conftest.py: pd_cluster)
-]
+]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 
 CLIENTS = 8
 
