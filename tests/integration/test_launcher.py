@@ -130,4 +130,6 @@ def test_cli_colocated_health_gates_on_workers_and_kill_9_leaves_nothing(tiny_mo
         p.stdout.close()
     assert wait_dead(pids, 30.0) == []
     assert _group_pids(pgids) == []
-    assert sorted(x.name for x in run_dir.iterdir()) == ["colocated0.log", "launch.json", "router.log"]
+    # the routers' shared membership (and its lock) stays, so a restarted launch's router keeps run-time members
+    assert sorted(x.name for x in run_dir.iterdir()) == ["colocated0.log", "launch.json", "membership.json",
+                                                          "membership.json.lock", "router.log"]
