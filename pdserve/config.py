@@ -30,6 +30,7 @@ from .config_devices import (
 from .config_services import check_pool, check_supervision
 from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
 from .settings.connector import SECRET_ENV, ConnectorConfig
+from .settings.lora import check_max_lora_rank, parse_lora_modules
 
 __all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
            "parse_cpu_list"]
@@ -102,6 +103,11 @@ class WorkerConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    # LoRA (--enable-lora, --lora-modules, --max-lora-rank, --max-loras; VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    enable_lora: bool = _d("enable_lora")
+    lora_modules: str = _d("lora_modules")
+    max_lora_rank: int = _d("max_lora_rank")
+    max_loras: int = _d("max_loras")
     connector: bool = True
     lease_s: float = _d("lease_s")
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
@@ -184,6 +190,8 @@ _WORKER = tuple(s for s in of("worker") if s.name in {f.name for f in fields(Wor
 
 def _check_common(cfg: Any, prefix: str = "") -> None:
     """Checks shared by the launcher and worker configs (same field names) beyond the table's."""
+    parse_lora_modules(cfg.lora_modules, cfg.served_model_name or "")
+    check_max_lora_rank(cfg.max_lora_rank)
     if not isinstance(cfg.connector_extra, Mapping):
         raise ConfigError(f"{prefix}connector_extra must be a mapping, got {cfg.connector_extra!r}")
     if "secret" in cfg.connector_extra:
@@ -241,6 +249,10 @@ class LauncherConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    enable_lora: bool = _d("enable_lora")  # on whenever lora_modules names an adapter
+    lora_modules: str = _d("lora_modules")
+    max_lora_rank: int = _d("max_lora_rank")
+    max_loras: int = _d("max_loras")
     connector: bool | None = _d("connector")
     lease_s: float = _d("lease_s")
     kv_checksum: bool = _d("kv_checksum")
@@ -457,6 +469,7 @@ def _resolved(cfg: LauncherConfig) -> dict[str, Any]:
         "prefill": (1 if cfg.prefill is None else cfg.prefill) if fixed else 0,
         "decode": (1 if cfg.decode is None else cfg.decode) if fixed else 0,
         "connector": not cfg.colocated if cfg.connector is None else cfg.connector,
+        "enable_lora": cfg.enable_lora or bool(cfg.lora_modules.strip()),
     }
     out["gpus"] = cfg.gpus if isinstance(cfg.gpus, tuple) else gpu_ids(cfg.gpus)
     for name in ("cores",) + _ARG_FIELDS:

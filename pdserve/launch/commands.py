@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from ..settings.argv import launcher_values_for_router, router_flags
+from ..settings.lora import RUNTIME_UPDATES_ENV, parse_lora_modules
 from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -108,7 +109,18 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--tensor-parallel-size", str(worker.tp)]
     if worker.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
-    return argv + list(worker.extra_args)
+    return argv + lora_argv(worker) + list(worker.extra_args)
+
+
+def lora_argv(worker: WorkerConfig) -> list[str]:
+    """vLLM's LoRA flags: every adapter of ``lora_modules`` loaded at start (``--lora-modules NAME=PATH ...``)."""
+    if not worker.enable_lora:
+        return []
+    argv = ["--enable-lora", "--max-lora-rank", str(worker.max_lora_rank), "--max-loras", str(worker.max_loras)]
+    modules = parse_lora_modules(worker.lora_modules)
+    if modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in modules.items())]
+    return argv
 
 
 def worker_env(worker: WorkerConfig) -> dict[str, str]:
@@ -120,6 +132,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks if worker.tp > 1 else worker.omp_bind
     env["PYTHONUNBUFFERED"] = "1"
+    if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
+        env[RUNTIME_UPDATES_ENV] = "True"
     env["PDSERVE_WORKER_NAME"] = worker.name
     if worker.connector and worker.kv_connector == "nixl":
         # NixlConnector's handshake listener: it binds this host:port and advertises it to D in

@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..settings import ConfigError, check_fields, default, of, write_resolved
+from ..settings.lora import parse_lora_modules
 from ..settings.rules import check_host_port
 from .run.mooncake import parse_bootstrap_ports
 
@@ -189,6 +190,8 @@ class RouterConfig:
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
+    lora_modules: str = _d("lora_modules")  # NAME=PATH,...: the adapters every worker loads (model=NAME)
+    enable_lora: bool = _d("enable_lora")  # the workers serve adapters: /v1/(un)load_lora_adapter reach them
 
     def __post_init__(self) -> None:
         self._check_model_dir()
@@ -207,6 +210,10 @@ class RouterConfig:
         check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
         if self.pool_master and not self.pool_secret:
             raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
+        try:
+            parse_lora_modules(self.lora_modules, self.served_model_name)
+        except ConfigError as e:
+            raise RouterConfigError(f"--lora-modules: {e}") from None
         if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():
             raise RouterConfigError(f"--tool-call-parser {self.tool_call_parser!r}: give one of vLLM's parser names "
                                     "(e.g. hermes, llama3_json, mistral), as for `vllm serve --tool-call-parser`")
@@ -219,6 +226,7 @@ class RouterConfig:
             value = getattr(self, name)
             out[name] = tuple(check_url(f"--{name}", u) for u in ((value,) if isinstance(value, str) else value))
         out["served_model_name"] = self.served_model_name or self.model_dir
+        out["enable_lora"] = self.enable_lora or bool(self.lora_modules.strip())
         if self.max_model_len == 0:
             found = context_length_from_model_dir(self.model_dir)
             if found is None:

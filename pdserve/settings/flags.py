@@ -19,6 +19,7 @@ GROUP_TITLES = {
     "failures": "failures and overload",
     "gpus": "GPUs and the KV data plane (docs/gpu.md)",
     "pool": "the KV pool (docs/store.md)",
+    "lora": "LoRA adapters (multi-LoRA through P and D)",
     "supervision": "supervision (restarts, timeouts)",
 }
 

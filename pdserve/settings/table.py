@@ -101,6 +101,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode_tp", int, 1, "tensor-parallel ranks per decode worker; may differ from --prefill-tp", (L,),
             minimum=1, metavar="N", group="gpus",
             advice="use a whole number of tensor-parallel ranks >= 1 (vLLM's --tensor-parallel-size)"),
+    # ---------------------------------------------------------------- LoRA adapters (every worker loads them)
+    Setting("lora_modules", str, "", "LoRA adapters every worker loads, as NAME=PATH,NAME=PATH (vLLM's "
+            "--lora-modules; turns --enable-lora on); clients pick one with model=NAME, /v1/models lists them",
+            (L, W, R), metavar="NAME=PATH,...", group="lora", argv="set",
+            advice="give NAME=PATH pairs separated by commas, e.g. sql=/models/sql-lora"),
+    Setting("enable_lora", bool, False, "serve LoRA adapters (vLLM's --enable-lora on every worker, with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True so /v1/load_lora_adapter reaches them); on with --lora-modules",
+            (L, W, R), group="lora", argv="changed"),
+    Setting("max_lora_rank", int, 16, "largest adapter rank the workers accept (vLLM's --max-lora-rank: 1, 8, 16, "
+            "32, 64, 128, 256, 320 or 512)", (L, W), minimum=1, maximum=512, metavar="R", group="lora",
+            advice="use one of vLLM's ranks 1, 8, 16, 32, 64, 128, 256, 320, 512"),
+    Setting("max_loras", int, 4, "adapters one worker batch may mix (vLLM's --max-loras; each takes memory for "
+            "its weights at the largest rank)", (L, W), minimum=1, maximum=256, metavar="N", group="lora",
+            advice="use a whole number of adapters from 1 to 256"),
     Setting("run_dir", str, "", "folder for logs (default .pdserve/runs/<timestamp>-<pid>)", (L,), group="workers"),
     Setting("worker_timeout_s", float, 600.0, "seconds to wait for workers' /health", (L,), unit="s", minimum=0,
             above=True, flag="--worker-timeout", advice=_SECONDS, group="supervision"),
