@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /v1/messages and
 /v1/responses (run as chat requests: :mod:`.api.messages`, :mod:`.api.responses`), POST /tokenize and /detokenize
-(:mod:`.tokenize_api`), GET /v1/models, GET /health (200 only when every configured worker answers its /health),
+(:mod:`.tokenize_api`), GET /v1/models and POST /v1/load_lora_adapter, /v1/unload_lora_adapter (the served
+model and its LoRA adapters: :mod:`.api.lora`), GET /health (200 only when every configured worker answers its /health),
 GET /ready (200 while a healthy worker can serve requests end to end, "degraded" with one role gone: the
 Kubernetes readiness probe), GET /metrics (Prometheus text), and worker membership: GET/POST/DELETE
 /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
@@ -24,11 +25,14 @@ from aiohttp import web
 
 from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
+from ..settings.lora import parse_lora_modules
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
 from .api.limits import body_too_large, check_prompt_chars, read_body
 from .api.logprobs import LogprobTrack
+from .api.lora import LoraAdmin, ModelCatalog
+from .api.lora import add_routes as add_lora_routes
 from .api.openapi import openapi_document
 from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from .api.response import ResponseBuilder
@@ -36,7 +40,7 @@ from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
-from .errors import RouterError, bad_request, not_found
+from .errors import RouterError, bad_request
 from .fleet.calibration import calibrate
 from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
@@ -94,6 +98,9 @@ class Router:
         self.pool: PoolIndexFollower | None = None
         self.calibration: dict | None = None
         self.created = int(time.time())
+        # the served model and its LoRA adapters: the names ``model`` may take (api/lora.py)
+        self.models = ModelCatalog(config.served_model_name, config.model_dir, config.max_model_len, self.created,
+                                   parse_lora_modules(config.lora_modules), config.enable_lora)
         self.tools = ToolSupport(config.tool_call_parser, self.tokenizer.tok, config.served_model_name)
         self.registry.subscribe(self)
         if self.conducted is not None:
@@ -235,10 +242,8 @@ class Router:
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.config.served_model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": self.config.model_dir, "parent": None, "max_model_len": self.config.max_model_len}]})
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response(self.models.listing())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
@@ -302,16 +307,14 @@ class Router:
             req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
             if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
                 req.timings = True
-            if req.model is not None and req.model != self.config.served_model_name:
-                raise not_found(f"The model `{req.model}` does not exist. This router serves "
-                                f"`{self.config.served_model_name}` (see /v1/models).", "model", "model_not_found")
+            req.lora = self.models.adapter(req.model)  # 404 for an unknown model; P and D run the adapter
             assert self.client is not None, "router not started"
             tool_req = self.tools.prepare(req, body.get("messages")) if req.tools else None
             choices = await self._choices(req, t)
             if tool_req is not None:
                 for c in choices:
                     c.tools = tool_req.calls()
-            builder = ResponseBuilder(req, self.config.served_model_name)
+            builder = ResponseBuilder(req, req.lora or self.config.served_model_name)
             if req.stream:
                 resp, status = await stream(request, req, choices, builder, self.tokenizer.decode_one)
             else:
@@ -431,14 +434,17 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
         app.on_response_prepare.append(name_replica)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat)
-    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/v1/models", router.list_models)
+    if config.enable_lora:  # as vLLM, which serves them only with runtime LoRA updates allowed
+        add_lora_routes(app, LoraAdmin(router.models, lambda: [w.url for w in router.registry],
+                                       lambda: router.session, config.max_body_bytes))
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_handler)
     Membership(config, router.registry, router.placement, lambda: router.calibration, router.publishers,
                router.shared.changed if router.shared is not None else None).add_routes(app)
     app.router.add_get("/openapi.json", _openapi)
-    bridge = ChatBridge(config.served_model_name, router.admission, router.metrics, router.tools, router._choices,
+    bridge = ChatBridge(router.models, router.admission, router.metrics, router.tools, router._choices,
                         config.mode, config.max_body_bytes)
     # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
     messages.add_routes(app, bridge, router.tokenizer)

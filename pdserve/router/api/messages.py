@@ -69,12 +69,12 @@ class MessagesEndpoint:
                 chat = to_chat(body, self.merge_inline_system(), self.disabled_effort() if disabled else "none")
                 run = await b.start(chat)
                 if chat["stream"]:
-                    resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.model_name,
+                    resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.answer_name(run),
                                                                                  run.prompt_tokens))
                     return resp
                 r = await run.result()
                 b.count(run)
-                body = message_body(run.request_id, b.model_name, r.message, r.finish_reason, r.stop_reason,
+                body = message_body(run.request_id, b.answer_name(run), r.message, r.finish_reason, r.stop_reason,
                                     r.prompt_tokens, r.completion_tokens)
                 return web.Response(text=dumps(body), content_type="application/json")
         except RouterError as e:

@@ -35,7 +35,7 @@ class ResponsesEndpoint:
                 body = parse_json(await read_body(request, b.max_body_bytes))
                 chat = to_chat(body)
                 run = await b.start(chat)
-                shape = ResponseShape(body, b.model_name, run.max_tokens)
+                shape = ResponseShape(body, b.answer_name(run), run.max_tokens)
                 if chat["stream"]:
                     resp, status[0] = await b.stream(request, run, ResponseEvents(shape, run.prompt_tokens))
                     return resp

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..admission import Admission
+from ..api.lora import ModelCatalog
 from ..api.protocol import GenerationRequest, parse_chat
 from ..api.tools import ToolCalls, ToolSupport
-from ..errors import RouterError, not_found, upstream_failed
+from ..errors import RouterError, upstream_failed
 from ..fleet.workers import WorkerError
 from ..metrics import RouterMetrics
 from .choices import Choice, merged, sum_usage
@@ -150,9 +151,9 @@ class ChatBridge:
     """What an endpoint needs of the router to run a chat body: the served model's name, admission, metrics,
     tools and the app's choice builder (tokenize, check lengths, one Generation per choice)."""
 
-    def __init__(self, model_name: str, admission: Admission, metrics: RouterMetrics, tools: ToolSupport,
+    def __init__(self, models: ModelCatalog, admission: Admission, metrics: RouterMetrics, tools: ToolSupport,
                  choices: ChoicesFn, mode: str, max_body_bytes: int) -> None:
-        self.model_name = model_name
+        self.models = models
         self.admission = admission
         self.metrics = metrics
         self.tools = tools
@@ -160,10 +161,17 @@ class ChatBridge:
         self.mode = mode
         self.max_body_bytes = max_body_bytes
 
-    def check_model(self, model: Any) -> None:
-        if model is not None and model != self.model_name:
-            raise not_found(f"The model `{model}` does not exist. This router serves `{self.model_name}` "
-                            "(see /v1/models).", "model", "model_not_found")
+    @property
+    def model_name(self) -> str:
+        return self.models.base
+
+    def check_model(self, model: Any) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for an unknown model."""
+        return self.models.adapter(model)
+
+    def answer_name(self, run: ChatRun) -> str:
+        """The answer's ``model``: the adapter the request ran, else the served model."""
+        return run.req.lora or self.models.base
 
     @asynccontextmanager
     async def admitted(self, endpoint: str) -> AsyncIterator[list[str]]:
@@ -191,7 +199,7 @@ class ChatBridge:
     async def start(self, chat_body: dict[str, Any]) -> ChatRun:
         """Parse the chat body, tokenize and place: the run starts when its output is read."""
         req = parse_chat({k: v for k, v in chat_body.items() if k != "stream"})
-        self.check_model(req.model)
+        req.lora = self.check_model(req.model)
         tool_req = self.tools.prepare(req, chat_body.get("messages")) if req.tools else None
         t = Timings(arrive=time.perf_counter(), mode=self.mode)
         choices = await self.choices(req, t)

@@ -85,9 +85,9 @@ class Generation:
         o = options or RunOptions()
         self.req = req
         self.prompt_ids = prompt_ids
-        # the root of the prompt's block keys: its cache salt (and, with adapters, its LoRA), so the request is
-        # placed by its own domain's blocks only (pdserve.hashing.domain_root)
-        self.domain = domain_root(req.sampling.get("cache_salt"))
+        # the root of the prompt's block keys: its cache salt and LoRA adapter, so the request is placed by its
+        # own domain's blocks only (pdserve.hashing.domain_root; vLLM folds both into its block hashes too)
+        self.domain = domain_root(req.sampling.get("cache_salt"), req.lora)
         self.max_tokens = max_tokens
         self.placement = placement
         self.metrics = metrics
@@ -156,6 +156,8 @@ class Generation:
               ) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                                 "return_token_ids": True, **self.req.sampling}
+        if self.req.lora:  # P and D (and a colocated worker) run the adapter: vLLM picks it by model name
+            body["model"] = self.req.lora
         if not computes_prompt or self._done:
             body.pop("prompt_logprobs", None)  # only the worker that computes the prompt scores it (P)
         if isinstance(body.get("min_tokens"), int):  # what is left of it after the tokens already output (P's t1,
