@@ -72,6 +72,18 @@ device) or when elastic.extraArgs sets it. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* LoRA on ("true" or ""): lora.enabled, or any adapter in lora.modules. */}}
+{{- define "pdserve.lora" -}}
+{{- if or .Values.lora.enabled .Values.lora.modules }}true{{ end -}}
+{{- end -}}
+
+{{/* The adapters as NAME=PATH words (vLLM's --lora-modules takes them as separate arguments). */}}
+{{- define "pdserve.loraModules" -}}
+{{- $out := list -}}
+{{- range .Values.lora.modules }}{{ $out = append $out (printf "%s=%s" .name .path) }}{{ end -}}
+{{- join "," $out -}}
+{{- end -}}
+
 {{- define "pdserve.servedName" -}}
 {{- default .Values.model.name .Values.model.servedName -}}
 {{- end -}}
