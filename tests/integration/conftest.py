@@ -104,19 +104,25 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
 def pd_cluster(tmp_path_factory):
     """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
     with a Hermes-style tool template, vLLM's hermes tool parser on every worker and the router, and whitespace
-    tokens that cannot stall a JSON grammar on random weights). Started once per test process and shared by the
+    tokens that cannot stall a JSON grammar on random weights; LoRA on, with one random adapter, lora_pd.ADAPTER).
+    Started once per test process and shared by the
     modules listed with it in tests/conftest.py's ``SHARED_STACKS``; they run in that order on one process, so the
     one that kills a worker (test_router_prefill_kill.py) comes last."""
     from pdserve.config import LauncherConfig
     from pdserve.launcher import Cluster
     from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
+    from .lora_pd import ADAPTER, write_random_lora
+
     model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
     model = quiet_whitespace_tokens(use_tool_chat_template(model))
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl"
+    adapter = write_random_lora(tmp_path_factory.mktemp("pd-router-lora") / ADAPTER)
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
+                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
+                         lora_modules=f"{ADAPTER}={adapter}")
     with Cluster(cfg) as c:
         yield c
 
