@@ -5,8 +5,10 @@ Fields (all strings): ``model`` (the model's name: its path's last part or hub i
 ``config.json`` and the names and sizes of its weight files; a hub model: its config and revision), ``dtype``
 (the model's), ``kv_dtype`` (the cache's), ``block_size``, ``kv_layout`` (the tensor-parallel-independent KV layout
 signature; the shard a rank holds is checked by the layout and head plans, so ``tp`` is informative and not
-compared), ``vllm`` and ``pdserve`` versions, and ``domain``: the key domain of issue 25 (cache salt, LoRA adapter),
-empty until that issue defines it; it is compared like every other field.
+compared), ``vllm`` and ``pdserve`` versions, and ``domain``: the key domain of issue 25 (cache salt, LoRA adapter):
+"" in the worker's own fingerprint; a hand-off carries its request's (``scheduler.request_fingerprint``, the hex
+of :func:`pdserve.hashing.domain_root`, "" without a salt or an adapter), and it is compared like every other
+field, so D never takes KV that P computed under another salt or adapter.
 
 P puts its fields in ``kv_transfer_params`` (``remote_fingerprint``); D compares them with its own before it
 reads and refuses a mismatch by name (it computes the prompt itself). The 64-bit :func:`digest` travels with
@@ -79,7 +81,7 @@ def worker_fingerprint(vllm_config: Any, kv_layout: str, block_size: int, tp: in
         "tp": str(tp),
         "vllm": str(getattr(vllm, "__version__", "")),
         "pdserve": _pdserve_version(),
-        "domain": "",  # issue 25: the key domain (cache salt, LoRA adapter) goes here
+        "domain": "",  # the request's key domain goes here per hand-off (scheduler.request_fingerprint)
     }
 
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.hashing import block_hashes, domain_root
+from pdserve.hashing import ROOT_KEY, block_hashes, domain_root
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.fingerprint import differences
 from pdserve.vllm.logs import connector_log
@@ -69,6 +69,16 @@ def key_domain(request: Request) -> int:
     as vLLM's own block hashes include them, so a request never loads blocks pooled under another salt."""
     lora = getattr(request, "lora_request", None)
     return domain_root(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None))
+
+
+def request_fingerprint(fingerprint: Mapping[str, str] | None, request: Request) -> dict[str, str] | None:
+    """The worker's fingerprint with the request's key domain as ``domain`` ("" without a salt or an adapter): P
+    sends it with its hand-off and D compares it with its own request's, so D never reads KV that P computed under
+    another cache salt or LoRA adapter (it computes the prompt itself)."""
+    if not fingerprint:
+        return None
+    root = key_domain(request)
+    return {**fingerprint, "domain": "" if root == ROOT_KEY else f"{root:016x}"}
 
 
 def pool_client(config: ConnectorConfig) -> StoreClient | None:
@@ -215,7 +225,7 @@ class SchedulerSide:
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
-        refused = self._refuse_fingerprint(remote)
+        refused = self._refuse_fingerprint(remote, request)
         if refused:
             log.error("request %s: refused P's KV: %s; computing locally", request.request_id, refused)
             self._keep_read(request.request_id, {"ok": False, "bytes": 0, "ms": 0.0, "blocks": 0,
@@ -238,9 +248,10 @@ class SchedulerSide:
             return 0
         return n
 
-    def _refuse_fingerprint(self, remote: RemoteParams) -> str:
-        """Why P's KV is not this worker's kind of KV ("" when the fingerprints agree, or D has none: a fake)."""
-        mine = self.handshake.fingerprint if self.handshake is not None else {}
+    def _refuse_fingerprint(self, remote: RemoteParams, request: Request) -> str:
+        """Why P's KV is not this worker's kind of KV, or not this request's key domain ("" when the fingerprints
+        agree, or D has none: a fake)."""
+        mine = request_fingerprint(self.handshake.fingerprint if self.handshake is not None else None, request)
         if not mine:
             return ""
         if not remote.fingerprint:
@@ -389,7 +400,7 @@ class SchedulerSide:
         remote = RemoteParams(hs.engine_id, hs.host, hs.port, tuple(block_ids[:nblocks]), num_tokens,
                               request.request_id, hs.layout,
                               prompt_hash(request.prompt_token_ids or [], num_tokens), deadline, "", ranks,
-                              hs.kv_heads, hs.unit, fingerprint=hs.fingerprint or None)
+                              hs.kv_heads, hs.unit, fingerprint=request_fingerprint(hs.fingerprint, request))
         return True, remote.to_params()
 
     def _lease_s(self, params: dict[str, Any]) -> float:
