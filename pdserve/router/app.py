@@ -449,7 +449,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
     messages.add_routes(app, bridge, router.tokenizer)
     responses.add_routes(app, bridge)
-    add_tokenize_routes(app, router.tokenizer, router._prompt_ids, config.served_model_name, config.max_model_len,
+    add_tokenize_routes(app, router.tokenizer, router._prompt_ids, router.models, config.max_model_len,
                         config.max_body_bytes)
     app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
     return app

@@ -92,6 +92,9 @@ def test_models_lists_adapters_and_model_reaches_p_and_d(model_dir, tokenizer):
             assert st == 200 and out["model"] == "ad" and p.requests[-1]["model"] == "ad"
             st, out = await env.post("/v1/responses", {"model": "ad", "input": "hi", "max_output_tokens": 3})
             assert st == 200 and out["model"] == "ad" and d.requests[-1]["model"] == "ad"
+            st, out = await env.post("/tokenize", {"model": "ad", "prompt": "the cat"})  # as the base model
+            assert st == 200 and out["tokens"] == tokenizer.encode("the cat", True), out
+            assert (await env.post("/tokenize", {"model": "nope", "prompt": "a"}))[0] == 404
     run(main())
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import bad_request, not_found
+from ..errors import bad_request
 from .limits import read_body
+from .lora import ModelCatalog
 from .protocol import GenerationRequest, parse_chat, parse_json
 from .tokenizer import PromptTokenizer
 
@@ -26,22 +27,19 @@ PromptIds = Callable[[GenerationRequest], Awaitable[list[int]]]
 @dataclass(frozen=True)
 class TokenizeApi:
     """The two endpoints, given what they need from the router: its tokenizer, the function that renders and
-    tokenizes a chat exactly as a generation request's prompt is (``prompt_ids``), the served model's name, the
-    context length and the body limit."""
+    tokenizes a chat exactly as a generation request's prompt is (``prompt_ids``), the served model and its LoRA
+    adapters (an adapter tokenizes as its base model, as on vLLM), the context length and the body limit."""
 
     tokenizer: PromptTokenizer
     prompt_ids: PromptIds
-    model: str
+    models: ModelCatalog
     max_model_len: int
     max_body_bytes: int
 
     def check_model(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model:
-            raise not_found(f"The model `{model}` does not exist. This router serves `{self.model}` (see /v1/models).",
-                            "model", "model_not_found")
+        self.models.adapter(body.get("model"))  # 404 for an unknown model
         return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -77,9 +75,9 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return v
 
 
-def add_routes(app: web.Application, tokenizer: PromptTokenizer, prompt_ids: PromptIds, model: str,
+def add_routes(app: web.Application, tokenizer: PromptTokenizer, prompt_ids: PromptIds, models: ModelCatalog,
                max_model_len: int, max_body_bytes: int) -> None:
     """POST /tokenize and /detokenize on ``app`` (:class:`TokenizeApi` says what each argument is for)."""
-    api = TokenizeApi(tokenizer, prompt_ids, model, max_model_len, max_body_bytes)
+    api = TokenizeApi(tokenizer, prompt_ids, models, max_model_len, max_body_bytes)
     app.router.add_post("/tokenize", api.tokenize)
     app.router.add_post("/detokenize", api.detokenize)
