@@ -122,7 +122,7 @@ def pd_cluster(tmp_path_factory):
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
                          worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
-                         lora_modules=f"{ADAPTER}={adapter}")
+                         lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2)
     with Cluster(cfg) as c:
         yield c
 

@@ -115,7 +115,7 @@ def failure(action: str, name: str, failed: list[WorkerAnswer], of: int, note: s
     status = only if 400 <= only < 500 else 502
     message = (f"{action} of LoRA adapter '{name}' failed on {len(failed)} of {of} worker(s): "
                + "; ".join(a.describe() for a in failed) + note)
-    return RouterError(status, message, "invalid_request_error" if status < 500 else "upstream_error",
+    return RouterError(status, message, "invalid_request_error" if status < 500 else "server_error",
                        "lora_name", "lora_adapter_failed")
 
 
