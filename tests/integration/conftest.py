@@ -117,12 +117,15 @@ def pd_cluster(tmp_path_factory):
     model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
     model = quiet_whitespace_tokens(use_tool_chat_template(model))
     tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl"
+    # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl".
+    # PDSERVE_TEST_LORA=0 starts the stack without LoRA (the LoRA test then skips)
     adapter = write_random_lora(tmp_path_factory.mktemp("pd-router-lora") / ADAPTER)
+    lora = dict(lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2) \
+        if os.environ.get("PDSERVE_TEST_LORA", "1") != "0" else {}
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
                          worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
-                         lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2)
+                         **lora)
     with Cluster(cfg) as c:
         yield c
 
