@@ -3,9 +3,10 @@ comparison.
 
 A block's checksum covers its bytes in every layer of this rank, layer after layer (the worker's registration
 order), run after run (:class:`~pdserve.vllm.params.LayerGeometry`): exactly the bytes a P -> D read or a pool
-object moves, in the same order on both sides (equal layout signatures guarantee the same runs). Host memory is
-hashed with XXH3-64 in place; device memory with the batched ``wsum32`` reduction
-(:mod:`pdserve.transfer.checksum`). The producer names its algorithm; the verifier computes that one.
+object moves, the same units on both sides (equal layout signatures guarantee the same runs). Host memory is
+hashed with ``xxh3u`` (XXH3-64 of each unit, one contiguous run of one layer, seeded with its index in the block,
+summed) in place; device memory with the batched ``wsum32`` reduction (:mod:`pdserve.transfer.checksum`). The
+producer names its algorithm; the verifier computes that one.
 
 P (:class:`SealTable`): when its worker learns a lease (the step after prefill, the blocks final and held),
 it computes the leased blocks' checksums on a worker thread and keeps them until the lease ends. D's READ
@@ -13,10 +14,15 @@ batch ends with its notification; P answers it with the sums (the transfer engin
 gets them in the same round trip as the data. A block written after P sealed it (a late write into a recycled
 block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P no longer
 holds gets no sums, and D recomputes as well.
+
+D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, fed by the transfer
+engine's ``on_frame`` hook, on one hashing thread), so when the last byte is in only the last small frame is left
+to hash, while the notification's round trip runs; then the sums are compared with P's reply.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,8 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.transfer.checksum import WSUM, XXH3, to_u64, wsum_rows, xxh3_spans
+from pdserve.transfer import TransferError
+from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, add_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.vllm.logs import connector_log
 from pdserve.vllm.params import LayerGeometry
+
+log = connector_log()
 
 
 def _is_host(mem: Any) -> bool:
@@ -39,13 +49,15 @@ class BlockSums:
     def __init__(self, layers: Sequence[LayerGeometry], memory: dict[str, Any]) -> None:
         self.layers = list(layers)
         self.memory = memory
-        self.alg = XXH3 if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
+        self.alg = XXH3U if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
 
     def sums(self, block_ids: Sequence[int], alg: str = "") -> list[int]:
         """One unsigned 64-bit checksum per block, by ``alg`` (default: this memory's own)."""
         alg = alg or self.alg
         if not block_ids:
             return []
+        if alg == XXH3U:
+            return [self._unit_sum(b) for b in block_ids]
         if alg == XXH3:
             return [xxh3_spans(self._host_spans(b)) for b in block_ids]
         if alg == WSUM:
@@ -61,6 +73,16 @@ class BlockSums:
                 span = mem[base + off:base + off + n]
                 out.append(span if _is_host(mem) else span.cpu().numpy())  # xxh3 of device bytes: via the host
         return out
+
+    def _unit_sum(self, block: int) -> int:
+        total = 0
+        for k, span in enumerate(self._host_spans(block)):
+            total = add_u64(total, xxh3_unit(span, k))
+        return total
+
+    def units(self, block: int) -> list[tuple[str, int, int]]:
+        """The block's units in order: (layer region, byte offset, bytes), one per run of each layer."""
+        return [(g.name, block * g.block_stride + off, n) for g in self.layers for off, n in g.block_runs]
 
     def _wsums(self, block_ids: Sequence[int]) -> list[int]:
         """One batched reduction per (layer, run) over every block; the runs' sums add up per block."""
@@ -98,9 +120,11 @@ def mismatched(expected: dict[int, int], local: Sequence[int], remote: Sequence[
 
 
 def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int],
-               remote: Sequence[int]) -> tuple[str, int]:
+               remote: Sequence[int], arrived: ArrivalHasher | None = None) -> tuple[str, int]:
     """D: (why the blocks just read into ``local`` must not be used, "" when they may; how many matched), from P's
-    ``reply`` to the read's notification (:meth:`SealTable.reply`)."""
+    ``reply`` to the read's notification (:meth:`SealTable.reply`). ``arrived``: the sums hashed as the read
+    landed (used when P's algorithm is theirs; otherwise the blocks are hashed now)."""
+    got_arrived = arrived.result() if arrived is not None else None  # also applies its flip fault, before any hash
     if not isinstance(reply, dict):
         return "P answered no checksums (its kv_checksum is off, or an older pdserve)", 0
     if reply.get("fp") != fingerprint:
@@ -108,12 +132,108 @@ def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[in
     if "missing" in reply:
         return f"P has no checksums: {reply['missing']}", 0
     expected = dict(zip(reply.get("b") or [], reply.get("c") or []))
-    got = sums.sums(local, str(reply.get("alg") or ""))
+    alg = str(reply.get("alg") or "")
+    got = got_arrived if arrived is not None and got_arrived is not None and alg == arrived.alg else \
+        sums.sums(local, alg)
     bad = mismatched(expected, local, remote, got)
     if bad:
         why = f"{len(bad)} of {len(got)} blocks differ from P's checksums (D blocks {list(bad[:8])})"
         return why, len(got) - len(bad)
     return "", len(got)
+
+
+class ArrivalHasher:
+    """D: the ``xxh3u`` sums of one read's blocks (D's ``blocks``), hashed unit by unit while the read's frames
+    land. :meth:`frame` is the transfer engine's ``on_frame`` hook (on a transfer thread: it only queues the frame
+    for the hashing thread); a unit is hashed once all its bytes are in. :meth:`result`, after the read succeeded,
+    hashes what no frame reported (data paths without the hook) and returns one sum per block.
+
+    ``flip`` (test fault): the first block's first unit gets a byte flipped as it lands, before it is hashed
+    (corruption in transit)."""
+
+    alg = XXH3U
+
+    def __init__(self, sums: BlockSums, blocks: Sequence[int], executor: ThreadPoolExecutor,
+                 flip: bool = False) -> None:
+        self.sums, self.blocks, self.flip = sums, list(blocks), flip
+        self._units: list[tuple[str, int, int, int, int]] = []  # (region, offset, bytes, block slot, index)
+        self._regions: dict[str, tuple[list[int], int]] = {}  # region -> (its units' offsets, first unit)
+        self._arrived: list[int] = []
+        self._acc = [0] * len(self.blocks)
+        self._tasks = [executor.submit(self._index)]  # one thread: every task runs in submission order
+        self._executor = executor
+
+    def frame(self, frame: Sequence[Any]) -> None:
+        """The transfer engine's hook: ``frame``'s entries (local region, local offset, ..., length) landed."""
+        self._tasks.append(self._executor.submit(self._take, list(frame)))
+
+    def result(self) -> list[int]:
+        for task in self._tasks:
+            task.result()
+        for u, (_, _, n, _, _) in enumerate(self._units):
+            if self._arrived[u] < n:  # never reported by a frame: the read succeeded, so the bytes are in
+                self._hash(u)
+        return list(self._acc)
+
+    def _index(self) -> None:
+        units = sorted((name, off, n, slot, k) for slot, b in enumerate(self.blocks)
+                       for k, (name, off, n) in enumerate(self.sums.units(b)))
+        self._units, self._arrived = units, [0] * len(units)
+        for u, (name, off, _, _, _) in enumerate(units):
+            self._regions.setdefault(name, ([], u))[0].append(off)
+
+    def _take(self, frame: list[Any]) -> None:
+        for e in frame:
+            region = self._regions.get(e[0])
+            if region is None:
+                continue
+            offsets, first = region
+            lo, hi = e[1], e[1] + e[-1]
+            i = max(0, bisect.bisect_right(offsets, lo) - 1)
+            while i < len(offsets) and offsets[i] < hi:
+                u = first + i
+                _, off, n, _, _ = self._units[u]
+                got = min(off + n, hi) - max(off, lo)
+                if got > 0 and self._arrived[u] < n:
+                    self._arrived[u] += got
+                    if self._arrived[u] >= n:
+                        self._hash(u)
+                i += 1
+
+    def _hash(self, u: int) -> None:
+        name, off, n, slot, k = self._units[u]
+        if self.flip and slot == 0 and k == 0:
+            self.sums.flip_byte(self.blocks[0])
+            log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed", self.blocks[0])
+        self._arrived[u] = n
+        self._acc[slot] = add_u64(self._acc[slot], xxh3_unit(self.sums.memory[name][off:off + n], k))
+
+
+class ReadVerifier:
+    """D: checks each read's blocks against P's checksums; one hashing thread per worker hashes what lands."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-verify")
+
+    def tap(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> ArrivalHasher | None:
+        """A hasher for a read into ``blocks`` (None where the memory is hashed otherwise: device memory)."""
+        if sums.alg != XXH3U or not blocks:
+            return None
+        return ArrivalHasher(sums, blocks, self._executor, flip)
+
+    @staticmethod
+    def verify(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int], remote: Sequence[int],
+               arrived: ArrivalHasher | None, where: str, stats: dict[str, Any]) -> None:
+        """Raise TransferError("checksum") unless the blocks read into ``local`` match P's ``reply`` (so vLLM
+        recomputes them); counts the matched blocks in ``stats["verified"]``."""
+        problem, stats["verified"] = check_read(sums, fingerprint, reply, local, remote, arrived)
+        if problem:
+            stats["checksum_failed"] = True
+            log.error("%s: KV checksum failure: %s; vLLM will recompute", where, problem)
+            raise TransferError("checksum", problem)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SealTable:
