@@ -15,14 +15,13 @@ gets them in the same round trip as the data. A block written after P sealed it 
 block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P no longer
 holds gets no sums, and D recomputes as well.
 
-D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, fed by the transfer
-engine's ``on_frame`` hook, on one hashing thread), so when the last byte is in only the last small frame is left
-to hash, while the notification's round trip runs; then the sums are compared with P's reply.
+D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, the transfer
+engine's ``on_frame`` hook, on the lane that received each frame, while the peer moves the next), so when the last
+byte is in only the last small frame is left to hash; then the sums are compared with P's reply.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,82 +143,108 @@ def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[in
 
 class ArrivalHasher:
     """D: the ``xxh3u`` sums of one read's blocks (D's ``blocks``), hashed unit by unit while the read's frames
-    land. :meth:`frame` is the transfer engine's ``on_frame`` hook (on a transfer thread: it only queues the frame
-    for the hashing thread); a unit is hashed once all its bytes are in. :meth:`result`, after the read succeeded,
-    hashes what no frame reported (data paths without the hook) and returns one sum per block.
+    land. :meth:`frame` is the transfer engine's ``on_frame`` hook: it runs on the transfer lane that received the
+    frame, so the lane hashes frame i while the peer copies or sends frame i+1 (the lane asked for all its frames at
+    once); a unit is hashed once all its bytes are in, by whichever lane completed it (python-xxhash releases the
+    GIL, so lanes hash in parallel). :meth:`result`, after the read succeeded, hashes what no frame reported (data
+    paths without the hook) and returns one sum per block.
 
     ``flip`` (test fault): the first block's first unit gets a byte flipped as it lands, before it is hashed
     (corruption in transit)."""
 
     alg = XXH3U
 
-    def __init__(self, sums: BlockSums, blocks: Sequence[int], executor: ThreadPoolExecutor,
-                 flip: bool = False) -> None:
+    def __init__(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> None:
         self.sums, self.blocks, self.flip = sums, list(blocks), flip
-        self._units: list[tuple[str, int, int, int, int]] = []  # (region, offset, bytes, block slot, index)
-        self._regions: dict[str, tuple[list[int], int]] = {}  # region -> (its units' offsets, first unit)
-        self._arrived: list[int] = []
+        self._slot = {b: i for i, b in enumerate(self.blocks)}
+        self._layers: dict[str, tuple[LayerGeometry, int]] = {}  # region -> (geometry, index of its first unit)
+        k = 0
+        for g in sums.layers:
+            self._layers[g.name] = (g, k)
+            k += len(g.block_runs)
+        self._partial: dict[tuple[int, int], int] = {}  # (slot, unit index) -> bytes in so far
+        self._done: set[tuple[int, int]] = set()
         self._acc = [0] * len(self.blocks)
-        self._tasks = [executor.submit(self._index)]  # one thread: every task runs in submission order
-        self._executor = executor
+        self._lock = threading.Lock()
 
     def frame(self, frame: Sequence[Any]) -> None:
-        """The transfer engine's hook: ``frame``'s entries (local region, local offset, ..., length) landed."""
-        self._tasks.append(self._executor.submit(self._take, list(frame)))
+        """``frame``'s entries (local region, local offset, ..., length) landed: hash the units they complete."""
+        ready = []
+        with self._lock:
+            for e in frame:
+                ready += self._arrive(e[0], e[1], e[1] + e[-1])
+        self._hash(ready)
 
     def result(self) -> list[int]:
-        for task in self._tasks:
-            task.result()
-        for u, (_, _, n, _, _) in enumerate(self._units):
-            if self._arrived[u] < n:  # never reported by a frame: the read succeeded, so the bytes are in
-                self._hash(u)
+        with self._lock:
+            rest = [(slot, k, name, b * g.block_stride + off, n) for slot, b in enumerate(self.blocks)
+                    for name, (g, k0) in self._layers.items() for k, (off, n) in enumerate(g.block_runs, k0)
+                    if (slot, k) not in self._done]  # never reported by a frame: the read succeeded, so they are in
+            self._done.update((slot, k) for slot, k, *_ in rest)
+        self._hash(rest)
         return list(self._acc)
 
-    def _index(self) -> None:
-        units = sorted((name, off, n, slot, k) for slot, b in enumerate(self.blocks)
-                       for k, (name, off, n) in enumerate(self.sums.units(b)))
-        self._units, self._arrived = units, [0] * len(units)
-        for u, (name, off, _, _, _) in enumerate(units):
-            self._regions.setdefault(name, ([], u))[0].append(off)
+    def _arrive(self, name: str, lo: int, hi: int) -> list[tuple[int, int, str, int, int]]:
+        """The units that bytes [lo, hi) of region ``name`` complete: (slot, unit index, region, offset, bytes)."""
+        layer = self._layers.get(name)
+        if layer is None:
+            return []
+        g, k0 = layer
+        out: list[tuple[int, int, str, int, int]] = []
+        pos = lo
+        while pos < hi:
+            at = self._unit_at(g, pos)
+            if at is None:
+                return out  # not a unit of this read (cannot happen for the connector's entries)
+            j, block, within = at
+            n = g.block_runs[j][1]
+            take = min(hi - pos, n - within)
+            key = (self._slot[block], k0 + j)
+            got = self._partial.pop(key, 0) + take
+            if got < n:
+                self._partial[key] = got
+            elif key not in self._done:
+                self._done.add(key)
+                out.append((*key, name, pos - within, n))
+            pos += take
+        return out
 
-    def _take(self, frame: list[Any]) -> None:
-        for e in frame:
-            region = self._regions.get(e[0])
-            if region is None:
-                continue
-            offsets, first = region
-            lo, hi = e[1], e[1] + e[-1]
-            i = max(0, bisect.bisect_right(offsets, lo) - 1)
-            while i < len(offsets) and offsets[i] < hi:
-                u = first + i
-                _, off, n, _, _ = self._units[u]
-                got = min(off + n, hi) - max(off, lo)
-                if got > 0 and self._arrived[u] < n:
-                    self._arrived[u] += got
-                    if self._arrived[u] >= n:
-                        self._hash(u)
-                i += 1
+    def _unit_at(self, g: LayerGeometry, pos: int) -> tuple[int, int, int] | None:
+        """(run, block, bytes into the run) of the unit of this read holding byte ``pos`` of ``g``'s region."""
+        for j, (off, n) in enumerate(g.block_runs):
+            block, within = divmod(pos - off, g.block_stride)
+            if pos >= off and within < n and block in self._slot:
+                return j, block, within
+        return None
 
-    def _hash(self, u: int) -> None:
-        name, off, n, slot, k = self._units[u]
-        if self.flip and slot == 0 and k == 0:
-            self.sums.flip_byte(self.blocks[0])
-            log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed", self.blocks[0])
-        self._arrived[u] = n
-        self._acc[slot] = add_u64(self._acc[slot], xxh3_unit(self.sums.memory[name][off:off + n], k))
+    def _hash(self, units: list[tuple[int, int, str, int, int]]) -> None:
+        for slot, k, name, off, n in units:
+            if self.flip and slot == 0 and k == 0:
+                self.sums.flip_byte(self.blocks[0])
+                log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed",
+                            self.blocks[0])
+            value = xxh3_unit(self.sums.memory[name][off:off + n], k)
+            with self._lock:
+                self._acc[slot] = add_u64(self._acc[slot], value)
+
+
+STREAM_MIN_BYTES = 4 << 20  # smaller reads are hashed after they land: tapered frames cost more than they hide
 
 
 class ReadVerifier:
-    """D: checks each read's blocks against P's checksums; one hashing thread per worker hashes what lands."""
+    """D: checks each read's blocks against P's checksums, hashed as they land where the memory allows (reads of
+    ``min_bytes`` or more)."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-verify")
+    def __init__(self, min_bytes: int = STREAM_MIN_BYTES) -> None:
+        self.min_bytes = min_bytes
 
     def tap(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> ArrivalHasher | None:
-        """A hasher for a read into ``blocks`` (None where the memory is hashed otherwise: device memory)."""
-        if sums.alg != XXH3U or not blocks:
+        """A hasher for a read into ``blocks`` (None where they are hashed after the read: device memory, or a
+        read smaller than ``min_bytes``)."""
+        nbytes = len(blocks) * sum(g.block_bytes for g in sums.layers)
+        if sums.alg != XXH3U or not blocks or nbytes < self.min_bytes:
             return None
-        return ArrivalHasher(sums, blocks, self._executor, flip)
+        return ArrivalHasher(sums, blocks, flip)
 
     @staticmethod
     def verify(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int], remote: Sequence[int],
@@ -227,13 +252,11 @@ class ReadVerifier:
         """Raise TransferError("checksum") unless the blocks read into ``local`` match P's ``reply`` (so vLLM
         recomputes them); counts the matched blocks in ``stats["verified"]``."""
         problem, stats["verified"] = check_read(sums, fingerprint, reply, local, remote, arrived)
+        stats["streamed"] = arrived is not None
         if problem:
             stats["checksum_failed"] = True
             log.error("%s: KV checksum failure: %s; vLLM will recompute", where, problem)
             raise TransferError("checksum", problem)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SealTable:

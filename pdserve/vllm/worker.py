@@ -489,7 +489,6 @@ class WorkerSide:
 
     def close(self) -> None:
         self._seals.close()
-        self.verifier.close()
         if self.pool is not None:
             self.pool.close()
         try:

@@ -111,8 +111,6 @@ def test_xxh3u_is_the_seeded_sum_of_a_blocks_units():
 
 @pytest.mark.parametrize("split", [0, 1, 5])
 def test_arrival_hasher_equals_the_block_sums_whatever_frames_land_in_whatever_order(split):
-    from concurrent.futures import ThreadPoolExecutor
-
     sums = _two_layers()
     blocks = [4, 1, 2]
     pieces = []  # every unit's bytes, cut in ``split`` places, as (region, offset, ..., length) frame entries
@@ -122,40 +120,41 @@ def test_arrival_hasher_equals_the_block_sums_whatever_frames_land_in_whatever_o
             cuts = sorted({0, n, *rng.integers(1, n, split).tolist()})
             pieces += [(name, off + lo, name, 0, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
     rng.shuffle(pieces)
-    with ThreadPoolExecutor(1) as pool:
-        tap = ArrivalHasher(sums, blocks, pool)
-        for i in range(0, len(pieces), 3):
-            tap.frame(pieces[i:i + 3])
-        assert tap.result() == sums.sums(blocks)
-        partial = ArrivalHasher(sums, blocks, pool)  # a data path without the hook: hashed at the end
-        partial.frame(pieces[:2])
-        assert partial.result() == sums.sums(blocks)
-        before = sums.sums(blocks)
-        flipped = ArrivalHasher(sums, blocks, pool, flip=True)  # test fault: corrupted as it lands
-        flipped.frame(pieces)
-        got = flipped.result()
-        assert got[0] != before[0] and got[1:] == before[1:] and got == sums.sums(blocks)
+    tap = ArrivalHasher(sums, blocks)
+    for i in range(0, len(pieces), 3):
+        tap.frame(pieces[i:i + 3])
+    assert tap.result() == sums.sums(blocks)
+    partial = ArrivalHasher(sums, blocks)  # a data path without the hook: hashed at the end
+    partial.frame(pieces[:2])
+    assert partial.result() == sums.sums(blocks)
+    foreign = ArrivalHasher(sums, blocks)  # bytes of other blocks or regions are not this read's
+    foreign.frame([("l0", 0, "l0", 0, 256), ("other", 0, "other", 0, 64)] + pieces)
+    assert foreign.result() == sums.sums(blocks)
+    before = sums.sums(blocks)
+    flipped = ArrivalHasher(sums, blocks, flip=True)  # test fault: corrupted as it lands
+    flipped.frame(pieces)
+    got = flipped.result()
+    assert got[0] != before[0] and got[1:] == before[1:] and got == sums.sums(blocks)
 
 
 def test_check_read_uses_what_landed_when_p_used_xxh3u():
     from pdserve.transfer import TransferError
 
     sums, verifier = _two_layers(), ReadVerifier()
-    try:
-        good = sums.sums([1, 2])
-        reply = {"alg": XXH3U, "fp": 9, "b": [7, 8], "c": good}
-        stats: dict = {}
-        tap = verifier.tap(sums, [1, 2])
-        assert tap is not None
-        verifier.verify(sums, 9, reply, [1, 2], [7, 8], tap, "request r", stats)
-        assert stats == {"verified": 2}
-        with pytest.raises(TransferError, match="differ"):
-            verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], flip=True), "r", stats)
-        assert stats["checksum_failed"]
-        dev = BlockSums(sums.layers, {n: torch.from_numpy(m) for n, m in sums.memory.items()})
-        assert dev.alg == WSUM and verifier.tap(dev, [1, 2]) is None  # device memory: hashed after the read
-    finally:
-        verifier.close()
+    good = sums.sums([1, 2])
+    reply = {"alg": XXH3U, "fp": 9, "b": [7, 8], "c": good}
+    stats: dict = {}
+    assert verifier.tap(sums, [1, 2]) is None  # a small read: hashed after it landed
+    verifier.min_bytes = 0
+    tap = verifier.tap(sums, [1, 2])
+    assert tap is not None
+    verifier.verify(sums, 9, reply, [1, 2], [7, 8], tap, "request r", stats)
+    assert stats == {"verified": 2, "streamed": True}
+    with pytest.raises(TransferError, match="differ"):
+        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], True), "r", stats)
+    assert stats["checksum_failed"]
+    dev = BlockSums(sums.layers, {n: torch.from_numpy(m) for n, m in sums.memory.items()})
+    assert dev.alg == WSUM and verifier.tap(dev, [1, 2]) is None  # device memory: hashed after the read
 
 
 def test_mismatched_pairs_local_with_remote_blocks():
@@ -241,23 +240,27 @@ def _read(d, remote: RemoteParams, fault: str = ""):
     return res, d.take_worker_meta().reads["dreq"], d.take_stats()
 
 
-def test_p_seals_its_lease_and_d_verifies_the_read(pair):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_p_seals_its_lease_and_d_verifies_the_read(pair, streamed):
     p, d = pair()
+    d.verifier.min_bytes = 0 if streamed else 1 << 40
     res, stats, _ = _read(d, _lease(p, "req"))
     assert res.finished_recving == {"dreq"} and not res.failed_recving, stats
-    assert stats["ok"] and stats["verified"] == 2
+    assert stats["ok"] and stats["verified"] == 2 and stats["streamed"] == streamed
     assert torch.equal(d._tensors["layer.0"][:2], p._tensors["layer.0"][3:5])
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("fault", ["flip", "late"])
-def test_corruption_in_transit_or_a_late_write_fails_the_read(pair, fault):
+def test_corruption_in_transit_or_a_late_write_fails_the_read(pair, fault, streamed):
     p, d = pair()
+    d.verifier.min_bytes = 0 if streamed else 1 << 40  # hashed as the frames land, or after the read
     remote = _lease(p, "req", fault="late" if fault == "late" else "")
     if fault == "late":
         time.sleep(0.2)  # P sealed, then wrote into the block; D reads afterwards
     res, stats, counters = _read(d, remote, fault="flip" if fault == "flip" else "")
     assert res.failed_recving == {"dreq"} and not stats["ok"] and stats["checksum_failed"]
-    assert "differ from P's checksums" in stats["error"]
+    assert "differ from P's checksums" in stats["error"] and stats["streamed"] == streamed
     assert d.take_invalid_blocks() == {0, 1}  # vLLM recomputes them
     assert counters.data["checksum_failures_p2p"] == 1 and counters.data["read_failures"] == 1
 
