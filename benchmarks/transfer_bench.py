@@ -8,7 +8,7 @@ GB/s of the same total). Issue 27: per backend, a READ of 1 MiB and 16 MiB of KV
 64 KiB runs, as a layer's K and V planes) ending in D's notification to P, as the connector reads, three ways
 interleaved in the same run (medians): ``off`` (kv_checksum off: P answers nothing); ``on``, the connector's way
 (pdserve.vllm.integrity's ReadVerifier: P answers with the checksums it sealed off the read's path; D hashes each
-frame as it lands for reads of 4 MiB or more, after the read below that, and compares); ``streamed`` (hashed as
+frame as it lands for reads of 2 MiB or more, after the read below that, and compares); ``streamed`` (hashed as
 frames land at every size) and ``after`` (hashed after the read at every size).
 <backend>_checksum_overhead_<size> = time(on) / time(off) - 1; ..._streamed_<size> and ..._after_<size> alike.
 When installed, the anchors run too: Mooncake TE's TCP transport and NIXL/UCX through their own APIs

@@ -228,7 +228,7 @@ class ArrivalHasher:
                 self._acc[slot] = add_u64(self._acc[slot], value)
 
 
-STREAM_MIN_BYTES = 4 << 20  # smaller reads are hashed after they land: tapered frames cost more than they hide
+STREAM_MIN_BYTES = 2 << 20  # smaller reads are hashed after they land: tapered frames cost more than they hide
 
 
 class ReadVerifier:
