@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pdserve.procs import http_status, pids_in_group, wait_dead  # noqa: E402
+from pdserve.http_probe import http_status  # noqa: E402
+from pdserve.procs import pids_in_group, wait_dead  # noqa: E402
 from pdserve.prom import families  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,11 +22,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .http_probe import http_answer
 
 PR_SET_PDEATHSIG = 1
 
@@ -356,17 +356,6 @@ class Reaper:
 # --------------------------------------------------------------------------- health
 
 
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    """HTTP status of GET ``url``, or None if nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
 def wait_healthy(
     children: Sequence[Child],
     timeout_s: float,
@@ -376,7 +365,8 @@ def wait_healthy(
     on_ready: Callable[[Child], None] | None = None,
     watch: Sequence[Child] = (),
 ) -> None:
-    """Wait until every child's ``url + path`` answers 200. Raises :class:`LaunchError` (with the failing
+    """Wait until every child's ``url + path`` answers 200 (children that share a URL: until each has answered
+    200 itself, by :data:`PID_HEADER`). Raises :class:`LaunchError` (with the failing
     child's log tail) as soon as one of them, or of ``watch`` (started, not yet waited for), exits, or when
     ``timeout_s`` passes."""
     pending = [c for c in children if c.ready_at is None]
@@ -402,11 +392,14 @@ def wait_healthy(
                     f"{c.name} exited with code {rc} before it became healthy.{hint} Log {c.log_path}:\n"
                     f"{_indent(log_tail)}"
                 )
-            if http_status(c.url + path) == 200:
-                c.ready_at = time.monotonic()
-                pending.remove(c)
+            status, pid = http_answer(c.url + path)
+            # processes that share a port (router replicas) say which of them answered: that one is ready
+            who = c if pid is None else next((p for p in pending if p.proc.pid == pid), None)
+            if status == 200 and who is not None:
+                who.ready_at = time.monotonic()
+                pending.remove(who)
                 if on_ready is not None:
-                    on_ready(c)
+                    on_ready(who)
         if not pending:
             break
         if time.monotonic() > deadline:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
+from ..http_probe import PID_HEADER
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
@@ -212,7 +213,8 @@ class Router:
         workers = await self.probe()
         ok = all(w["healthy"] for w in workers)
         return web.json_response({"status": "ok" if ok else "unhealthy", "mode": self.config.mode,
-                                  "workers": workers}, status=200 if ok else 503)
+                                  "workers": workers}, status=200 if ok else 503,
+                                 headers={PID_HEADER: str(os.getpid())})  # which replica answered
 
     async def ready(self, request: web.Request) -> web.Response:
         """200 while some healthy worker can serve a request end to end (from the last probes): "ready" with a

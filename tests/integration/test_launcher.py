@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import http_status, pids_in_group, wait_dead
+from pdserve.http_probe import http_status
+from pdserve.procs import pids_in_group, wait_dead
 
 pytestmark = [
     pytest.mark.integration,

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.config import LauncherConfig
+from pdserve.http_probe import http_status
 from pdserve.launcher import Cluster
-from pdserve.procs import http_status, pids_in_group, wait_dead
+from pdserve.procs import pids_in_group, wait_dead
 
 from .test_pd_exactness import _prompt
 
