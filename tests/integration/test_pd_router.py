@@ -74,6 +74,14 @@ def test_router_pd_chat_equals_one_worker(cluster):
     assert out.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
 
 
+def test_launch_pool_saves_pd_prompts_and_p_frees_after(cluster):
+    """The launch's own KV pool: P saves a P -> D prompt's blocks and frees them once D read them and the save
+    ended (tests/integration/pool_launch.py)."""
+    from tests.integration.pool_launch import check_launch_pool_saves_pd_prompts
+
+    check_launch_pool_saves_pd_prompts(cluster)
+
+
 def test_pd_streams_are_relayed_as_bytes_and_equal_one_worker(cluster):
     """D's stream goes through the byte relay once its text settles; text and ids equal one worker's."""
     from tests.integration.pd_relay import check_pd_streams_are_relayed_and_exact
