@@ -264,6 +264,7 @@ async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         t0 = time.perf_counter()
         first = None
+        failed = False
         timings: dict = {}
         body = {"model": model, "prompt": toks, "max_tokens": mx, "temperature": 0, "ignore_eos": True,
                 "stream": True}
@@ -276,7 +277,10 @@ async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int
                     first = time.perf_counter()
                 if b"pdserve_timings" in line:
                     timings = json.loads(line[6:])["pdserve_timings"]
-        return {"ok": first is not None, "ttft": (first or t0) - t0, "e2e": time.perf_counter() - t0,
+                if line.startswith(b'data: {"error"'):
+                    failed = True
+        return {"ok": first is not None, "failed_mid_stream": failed, "ttft": (first or t0) - t0,
+                "e2e": time.perf_counter() - t0,
                 "prompt": len(toks), "sent": t0 - start, "replica": replica,
                 "prefill_worker": timings.get("prefill_worker"), "queue_ms": timings.get("queue_ms"),
                 "prefill_ms": timings.get("prefill_ms")}
@@ -371,6 +375,7 @@ def run_live(args) -> dict:
         ok = [o for o in out if o["ok"]]
         ttft = [o["ttft"] for o in ok]
         results.append({"config": name, "routers": routers, "ok": len(ok), "requests": len(out),
+                        "failed_mid_stream": sum(1 for o in out if o.get("failed_mid_stream")),
                         "wall_s": round(wall, 1), "prefill_hit_rate": round((h1 - h0) / max(1.0, q1 - q0), 4),
                         "prefix_hit_tokens": int(h1 - h0), "prefill_tokens_computed": int((q1 - q0) - (h1 - h0)),
                         "ttft_mean_s": round(statistics.mean(ttft), 3), "ttft_p50_s": round(pct(ttft, 50), 3),
