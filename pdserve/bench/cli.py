@@ -173,7 +173,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     flat: dict[str, Any] = {"report": str(out / "report.md")}
     for c in results["order"]:
         for label, row in results["configs"][c]["workloads"].items():
-            for k in COLS + ("transfer_share_p50", "kv_read_share_of_ttft_p50", "offered_rate"):
+            for k in COLS + ("transfer_share_p50", "kv_read_share_of_ttft_p50", "offered_rate", "handoff_p50_ms",
+                             "handoff_p99_ms", "kv_bytes_per_request", "prefill_tokens_computed",
+                             "prefix_cache_tokens", "pool_hit_tokens", "pool_get_gbps", "pool_put_gbps"):
                 flat[f"{c}|{label}|{k}"] = row.get(k)
     flat["verdicts"] = summary["verdicts"]
     flat["crossovers"] = summary["crossovers"]
