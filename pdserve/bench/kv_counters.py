@@ -10,8 +10,11 @@ per-run figures (:func:`kv_figures`):
   both, so the larger of P's and D's sums is taken.
 - ``prefill_tokens_computed``: prompt tokens every worker computed (``vllm:prompt_tokens_by_source_total``
   ``local_compute``); ``prefix_cache_tokens``: those its own prefix cache answered (``local_cache_hit``).
-- ``pool_hit_tokens``: prompt tokens the prefill workers loaded (``external_kv_transfer`` on P: a prefill
-  worker's only outside source is the pool, whichever backs it).
+- ``pool_hit_tokens``: prompt tokens any worker loaded from the pool: pdserve's
+  ``vllm:pdserve_kv_pool_loaded_tokens_total``, or Mooncake Store's loaded keys
+  (``vllm:mooncake_store_operation_keys_total{operation="load_get"}``, one key a block at TP 1) times the block size.
+  ``prefill_external_tokens``: the prefill workers' ``external_kv_transfer`` prompt tokens (a prefill worker's only
+  outside source is the pool).
 - ``pool_get_gbps`` / ``pool_put_gbps``: Mooncake Store's load / save bytes over the seconds its operations took
   (``vllm:mooncake_store_operation_{bytes_total,time_seconds_sum}``). pdserve's pool counts bytes
   (``vllm:pdserve_kv_pool_{load,save}_bytes_total``: ``pool_get_bytes`` / ``pool_put_bytes``) but not the time
@@ -66,8 +69,9 @@ def _gbps(nbytes: float, seconds: float) -> float | None:
 
 
 def kv_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-               requests: int) -> dict[str, Any]:
-    """The run's figures (module docstring) from two :func:`worker_counters` snapshots."""
+               requests: int, block_size: int = 128) -> dict[str, Any]:
+    """The run's figures (module docstring) from two :func:`worker_counters` snapshots; ``block_size``: the
+    workers' KV block in tokens (vLLM on CPU: 128)."""
     d = {role: delta(before.get(role, {}), after.get(role, {})) for role in after}
     every: dict[str, float] = {}
     for c in d.values():
@@ -83,7 +87,10 @@ def kv_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, f
         "kv_bytes_per_request": round(plane / requests, 1) if requests else None,
         "prefill_tokens_computed": int(_sum(every, src, 'source="local_compute"')),
         "prefix_cache_tokens": int(_sum(every, src, 'source="local_cache_hit"')),
-        "pool_hit_tokens": int(_sum(d.get("prefill", {}), src, 'source="external_kv_transfer"')),
+        "pool_hit_tokens": int(_sum(every, "vllm:pdserve_kv_pool_loaded_tokens_total")
+                               + _sum(every, "vllm:mooncake_store_operation_keys_total", 'operation="load_get"')
+                               * block_size),
+        "prefill_external_tokens": int(_sum(d.get("prefill", {}), src, 'source="external_kv_transfer"')),
         "pool_get_bytes": int(get_b or _sum(every, "vllm:pdserve_kv_pool_load_bytes_total")),
         "pool_put_bytes": int(put_b or _sum(every, "vllm:pdserve_kv_pool_save_bytes_total")),
         "pool_get_gbps": _gbps(get_b, get_s),

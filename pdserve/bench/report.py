@@ -26,6 +26,7 @@ PHASE_COLS = (("queue_p50_ms", "queue"), ("prefill_p50_ms", "prefill"), ("handof
 KV_COLS = (("handoff_p50_ms", "hand-off p50"), ("handoff_p99_ms", "hand-off p99"),
            ("kv_bytes_per_request", "KV bytes/req"), ("prefill_tokens_computed", "prefill tokens computed"),
            ("prefix_cache_tokens", "prefix-cache tokens"), ("pool_hit_tokens", "pool hit tokens"),
+           ("prefill_external_tokens", "P external tokens"),
            ("pool_get_gbps", "pool get GB/s"), ("pool_put_gbps", "pool put GB/s"))
 
 

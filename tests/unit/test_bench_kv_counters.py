@@ -16,12 +16,14 @@ def test_pdserve_plane_and_pool():
     after = {
         "prefill": {_src("local_compute"): 1100.0, _src("external_kv_transfer"): 512.0,
                     _src("local_cache_hit"): 256.0, "vllm:pdserve_kv_pool_load_bytes_total": 4e6,
+                    "vllm:pdserve_kv_pool_loaded_tokens_total": 512.0,
                     "vllm:pdserve_kv_pool_save_bytes_total": 8e6},
         "decode": {_src("external_kv_transfer"): 1500.0, "vllm:pdserve_kv_read_bytes_total": 3e6},
     }
     f = kv_figures(before, after, requests=3)
     assert f["kv_bytes_per_request"] == 1e6
     assert (f["prefill_tokens_computed"], f["prefix_cache_tokens"], f["pool_hit_tokens"]) == (1000, 256, 512)
+    assert f["prefill_external_tokens"] == 512
     assert (f["pool_get_bytes"], f["pool_put_bytes"]) == (4_000_000, 8_000_000)
     assert f["pool_get_gbps"] is None and f["pool_put_gbps"] is None  # pdserve's pool times nothing
 
@@ -42,8 +44,10 @@ def test_mooncake_store_rates():
                          _src("external_kv_transfer"): 128.0},
              "decode": {op + 'bytes_total{operation="load_get",status="success"}': 3e9,
                         op + 'time_seconds_sum{operation="load_get",status="success"}': 1.5,
+                        op + 'keys_total{operation="load_get",status="success"}': 3.0,
                         op + 'time_seconds_count{operation="load_get",status="success"}': 7.0}}
     f = kv_figures({}, after, 1)
-    assert (f["pool_put_gbps"], f["pool_get_gbps"], f["pool_hit_tokens"]) == (0.5, 2.0, 128)
+    assert (f["pool_put_gbps"], f["pool_get_gbps"], f["prefill_external_tokens"]) == (0.5, 2.0, 128)
+    assert f["pool_hit_tokens"] == 3 * 128  # D's loads from the store count too
     assert f["kv_bytes_per_request"] == 0.0
     assert kv_figures({}, after, 0)["kv_bytes_per_request"] is None
