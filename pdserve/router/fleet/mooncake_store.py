@@ -36,7 +36,7 @@ from ...conductor.events import IndexLike
 log = logging.getLogger("pdserve.router.fleet.mooncake_store")
 HOLDER = "pool"  # the conductor's fetchable holder, whichever pool backs it
 MASK64 = (1 << 64) - 1
-KNOWN_LIMIT = 1 << 20  # (hash, key) pairs remembered
+KNOWN_LIMIT = 1 << 18  # (hash, key) pairs remembered: 262,144 blocks (33M tokens at 128), ~40 MB
 
 
 def key_prefix(model_dir: str) -> str:
