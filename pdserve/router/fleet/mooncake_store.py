@@ -32,6 +32,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 
 from ...conductor.events import IndexLike
+from .follower import Follower
 
 log = logging.getLogger("pdserve.router.fleet.mooncake_store")
 HOLDER = "pool"  # the conductor's fetchable holder, whichever pool backs it
@@ -133,7 +134,7 @@ def http_listing(admin: str, timeout_s: float = 5.0) -> Callable[[], str]:
     return fetch
 
 
-class MooncakeStoreFollower:
+class MooncakeStoreFollower(Follower):
     """Polls the store's listing every ``interval_s`` into a :class:`StoreView`; :meth:`learn` takes the workers'
     (hash, key) pairs (a :class:`~.kv_events.KVEventFeed` learner). Runs on the router's event loop."""
 
@@ -145,8 +146,8 @@ class MooncakeStoreFollower:
         self.admin = admin
         self.interval_s = interval_s
         self.polls = 0
-        self.reachable = False
-        self.task = asyncio.create_task(self._run())
+        self.source = f"Mooncake Store master {admin}"
+        self.start()
 
     def learn(self, pairs: list[tuple[Hashable, int]]) -> None:
         self.view.learn(pairs)
@@ -159,27 +160,12 @@ class MooncakeStoreFollower:
         self.view.listing(hashes)
         self.polls += 1
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-                if not self.reachable:
-                    log.info("Mooncake Store at %s: following its keys (%s*)", self.admin, self.prefix)
-                self.reachable = True
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # master down or restarting: forget the store until it answers again
-                if self.reachable:
-                    log.warning("Mooncake Store master %s unreachable (%s); ignoring pooled prefixes until it is "
-                                "back", self.admin, e)
-                self.reachable = False
-                self.view.clear()
-            await asyncio.sleep(self.interval_s)
+    async def step(self) -> None:
+        await self.poll_once()
 
-    async def close(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
+    def found(self) -> None:
+        log.info("Mooncake Store at %s: following its keys (%s*)", self.admin, self.prefix)
+
+    def forget(self) -> None:
+        self.view.clear()
 
