@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,49 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .http_probe import http_answer
+from .ports import free_port, free_ports, port_is_free  # noqa: F401 (the launcher's and tests' import path)
 
 PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
     """A process did not start or did not become healthy; the message carries its log tail."""
-
-
-# --------------------------------------------------------------------------- ports
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
-    """``n`` distinct free TCP ports on ``host``: all sockets stay bound until every port is chosen, so the
-    kernel never hands out the same port twice. Another process may still take one before the child binds
-    it; the health wait then reports the child's bind error."""
-    socks: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in exclude and port not in ports:
-                ports.append(port)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
 
 
 # --------------------------------------------------------------------------- cores
