@@ -32,6 +32,7 @@ if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
 # test files that share one session-scoped stack, by the fixture they share; each tuple runs in this order
 SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
+                   "tests/integration/test_router_vllm.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
     "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py"),
 }
@@ -57,3 +58,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    """PDSERVE_TEST_TIMELINE=FILE: each process appends "worker end-time file" per test (where the suite's time goes
+    on each of the two processes, to balance them)."""
+    path = os.environ.get("PDSERVE_TEST_TIMELINE")
+    if path:
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {time.time():.1f} {nodeid.split('::')[0]}\n")
