@@ -69,3 +69,14 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
 
         with open(path, "a") as f:
             f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {time.time():.1f} {nodeid.split('::')[0]}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_model_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Random test models are built once per run and copied (pdserve.models: PDSERVE_MODEL_CACHE), in a folder the
+    test processes of this run share (xdist's workers have one base folder's parent in common)."""
+    from pdserve.models import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):
+        base = tmp_path_factory.getbasetemp()
+        os.environ[CACHE_ENV] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models")
