@@ -52,12 +52,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _order_shared_stacks(items)
     if os.environ.get("PDSERVE_TEST_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow (minutes on 2 cores): run with PDSERVE_TEST_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _order_shared_stacks(items: list[pytest.Item]) -> None:
+    """The files of each shared stack run in SHARED_STACKS' order (collection would sort them by name): the
+    places their tests hold in ``items`` are refilled in that order, everything else stays where it is."""
+    for stack, paths in SHARED_STACKS.items():
+        places = [i for i, item in enumerate(items) if STACK_OF.get(item.nodeid.split("::", 1)[0]) == stack]
+        ordered = sorted((items[i] for i in places), key=lambda item: paths.index(item.nodeid.split("::", 1)[0]))
+        for i, item in zip(places, ordered):
+            items[i] = item
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
