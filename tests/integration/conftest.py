@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.procs import pids_in_group, wait_dead
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "integration-test-secret"
 
@@ -125,9 +127,17 @@ def pd_cluster(tmp_path_factory):
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
                          worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
-                         **lora)
-    with Cluster(cfg) as c:
+                         pool_disk="64MiB", **lora)
+    log: list[str] = []
+    with Cluster(cfg, log=log.append) as c:
         yield c
+        pids = sorted({p for g in c.pgids() for p in pids_in_group(g)})
+        ssd = Path(c.run_dir) / "pool-ssd"
+        assert ssd.is_dir()
+    # the launch's stop: every process gone, pool included, on SIGTERM alone; the pool's own SSD folder removed
+    assert wait_dead(pids, 30) == [], "processes of the launch left behind"
+    assert not any("got SIGKILL" in line for line in log), log
+    assert not ssd.exists(), "the launcher's own SSD folder is removed at stop"
 
 
 @pytest.fixture(scope="session")
