@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import bad_request
 from .fields import EXTRA_REFUSED, names
 from .limits import load_json
+from .truncation import Truncation, parse_truncation
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
 UNSUPPORTED_FIELDS = {kind: names(kind, "refused") + EXTRA_REFUSED[kind] for kind in ("completions", "chat")}
@@ -63,6 +64,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool = True
+    truncation: Truncation | None = None  # truncate_prompt_tokens / truncation_side (the router truncates)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -137,6 +139,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     if best_of not in (None, 1, req.n):
         raise bad_request("'best_of' > n is not supported by the pdserve router", "best_of", "unsupported_parameter")
     _parse_logprobs(body, req)
+    req.truncation = parse_truncation(body)
 
     req.stream = _opt_bool(body, "stream")
     so = body.get("stream_options")
