@@ -310,8 +310,8 @@ def parse_completion(body: Any) -> GenerationRequest:
     else:
         req.prompt_ids = one
     req.add_special_tokens = _opt_bool(body, "add_special_tokens", True)
-    # OpenAI's default is 16; an explicit null means "up to the context limit" (as in vLLM).
-    req.max_tokens = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
+    # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too
+    req.max_tokens = _opt_int(body, "max_tokens", 1) or 16
     return req
 
 
