@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,14 +112,39 @@ def pd_cluster(tmp_path_factory):
     from pdserve.launcher import Cluster
     from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
-    model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
-    model = quiet_whitespace_tokens(use_tool_chat_template(model))
-    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
-    with Cluster(cfg) as c:
+    def start() -> Cluster:
+        model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
+        model = quiet_whitespace_tokens(use_tool_chat_template(model))
+        tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+        cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+                             served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
+                             worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
+        return Cluster(cfg)
+
+    with shared_stack("pd_cluster", start) as c:
         yield c
+
+
+_SHARED: dict[str, list] = {}  # stack name -> [its context manager, its value, how many fixtures hold it]
+
+
+@contextmanager
+def shared_stack(name: str, start):
+    """One stack per process for every fixture definition of ``name``: tests/conformance/conftest.py imports the
+    fixtures above, which makes pytest hold a second definition (its own session cache); both get this one stack,
+    stopped when the last of them is torn down."""
+    entry = _SHARED.get(name)
+    if entry is None:
+        manager = start()
+        entry = _SHARED[name] = [manager, manager.__enter__(), 0]
+    entry[2] += 1
+    try:
+        yield entry[1]
+    finally:
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _SHARED[name]
+            entry[0].__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
