@@ -409,7 +409,8 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
             raise
         etype = "invalid_request_error" if e.status < 500 else "server_error"
         err = RouterError(e.status, f"{e.reason}: {request.method} {request.path}", etype)
-        return web.json_response(err.to_dict(), status=e.status)
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405 names the methods
+        return web.json_response(err.to_dict(), status=e.status, headers=allow)
     except RouterError as e:
         return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
     except (asyncio.CancelledError, ConnectionResetError):

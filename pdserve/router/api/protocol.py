@@ -103,8 +103,13 @@ def _opt_number(body: dict, name: str, lo: float | None = None, hi: float | None
     return v
 
 
+def _integral(v: Any) -> Any:
+    """An integral float (``1.0``) as the int vLLM's pydantic models read it; anything else unchanged."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
+    v = _integral(body.get(name))
     if v is None:
         return None
     if not _is_int(v):
@@ -117,6 +122,7 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
 
 
 def _token_id_list(v: Any, name: str) -> list[int]:
+    v = [_integral(t) for t in v] if isinstance(v, list) else v
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
         raise bad_request(f"'{name}' must be a list of non-negative integer token ids", name)
     return v
@@ -211,7 +217,7 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False),
         "min_tokens": (int, False)}
     for name, (kind, regenerated) in checks.items():
-        v = body.get(name)
+        v = _integral(body.get(name)) if kind is int else body.get(name)
         if v is None:
             continue
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
