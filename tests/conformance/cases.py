@@ -101,13 +101,14 @@ class Case:
     field: str
     value: Any
     extra: dict[str, Any] = field(default_factory=dict)
+    tag: str = ""  # names a case with a body of its own (edge_cases)
 
     def body(self) -> dict[str, Any]:
         return {**BASE[self.endpoint], **self.extra, self.field: self.value}
 
     @property
     def name(self) -> str:
-        return f"{self.endpoint}.{self.field}={str(self.value)[:40]}"
+        return f"{self.endpoint}.{self.field}={str(self.value)[:40]}" + (f"[{self.tag}]" if self.tag else "")
 
 
 def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
@@ -188,9 +189,10 @@ def vllm_models() -> dict[str, Any]:
 def edge_cases() -> list[Case]:
     """Cases that need a body of their own: a prompt that leaves 8 tokens of room and asks for more."""
     long = {"prompt": [1500 + i % 500 for i in range(MAX_MODEL_LEN - 8)]}
-    return [Case("completions", "max_tokens", 100, long),
-            Case("completions", "truncate_prompt_tokens", -1, {"prompt": [1500] * (MAX_MODEL_LEN + 50)}),
-            Case("completions", "prompt_logprobs", -1, {"prompt": "a b"})]
+    return [Case("completions", "max_tokens", 100, long, "room-8"),
+            Case("completions", "truncate_prompt_tokens", -1, {"prompt": [1500] * (MAX_MODEL_LEN + 50)},
+                 "over-context"),
+            Case("completions", "prompt_logprobs", -1, {"prompt": "a b"}, "whole-vocab")]
 
 
 def quick(all_cases: list[Case], per_field: int = 1) -> list[Case]:
