@@ -24,16 +24,10 @@ SEEDED = 7
 # differences the suite found and nobody has fixed yet (issue 25's follow-ups), by case key: each must still
 # differ on every run that sends it (strict: a fixed one fails the test until its line goes)
 OPEN: dict[str, str] = {
-    "completions.logprobs=0": "router 502 through P -> D where one worker answers 200 (a router bug)",
     "completions.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
     "chat.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
     "chat.return_tokens_as_token_ids=True": "chat logprobs: 1 -- vLLM's pydantic reads it as true, the router "
                                             "refuses a non-boolean",
-    "completions.truncate_prompt_tokens=-1[over-context] (streamed)":
-        "one worker's stream fails (500 event, a vLLM bug) on a prompt over the context; the router truncates and "
-        "serves",
-    "completions.prompt_logprobs=-1[whole-vocab]":
-        "one worker answers 500 for the whole vocabulary's prompt logprobs (a vLLM failure); the router answers 400",
 }
 
 
