@@ -30,8 +30,12 @@ exposes neither.
 
 With ``--routers N`` (N > 1) the launch runs N router processes on one port (``pdserve serve --routers N``) and
 ``kill_router`` kills the last one. Every replica names itself in the ``X-Pdserve-Replica`` response header, so
-each failed request is counted as one the killed replica was serving (it had answered with its headers), one
-that no replica had answered yet, or one elsewhere.
+each failed request is counted as one the killed replica was serving (it had answered with its headers, which a
+stream sends with its first token), one that no replica had answered yet, or one elsewhere; the unanswered ones
+are split by time: sent before a kill and broken at it (the killed replica had accepted the connection, or it
+was still in that replica's accept queue), sent after a kill (must be 0), other. Every failed request is listed.
+Whether the kernel resets the connections waiting in a killed listener's accept queue or hands them to another
+replica is ``net.ipv4.tcp_migrate_req`` (reported; docs/conductor.md, "Router replicas").
 
 Prints a table, then a final JSON line.
 """
@@ -55,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pdserve.procs import http_status, pids_in_group, wait_dead  # noqa: E402
+from pdserve.http_probe import http_status  # noqa: E402
+from pdserve.procs import pids_in_group, wait_dead  # noqa: E402
 from pdserve.prom import families  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +174,8 @@ class Outcome:
     detail: str = ""
     migrated: bool = False
     replica: int | None = None  # the router replica that answered (X-Pdserve-Replica), None before any did
+    ended_at: float = 0.0  # seconds into the load
+    chars: int = 0  # text received before it ended
 
 
 def make_prompts(n: int, rng: random.Random, vocab: int = 49152) -> list[list[int]]:
@@ -186,9 +193,17 @@ def reference(url: str, model: str, prompts: list[list[int]], max_tokens: int) -
 
 async def one_request(session: Any, url: str, model: str, idx: int, prompt: list[int], max_tokens: int,
                       expected: str, timeout_s: float, t0: float) -> Outcome:
+    o = Outcome(idx, time.monotonic() - t0)
+    try:
+        return await _stream_one(session, url, model, prompt, max_tokens, expected, timeout_s, o)
+    finally:
+        o.ended_at = time.monotonic() - t0
+
+
+async def _stream_one(session: Any, url: str, model: str, prompt: list[int], max_tokens: int, expected: str,
+                      timeout_s: float, o: Outcome) -> Outcome:
     import aiohttp
 
-    o = Outcome(idx, time.monotonic() - t0)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     text, done, error = "", False, ""
     try:
@@ -219,6 +234,7 @@ async def one_request(session: Any, url: str, model: str, idx: int, prompt: list
                         continue
                     for c in chunk.get("choices", []):
                         text += c.get("text") or ""
+                        o.chars = len(text)
     except TimeoutError:
         o.kind, o.detail = "hung", f"no end within {timeout_s:g} s"
         return o
@@ -254,6 +270,7 @@ class Fault:
     back_s: float | None = None
     note: str = ""
     pid: int = 0
+    fired_s: float | None = None  # seconds into the load
 
 
 def plan_faults(duration_s: float, rng: random.Random) -> list[Fault]:
@@ -277,6 +294,7 @@ async def inject(stack: Stack, faults: list[Fault], t0: float, stop_s: float, lo
         pid = f.pid = stack.pid(f.target)
         f.restarts_before = launcher_metric(stack, "pdserve_process_restarts_total", f.target) or 0.0
         f.fired_at = time.monotonic()
+        f.fired_s = f.fired_at - t0
         if f.kind == "stop_worker":
             os.killpg(pid, signal.SIGSTOP)  # the whole worker: API server and engine core (pid leads its group)
             log.append(f"{f.fired_at - t0:6.1f} s  SIGSTOP {f.target} (pid {pid}) for {stop_s:g} s")
@@ -404,16 +422,44 @@ def build_model(args: argparse.Namespace, tmp: Path) -> Path:
     return build_random_llama(tmp / "tiny-llama", layers=2, hidden=256)
 
 
+def split_unanswered(unanswered: list[Outcome], kills: list[float], window_s: float = 2.0
+                     ) -> dict[str, list[Outcome]]:
+    """Failed requests no replica had answered (a stream's headers go out with its first token), by when:
+    ``at_the_kill``: sent before a router kill and ended within ``window_s`` after it (the killed replica had
+    accepted it, or it sat in that replica's accept queue); ``after``: sent after a kill (must not fail because
+    of it: the kernel no longer hands new connections to a closed listener); ``other``."""
+    out: dict[str, list[Outcome]] = {"at_the_kill": [], "after": [], "other": []}
+    for o in unanswered:
+        if any(o.sent_at <= k <= o.ended_at <= k + window_s for k in kills):
+            out["at_the_kill"].append(o)
+        elif any(o.sent_at > k for k in kills):
+            out["after"].append(o)
+        else:
+            out["other"].append(o)
+    return out
+
+
+def tcp_migrate_req() -> int | None:
+    """net.ipv4.tcp_migrate_req (Linux 5.14+): 1 moves the connections waiting in a closed (or killed) listener's
+    accept queue to another listener of its SO_REUSEPORT group; 0 (the default) resets them."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_migrate_req").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault], held: dict[str, Any],
            stop: dict[str, Any], restarts: dict[str, float | None], migrations: float | None,
            log: list[str]) -> dict[str, Any]:
     kinds = ("correct", "wrong", "clear_error", "refused", "cut", "hung")
     by = {k: [o for o in outcomes if o.kind == k] for k in kinds}
     killed = {f.pid for f in faults if f.kind == "kill_router" and f.fired_at is not None}
+    kills = [f.fired_s for f in faults if f.kind == "kill_router" and f.fired_s is not None]
     failed = [o for o in outcomes if o.kind not in ("correct", "wrong")]
     on_killed = [o for o in failed if o.replica in killed]
     unanswered = [o for o in failed if o.replica is None]
     elsewhere = [o for o in failed if o.replica is not None and o.replica not in killed]
+    split = split_unanswered(unanswered, kills)
     held_total = sum(int(h["held_blocks"]) for h in held.values() if h is not None)
     header_migrated = sum(1 for o in by["correct"] if o.migrated)
     migrated: Any = header_migrated if header_migrated or migrations is not None else "n/a"
@@ -428,7 +474,10 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
         "hung": len(by["hung"]), "wrong_output": len(by["wrong"]), "routers": args.routers,
         "correct_pct": round(100.0 * len(by["correct"]) / max(1, len(outcomes)), 1),
         "failed_on_killed_replica": len(on_killed), "failed_before_a_replica_answered": len(unanswered),
-        "failed_elsewhere": len(elsewhere),
+        "failed_unanswered_at_the_kill": len(split["at_the_kill"]),
+        "failed_unanswered_sent_after_the_kill": len(split["after"]),
+        "failed_unanswered_other": len(split["other"]), "failed_elsewhere": len(elsewhere),
+        "router_kill_at_s": [round(k, 1) for k in kills], "tcp_migrate_req": tcp_migrate_req(),
         "kv_blocks_held_after_drain": held_total,
         "kv_held_per_worker": {n: (None if h is None else int(h["held_blocks"])) for n, h in held.items()},
         "lease_expiries": sum(h["released_lease"] for h in held.values() if h is not None),
@@ -444,6 +493,13 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
         print("distinct errors (first 8):")
         for e in errors[:8]:
             print("  " + e)
+    if failed:
+        print("failed requests (sent / ended: seconds into the load; replica: the pid that answered):")
+        for o in sorted(failed, key=lambda o: o.sent_at):
+            where = ("killed replica" if o.replica in killed else "no replica answered" if o.replica is None
+                     else "live replica")
+            print(f"  prompt {o.prompt:>3}  sent {o.sent_at:6.1f}  ended {o.ended_at:6.1f}  {o.kind:<11} {where:<19}"
+                  f" {o.chars:>3} chars in  {o.detail[:70]}")
     for o in by["wrong"][:3]:
         print(f"  WRONG prompt {o.prompt} at {o.sent_at:.1f} s: {o.detail[:200]}")
     rows = [("requests sent", len(outcomes)), ("completed correctly", len(by["correct"])),
@@ -453,6 +509,8 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], faults: list[Fault
             ("wrong output (must be 0)", len(by["wrong"])),
             ("failed: served by the killed router replica", len(on_killed)),
             ("failed: before any router replica answered", len(unanswered)),
+            ("  of which sent before a router kill, ended at it", len(split["at_the_kill"])),
+            ("  of which sent after a router kill (must be 0)", len(split["after"])),
             ("failed: on a live router replica", len(elsewhere)),
             ("KV blocks held after drain (must be 0)", held_total)]
     def secs(v: float | None) -> str:

@@ -13,7 +13,9 @@
         A real 2P1D vLLM run (pdserve serve, SmolLM2) replaying a scaled slice of the trace, conductor vs
         round-robin in turn: prefix hit rate (vLLM's counters), TTFT mean/p99. ``--configs conductor,
         conductor/2routers`` compares one router with two replicas on one port (``--routers 2``: the kernel
-        spreads the connections; the decisions shown are one replica's).
+        spreads the connections; the decisions shown are one replica's): prefix-hit tokens and TTFT p50, 2 routers
+        over 1 (JSON ``replicas``), and what the lag in the load view cost (:func:`load_lag`: placements made
+        behind the other replica's unreported prefills, and their TTFT against the rest).
 
 Each prints a table and ends with one JSON line.
 """
@@ -251,6 +253,9 @@ def scaled_requests(rows: list[dict], input_scale: float, duration_s: float, max
 
 
 async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int]]) -> list[dict]:
+    """Send each request at its time; per request: TTFT and e2e as the client saw them, the replica that answered
+    (``X-Pdserve-Replica``) and the router's own timings of it (``X-Pdserve-Timings``: its prefill worker, when it
+    was placed, how long P took)."""
     import asyncio
 
     import aiohttp
@@ -259,20 +264,71 @@ async def _send_all(url: str, model: str, reqs: list[tuple[float, list[int], int
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         t0 = time.perf_counter()
         first = None
+        failed = False
+        timings: dict = {}
         body = {"model": model, "prompt": toks, "max_tokens": mx, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url + "/v1/completions", json=body, headers={"X-Pdserve-Timings": "1"}) as resp:
+            replica = resp.headers.get("X-Pdserve-Replica", "")
             if resp.status != 200:
                 return {"ok": False, "status": resp.status}
             async for line in resp.content:
                 if line.startswith(b"data: ") and b'"text"' in line and first is None:
                     first = time.perf_counter()
-        return {"ok": first is not None, "ttft": (first or t0) - t0, "e2e": time.perf_counter() - t0,
-                "prompt": len(toks)}
+                if b"pdserve_timings" in line:
+                    timings = json.loads(line[6:])["pdserve_timings"]
+                if line.startswith(b'data: {"error"'):
+                    failed = True
+        return {"ok": first is not None, "failed_mid_stream": failed, "ttft": (first or t0) - t0,
+                "e2e": time.perf_counter() - t0,
+                "prompt": len(toks), "sent": t0 - start, "replica": replica,
+                "prefill_worker": timings.get("prefill_worker"), "queue_ms": timings.get("queue_ms"),
+                "prefill_ms": timings.get("prefill_ms")}
 
     start = time.perf_counter() + 0.5
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         return await asyncio.gather(*(one(session, at, t, mx, start) for at, t, mx in reqs))
+
+
+def load_lag(records: list[dict], lag_s: float) -> dict:
+    """What the lag in the load view cost, from the requests' own records (client send time + the router's
+    queue_ms = when it was placed; + prefill_ms = when P answered; its prefill worker; the replica that placed it).
+
+    A placement is *behind* when, at that moment, its prefill worker had more prefills in flight (any replica's)
+    than another prefill worker had; some of that is deliberate (the conductor follows the prefix), so the
+    one-router run gives the base rate. It is *stale* when it is behind only because of prefills another replica
+    had placed there less than ``lag_s`` before (not yet in any /metrics report this replica could have read):
+    without those, its worker would not have been the busier one. Reports how many placements were each and the
+    TTFT p50 of the stale ones against the others'."""
+    placed = []
+    for r in records:
+        if r.get("ok") and r.get("prefill_worker") and r.get("queue_ms") is not None \
+                and r.get("prefill_ms") is not None:
+            at = r["sent"] + r["queue_ms"] / 1000.0
+            placed.append((at, at + r["prefill_ms"] / 1000.0, r))
+    workers = sorted({r["prefill_worker"] for _, _, r in placed})
+    behind = stale = 0
+    stale_ttft: list[float] = []
+    other_ttft: list[float] = []
+    for at, _, r in placed:
+        running = {w: [x for a, e, x in placed if x is not r and x["prefill_worker"] == w and a < at < e]
+                   for w in workers}
+        mine = running[r["prefill_worker"]]
+        least_other = min((len(v) for w, v in running.items() if w != r["prefill_worker"]), default=len(mine))
+        unseen = [x for x in mine if x.get("replica") != r.get("replica")
+                  and at - (x["sent"] + x["queue_ms"] / 1000.0) < lag_s]
+        is_behind = len(mine) > least_other
+        is_stale = is_behind and len(mine) - len(unseen) <= least_other
+        behind += is_behind
+        stale += is_stale
+        (stale_ttft if is_stale else other_ttft).append(r["ttft"])
+    n = max(1, len(placed))
+    return {"placements": len(placed), "lag_s": lag_s, "behind": behind, "behind_pct": round(100 * behind / n, 1),
+            "stale": stale, "stale_pct": round(100 * stale / n, 1),
+            "stale_ttft_p50_s": round(pct(stale_ttft, 50), 3) if stale_ttft else None,
+            "other_ttft_p50_s": round(pct(other_ttft, 50), 3) if other_ttft else None,
+            "by_replica": {k: sum(1 for _, _, r in placed if r.get("replica") == k)
+                           for k in sorted({r.get("replica") or "" for _, _, r in placed})}}
 
 
 def _worker_counters(urls: list[str]) -> tuple[float, float]:
@@ -318,19 +374,35 @@ def run_live(args) -> dict:
             listing = json.loads(urllib.request.urlopen(c.router_url + "/v1/pdserve/workers", timeout=30).read())
         ok = [o for o in out if o["ok"]]
         ttft = [o["ttft"] for o in ok]
-        results.append({"config": name, "ok": len(ok), "requests": len(out), "wall_s": round(wall, 1),
-                        "prefill_hit_rate": round((h1 - h0) / max(1.0, q1 - q0), 4),
-                        "prefill_tokens_computed": int((q1 - q0) - (h1 - h0)),
+        results.append({"config": name, "routers": routers, "ok": len(ok), "requests": len(out),
+                        "failed_mid_stream": sum(1 for o in out if o.get("failed_mid_stream")),
+                        "wall_s": round(wall, 1), "prefill_hit_rate": round((h1 - h0) / max(1.0, q1 - q0), 4),
+                        "prefix_hit_tokens": int(h1 - h0), "prefill_tokens_computed": int((q1 - q0) - (h1 - h0)),
                         "ttft_mean_s": round(statistics.mean(ttft), 3), "ttft_p50_s": round(pct(ttft, 50), 3),
-                        "ttft_p99_s": round(pct(ttft, 99), 3), "decisions": listing.get("decisions")})
+                        "ttft_p99_s": round(pct(ttft, 99), 3), "decisions": listing.get("decisions"),
+                        "load_lag": load_lag(out, args.lag)})
     print(f"2P1D, {len(rows)} requests from whole conversations of the trace (within-slice prefix reuse "
           f"{reuse:.2f}), lengths x{args.input_scale}, over {args.duration:.0f} s")
-    print(f"{'config':>16} {'ok':>4} {'P hit rate':>10} {'P tokens computed':>18} {'TTFT mean':>10} {'p50':>7} "
-          f"{'p99':>7}")
+    print(f"{'config':>18} {'ok':>4} {'P hit rate':>10} {'P hit tokens':>12} {'P tokens computed':>18} "
+          f"{'TTFT mean':>10} {'p50':>7} {'p99':>7} {'behind':>7} {'stale':>6} {'stale p50':>9} {'rest p50':>8}")
     for r in results:
-        print(f"{r['config']:>16} {r['ok']:>4} {r['prefill_hit_rate']:>10} {r['prefill_tokens_computed']:>18} "
-              f"{r['ttft_mean_s']:>10} {r['ttft_p50_s']:>7} {r['ttft_p99_s']:>7}")
+        lag = r["load_lag"]
+        print(f"{r['config']:>18} {r['ok']:>4} {r['prefill_hit_rate']:>10} {r['prefix_hit_tokens']:>12} "
+              f"{r['prefill_tokens_computed']:>18} {r['ttft_mean_s']:>10} {r['ttft_p50_s']:>7} {r['ttft_p99_s']:>7} "
+              f"{lag['behind']:>7} {lag['stale']:>6} {str(lag['stale_ttft_p50_s']):>9} "
+              f"{str(lag['other_ttft_p50_s']):>8}")
+    print(f"behind: placed where more prefills ran (any replica's) than on another P; stale: behind only because "
+          f"of the other replica's prefills placed there < {args.lag:g} s before (not yet in a /metrics report)")
     out = {"bench": "conductor_live", "trace_reuse": round(reuse, 4), "rows": results}
+    by = {r["config"]: r for r in results}
+    if "conductor" in by and "conductor/2routers" in by:  # placement quality with replicas: 2 against 1
+        one, two = by["conductor"], by["conductor/2routers"]
+        out["replicas"] = {
+            "prefix_hit_tokens_ratio": round(two["prefix_hit_tokens"] / max(1, one["prefix_hit_tokens"]), 3),
+            "ttft_p50_ratio": round(two["ttft_p50_s"] / one["ttft_p50_s"], 3),
+            "ttft_mean_ratio": round(two["ttft_mean_s"] / one["ttft_mean_s"], 3),
+            "stale_placements": two["load_lag"]["stale"], "placements": two["load_lag"]["placements"],
+            "ratio_of": "conductor/2routers / conductor"}
     if len(results) >= 2:
         rr, co = results[0], results[1]
         out["ttft_mean_ratio"] = round(co["ttft_mean_s"] / rr["ttft_mean_s"], 3)
@@ -369,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     lv.add_argument("--configs", default="round_robin,conductor,conductor+local",
                     help="comma-separated: round_robin, conductor, conductor+local, conductor/2routers")
     lv.add_argument("--run-dir", default=".pdserve/conductor-bench")
+    lv.add_argument("--lag", type=float, default=1.0,
+                    help="seconds another replica's placement takes to show in a worker report this one reads "
+                         "(the router's load_interval_s)")
     args = ap.parse_args(argv)
     out = {"decision": run_decision, "sim": run_sim, "live": run_live}[args.what](args)
     print(json.dumps(out))

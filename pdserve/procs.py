@@ -17,59 +17,22 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .http_probe import http_answer
+from .ports import free_port, free_ports, port_is_free  # noqa: F401 (the launcher's and tests' import path)
 
 PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
     """A process did not start or did not become healthy; the message carries its log tail."""
-
-
-# --------------------------------------------------------------------------- ports
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
-    """``n`` distinct free TCP ports on ``host``: all sockets stay bound until every port is chosen, so the
-    kernel never hands out the same port twice. Another process may still take one before the child binds
-    it; the health wait then reports the child's bind error."""
-    socks: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in exclude and port not in ports:
-                ports.append(port)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
 
 
 # --------------------------------------------------------------------------- cores
@@ -356,17 +319,6 @@ class Reaper:
 # --------------------------------------------------------------------------- health
 
 
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    """HTTP status of GET ``url``, or None if nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
 def wait_healthy(
     children: Sequence[Child],
     timeout_s: float,
@@ -376,7 +328,8 @@ def wait_healthy(
     on_ready: Callable[[Child], None] | None = None,
     watch: Sequence[Child] = (),
 ) -> None:
-    """Wait until every child's ``url + path`` answers 200. Raises :class:`LaunchError` (with the failing
+    """Wait until every child's ``url + path`` answers 200 (children that share a URL: until each has answered
+    200 itself, by :data:`PID_HEADER`). Raises :class:`LaunchError` (with the failing
     child's log tail) as soon as one of them, or of ``watch`` (started, not yet waited for), exits, or when
     ``timeout_s`` passes."""
     pending = [c for c in children if c.ready_at is None]
@@ -402,11 +355,14 @@ def wait_healthy(
                     f"{c.name} exited with code {rc} before it became healthy.{hint} Log {c.log_path}:\n"
                     f"{_indent(log_tail)}"
                 )
-            if http_status(c.url + path) == 200:
-                c.ready_at = time.monotonic()
-                pending.remove(c)
+            status, pid = http_answer(c.url + path)
+            # processes that share a port (router replicas) say which of them answered: that one is ready
+            who = c if pid is None else next((p for p in pending if p.proc.pid == pid), None)
+            if status == 200 and who is not None:
+                who.ready_at = time.monotonic()
+                pending.remove(who)
                 if on_ready is not None:
-                    on_ready(c)
+                    on_ready(who)
         if not pending:
             break
         if time.monotonic() > deadline:

@@ -15,4 +15,4 @@ echo "[test] ruff check ." >&2
 .venv/bin/python -m ruff check --quiet .
 echo "[test] mypy (pdserve/)" >&2
 .venv/bin/python -m mypy --no-error-summary
-exec .venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "${@:-tests}"
+exec .venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=30 "${@:-tests}"

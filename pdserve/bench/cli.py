@@ -162,18 +162,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results = compare(configs, plans, settings, _slo(args), out, _run_opts(args))
     command = "pdserve bench " + " ".join(shlex.quote(a) for a in args.argv)
     summary = write_report(results, out, command=command, plots=not args.no_plots)
+    done = [c for c in results["order"] if c in results["configs"]]  # a configuration that failed has no rows
+    for name, why in results.get("failed", {}).items():
+        print(f"{name}: failed: {why}")
     for label in results["workloads"]:
         print(f"== {label}")
-        print_table({c: results["configs"][c]["workloads"][label] for c in results["order"]}, COLS)
+        print_table({c: results["configs"][c]["workloads"][label] for c in done}, COLS)
     for v in summary["verdicts"]:
         print(f"{v['workload']}: {v['winner']} wins" + (f" (goodput {v.get('goodput_ratio')}x, TPOT p99 "
               f"{v.get('tpot_p99_ratio')}x, TTFT p50 {v.get('ttft_p50_ratio')}x vs {v['runner_up']})"
               if v.get("runner_up") else ""))
     print(f"report: {out / 'report.md'}", file=sys.stderr)
     flat: dict[str, Any] = {"report": str(out / "report.md")}
-    for c in results["order"]:
+    for c in done:
         for label, row in results["configs"][c]["workloads"].items():
-            for k in COLS + ("transfer_share_p50", "kv_read_share_of_ttft_p50", "offered_rate"):
+            for k in COLS + ("transfer_share_p50", "kv_read_share_of_ttft_p50", "offered_rate", "handoff_p50_ms",
+                             "handoff_p99_ms", "kv_bytes_per_request", "prefill_tokens_computed",
+                             "prefix_cache_tokens", "pool_hit_tokens", "pool_get_gbps", "pool_put_gbps"):
                 flat[f"{c}|{label}|{k}"] = row.get(k)
     flat["verdicts"] = summary["verdicts"]
     flat["crossovers"] = summary["crossovers"]

@@ -7,6 +7,12 @@ Configuration names (:func:`launcher_config`):
 - ``PpDd`` (``1p1d``, ``1p2d`` ...): disaggregated, one core per worker, the router's default policy.
 - ``PpDd-POLICY`` (``1p1d-conductor``, ``1p1d-least_loaded``): the same with the router's placement policy
   ``POLICY`` (needs ``LauncherConfig.policy``; a clear error otherwise).
+- ``PpDd-PLANE`` (``1p1d-nixl``, ``1p1d-mooncake``): the same on vLLM's NixlConnector or MooncakeConnector
+  (``--kv-connector``) instead of pdserve's connector.
+- ``PpDd-POOL`` (``1p1d-nopool``, ``1p1d-pool``, ``1p1d-mooncake-store``): the KV pool off, pdserve's pool on, or
+  Mooncake Store as the pool (``--pool-backend mooncake``: with the nixl or mooncake plane). Without a pool
+  word the launcher's default holds (pdserve's pool with pdserve's connector, none with vLLM's).
+  The words combine in any order: ``2p1d-mooncake-store-conductor``.
 - ``elasticN``: N workers with no fixed role (``pdserve serve --elastic N``), the cores split evenly between
   them, the conductor choosing colocated or split P -> D per request; ``elasticN-nomoves``: the same with the
   router's ``--no-moves`` (running decodes never move off a worker that starts a long prefill).
@@ -31,13 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, LauncherConfig
+from .kv_counters import kv_figures, worker_counters
 from .metrics import SLO, counter_phases, phase_summary, summarize
 from .prom import delta, scrape
 from .runner import RunOptions, RunResult, run
 from .workload import build_workload, parse_spec
 
 _NAME = re.compile(r"^(?:colocated(?P<c>\d+)|elastic(?P<e>\d+)(?P<nomoves>-nomoves)?"
-                   r"|(?P<p>\d+)p(?P<d>\d+)d(?:-(?P<policy>[a-z_]+))?)$")
+                   r"|(?P<p>\d+)p(?P<d>\d+)d(?P<words>(?:-[a-z_]+)*))$")
+PLANES = ("nixl", "mooncake")  # --kv-connector
+POOLS: dict[str, dict[str, Any]] = {"nopool": {"pool": False}, "pool": {"pool": True},
+                                    "store": {"pool_backend": "mooncake"}}
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,8 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
     m = _NAME.match(name)
     if not m:
         raise ConfigError(f"configuration {name!r} unknown: use colocatedN (e.g. colocated2), PpDd (e.g. 1p1d), "
-                          "PpDd-POLICY (e.g. 1p1d-conductor) or elasticN (e.g. elastic2)")
+                          "PpDd-WORDS (a policy, plane or pool: 1p1d-conductor, 1p1d-nixl, 1p1d-mooncake-store) "
+                          "or elasticN (e.g. elastic2)")
     cores = s.cores or available_cores()
     common: dict[str, Any] = dict(model=s.model, port=0, cores=cores, max_model_len=s.max_model_len,
                                   kv_cache_gib=s.kv_cache_gib, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -118,13 +129,29 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
         router_args = ("--no-moves",) if m.group("nomoves") else ()
         return LauncherConfig(elastic=n, policy="conductor", cores_per_worker=max(1, len(cores) // n),
                               router_args=router_args, **common)
-    policy = m.group("policy")
-    if policy:
-        if "policy" not in {f.name for f in fields(LauncherConfig)}:
-            raise ConfigError(f"{name}: this pdserve's LauncherConfig has no 'policy' field yet (the router's "
-                              "placement policies land with the conductor); drop the -POLICY suffix")
-        common["policy"] = policy
+    common.update(_split_words(name, m.group("words")))
     return LauncherConfig(prefill=int(m.group("p")), decode=int(m.group("d")), cores_per_worker=1, **common)
+
+
+def _split_words(name: str, words: str) -> dict[str, Any]:
+    """``-nixl-store-conductor`` -> the LauncherConfig fields those words set (one plane, pool, policy each)."""
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for word in [w for w in words.split("-") if w]:
+        kind = "plane" if word in PLANES else "pool" if word in POOLS else "policy"
+        if kind in seen:
+            raise ConfigError(f"{name}: two {kind} words ({seen[kind]!r}, {word!r}); give one")
+        seen[kind] = word
+        if kind == "plane":
+            out["kv_connector"] = word
+        elif kind == "pool":
+            out.update(POOLS[word])
+        else:
+            if "policy" not in {f.name for f in fields(LauncherConfig)}:
+                raise ConfigError(f"{name}: this pdserve's LauncherConfig has no 'policy' field yet (the router's "
+                                  "placement policies land with the conductor); drop the -POLICY suffix")
+            out["policy"] = word
+    return out
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -158,12 +185,16 @@ def run_on_cluster(cluster: Any, plans: list[WorkloadPlan], slo: SLO, opts: dict
         wl.name = plan.label
         kv0 = _counters(decoders, "vllm:pdserve_kv_")
         r0 = _counters([cluster.router_url], "pdserve_router_handoffs_total", labels=True)
+        roles = {role: cluster.worker_urls(role) for role in ("prefill", "decode", "colocated", "elastic")}
+        w0 = worker_counters(roles)
         result = run(wl, RunOptions(url=cluster.router_url, model=cluster.model_name, **opts))
+        figures = kv_figures(w0, worker_counters(roles), sum(1 for r in result.records if r.ok))
         kv = delta(kv0, _counters(decoders, "vllm:pdserve_kv_"))
         rt = delta(r0, _counters([cluster.router_url], "pdserve_router_handoffs_total", labels=True))
         summary = summarize(result.records, result.wall_s, slo)
         summary.update(phase_summary(result.records))
         summary.update(counter_phases(kv, rt, summary.get("ttft_p50_ms"), summary.get("handoff_p50_ms")))
+        summary.update(figures)
         summary["offered_rate"] = wl.offered_rate
         summary["truncated"] = result.truncated
         summary["workload_info"] = wl.info

@@ -148,7 +148,7 @@ def summarize(records: list[RequestRecord], wall_s: float, slo: SLO | None = Non
 
 
 def phase_summary(records: list[RequestRecord]) -> dict[str, Any]:
-    """Router-side phases (p50 and mean, ms), KV bytes per request, and the KV transfer's share of TTFT.
+    """Router-side phases (p50, p99 and mean, ms), KV bytes per request, and the KV transfer's share of TTFT.
 
     Empty when the server returned no ``pdserve_timings`` (a plain vLLM server, or a router without them)."""
     timings = [r.timings for r in records if r.ok and r.timings]
@@ -165,6 +165,7 @@ def phase_summary(records: list[RequestRecord]) -> dict[str, Any]:
         unit = "_ms" if key.endswith("_ms") else ""
         out[f"{base}_p50{unit}"] = round(float(np.median(vals)), 3) if vals else None
         out[f"{base}_mean{unit}"] = round(float(np.mean(vals)), 3) if vals else None
+        out[f"{base}_p99{unit}"] = round(float(np.percentile(vals, 99)), 3) if vals else None
     shares = [t["kv_transfer_ms"] / t["ttft_ms"] for t in timings
               if t.get("kv_transfer_ms") is not None and t.get("ttft_ms")]
     out["transfer_share_p50"] = round(float(np.median(shares)), 5) if shares else None

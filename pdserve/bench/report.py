@@ -23,6 +23,11 @@ PHASE_COLS = (("queue_p50_ms", "queue"), ("prefill_p50_ms", "prefill"), ("handof
               ("kv_read_share_of_ttft_p50", "KV read / TTFT p50"),
               ("kv_read_share_of_handoff_p50", "KV read / hand-off p50"), ("decode_p50_ms", "decode"),
               ("router_overhead_p50_ms", "router overhead"))
+KV_COLS = (("handoff_p50_ms", "hand-off p50"), ("handoff_p99_ms", "hand-off p99"),
+           ("kv_bytes_per_request", "KV bytes/req"), ("prefill_tokens_computed", "prefill tokens computed"),
+           ("prefix_cache_tokens", "prefix-cache tokens"), ("pool_hit_tokens", "pool hit tokens"),
+           ("prefill_external_tokens", "P external tokens"),
+           ("pool_get_gbps", "pool get GB/s"), ("pool_put_gbps", "pool put GB/s"))
 
 
 def slug(s: str) -> str:
@@ -166,6 +171,8 @@ def markdown(results: dict[str, Any], verdicts: list[dict[str, Any]], crossovers
         lines += [f"## {label}", "", f"Workload: `{info.get('spec', label)}` ({desc}).", ""]
         lines += _table(results, label, TABLE_COLS) + [""]
         lines += ["Server-side phases (p50 unless noted, ms):", ""] + _table(results, label, PHASE_COLS) + [""]
+        lines += ["KV moved and computed (workers' counters; pdserve/bench/kv_counters.py):", ""]
+        lines += _table(results, label, KV_COLS) + [""]
         for p in plots.get(label, []):
             lines.append(f"![{p}]({p})")
         lines.append("")

@@ -35,6 +35,7 @@ class IndexUpdate:
     removed: list[int] = field(default_factory=list)
     skipped: int = 0  # blocks that could not be keyed (unknown parent, other block size, extra keys)
     ops: list[tuple[str, list[int]]] = field(default_factory=list)
+    learned: list[tuple[Hashable, int]] = field(default_factory=list)  # (vLLM block hash, our key) of stored blocks
 
     def apply_to(self, holder: str, index: IndexLike) -> None:
         for op, keys in self.ops:
@@ -128,6 +129,7 @@ class EventTranslator:
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
             self.keys[_h(h)] = parent
             new.append(parent)
+            up.learned.append((_h(h), parent))
         up.stored.extend(new)
         up.ops.append(("stored", new))
 

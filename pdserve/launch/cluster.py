@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LauncherConfig, default_model_dir
+from ..http_probe import http_status
 from ..procs import (
     Child,
     LaunchError,
     Reaper,
     free_ports,
-    http_status,
     mem_available_bytes,
     port_is_free,
     rotate_log,

@@ -141,10 +141,12 @@ def router_command(
     python: str = sys.executable,
     pool_master: str = "",
     membership_file: str = "",
+    mooncake_store: str = "",
 ) -> list[str]:
     """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py): each worker's KV
     event publisher (``--kv-events``) when the workers publish; pool_master: HOST:PORT of the KV pool master the
-    conductor follows ("" none); membership_file: where the router processes share run-time membership."""
+    conductor follows ("" none); membership_file: where the router processes share run-time membership;
+    mooncake_store: HOST:PORT of the Mooncake Store master's HTTP admin server the conductor follows ("" none)."""
     argv = [python, "-m", ROUTER_MODULE, "--host", config.host, "--port", str(port),
             "--model-dir", str(model_dir)]
     if config.colocated:
@@ -167,7 +169,8 @@ def router_command(
         argv += router_flags({"mooncake_bootstrap": mooncake_bootstrap_flag(workers)})
     argv += list(config.router_args)
     # after router_args: the launch's own pool and membership file win
-    argv += router_flags({"pool_master": pool_master, "membership_file": membership_file})
+    argv += router_flags({"pool_master": pool_master, "membership_file": membership_file,
+                          "mooncake_store": mooncake_store})
     return argv
 
 

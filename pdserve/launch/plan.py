@@ -387,7 +387,9 @@ def make_plan(
     follows_pool = own_pool and config.policy == "conductor"
     router_argv = router_command(config, workers, model_dir, ports.router, python,
                                  pool_master=pool.master if pool is not None and follows_pool else "",
-                                 membership_file=f"{run_dir}/{MEMBERSHIP_FILE}")
+                                 membership_file=f"{run_dir}/{MEMBERSHIP_FILE}",
+                                 mooncake_store=f"{POOL_HOST}:{pool.metrics_port}" if pool is not None
+                                 and pool.backend == "mooncake" and config.policy == "conductor" else "")
     for i in range(config.routers):  # replicas share the port (SO_REUSEPORT) and the membership file
         processes.append(ProcessSpec(router_name(i), "router", tuple(router_argv), base_env, secret=follows_pool,
                                      url=f"http://{config.host}:{ports.router}"))

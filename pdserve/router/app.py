@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..conductor import ConductorConfig
 from ..conductor.moves import MoveConfig
+from ..http_probe import PID_HEADER
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
@@ -42,6 +43,7 @@ from .fleet.calibration import calibrate
 from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
 from .fleet.membership import Membership
+from .fleet.mooncake_store import MooncakeStoreFollower
 from .fleet.placement import ConductorPlacement, Placement, make_placement
 from .fleet.pool_index import PoolIndexFollower
 from .fleet.registry import WorkerRegistry
@@ -92,7 +94,7 @@ class Router:
         self.shared: MembershipFile | None = None  # run-time membership shared with the other replicas
         if config.membership_file:
             self.shared = MembershipFile(config.membership_file, self.registry, self.publishers)
-        self.pool: PoolIndexFollower | None = None
+        self.pool: PoolIndexFollower | MooncakeStoreFollower | None = None  # what the KV pool holds
         self.calibration: dict | None = None
         self.created = int(time.time())
         self.tools = ToolSupport(config.tool_call_parser, self.tokenizer.tok, config.served_model_name)
@@ -138,6 +140,10 @@ class Router:
                 self.worker_added(w)
             if self.config.pool_master and self.config.policy == "conductor":
                 self.pool = PoolIndexFollower(self.config.pool_master, self.config.pool_secret, cp.conductor)
+            elif self.config.mooncake_store and self.config.policy == "conductor":
+                store = MooncakeStoreFollower(self.config.mooncake_store, self.config.model_dir, cp.conductor)
+                self.events.learners.append(store.learn)  # the store's keys are vLLM's hashes: the events map them
+                self.pool = store
             self._tasks.append(asyncio.create_task(self._load_loop(cp)))
             if self.config.calibrate and self.config.policy == "conductor":
                 self._tasks.append(asyncio.create_task(self._calibrate(cp)))
@@ -213,7 +219,8 @@ class Router:
         workers = await self.probe()
         ok = all(w["healthy"] for w in workers)
         return web.json_response({"status": "ok" if ok else "unhealthy", "mode": self.config.mode,
-                                  "workers": workers}, status=200 if ok else 503)
+                                  "workers": workers}, status=200 if ok else 503,
+                                 headers={PID_HEADER: str(os.getpid())})  # which replica answered
 
     async def ready(self, request: web.Request) -> web.Response:
         """200 while some healthy worker can serve a request end to end (from the last probes): "ready" with a

@@ -173,6 +173,7 @@ class RouterConfig:
     mode_hint: str = _d("mode_hint")  # "colocated" | "disaggregated" | "elastic": start with no workers (they join)
     pool_master: str = _d("pool_master")  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
+    mooncake_store: str = _d("mooncake_store")  # HOST:PORT of Mooncake Store's admin: pooled prefixes, same way
     max_body_bytes: int = _d("max_body_bytes")
     kv_connector: str = _d("kv_connector")
     mooncake_bootstrap_port: int = _d("mooncake_bootstrap_port")  # kv_connector mooncake: P's bootstrap server port
@@ -205,6 +206,8 @@ class RouterConfig:
         except ValueError as e:
             raise RouterConfigError(f"--mooncake-bootstrap {e}") from None
         check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
+        check_host_port(self.mooncake_store, "--mooncake-store", "HOST:PORT of the Mooncake Store master's HTTP "
+                        "admin server", RouterConfigError, " ")
         if self.pool_master and not self.pool_secret:
             raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
         if self.tool_call_parser and not self.tool_call_parser.replace("_", "").replace("-", "").isalnum():

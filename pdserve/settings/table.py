@@ -173,6 +173,10 @@ SETTINGS: tuple[Setting, ...] = (
             "router's conductor counts pooled prefixes as loadable; a worker's connector saves finished blocks to "
             "the pool and loads pooled prefixes (the launcher sets both when it starts the pool)", (R, W),
             metavar="HOST:PORT", group="placement", argv="set"),
+    Setting("mooncake_store", str, "", "--pool-backend mooncake: HOST:PORT of the Mooncake Store master's HTTP "
+            "admin server (its metrics port): the router's conductor counts blocks pooled in the store as loadable "
+            "(the launcher sets it with --policy conductor)", (R,), metavar="HOST:PORT", group="placement",
+            argv="set"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),

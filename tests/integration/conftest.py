@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.procs import pids_in_group, wait_dead
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "integration-test-secret"
 
@@ -101,6 +103,9 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     proc.wait(timeout=20)
 
 
+_PD_CLUSTER_LOG: list[str] = []  # the shared 1P1D launch's log lines
+
+
 @pytest.fixture(scope="session")
 def pd_cluster(tmp_path_factory):
     """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
@@ -112,17 +117,29 @@ def pd_cluster(tmp_path_factory):
     from pdserve.launcher import Cluster
     from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
+    log = _PD_CLUSTER_LOG  # one list for both fixture definitions (shared_stack)
+
     def start() -> Cluster:
         model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
         model = quiet_whitespace_tokens(use_tool_chat_template(model))
         tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
         cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                              served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                             worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"))
-        return Cluster(cfg)
+                             worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
+                             pool_disk="64MiB")
+        return Cluster(cfg, log=log.append)
 
     with shared_stack("pd_cluster", start) as c:
         yield c
+        pids = sorted({p for g in c.pgids() for p in pids_in_group(g)})
+        ssd = Path(c.run_dir) / "pool-ssd"
+        assert ssd.is_dir()
+    if "pd_cluster" in _SHARED:  # another fixture definition still holds the stack: it checks the stop
+        return
+    # the launch's stop: every process gone, pool included, on SIGTERM alone; the pool's own SSD folder removed
+    assert wait_dead(pids, 30) == [], "processes of the launch left behind"
+    assert not any("got SIGKILL" in line for line in log), log
+    assert not ssd.exists(), "the launcher's own SSD folder is removed at stop"
 
 
 _SHARED: dict[str, list] = {}  # stack name -> [its context manager, its value, how many fixtures hold it]

@@ -1,6 +1,6 @@
 """`pdserve serve` with real vLLM servers (a tiny random-weight Llama), through the CLI. The Python API's 1P1D
-launch (connector on both workers, pool, stop without SIGKILL) is checked in test_store_launcher.py, on the
-stack that test starts anyway.
+launch (connector on both workers, pool, stop without SIGKILL) is checked on the shared 1P1D stack
+(tests/integration/pool_launch.py, and ``pd_cluster``'s teardown in conftest.py).
 
 Each test runs at most 2 vLLM servers and stops them; every check ends by proving that no process of the
 launch (vLLM API servers, their engine-core children, the router, the reaper) is left.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import http_status, pids_in_group, wait_dead
+from pdserve.http_probe import http_status
+from pdserve.procs import pids_in_group, wait_dead
 
 pytestmark = [
     pytest.mark.integration,

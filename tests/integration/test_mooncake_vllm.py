@@ -8,8 +8,11 @@ Its own module because its workers load different connectors than every other st
   100 and 1,900 prompt tokens, and D really pulled the prompt from P (P's ``vllm:pdserve_mooncake_kv_transfers``
   and D's ``external_kv_transfer`` prompt tokens grow).
 - A prompt P computed is loaded from Mooncake Store by D (D's ``vllm:mooncake_store_operation_total{load_get}`` and
-  external prompt tokens grow), with the same output.
-- The store's master killed: requests still succeed, exactly (the store's lookups fail, the workers compute).
+  external prompt tokens grow), with the same output; the router's conductor counts the store's blocks as pooled
+  (``pdserve_conductor_indexed_blocks{holder="pool"}``: the master's key listing resolved through the workers' KV
+  events, pdserve/router/fleet/mooncake_store.py).
+- The store's master killed: requests still succeed, exactly (the store's lookups fail, the workers compute), and
+  the conductor stops counting pooled blocks.
 - P killed: the router answers from D alone, exactly.
 """
 
@@ -50,7 +53,9 @@ def cluster(tmp_path_factory):
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", kv_connector="mooncake", pool_backend="mooncake",
                          pool_mem="256MiB", lease_s=20,
-                         run_dir=str(tmp_path_factory.mktemp("mooncake-run")), worker_timeout_s=400)
+                         run_dir=str(tmp_path_factory.mktemp("mooncake-run")), worker_timeout_s=400,
+                         # the conductor, so the router follows the store; every fresh prompt split P -> D
+                         policy="conductor", router_args=("--no-calibrate", "--local-prefill-tokens", "0"))
     with Cluster(cfg) as c:
         yield c
 
@@ -96,6 +101,16 @@ def _count(url: str, name: str, label: str = "") -> float:
     return sum(v for k, v in scrape(url, name, labels=True).items() if label in k)
 
 
+def _pooled(cluster) -> float:
+    """The blocks the router's conductor counts as pooled (in Mooncake Store)."""
+    return _count(cluster.router_url, "pdserve_conductor_indexed_blocks", 'holder="pool"')
+
+
+def _store_keys(cluster) -> list[str]:
+    with urllib.request.urlopen(cluster.plan.pool.metrics_url + "/get_all_keys", timeout=10) as resp:
+        return [k for k in resp.read().decode().splitlines() if k]
+
+
 def test_mooncake_pd_equals_one_worker(cluster):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
     router = cluster.router_url + "/v1/completions"
@@ -135,12 +150,25 @@ def test_prefix_reused_through_mooncake_store(cluster):
     assert _loaded(d_url) - loaded == 640, "D did not load the 5 pooled blocks from Mooncake Store"
     assert _count(d_url, "vllm:mooncake_store_operation_total", 'operation="load_get"') > gets
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    # the conductor counts the store's blocks: the master's rank-0 keys of this model, resolved through the
+    # workers' KV events (vLLM's block hash -> pdserve key); at least this prompt's 5
+    rank0 = [k for k in _store_keys(cluster) if "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" in k]
+    assert len(rank0) >= 5, rank0[:3]
+    deadline = time.monotonic() + 20
+    while _pooled(cluster) < 5:
+        assert time.monotonic() < deadline, f"the conductor counts {_pooled(cluster)} pooled blocks of {len(rank0)}"
+        time.sleep(0.5)
+    assert _pooled(cluster) <= len(rank0)  # never more than the store holds
 
 
 def test_master_killed_requests_recompute(cluster):
     master = next(c for c in cluster.pool if c.name == "mooncake-master")
     os.killpg(master.pid, signal.SIGKILL)
     master.proc.wait(timeout=30)
+    deadline = time.monotonic() + 20  # the router's view of the store empties: nothing counts as pooled
+    while _pooled(cluster) > 0:
+        assert time.monotonic() < deadline, "the conductor still counts blocks in a dead store"
+        time.sleep(0.5)
     router = cluster.router_url + "/v1/completions"
     for salt in (11, 12):
         prompt = _prompt(300, salt)

@@ -74,6 +74,14 @@ def test_router_pd_chat_equals_one_worker(cluster):
     assert out.usage.prompt_tokens == reference["usage"]["prompt_tokens"]
 
 
+def test_launch_pool_saves_pd_prompts_and_p_frees_after(cluster):
+    """The launch's own KV pool: P saves a P -> D prompt's blocks and frees them once D read them and the save
+    ended (tests/integration/pool_launch.py)."""
+    from tests.integration.pool_launch import check_launch_pool_saves_pd_prompts
+
+    check_launch_pool_saves_pd_prompts(cluster)
+
+
 def test_pd_streams_are_relayed_as_bytes_and_equal_one_worker(cluster):
     """D's stream goes through the byte relay once its text settles; text and ids equal one worker's."""
     from tests.integration.pd_relay import check_pd_streams_are_relayed_and_exact
@@ -98,7 +106,9 @@ def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
 
     while usage() != (0.0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert usage() == (0.0, 0.0), "KV blocks still held after the client left"
+    if usage() != (0.0, 0.0):
+        tail = "".join((cluster.run_dir / f"{w}.log").read_text()[-3000:] for w in ("prefill0", "decode0"))
+        raise AssertionError(f"KV blocks still held after the client left: {usage()}\n{tail}")
     assert _metric(d_url, "vllm:num_requests_running") == 0
     assert _metric(p_url, "vllm:pdserve_kv_released_notified_total") == released + 1
     assert json.loads(urllib.request.urlopen(cluster.router_url + "/health", timeout=10).read())["status"] == "ok"
@@ -411,7 +421,9 @@ def test_client_leaving_n_stream_frees_blocks(cluster, client):
 
     while usage() != (0.0, 0.0) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert usage() == (0.0, 0.0), "KV blocks still held after the client left"
+    if usage() != (0.0, 0.0):
+        tail = "".join((cluster.run_dir / f"{w}.log").read_text()[-3000:] for w in ("prefill0", "decode0"))
+        raise AssertionError(f"KV blocks still held after the client left: {usage()}\n{tail}")
     try:
         health = json.loads(urllib.request.urlopen(cluster.router_url + "/health", timeout=10).read())
     except urllib.error.HTTPError as e:

@@ -55,7 +55,7 @@ def _stream(url: str, on_event) -> tuple[int, list[dict]]:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 events.append(json.loads(line[6:]))
-                on_event()
+                on_event(len(events))
     except urllib.error.HTTPError as e:
         return e.code, [json.loads(e.read())]
     return 200, events
@@ -75,13 +75,13 @@ def test_prefill_killed_under_concurrent_streams_every_request_completes_exactly
     started = [threading.Event() for _ in range(CLIENTS)]
     results: dict[int, tuple[int, list[dict]]] = {}
 
-    def client(i: int) -> None:
-        results[i] = _stream(cluster.router_url, started[i].set)
+    def client(i: int) -> None:  # "started": a token from D (the first is P's, streamed while D may still read P)
+        results[i] = _stream(cluster.router_url, lambda n: n >= 2 and started[i].set())
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     for th in threads[:6]:
         th.start()
-    assert all(e.wait(120) for e in started[:6]), "the first six never streamed"
+    assert all(e.wait(120) for e in started[:6]), "the first six never streamed from D"
     os.kill(p.pid, signal.SIGSTOP)  # P holds the next two prompts
     try:
         for th in threads[6:]:

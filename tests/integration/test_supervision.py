@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.config import LauncherConfig
+from pdserve.http_probe import http_status
 from pdserve.launch import Cluster
 from pdserve.launch.supervisor import UP
-from pdserve.procs import http_status, pids_in_group, wait_dead
+from pdserve.procs import pids_in_group, wait_dead
 from pdserve.prom import families
 
 pytestmark = [

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler
-from pdserve.procs import http_status
+from pdserve.http_probe import http_status
 from tests.integration.conftest import membership_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

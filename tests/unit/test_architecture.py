@@ -20,7 +20,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "settings": (set(), {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "conductor": ({"hashing", "settings"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "store": ({"settings", "transfer"}, {"vllm", "aiohttp", "transformers"}),
-    "router": ({"conductor", "hashing", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
+    "router": ({"conductor", "hashing", "http_probe", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer", "dtype"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),

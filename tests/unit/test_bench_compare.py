@@ -35,3 +35,20 @@ def test_plan_workloads_rates_and_seeds():
     assert [p.overrides.get("seed") for p in plans] == [0, 1, None, None]
     assert plans[1].rate == 1.0
     assert plan_workloads(["poisson:rate=3"])[0].rate == 3.0
+
+
+def test_plane_and_pool_words():
+    s = CompareSettings(cores=(0, 1))
+    assert launcher_config("1p1d", s).kv_connector == "pdserve"
+    nixl = launcher_config("1p1d-nixl", s)
+    assert (nixl.kv_connector, nixl.pool) == ("nixl", False)
+    nopool = launcher_config("1p1d-nopool", s)
+    assert (nopool.kv_connector, nopool.pool) == ("pdserve", False)
+    assert launcher_config("1p1d-pool", s).pool is True
+    store = launcher_config("2p1d-mooncake-store-conductor", s)
+    assert (store.prefill, store.kv_connector, store.pool, store.pool_backend, store.policy) == (
+        2, "mooncake", True, "mooncake", "conductor")
+    with pytest.raises(ConfigError, match="two plane words"):
+        launcher_config("1p1d-nixl-mooncake", s)
+    with pytest.raises(ConfigError, match="pool_backend=mooncake with kv_connector='pdserve'"):
+        launcher_config("1p1d-store", s)  # Mooncake Store needs vLLM's connector next to it

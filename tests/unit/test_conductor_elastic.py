@@ -12,17 +12,11 @@ from pdserve.conductor.elastic import is_long, prefilling_long
 from pdserve.conductor.load import DecodeJob
 from pdserve.hashing import block_hashes
 
+from .fake_clock import Clock
+
 BS = 16
 SHORT = list(range(16))  # 16 ms prefill: short
 LONG = list(range(1000, 1160))  # 160 ms prefill: long
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(n: int = 2, clock: Clock | None = None, **cfg) -> Conductor:

@@ -13,15 +13,9 @@ from pdserve.conductor.load import DecodeJob, PrefillJob
 from pdserve.conductor.policy import NoWorker
 from pdserve.hashing import block_hashes
 
+from .fake_clock import Clock
+
 BS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def cost() -> OnlineCostModel:

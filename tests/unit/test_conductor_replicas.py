@@ -8,15 +8,9 @@ from pdserve.conductor.cost_model import Priors
 from pdserve.conductor.load import DecodeJob, PrefillJob, WorkerLoad
 from pdserve.hashing import block_hashes
 
+from .fake_clock import Clock
+
 BS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(replicas: int, clock: Clock) -> Conductor:

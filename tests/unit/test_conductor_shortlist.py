@@ -11,16 +11,10 @@ from pdserve.conductor.load import DecodeJob, PrefillJob, WorkerLoad
 from pdserve.conductor.shortlist import LoadOrder, decode_key, prefill_key
 from pdserve.hashing import block_hashes
 
+from .fake_clock import Clock
+
 BS = 16
 PROMPT = list(range(160))  # 10 blocks
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def cost() -> OnlineCostModel:

@@ -13,7 +13,8 @@ from pdserve.config import SECRET_ENV, ConfigError, LauncherConfig
 from pdserve.launch import Ports, allocate_ports, dry_run_ports
 from pdserve.launch.plan import kv_events_prefix
 from pdserve.launcher import kv_transfer_config, make_plan, plan_workers, router_command, worker_command
-from pdserve.procs import assign_cores, available_cores, free_ports, port_is_free
+from pdserve.ports import ephemeral_range, free_ports, picking_range, port_is_free
+from pdserve.procs import assign_cores, available_cores
 
 
 @pytest.fixture
@@ -32,6 +33,17 @@ def test_free_ports_are_distinct_bindable_and_skip_excluded():
     for p in ports:
         assert 1024 <= p <= 65535
         assert port_is_free("127.0.0.1", p)
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range(tmp_path):
+    """A port bound to 0 by any process (the pool node, vLLM's ZMQ) cannot take a picked-but-unbound port."""
+    lo = ephemeral_range()[0]
+    assert all(p < lo for p in free_ports(8)) or not picking_range()
+    (tmp_path / "range").write_text("32768\t60999\n")
+    assert picking_range(tmp_path / "range") == range(32768 - 16384, 32768)
+    (tmp_path / "range").write_text("1024 65535\n")
+    assert not picking_range(tmp_path / "range")  # no room below: the kernel picks
+    assert ephemeral_range(tmp_path / "missing") == (32768, 60999)
 
 
 def test_port_is_free_sees_a_listener():

@@ -16,12 +16,12 @@ import pytest
 
 from pdserve import launcher
 from pdserve.config import LauncherConfig
+from pdserve.http_probe import PID_HEADER, http_status
 from pdserve.launch import commands
 from pdserve.procs import (
     LaunchError,
     Reaper,
     group_alive,
-    http_status,
     pid_alive,
     pids_in_group,
     spawn,
@@ -214,6 +214,41 @@ def test_wait_healthy_timeout_names_worker_and_shows_log(tmp_path):
             wait_healthy([c], timeout_s=0.5, poll_s=0.05)
     finally:
         stop_children([c], timeout_s=5)
+
+
+def test_wait_healthy_counts_a_shared_port_ready_per_process_that_answered(tmp_path):
+    """Router replicas share one port: a 200 counts only for the replica whose pid answered it."""
+    import http.server
+    import itertools
+    import threading
+
+    kids = [spawn(f"r{i}", _sleeper_argv(grandchild=False), env=dict(os.environ), log_path=tmp_path / f"r{i}.log")
+            for i in range(2)]
+    answering = itertools.cycle([kids[0].pid])
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header(PID_HEADER, str(next(answering)))
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for k in kids:
+            k.url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(LaunchError, match="waiting for r1 to answer"):  # only r0 ever answered
+            wait_healthy(kids, timeout_s=1.0, poll_s=0.05)
+        assert kids[0].ready_at is not None and kids[1].ready_at is None
+        answering = itertools.cycle([kids[0].pid, kids[1].pid])
+        wait_healthy(kids, timeout_s=5.0, poll_s=0.05)
+        assert kids[1].ready_at is not None
+    finally:
+        server.shutdown()
+        stop_children(kids, timeout_s=5)
 
 
 def test_spawn_healthy_returns_the_serving_child_and_stops_one_that_fails(tmp_path):

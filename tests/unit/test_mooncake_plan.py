@@ -117,7 +117,15 @@ def test_mooncake_store_pool_plan(tmp_path, connector):
         if connector == "mooncake":  # the class whose Prometheus counters MultiConnector needs
             assert first["kv_connector_module_path"] == "pdserve.vllm.mooncake_cpu"
         assert "pool_master" not in json.dumps(kv)  # pdserve's pool is not involved
-    assert "--pool-master" not in plan.router.argv  # the conductor follows pdserve's pool only
+    assert "--pool-master" not in plan.router.argv  # pdserve's pool master: none here
+    # the conductor follows the store through its master's HTTP admin server (its metrics port)
+    argv = plan.router.argv
+    assert argv[argv.index("--mooncake-store") + 1] == f"127.0.0.1:{plan.pool.metrics_port}"
+    master_argv = plan.process("mooncake-master").argv
+    assert master_argv[master_argv.index("--metrics_port") + 1] == str(plan.pool.metrics_port)
+    rr_cfg = _cfg(tmp_path, kv_connector=connector, pool_backend="mooncake", policy="round_robin")
+    rr = make_plan(rr_cfg, rr_cfg.model_dir, run_dir=tmp_path / "run")
+    assert "--mooncake-store" not in rr.router.argv  # no conductor, nothing to count for
 
 
 def test_mooncake_store_pool_refusals(tmp_path):

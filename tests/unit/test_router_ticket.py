@@ -19,6 +19,8 @@ from pdserve.router.fleet.workers import Wait, WorkerError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.generation import Generation, Timings
 
+from .fake_clock import Clock
+
 
 class RecordingCost(OnlineCostModel):
     """The real online cost model, recording what it is told."""
@@ -35,14 +37,6 @@ class RecordingCost(OnlineCostModel):
     def observe_handoff(self, seconds: float, alpha: float = 0.2) -> None:
         self.handoffs.append(seconds)
         super().observe_handoff(seconds, alpha)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(policy: str = "conductor", members: tuple[tuple[str, str], ...] = (

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -35,6 +35,7 @@ from .kv_replay import replay
 log = logging.getLogger("pdserve.router.fleet.kv_events")
 
 Replayer = Callable[[zmq.asyncio.Context, str, int], Awaitable[list[tuple[int, bytes]] | None]]
+Learner = Callable[[list[tuple[Hashable, int]]], None]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class KVEventFeed:
         self.duplicates = 0  # batches seen twice (replay overlapping live) and applied once
         self.replayed = 0  # batches applied from a replay
         self.clears = 0  # gaps replay could not fill: the worker's entries dropped
+        # told (vLLM block hash, our key) of every block a worker stored, e.g. the Mooncake Store view, which sees
+        # only vLLM's hashes in the store's keys (pdserve.router.fleet.mooncake_store)
+        self.learners: list[Learner] = []
         self.task = asyncio.create_task(self._run())
 
     # ---- membership ----
@@ -175,6 +179,9 @@ class KVEventFeed:
         self.batches[worker] = self.batches.get(worker, 0) + 1
         self.skipped_blocks += up.skipped
         up.apply_to(worker, self.index)
+        if up.learned:
+            for learn in self.learners:
+                learn(up.learned)
 
     # ---- catching up through the worker's replay endpoint ----
     def _catch_up(self, worker: str, st: _Stream, start: int) -> None:

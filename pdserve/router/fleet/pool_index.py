@@ -9,16 +9,17 @@ is unreachable the pool's entries are dropped: the conductor then assumes nothin
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from ...conductor import Conductor
+from .follower import Follower
 
-log = logging.getLogger("pdserve.router.fleet.pool_index")
 HOLDER = "pool"
 
 
-class PoolIndexFollower:
+class PoolIndexFollower(Follower):
+    source = "KV pool master"
+
     def __init__(self, master: str, secret: str, conductor: Conductor, interval_s: float = 1.0) -> None:
         from ...store.rpc import RpcClient  # the router only reads pool metadata, never KV bytes
 
@@ -30,8 +31,7 @@ class PoolIndexFollower:
         self.since = 0
         self.applied = 0
         self.resyncs = 0
-        self.reachable = False
-        self.task = asyncio.create_task(self._run())
+        self.start()
 
     def poll_once(self) -> None:
         """One round (blocking: run it in a thread)."""
@@ -58,24 +58,9 @@ class PoolIndexFollower:
             self.conductor.blocks_stored(HOLDER, stored)
         self.since = int(r.get("next", self.since))
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.poll_once)
-                self.reachable = True
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # master down or restarting: forget the pool until it answers again
-                if self.reachable:
-                    log.warning("KV pool master unreachable (%s); ignoring pooled prefixes until it is back", e)
-                self.reachable = False
-                self.epoch = None
-                self.conductor.all_cleared(HOLDER)
-            await asyncio.sleep(self.interval_s)
+    async def step(self) -> None:
+        await asyncio.to_thread(self.poll_once)
 
-    async def close(self) -> None:
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
+    def forget(self) -> None:
+        self.epoch = None
+        self.conductor.all_cleared(HOLDER)
