@@ -195,12 +195,22 @@ def edge_cases() -> list[Case]:
             Case("completions", "prompt_logprobs", -1, {"prompt": "a b"}, "whole-vocab")]
 
 
+# the quick tier's fields: those the router itself reads, rewrites or refuses (pdserve.router.api.fields); the ones
+# it passes to the worker as they are ("forwarded", "ignored_as_vllm") are the full tier's, and test_pd_router's
+# test_forwarded_fields_equal_one_worker checks that they arrive
+QUICK_USES = ("router", "regenerated", "refused")
+
+
 def quick(all_cases: list[Case], per_field: int = 1) -> list[Case]:
-    """The quick tier: the first ``per_field`` values of each field (the edge values come first)."""
+    """The quick tier: the first ``per_field`` values (the edge values come first) of each field in QUICK_USES."""
+    from pdserve.router.api.fields import FIELDS
+
     seen: dict[tuple[str, str], int] = {}
     out = []
     for c in all_cases:
         k = (c.endpoint, c.field)
+        if FIELDS[c.endpoint].get(c.field, ("",))[0] not in QUICK_USES:
+            continue
         if seen.get(k, 0) < per_field:
             seen[k] = seen.get(k, 0) + 1
             out.append(c)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,19 +91,24 @@ def _seeded(url: str, body: dict, mine: dict, ref: dict, case: Case, stream: boo
 
 
 def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
-        log: Callable[[str], None] | None = None) -> tuple[list[Verdict], float]:
-    """Every case, unstreamed, and streamed when ``stream_all`` or its field is in :data:`STREAMED`."""
+        log: Callable[[str], None] | None = None, clients: int = 4) -> tuple[list[Verdict], float]:
+    """Every case, unstreamed, and streamed when ``stream_all`` or its field is in :data:`STREAMED`; ``clients``
+    cases at a time (greedy fp32 answers do not depend on the batch they share)."""
     t0 = time.monotonic()
-    out = []
-    for case in cases:
-        for stream in (False, True) if stream_all or case.field in STREAMED else (False,):
-            t = time.monotonic()
-            v = judge(router_url, worker_url, case, stream)
-            if v.kind == "different" and v.key in OPEN:
-                v.kind = "open"
-            out.append(v)
-            if log is not None:
-                log(f"{time.monotonic() - t:6.2f}s {out[-1].kind} {case.name}{' stream' if stream else ''}")
+    runs = [(case, stream) for case in cases
+            for stream in ((False, True) if stream_all or case.field in STREAMED else (False,))]
+
+    def one(item: tuple[Case, bool]) -> Verdict:
+        t = time.monotonic()
+        v = judge(router_url, worker_url, *item)
+        if v.kind == "different" and v.key in OPEN:
+            v.kind = "open"
+        if log is not None:
+            log(f"{time.monotonic() - t:6.2f}s {v.kind} {v.key}")
+        return v
+
+    with ThreadPoolExecutor(clients) as pool:
+        out = list(pool.map(one, runs))
     return out, time.monotonic() - t0
 
 
