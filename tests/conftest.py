@@ -32,7 +32,7 @@ if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
 # test files that share one session-scoped stack, by the fixture they share; each tuple runs in this order
 SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
-                   "tests/conformance/test_conformance.py",
+                   "tests/integration/test_router_vllm.py", "tests/conformance/test_conformance.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
     "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py"),
 }
@@ -52,9 +52,42 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _order_shared_stacks(items)
     if os.environ.get("PDSERVE_TEST_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow (minutes on 2 cores): run with PDSERVE_TEST_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _order_shared_stacks(items: list[pytest.Item]) -> None:
+    """The files of each shared stack run in SHARED_STACKS' order (collection would sort them by name): the
+    places their tests hold in ``items`` are refilled in that order, everything else stays where it is."""
+    for stack, paths in SHARED_STACKS.items():
+        places = [i for i, item in enumerate(items) if STACK_OF.get(item.nodeid.split("::", 1)[0]) == stack]
+        ordered = sorted((items[i] for i in places), key=lambda item: paths.index(item.nodeid.split("::", 1)[0]))
+        for i, item in zip(places, ordered):
+            items[i] = item
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    """PDSERVE_TEST_TIMELINE=FILE: each process appends "worker end-time file" per test (where the suite's time goes
+    on each of the two processes, to balance them)."""
+    path = os.environ.get("PDSERVE_TEST_TIMELINE")
+    if path:
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {time.time():.1f} {nodeid.split('::')[0]}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_model_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Random test models are built once per run and copied (pdserve.models: PDSERVE_MODEL_CACHE), in a folder the
+    test processes of this run share (xdist's workers have one base folder's parent in common)."""
+    from pdserve.models import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):
+        base = tmp_path_factory.getbasetemp()
+        os.environ[CACHE_ENV] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from .errors import TransferError
+
+log = logging.getLogger(__name__)
 
 
 class Op(str, enum.Enum):
@@ -36,6 +40,9 @@ class TransferEntry(NamedTuple):
     length: int
 
 
+FrameHook = Callable[[list[TransferEntry]], None]
+
+
 def merge_contiguous(entries: Iterable[TransferEntry]) -> list[TransferEntry]:
     """Merge neighbours that are contiguous on both sides (same regions, both offsets adjacent)."""
     merged: list[TransferEntry] = []
@@ -58,16 +65,23 @@ def merge_contiguous(entries: Iterable[TransferEntry]) -> list[TransferEntry]:
 
 def split_into_frames(entries: list[TransferEntry], slice_bytes: int) -> list[list[TransferEntry]]:
     """Cut entries into frames of at most ``slice_bytes`` bytes; large entries are split across frames."""
+    return cut_frames(entries, itertools.repeat(slice_bytes))
+
+
+def cut_frames(entries: list[TransferEntry], sizes: Iterable[int]) -> list[list[TransferEntry]]:
+    """Cut entries, in order, into consecutive frames of the next of ``sizes`` bytes each (the last frame may be
+    shorter); large entries are split across frames."""
+    sizes = iter(sizes)
     frames: list[list[TransferEntry]] = []
     current: list[TransferEntry] = []
-    room = slice_bytes
+    room = next(sizes)
     for e in entries:
         if e.length <= room:  # common case: the entry fits whole, no new object
             current.append(e)
             room -= e.length
             if room == 0:
                 frames.append(current)
-                current, room = [], slice_bytes
+                current, room = [], next(sizes, 1 << 62)
             continue
         done = 0
         while done < e.length:
@@ -78,10 +92,35 @@ def split_into_frames(entries: list[TransferEntry], slice_bytes: int) -> list[li
             room -= take
             if room == 0:
                 frames.append(current)
-                current, room = [], slice_bytes
+                current, room = [], next(sizes, 1 << 62)
     if current:
         frames.append(current)
     return frames
+
+
+def taper_sizes(total: int, cap: int, tail: int) -> list[int]:
+    """Frame sizes that cover ``total`` bytes, largest first, halving towards the end down to ``tail`` (the last
+    two are ``tail``): ..., 4t, 2t, t, t. Whoever reads the frames as they arrive (a checksum) keeps up with
+    the transfer and has only the last, small frame left when the transfer ends."""
+    sizes: list[int] = []
+    size, left = tail, total
+    while left > 0:
+        take = min(size, left)
+        sizes.append(take)
+        left -= take
+        if len(sizes) >= 2:
+            size = min(cap, size * 2)
+    return sizes[::-1]
+
+
+def tapered_lanes(entries: list[TransferEntry], lanes: int, cap: int, tail: int) -> list[list[list[TransferEntry]]]:
+    """``lanes`` contiguous shares of the entries (as equal in bytes as the entries allow), each cut into tapered
+    frames (:func:`taper_sizes`), so every lane ends on a small frame."""
+    total = sum(e.length for e in entries)
+    if not total:
+        return []
+    groups = split_into_frames(entries, -(-total // max(1, lanes)))
+    return [cut_frames(g, taper_sizes(sum(e.length for e in g), cap, tail)) for g in groups]
 
 
 def stripe(frames: list[list[TransferEntry]], streams: int) -> list[list[list[TransferEntry]]]:
@@ -110,6 +149,18 @@ class BatchHandle:
         self._lock = threading.Lock()
         self._interrupts: dict[int, Callable[[], None]] = {}
         self.reply: Any = None  # the peer's answer to the batch's notification (TransferEngine.on_notify)
+        self.on_frame: FrameHook | None = None  # READ: told each frame once its bytes are in local memory
+
+    def frame_arrived(self, frame: list[TransferEntry]) -> None:
+        """A data path read ``frame`` (its local ranges now hold the peer's bytes): tell ``on_frame``. A hook that
+        fails is logged and never fails the transfer."""
+        hook = self.on_frame
+        if hook is None:
+            return
+        try:
+            hook(frame)
+        except Exception:
+            log.exception("batch %s: frame hook failed", self.batch_id)
 
     # ---- caller side ----
     def poll(self) -> BatchStatus:

@@ -1,9 +1,16 @@
 """Checksums of byte spans, for verifying what a transfer delivered.
 
-Two algorithms, named on the wire so the verifier computes what the producer computed:
+Three algorithms, named on the wire so the verifier computes what the producer computed:
 
+* ``xxh3u`` (:func:`xxh3_unit`, the default for host memory): the sum mod 2**64 of XXH3-64 of each *unit* of a
+  block (one contiguous run of one layer), seeded with the unit's index in the block. Each unit is hashed on its
+  own, in any order, so a reader can hash the units that have arrived while the rest of a transfer is still moving
+  and add them up; a change inside any unit changes its hash (and so the sum) but for a 2**-64 chance, and the
+  seed ties each hash to its place. python-xxhash releases the GIL while it hashes a large buffer, so a hashing
+  thread runs beside the transfer's threads.
 * ``xxh3`` (:func:`xxh3_spans`): xxHash's XXH3-64 streamed over a sequence of byte spans of host memory. Each span
-  is passed to the hasher as a buffer (memoryview or numpy view): no copy of the bytes is made.
+  is passed to the hasher as a buffer (memoryview or numpy view): no copy of the bytes is made. Kept so that pool
+  objects sealed with it still verify.
 * ``wsum32`` (:func:`wsum_rows`): a position-weighted sum for device memory, computed in one batched torch op per
   (layer, run) over every block at once: the bytes of each row viewed as little-endian int32 words ``w_j``,
   ``sum_j w_j * (2 * (first_word + j) + 1)`` in int64 (wrapping). Every weight is odd, so any change to a
@@ -24,7 +31,8 @@ import xxhash
 
 XXH3 = "xxh3"
 WSUM = "wsum32"
-ALGORITHMS = (XXH3, WSUM)
+XXH3U = "xxh3u"
+ALGORITHMS = (XXH3, WSUM, XXH3U)  # append only: a pool seal stores the index
 MASK64 = (1 << 64) - 1
 
 
@@ -35,6 +43,16 @@ def xxh3_spans(spans: Iterable[Any]) -> int:
     for span in spans:
         h.update(span)
     return h.intdigest()
+
+
+def xxh3_unit(span: Any, index: int) -> int:
+    """XXH3-64 of one unit of a block (a buffer), seeded with its index ``index`` in the block; an ``xxh3u`` block
+    checksum is the sum of its units' values mod 2**64 (:func:`add_u64`)."""
+    return xxhash.xxh3_64_intdigest(span, seed=index)
+
+
+def add_u64(a: int, b: int) -> int:
+    return (a + b) & MASK64
 
 
 def wsum_rows(rows: Any, first_word: int = 0) -> Any:

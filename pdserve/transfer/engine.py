@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from . import wire
 from .backend import Backend, EngineContext, batch_connection
-from .batch import BatchHandle, Op, TransferEntry, merge_contiguous
+from .batch import BatchHandle, FrameHook, Op, TransferEntry, merge_contiguous
 from .config import TransferConfig
 from .descriptor import SegmentDescriptor, host_identity
 from .errors import TransferError
@@ -112,14 +112,19 @@ class TransferEngine:
     # ---- transfers ----
     def submit(self, peer: PeerLike, entries: Iterable[EntryLike], op: Op | str = Op.WRITE,
                notify: bytes | str | None = None, deadline_s: float | None = None,
-               backend: str | None = None) -> BatchHandle:
-        """Start a batch; return at once with its handle. Bad ranges raise here, synchronously."""
+               backend: str | None = None, on_frame: FrameHook | None = None) -> BatchHandle:
+        """Start a batch; return at once with its handle. Bad ranges raise here, synchronously.
+
+        ``on_frame`` (READ): called on a transfer thread with each frame's entries once their bytes are in local
+        memory (tcp and local paths; others, and CUDA IPC, call it never), before the notification is sent: so a
+        caller may check the bytes while the rest is still moving. It must be quick (hand the work to a thread)."""
         peer = peer if isinstance(peer, SegmentDescriptor) else SegmentDescriptor.from_wire(peer)
         op = Op(op)
         merged = merge_contiguous(self._checked(peer, entries))
         seconds = self.config.default_deadline_s if deadline_s is None else deadline_s
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
+        handle.on_frame = on_frame
         self._batch_runner.submit(self._execute, handle, peer, op, merged, notify, backend)
         return handle
 

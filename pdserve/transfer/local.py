@@ -23,7 +23,7 @@ import numpy as np
 
 from . import procmem, wire
 from .backend import Backend, run_lanes
-from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
+from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe, tapered_lanes
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
 from .errors import TransferError
@@ -140,8 +140,11 @@ class LocalBackend(Backend):
             raise TransferError("unavailable", "same-host path moves host<->host or CUDA<->CUDA (via IPC) only")
         if self.ctx.regions.get(entries[0].local_region).kind == "cuda":
             return self._run_ipc(handle, peer, op, entries)
-        frames = split_into_frames(entries, self.ctx.config.local_slice_bytes)
-        lanes = stripe(frames, self._lane_count(entries))
+        config = self.ctx.config
+        lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(entries))
+        if op is Op.READ and handle.on_frame is not None:  # checked as it arrives: end every lane on a small frame,
+            copiers = min(len(lanes), max(1, (os.cpu_count() or 1) - 1))  # and leave the checker a core
+            lanes = tapered_lanes(entries, copiers, config.local_slice_bytes, config.tail_slice_bytes)
         kind = "lw" if op is Op.WRITE else "lr"
 
         addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}
@@ -150,9 +153,11 @@ class LocalBackend(Backend):
             for frame in frames:  # ranges were bounds-checked by the engine at submit
                 conn.sock.settimeout(h.remaining())
                 wire.send_msg(conn.sock, _copy_request(kind, h.batch_id, frame, addrs))
-            for _ in frames:
+            for frame in frames:  # the owner answers a lane's frames in order, each once its copy is done
                 conn.sock.settimeout(h.remaining())
                 wire.raise_if_error(wire.recv_msg(conn.sock))
+                if op is Op.READ:
+                    h.frame_arrived(frame)
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
 

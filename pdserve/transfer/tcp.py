@@ -14,7 +14,7 @@ from typing import Any
 
 from . import wire
 from .backend import Backend, parse_entries, run_lanes
-from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
+from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe, tapered_lanes
 from .connection import Connection
 from .descriptor import SegmentDescriptor
 from .errors import TransferError
@@ -33,7 +33,10 @@ class TcpBackend(Backend):
         return True
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        lanes = stripe(split_into_frames(entries, self.ctx.config.slice_bytes), self.ctx.config.streams)
+        config = self.ctx.config
+        lanes = stripe(split_into_frames(entries, config.slice_bytes), config.streams)
+        if op is Op.READ and handle.on_frame is not None:  # checked as it arrives: end every lane on a small frame
+            lanes = tapered_lanes(entries, len(lanes), config.slice_bytes, config.tail_slice_bytes)
         job = self._write_lane if op is Op.WRITE else self._read_lane
         run_lanes(self.ctx, handle, peer.address, lanes, job)
 
@@ -69,6 +72,7 @@ class TcpBackend(Backend):
             else:
                 recv_parts(parts, self.ctx.staging, lambda v: wire.recv_into_views(conn.sock, v, conn.max_iov),
                            handle.remaining)
+            handle.frame_arrived(frame)
 
     # ---- owner side ----
     def server_handlers(self) -> dict[str, Handler]:

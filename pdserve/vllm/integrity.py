@@ -3,9 +3,10 @@ comparison.
 
 A block's checksum covers its bytes in every layer of this rank, layer after layer (the worker's registration
 order), run after run (:class:`~pdserve.vllm.params.LayerGeometry`): exactly the bytes a P -> D read or a pool
-object moves, in the same order on both sides (equal layout signatures guarantee the same runs). Host memory is
-hashed with XXH3-64 in place; device memory with the batched ``wsum32`` reduction
-(:mod:`pdserve.transfer.checksum`). The producer names its algorithm; the verifier computes that one.
+object moves, the same units on both sides (equal layout signatures guarantee the same runs). Host memory is
+hashed with ``xxh3u`` (XXH3-64 of each unit, one contiguous run of one layer, seeded with its index in the block,
+summed) in place; device memory with the batched ``wsum32`` reduction (:mod:`pdserve.transfer.checksum`). The
+producer names its algorithm; the verifier computes that one.
 
 P (:class:`SealTable`): when its worker learns a lease (the step after prefill, the blocks final and held),
 it computes the leased blocks' checksums on a worker thread and keeps them until the lease ends. D's READ
@@ -13,6 +14,10 @@ batch ends with its notification; P answers it with the sums (the transfer engin
 gets them in the same round trip as the data. A block written after P sealed it (a late write into a recycled
 block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P no longer
 holds gets no sums, and D recomputes as well.
+
+D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, the transfer
+engine's ``on_frame`` hook, on the lane that received each frame, while the peer moves the next), so when the last
+byte is in only the last small frame is left to hash; then the sums are compared with P's reply.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.transfer.checksum import WSUM, XXH3, to_u64, wsum_rows, xxh3_spans
+from pdserve.transfer import TransferError
+from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, add_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.vllm.logs import connector_log
 from pdserve.vllm.params import LayerGeometry
+
+log = connector_log()
 
 
 def _is_host(mem: Any) -> bool:
@@ -39,13 +48,15 @@ class BlockSums:
     def __init__(self, layers: Sequence[LayerGeometry], memory: dict[str, Any]) -> None:
         self.layers = list(layers)
         self.memory = memory
-        self.alg = XXH3 if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
+        self.alg = XXH3U if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
 
     def sums(self, block_ids: Sequence[int], alg: str = "") -> list[int]:
         """One unsigned 64-bit checksum per block, by ``alg`` (default: this memory's own)."""
         alg = alg or self.alg
         if not block_ids:
             return []
+        if alg == XXH3U:
+            return [self._unit_sum(b) for b in block_ids]
         if alg == XXH3:
             return [xxh3_spans(self._host_spans(b)) for b in block_ids]
         if alg == WSUM:
@@ -61,6 +72,16 @@ class BlockSums:
                 span = mem[base + off:base + off + n]
                 out.append(span if _is_host(mem) else span.cpu().numpy())  # xxh3 of device bytes: via the host
         return out
+
+    def _unit_sum(self, block: int) -> int:
+        total = 0
+        for k, span in enumerate(self._host_spans(block)):
+            total = add_u64(total, xxh3_unit(span, k))
+        return total
+
+    def units(self, block: int) -> list[tuple[str, int, int]]:
+        """The block's units in order: (layer region, byte offset, bytes), one per run of each layer."""
+        return [(g.name, block * g.block_stride + off, n) for g in self.layers for off, n in g.block_runs]
 
     def _wsums(self, block_ids: Sequence[int]) -> list[int]:
         """One batched reduction per (layer, run) over every block; the runs' sums add up per block."""
@@ -98,9 +119,11 @@ def mismatched(expected: dict[int, int], local: Sequence[int], remote: Sequence[
 
 
 def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int],
-               remote: Sequence[int]) -> tuple[str, int]:
+               remote: Sequence[int], arrived: ArrivalHasher | None = None) -> tuple[str, int]:
     """D: (why the blocks just read into ``local`` must not be used, "" when they may; how many matched), from P's
-    ``reply`` to the read's notification (:meth:`SealTable.reply`)."""
+    ``reply`` to the read's notification (:meth:`SealTable.reply`). ``arrived``: the sums hashed as the read
+    landed (used when P's algorithm is theirs; otherwise the blocks are hashed now)."""
+    got_arrived = arrived.result() if arrived is not None else None  # also applies its flip fault, before any hash
     if not isinstance(reply, dict):
         return "P answered no checksums (its kv_checksum is off, or an older pdserve)", 0
     if reply.get("fp") != fingerprint:
@@ -108,12 +131,134 @@ def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[in
     if "missing" in reply:
         return f"P has no checksums: {reply['missing']}", 0
     expected = dict(zip(reply.get("b") or [], reply.get("c") or []))
-    got = sums.sums(local, str(reply.get("alg") or ""))
+    alg = str(reply.get("alg") or "")
+    got = got_arrived if arrived is not None and got_arrived is not None and alg == arrived.alg else \
+        sums.sums(local, alg)
     bad = mismatched(expected, local, remote, got)
     if bad:
         why = f"{len(bad)} of {len(got)} blocks differ from P's checksums (D blocks {list(bad[:8])})"
         return why, len(got) - len(bad)
     return "", len(got)
+
+
+class ArrivalHasher:
+    """D: the ``xxh3u`` sums of one read's blocks (D's ``blocks``), hashed unit by unit while the read's frames
+    land. :meth:`frame` is the transfer engine's ``on_frame`` hook: it runs on the transfer lane that received the
+    frame, so the lane hashes frame i while the peer copies or sends frame i+1 (the lane asked for all its frames at
+    once); a unit is hashed once all its bytes are in, by whichever lane completed it (python-xxhash releases the
+    GIL, so lanes hash in parallel). :meth:`result`, after the read succeeded, hashes what no frame reported (data
+    paths without the hook) and returns one sum per block.
+
+    ``flip`` (test fault): the first block's first unit gets a byte flipped as it lands, before it is hashed
+    (corruption in transit)."""
+
+    alg = XXH3U
+
+    def __init__(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> None:
+        self.sums, self.blocks, self.flip = sums, list(blocks), flip
+        self._slot = {b: i for i, b in enumerate(self.blocks)}
+        self._layers: dict[str, tuple[LayerGeometry, int]] = {}  # region -> (geometry, index of its first unit)
+        k = 0
+        for g in sums.layers:
+            self._layers[g.name] = (g, k)
+            k += len(g.block_runs)
+        self._partial: dict[tuple[int, int], int] = {}  # (slot, unit index) -> bytes in so far
+        self._done: set[tuple[int, int]] = set()
+        self._acc = [0] * len(self.blocks)
+        self._lock = threading.Lock()
+
+    def frame(self, frame: Sequence[Any]) -> None:
+        """``frame``'s entries (local region, local offset, ..., length) landed: hash the units they complete."""
+        ready = []
+        with self._lock:
+            for e in frame:
+                ready += self._arrive(e[0], e[1], e[1] + e[-1])
+        self._hash(ready)
+
+    def result(self) -> list[int]:
+        with self._lock:
+            if len(self._done) == len(self.blocks) * sum(len(g.block_runs) for g, _ in self._layers.values()):
+                return list(self._acc)  # every unit landed through a frame (the usual case)
+            rest = [(slot, k, name, b * g.block_stride + off, n) for slot, b in enumerate(self.blocks)
+                    for name, (g, k0) in self._layers.items() for k, (off, n) in enumerate(g.block_runs, k0)
+                    if (slot, k) not in self._done]  # never reported by a frame: the read succeeded, so they are in
+            self._done.update((slot, k) for slot, k, *_ in rest)
+        self._hash(rest)
+        return list(self._acc)
+
+    def _arrive(self, name: str, lo: int, hi: int) -> list[tuple[int, int, str, int, int]]:
+        """The units that bytes [lo, hi) of region ``name`` complete: (slot, unit index, region, offset, bytes)."""
+        layer = self._layers.get(name)
+        if layer is None:
+            return []
+        g, k0 = layer
+        out: list[tuple[int, int, str, int, int]] = []
+        pos = lo
+        while pos < hi:
+            at = self._unit_at(g, pos)
+            if at is None:
+                return out  # not a unit of this read (cannot happen for the connector's entries)
+            j, block, within = at
+            n = g.block_runs[j][1]
+            take = min(hi - pos, n - within)
+            key = (self._slot[block], k0 + j)
+            got = self._partial.pop(key, 0) + take
+            if got < n:
+                self._partial[key] = got
+            elif key not in self._done:
+                self._done.add(key)
+                out.append((*key, name, pos - within, n))
+            pos += take
+        return out
+
+    def _unit_at(self, g: LayerGeometry, pos: int) -> tuple[int, int, int] | None:
+        """(run, block, bytes into the run) of the unit of this read holding byte ``pos`` of ``g``'s region."""
+        for j, (off, n) in enumerate(g.block_runs):
+            block, within = divmod(pos - off, g.block_stride)
+            if pos >= off and within < n and block in self._slot:
+                return j, block, within
+        return None
+
+    def _hash(self, units: list[tuple[int, int, str, int, int]]) -> None:
+        for slot, k, name, off, n in units:
+            if self.flip and slot == 0 and k == 0:
+                self.sums.flip_byte(self.blocks[0])
+                log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed",
+                            self.blocks[0])
+            value = xxh3_unit(self.sums.memory[name][off:off + n], k)
+            with self._lock:
+                self._acc[slot] = add_u64(self._acc[slot], value)
+
+
+STREAM_MIN_BYTES = 2 << 20  # smaller reads are hashed after they land: tapered frames cost more than they hide
+
+
+class ReadVerifier:
+    """D: checks each read's blocks against P's checksums, hashed as they land where the memory allows (reads of
+    ``min_bytes`` or more)."""
+
+    def __init__(self, min_bytes: int = STREAM_MIN_BYTES) -> None:
+        self.min_bytes = min_bytes
+
+    def tap(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> ArrivalHasher | None:
+        """A hasher for a read into ``blocks`` (None where they are hashed after the read: device memory, or a
+        read smaller than ``min_bytes``)."""
+        nbytes = len(blocks) * sum(g.block_bytes for g in sums.layers)
+        if sums.alg != XXH3U or not blocks or nbytes < self.min_bytes:
+            return None
+        return ArrivalHasher(sums, blocks, flip)
+
+    @staticmethod
+    def verify(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int], remote: Sequence[int],
+               arrived: ArrivalHasher | None, where: str, stats: dict[str, Any]) -> None:
+        """Raise TransferError("checksum") unless the blocks read into ``local`` match P's ``reply`` (so vLLM
+        recomputes them); counts the matched blocks in ``stats["verified"]``."""
+        problem, stats["verified"] = check_read(sums, fingerprint, reply, local, remote, arrived)
+        stats["streamed"] = arrived is not None
+        if problem:
+            stats["checksum_failed"] = True
+            log.error("%s: KV checksum failure: %s; vLLM will recompute", where, problem)
+            raise TransferError("checksum", problem)
 
 
 class SealTable:

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.vllm.fingerprint import digest, worker_fingerprint
-from pdserve.vllm.integrity import BlockSums, SealTable, check_read
+from pdserve.vllm.integrity import ArrivalHasher, BlockSums, ReadVerifier, SealTable
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
 from pdserve.vllm.logs import connector_log
@@ -107,6 +107,7 @@ class WorkerSide:
         self.fingerprint: dict[str, str] = {}
         self.fp_digest = 0
         self._seals = SealTable()  # P: checksums of leased blocks, answered to D's notification
+        self.verifier = ReadVerifier()  # D: hashes what a read lands, checks it against P's answer
         self._pool_io: PoolIO | None = None
         self._peers: dict[tuple[str, int], Any] = {}
         self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
@@ -317,13 +318,15 @@ class WorkerSide:
         fault = remote.test_fault if self.config.allow_test_faults else ""
         handles: dict[int, Any] = {}
         failed: list[Exception] = []
+        tap = self._tap(job, fault)
         for p in sorted(set(batches) | set(counts)):
             if fault_hits(fault, "fail", p):
                 failed.append(TransferError("test", f"pdserve_test_fault={fault} (P rank {p})"))
                 continue
             note = notify_message(remote.request_id, self.rank, counts.get(p, 1)) if p in counts else None
             handles[p] = self.engine.submit(self._peer(remote, p), batches.get(p, []), "read", notify=note,
-                                            deadline_s=deadline_s)
+                                            deadline_s=deadline_s, on_frame=tap.frame if tap and p == self.rank
+                                            else None)
         total = 0
         for p, handle in handles.items():
             try:
@@ -336,12 +339,15 @@ class WorkerSide:
             total += handle.total_bytes
         if failed:
             raise failed[0]
-        if fault_hits(fault, "flip", self.rank) and job.plan.local:
+        if fault_hits(fault, "flip", self.rank) and job.plan.local and tap is None:  # (a tap flips as it lands)
             self.sums.flip_byte(job.plan.local[0])
             log.warning("request %s: pdserve_test_fault=%s: flipped a byte of received block %d", remote.request_id,
                         fault, job.plan.local[0])
-        if self.config.kv_checksum:
-            self._verify(job, handles.get(self.rank), stats)
+        if self.config.kv_checksum and remote.tp == self.tp:  # a resharded read is not verified (P seals blocks)
+            handle = handles.get(self.rank)
+            self.verifier.verify(self.sums, self.fp_digest, handle.reply if handle else None, job.plan.local,
+                                 job.plan.remote, tap, f"request {job.req_id} (P {remote.host}:{remote.port} "
+                                 f"request {remote.request_id} -> D rank {self.rank})", stats)
         for p, entries in batches.items():
             if fault_hits(fault, "zero", p):
                 zero_ranges(self._memory, entries)
@@ -349,19 +355,11 @@ class WorkerSide:
                             remote.request_id, fault, len(entries), p)
         return total, sorted(batches)
 
-    def _verify(self, job: RecvJob, handle: Any, stats: dict[str, Any]) -> None:
-        """D: the blocks just read must match P's checksums (P's reply to this rank's notification of its own P
-        rank); raise TransferError("checksum") otherwise, so vLLM recomputes them. Reads that reshard heads across
-        tensor-parallel degrees are not verified (P seals whole blocks of its shard)."""
-        if job.remote.tp != self.tp:
-            return
-        problem, stats["verified"] = check_read(self.sums, self.fp_digest, handle.reply if handle else None,
-                                                job.plan.local, job.plan.remote)
-        where = f"P {job.remote.host}:{job.remote.port} request {job.remote.request_id} -> D rank {self.rank}"
-        if problem:
-            stats["checksum_failed"] = True
-            log.error("request %s: KV checksum failure (%s): %s; vLLM will recompute", job.req_id, where, problem)
-            raise TransferError("checksum", problem)
+    def _tap(self, job: RecvJob, fault: str) -> ArrivalHasher | None:
+        """D: what hashes the blocks of our own P rank's batch as they land (kv_checksum on, same TP)."""
+        if not self.config.kv_checksum or job.remote.tp != self.tp:
+            return None
+        return self.verifier.tap(self.sums, job.plan.local, fault_hits(fault, "flip", self.rank))
 
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""

@@ -21,12 +21,14 @@ import urllib.request
 
 import pytest
 
+from .corruption_tally import record
 from .test_pd_exactness import Server, _prompt, _salt, _tokens, _wait_usage_zero
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
 GEN = 12
 BLOCK = 128
-PROMPT = 700  # 6 blocks, the last partial
+PROMPT = 700  # 6 blocks, the last partial: 1.5 MiB (2 layers x 2 KV heads x 64 x fp32 x K, V: 256 KiB a block)
+STREAMED = 1100  # 9 blocks, 2.25 MiB: D hashes what lands during the read (ReadVerifier.min_bytes, 2 MiB)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +52,11 @@ def _wait_failures(server: Server, path: str, at_least: float, timeout: float = 
     return value
 
 
-def _case(stack, seed: int, p_fault: str = "", d_fault: str = "", fingerprint: dict | None = None):
+def _case(stack, seed: int, p_fault: str = "", d_fault: str = "", fingerprint: dict | None = None,
+          length: int = PROMPT):
     """Colocated reference on D, then P -> D with the fault; (reference, P -> D tokens, D's read stats)."""
     p, d = stack
-    prompt = _prompt(PROMPT, seed)
+    prompt = _prompt(length, seed)
     reference = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
     pparams = {"do_remote_decode": True, **({"pdserve_test_fault": p_fault} if p_fault else {})}
     pr = p.complete(prompt, 1, kv_transfer_params=pparams)
@@ -71,15 +74,23 @@ def _case(stack, seed: int, p_fault: str = "", d_fault: str = "", fingerprint: d
 
 def test_clean_handoff_is_verified(stack):
     reference, tokens, stats = _case(stack, seed=1)
-    assert stats["ok"] and stats["verified"] == -(-PROMPT // BLOCK), stats
+    assert stats["ok"] and stats["verified"] == -(-PROMPT // BLOCK) and not stats["streamed"], stats
+    assert tokens == reference
+    reference, tokens, stats = _case(stack, seed=11, length=STREAMED)
+    assert stats["ok"] and stats["verified"] == -(-STREAMED // BLOCK) and stats["streamed"], stats
     assert tokens == reference
 
 
-def test_byte_flipped_in_transit_is_recomputed(stack):
+@pytest.mark.parametrize("length", [PROMPT, STREAMED])
+def test_byte_flipped_in_transit_is_recomputed(stack, length):
+    """700 tokens (1.5 MiB: D hashes after the read) and 1100 (2.25 MiB: D hashes each frame as it lands)."""
     p, d = stack
     before = _failures(d, "p2p")
-    reference, tokens, stats = _case(stack, seed=2, d_fault="flip")
+    reference, tokens, stats = _case(stack, seed=2, d_fault="flip", length=length)
+    record("p2p", f"flip in transit ({length} tokens)", not stats["ok"] and "differ from P's checksums" in
+           stats["error"], tokens == reference)
     assert not stats["ok"] and "differ from P's checksums" in stats["error"], stats
+    assert stats["streamed"] == (length == STREAMED), stats
     assert tokens == reference, "a corrupt block reached the answer"
     assert _wait_failures(d, "p2p", before + 1) == before + 1
     assert "KV checksum failure" in d.log_text()
@@ -90,6 +101,8 @@ def test_late_write_into_p_block_is_recomputed(stack):
     p, d = stack
     before = _failures(d, "p2p")
     reference, tokens, stats = _case(stack, seed=3, p_fault="late")
+    record("late_write", "write into P's block after its seal", not stats["ok"] and "differ from P's checksums"
+           in stats.get("error", ""), tokens == reference)
     assert not stats["ok"] and "differ from P's checksums" in stats["error"], stats
     assert "pdserve_test_fault=late" in p.log_text()
     assert tokens == reference
@@ -100,6 +113,8 @@ def test_late_write_into_p_block_is_recomputed(stack):
 def test_p_of_another_model_or_dtype_is_refused_by_field(stack, field, value):
     p, _ = stack
     reference, tokens, stats = _case(stack, seed=4 + len(field), fingerprint={field: value})
+    record("foreign_p", f"P of another {field}", not stats["ok"] and str(stats.get("refused", "")).startswith(
+        f"fingerprint mismatch: {field}"), tokens == reference)
     assert not stats["ok"] and stats["refused"].startswith(f"fingerprint mismatch: {field}: P='{value}'"), stats
     assert tokens == reference
     assert _wait_usage_zero(p, 10.0) <= 1e-9  # D told P to free the blocks it refused

@@ -1,12 +1,8 @@
-"""The router in front of real vLLM servers, driven by the official ``openai`` client.
-
-One vLLM server (a small random-weight Llama from :func:`pdserve.models.build_random_llama`, served without the
-connector) sits behind two routers: a colocated one and a disaggregated one that uses the same server as prefill
-and decode worker (P returns no kv_transfer_params, so D recomputes the prompt: the hand-off sequence is real, the
-KV transfer is not; the connector path is tested where the connector lands). Greedy outputs must agree token for
-token between the worker itself, the colocated router and the P -> D path.
-
-Set PDSERVE_TEST_MODEL_DIR to reuse a built model folder.
+"""The router in front of real vLLM servers, driven by the official ``openai`` client, on the shared 1P1D stack
+(tests/integration/conftest.py: ``pd_cluster``; fp32 random Llama): its decode worker D serving alone is the
+reference, the launch's router is the disaggregated path (P -> D, the KV hand-off real), and a colocated router this
+module starts over D alone is the other. Greedy outputs must agree token for token between the worker itself, the
+colocated router and the P -> D path.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
@@ -75,42 +71,24 @@ class Proc:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    env = os.environ.get("PDSERVE_TEST_MODEL_DIR")
-    if env:
-        return Path(env)
-    from pdserve.models import build_random_llama
-
-    return build_random_llama(tmp_path_factory.mktemp("models") / "random-llama")
+def model_dir(pd_cluster) -> Path:
+    return Path(pd_cluster.config.model)
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir, tmp_path_factory):
-    """One vLLM worker, a colocated router and a disaggregated router (P = D = that worker)."""
+def stack(pd_cluster, model_dir, tmp_path_factory):
+    """D alone (the reference), the launch's router (P -> D) and a colocated router over D."""
     logs = tmp_path_factory.mktemp("logs")
-    procs: list[Proc] = []
+    wurl = pd_cluster.worker_urls("decode")[0]
+    port = free_port()
+    router = Proc([sys.executable, "-m", "pdserve.router", "--model-dir", str(model_dir), "--port", str(port),
+                   "--served-model-name", "rl", "--max-model-len", str(MAX_LEN), "--colocated", wurl],
+                  logs / "router-colocated.log")
     try:
-        wport = free_port()
-        worker = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                       "--host", "127.0.0.1", "--port", str(wport), "--enforce-eager",
-                       "--max-model-len", str(MAX_LEN)], logs / "worker.log",
-                      {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
-        procs.append(worker)
-        wurl = f"http://127.0.0.1:{wport}"
-        routers = {}
-        for mode, flags in (("colocated", ["--colocated", wurl]), ("pd", ["--prefill", wurl, "--decode", wurl])):
-            port = free_port()
-            r = Proc([sys.executable, "-m", "pdserve.router", "--model-dir", str(model_dir), "--port", str(port),
-                      "--served-model-name", "rl", "--max-model-len", str(MAX_LEN), *flags], logs / f"router-{mode}.log")
-            procs.append(r)
-            routers[mode] = f"http://127.0.0.1:{port}"
-        worker.wait_healthy(wurl, 300)
-        for mode, url in routers.items():
-            procs[1 + list(routers).index(mode)].wait_healthy(url, 120)
-        yield {"worker": wurl, **routers, "procs": procs}
+        router.wait_healthy(f"http://127.0.0.1:{port}", 120)
+        yield {"worker": wurl, "colocated": f"http://127.0.0.1:{port}", "pd": pd_cluster.router_url}
     finally:
-        for p in reversed(procs):
-            p.stop()
+        router.stop()
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.transfer.checksum import WSUM, XXH3, to_u64, wsum_rows, xxh3_spans
+from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, add_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
 from pdserve.vllm.fingerprint import differences, digest, model_hash, parse
-from pdserve.vllm.integrity import BlockSums, SealTable, check_read, mismatched
+from pdserve.vllm.integrity import ArrivalHasher, BlockSums, ReadVerifier, SealTable, check_read, mismatched
 from pdserve.vllm.kvmemory import byte_region
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, RecvJob
 from pdserve.vllm.params import BlockPlan, ConnectorConfig, LayerGeometry, RemoteParams, prompt_hash
@@ -58,7 +58,7 @@ def _layers_flash(cache: torch.Tensor) -> list[LayerGeometry]:
 
 @pytest.mark.parametrize("layout", ["nhd", "flash"])
 def test_block_sums_host_and_device_algorithms_see_every_byte(layout):
-    """The same blocks hashed by xxh3 (host path) and wsum32 (the device path, here on a CPU tensor given as a
+    """The same blocks hashed by xxh3u (host path) and wsum32 (the device path, here on a CPU tensor given as a
     tensor, as a CUDA region would be): each block's sum changes when one byte of it flips, and no other's does."""
     shape = (NB, BS, HEADS, 2 * D) if layout == "nhd" else (2, NB, BS, HEADS, D)
     cache = torch.randn(shape, dtype=torch.float16)
@@ -69,12 +69,13 @@ def test_block_sums_host_and_device_algorithms_see_every_byte(layout):
         layers = _layers_flash(cache)
     host = BlockSums(layers, {"l0": byte_region(cache, nbytes)})
     dev = BlockSums(layers, {"l0": cache.view(-1).view(torch.uint8)})
-    assert host.alg == XXH3 and dev.alg == WSUM
+    assert host.alg == XXH3U and dev.alg == WSUM
     blocks = [0, 2, 5]
     for sums in (host, dev):
         before = sums.sums(blocks)
         assert len(set(before)) == 3
         assert sums.sums(blocks, WSUM) == dev.sums(blocks)  # the verifier computes the producer's algorithm
+        assert sums.sums(blocks, XXH3) == host.sums(blocks, XXH3)  # pool objects sealed with xxh3 still verify
         sums.flip_byte(2, at=7)
         after = sums.sums(blocks)
         assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
@@ -85,6 +86,75 @@ def test_block_sums_host_and_device_algorithms_see_every_byte(layout):
         before = host.sums([2])
         host.memory["l0"][v_off] ^= 1
         assert host.sums([2]) != before
+
+
+def _two_layers() -> BlockSums:
+    """Two layers of NB blocks, each block two runs (K and V planes apart), over numpy memory."""
+    rng = np.random.default_rng(7)
+    stride, run = 256, 128
+    plane = NB * stride
+    layers = [LayerGeometry(f"l{i}", stride, 2 * run, ((0, run), (plane, run))) for i in range(2)]
+    return BlockSums(layers, {g.name: rng.integers(0, 256, 2 * plane, dtype=np.uint8) for g in layers})
+
+
+def test_xxh3u_is_the_seeded_sum_of_a_blocks_units():
+    sums = _two_layers()
+    want = 0
+    for k, (name, off, n) in enumerate(sums.units(3)):
+        want = add_u64(want, xxh3_unit(sums.memory[name][off:off + n], k))
+    assert sums.sums([3]) == [want] and len(sums.units(3)) == 4
+    a, b = sums.units(3)[:2]  # two units swapped in place: the seeds tie each hash to its place
+    mem = sums.memory["l0"]
+    mem[a[1]:a[1] + 128], mem[b[1]:b[1] + 128] = mem[b[1]:b[1] + 128].copy(), mem[a[1]:a[1] + 128].copy()
+    assert sums.sums([3]) != [want]
+
+
+@pytest.mark.parametrize("split", [0, 1, 5])
+def test_arrival_hasher_equals_the_block_sums_whatever_frames_land_in_whatever_order(split):
+    sums = _two_layers()
+    blocks = [4, 1, 2]
+    pieces = []  # every unit's bytes, cut in ``split`` places, as (region, offset, ..., length) frame entries
+    rng = np.random.default_rng(split)
+    for b in blocks:
+        for name, off, n in sums.units(b):
+            cuts = sorted({0, n, *rng.integers(1, n, split).tolist()})
+            pieces += [(name, off + lo, name, 0, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+    rng.shuffle(pieces)
+    tap = ArrivalHasher(sums, blocks)
+    for i in range(0, len(pieces), 3):
+        tap.frame(pieces[i:i + 3])
+    assert tap.result() == sums.sums(blocks)
+    partial = ArrivalHasher(sums, blocks)  # a data path without the hook: hashed at the end
+    partial.frame(pieces[:2])
+    assert partial.result() == sums.sums(blocks)
+    foreign = ArrivalHasher(sums, blocks)  # bytes of other blocks or regions are not this read's
+    foreign.frame([("l0", 0, "l0", 0, 256), ("other", 0, "other", 0, 64)] + pieces)
+    assert foreign.result() == sums.sums(blocks)
+    before = sums.sums(blocks)
+    flipped = ArrivalHasher(sums, blocks, flip=True)  # test fault: corrupted as it lands
+    flipped.frame(pieces)
+    got = flipped.result()
+    assert got[0] != before[0] and got[1:] == before[1:] and got == sums.sums(blocks)
+
+
+def test_check_read_uses_what_landed_when_p_used_xxh3u():
+    from pdserve.transfer import TransferError
+
+    sums, verifier = _two_layers(), ReadVerifier()
+    good = sums.sums([1, 2])
+    reply = {"alg": XXH3U, "fp": 9, "b": [7, 8], "c": good}
+    stats: dict = {}
+    assert verifier.tap(sums, [1, 2]) is None  # a small read: hashed after it landed
+    verifier.min_bytes = 0
+    tap = verifier.tap(sums, [1, 2])
+    assert tap is not None
+    verifier.verify(sums, 9, reply, [1, 2], [7, 8], tap, "request r", stats)
+    assert stats == {"verified": 2, "streamed": True}
+    with pytest.raises(TransferError, match="differ"):
+        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], True), "r", stats)
+    assert stats["checksum_failed"]
+    dev = BlockSums(sums.layers, {n: torch.from_numpy(m) for n, m in sums.memory.items()})
+    assert dev.alg == WSUM and verifier.tap(dev, [1, 2]) is None  # device memory: hashed after the read
 
 
 def test_mismatched_pairs_local_with_remote_blocks():
@@ -170,23 +240,27 @@ def _read(d, remote: RemoteParams, fault: str = ""):
     return res, d.take_worker_meta().reads["dreq"], d.take_stats()
 
 
-def test_p_seals_its_lease_and_d_verifies_the_read(pair):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_p_seals_its_lease_and_d_verifies_the_read(pair, streamed):
     p, d = pair()
+    d.verifier.min_bytes = 0 if streamed else 1 << 40
     res, stats, _ = _read(d, _lease(p, "req"))
     assert res.finished_recving == {"dreq"} and not res.failed_recving, stats
-    assert stats["ok"] and stats["verified"] == 2
+    assert stats["ok"] and stats["verified"] == 2 and stats["streamed"] == streamed
     assert torch.equal(d._tensors["layer.0"][:2], p._tensors["layer.0"][3:5])
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("fault", ["flip", "late"])
-def test_corruption_in_transit_or_a_late_write_fails_the_read(pair, fault):
+def test_corruption_in_transit_or_a_late_write_fails_the_read(pair, fault, streamed):
     p, d = pair()
+    d.verifier.min_bytes = 0 if streamed else 1 << 40  # hashed as the frames land, or after the read
     remote = _lease(p, "req", fault="late" if fault == "late" else "")
     if fault == "late":
         time.sleep(0.2)  # P sealed, then wrote into the block; D reads afterwards
     res, stats, counters = _read(d, remote, fault="flip" if fault == "flip" else "")
     assert res.failed_recving == {"dreq"} and not stats["ok"] and stats["checksum_failed"]
-    assert "differ from P's checksums" in stats["error"]
+    assert "differ from P's checksums" in stats["error"] and stats["streamed"] == streamed
     assert d.take_invalid_blocks() == {0, 1}  # vLLM recomputes them
     assert counters.data["checksum_failures_p2p"] == 1 and counters.data["read_failures"] == 1
 

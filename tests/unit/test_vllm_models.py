@@ -36,6 +36,19 @@ def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_random_llama_cache_builds_once_and_hands_out_independent_copies(tmp_path, tokenizer_dir, monkeypatch):
+    from pdserve import models
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    kw = dict(layers=1, hidden=128, heads=2, kv_heads=1, intermediate=256, tokenizer_dir=tokenizer_dir)
+    a = models.build_random_llama(tmp_path / "a", **kw)
+    monkeypatch.setattr(models, "_build_random_llama", lambda *a, **k: pytest.fail("built twice"))
+    b = models.build_random_llama(tmp_path / "b", **kw)
+    assert _sha(a / "model.safetensors") == _sha(b / "model.safetensors") and a != b
+    (b / "config.json").write_text("{}")  # a test that edits its copy leaves the cache and the others alone
+    assert json.loads((models.build_random_llama(tmp_path / "c", **kw) / "config.json").read_text())["architectures"]
+
+
 def test_random_llama_deterministic_idempotent_decisive(tmp_path, tokenizer_dir):
     from pdserve.models import build_random_llama
 

@@ -188,7 +188,8 @@ class FakeEngine:
     def __init__(self, fail: bool = False, delay: float = 0.0) -> None:
         self.fail, self.delay, self.submitted = fail, delay, []
 
-    def submit(self, peer: Any, entries: list, op: str, notify: Any = None, deadline_s: float = 0.0) -> FakeHandle:
+    def submit(self, peer: Any, entries: list, op: str, notify: Any = None, deadline_s: float = 0.0,
+               on_frame: Any = None) -> FakeHandle:
         self.submitted.append((entries, notify, deadline_s))
         return FakeHandle(self.fail and bool(entries), self.delay)
 

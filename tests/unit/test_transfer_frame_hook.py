@@ -1,0 +1,78 @@
+"""Issue 27, checking a read while it lands: a READ submitted with ``on_frame`` is cut into frames that halve
+towards each lane's end, and the hook sees every frame once its bytes are in local memory, before the batch's
+notification is sent, on the tcp and the same-host (process_vm_readv) paths."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pdserve.transfer import TransferConfig, TransferEngine
+from pdserve.transfer.batch import TransferEntry, cut_frames, merge_contiguous, taper_sizes, tapered_lanes
+
+SECRET = "0123456789abcdef-frame-hook"
+MiB = 1 << 20
+
+
+def E(lo, po, n):
+    return TransferEntry("a", lo, "b", po, n)
+
+
+def test_taper_sizes_halve_towards_a_small_tail_and_cover_the_total():
+    assert taper_sizes(16 * MiB, 16 * MiB, 256 << 10)[-3:] == [512 << 10, 256 << 10, 256 << 10]
+    for total in (1, 1000, MiB, 16 * MiB + 3, 300 * MiB):
+        sizes = taper_sizes(total, 4 * MiB, 256 << 10)
+        assert sum(sizes) == total and max(sizes) <= 4 * MiB and sizes[-1] <= 256 << 10
+        assert all(a >= b or a == sizes[0] for a, b in zip(sizes, sizes[1:]))
+
+
+def test_tapered_lanes_cover_every_byte_once_and_each_lane_ends_small():
+    entries = [E(i * 4096, 10 * i * 4096, 4096) for i in range(1000)]  # gaps on the peer side: no merges
+    lanes = tapered_lanes(entries, 3, MiB, 64 << 10)
+    assert len(lanes) == 3
+    assert all(sum(e.length for e in lane[-1]) <= 64 << 10 for lane in lanes)
+    pieces = [e for lane in lanes for f in lane for e in f]
+    assert merge_contiguous(pieces) == entries
+    assert tapered_lanes([], 2, MiB, 4096) == []
+    assert cut_frames([E(0, 0, 10)], iter([4, 4])) == [[E(0, 0, 4)], [E(4, 4, 4)], [E(8, 8, 2)]]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "local"])
+def test_on_frame_sees_every_frame_landed_before_the_notification(backend):
+    conf = TransferConfig(secret=SECRET, slice_bytes=MiB, local_slice_bytes=MiB, tail_slice_bytes=64 << 10)
+    owner, reader = TransferEngine(conf), TransferEngine(conf)
+    try:
+        src = np.random.default_rng(0).integers(0, 255, 8 * MiB, dtype=np.uint8)
+        dst = np.zeros(8 * MiB, dtype=np.uint8)
+        owner.register("mem", src)
+        reader.register("dst", dst)
+        order: list[str] = []
+        owner.on_notify(lambda note: order.append("notify"))
+        frames: list[list[TransferEntry]] = []
+        lock = threading.Lock()
+
+        def hook(frame):
+            for e in frame:  # its bytes are in already
+                assert np.array_equal(dst[e.local_offset:e.local_offset + e.length],
+                                      src[e.peer_offset:e.peer_offset + e.length])
+            with lock:
+                frames.append(frame)
+                order.append("frame")
+
+        peer = reader.fetch_segment(owner.segment().host, owner.segment().port)
+        entries = [("dst", i * 65536, "mem", (127 - i) * 65536, 65536) for i in range(128)]  # reversed: no merges
+        handle = reader.submit(peer, entries, "read", notify="n", backend=backend, on_frame=hook)
+        handle.result()
+        assert np.array_equal(dst.reshape(128, -1), src.reshape(128, -1)[::-1])
+        covered = sorted((e.local_offset, e.length) for f in frames for e in f)
+        assert sum(n for _, n in covered) == 8 * MiB and len(frames) >= 4
+        assert all(sum(e.length for e in f) <= MiB for f in frames)
+        assert min(sum(e.length for e in f) for f in frames) <= 64 << 10  # a lane ended on a small frame
+        assert order[-1] == "notify" and order.count("notify") == 1
+        plain = reader.submit(peer, entries, "read", backend=backend)  # no hook: frames as before
+        plain.result()
+    finally:
+        owner.close()
+        reader.close()
