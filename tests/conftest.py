@@ -32,7 +32,7 @@ if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
 # test files that share one session-scoped stack, by the fixture they share; each tuple runs in this order
 SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
-                   "tests/integration/test_router_vllm.py",
+                   "tests/integration/test_router_vllm.py", "tests/conformance/test_conformance.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
     "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py"),
 }

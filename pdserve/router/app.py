@@ -40,6 +40,7 @@ from .api.response import ResponseBuilder
 from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
+from .api.truncation import check_truncation, truncated_ids, truncated_max_tokens, truncated_text_ids
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request
 from .fleet.calibration import calibrate
@@ -260,31 +261,40 @@ class Router:
 
     # ---- generation ----
     async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        tok = self.tokenizer
+        tok, trunc, limit = self.tokenizer, req.truncation, self.config.max_model_len
+        check_truncation(trunc, limit)
+        encode: Callable[[str], list[int]] = lambda text: (  # noqa: E731
+            tok.encode(text, req.add_special_tokens) if trunc is None else
+            truncated_text_ids(tok, text, trunc, limit, req.max_tokens or 0, req.add_special_tokens))
         if req.kind == "chat":
             assert req.messages is not None
             size = sum(len(m["content"]) for m in req.messages)
-            check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "messages")
+            if trunc is None:  # vLLM bounds the characters only when it does not truncate
+                check_prompt_chars(size, limit, tok.chars_per_token, "messages")
             messages = req.messages
             kwargs = dict(req.chat_template_kwargs)
             if req.tools:
                 kwargs["tools"] = req.tools
-            fn: Callable[[], list[int]] = lambda: tok.chat_ids(  # noqa: E731
-                messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens, **kwargs)
+            fn: Callable[[], list[int]] = lambda: encode(tok.render_chat(  # noqa: E731
+                messages, req.add_generation_prompt, req.continue_final_message, **kwargs))
         elif req.prompt_ids is not None:
-            tok.check_ids(req.prompt_ids)
-            return req.prompt_ids
+            ids = req.prompt_ids if trunc is None else truncated_ids(req.prompt_ids, trunc, limit, req.max_tokens or 0)
+            tok.check_ids(ids)
+            return ids
         else:
             text = req.prompt_text or ""
             size = len(text)
-            check_prompt_chars(size, self.config.max_model_len, tok.chars_per_token, "prompt")
-            fn = lambda: tok.encode(text, req.add_special_tokens)  # noqa: E731
+            if trunc is None:
+                check_prompt_chars(size, limit, tok.chars_per_token, "prompt")
+            fn = lambda: encode(text)  # noqa: E731
         if size > _OFFLOAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, fn)
         return fn()
 
     def _limits(self, req: GenerationRequest, n: int) -> int:
         limit = self.config.max_model_len
+        if req.truncation is not None:  # vLLM's budget for a truncated prompt (api/truncation.py)
+            return truncated_max_tokens(n, req.max_tokens, limit)
         if n == 0:
             raise bad_request("the prompt is empty after tokenization", "prompt" if req.kind != "chat" else "messages")
         if n >= limit:
@@ -409,7 +419,8 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
             raise
         etype = "invalid_request_error" if e.status < 500 else "server_error"
         err = RouterError(e.status, f"{e.reason}: {request.method} {request.path}", etype)
-        return web.json_response(err.to_dict(), status=e.status)
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405 names the methods
+        return web.json_response(err.to_dict(), status=e.status, headers=allow)
     except RouterError as e:
         return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
     except (asyncio.CancelledError, ConnectionResetError):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,9 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     proc.wait(timeout=20)
 
 
+_PD_CLUSTER_LOG: list[str] = []  # the shared 1P1D launch's log lines
+
+
 @pytest.fixture(scope="session")
 def pd_cluster(tmp_path_factory):
     """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
@@ -116,28 +120,56 @@ def pd_cluster(tmp_path_factory):
 
     from .lora_pd import ADAPTER, write_random_lora
 
-    model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
-    model = quiet_whitespace_tokens(use_tool_chat_template(model))
-    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl".
-    # PDSERVE_TEST_LORA=0 starts the stack without LoRA (the LoRA test then skips)
-    adapter = write_random_lora(tmp_path_factory.mktemp("pd-router-lora") / ADAPTER)
-    lora = dict(lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2) \
-        if os.environ.get("PDSERVE_TEST_LORA", "1") != "0" else {}
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
-                         worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
-                         pool_disk="64MiB", **lora)
-    log: list[str] = []
-    with Cluster(cfg, log=log.append) as c:
+    log = _PD_CLUSTER_LOG  # one list for both fixture definitions (shared_stack)
+
+    def start() -> Cluster:
+        model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
+        model = quiet_whitespace_tokens(use_tool_chat_template(model))
+        tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+        # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl".
+        # PDSERVE_TEST_LORA=0 starts the stack without LoRA (the LoRA test then skips)
+        adapter = write_random_lora(tmp_path_factory.mktemp("pd-router-lora") / ADAPTER)
+        lora = dict(lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2) \
+            if os.environ.get("PDSERVE_TEST_LORA", "1") != "0" else {}
+        cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+                             served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
+                             worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
+                             pool_disk="64MiB", **lora)
+        return Cluster(cfg, log=log.append)
+
+    with shared_stack("pd_cluster", start) as c:
         yield c
         pids = sorted({p for g in c.pgids() for p in pids_in_group(g)})
         ssd = Path(c.run_dir) / "pool-ssd"
         assert ssd.is_dir()
+    if "pd_cluster" in _SHARED:  # another fixture definition still holds the stack: it checks the stop
+        return
     # the launch's stop: every process gone, pool included, on SIGTERM alone; the pool's own SSD folder removed
     assert wait_dead(pids, 30) == [], "processes of the launch left behind"
     assert not any("got SIGKILL" in line for line in log), log
     assert not ssd.exists(), "the launcher's own SSD folder is removed at stop"
+
+
+_SHARED: dict[str, list] = {}  # stack name -> [its context manager, its value, how many fixtures hold it]
+
+
+@contextmanager
+def shared_stack(name: str, start):
+    """One stack per process for every fixture definition of ``name``: tests/conformance/conftest.py imports the
+    fixtures above, which makes pytest hold a second definition (its own session cache); both get this one stack,
+    stopped when the last of them is torn down."""
+    entry = _SHARED.get(name)
+    if entry is None:
+        manager = start()
+        entry = _SHARED[name] = [manager, manager.__enter__(), 0]
+    entry[2] += 1
+    try:
+        yield entry[1]
+    finally:
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _SHARED[name]
+            entry[0].__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

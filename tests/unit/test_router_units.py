@@ -81,7 +81,7 @@ def test_parse_completion_fields():
     assert parse_completion({"prompt": [1, 2]}).prompt_ids == [1, 2]
     assert parse_completion({"prompt": [[1, 2]]}).prompt_ids == [1, 2]
     assert parse_completion({"prompt": "x"}).max_tokens == 16
-    assert parse_completion({"prompt": "x", "max_tokens": None}).max_tokens is None
+    assert parse_completion({"prompt": "x", "max_tokens": None}).max_tokens == 16  # vLLM 0.32's default
 
 
 @pytest.mark.parametrize("body,param", [

@@ -53,8 +53,9 @@ _COMMON: dict[str, tuple[Use, str]] = {
     "watermarking": ("regenerated", "the watermark depends on the output so far"),
     "min_tokens": ("forwarded", "less the tokens already output (P's first, a migration's), at most each call's "
                                 "max_tokens"),
-    "truncate_prompt_tokens": ("refused", "not yet served: the router would have to truncate before placement"),
-    "truncation_side": ("refused", "with truncate_prompt_tokens"),
+    "truncate_prompt_tokens": ("router", "the router truncates before placement, as vLLM (api/truncation.py); P and D "
+                                         "get the truncated prompt"),
+    "truncation_side": ("router", "with truncate_prompt_tokens"),
     "stream_interval": ("forwarded", "batches the streaming worker's chunks; the text is the same"),
     "user": ("ignored_as_vllm", "vLLM does not use it either"),
     "session_id": ("ignored_as_vllm", "vLLM uses it only as a request-id prefix for tracing"),

@@ -65,9 +65,15 @@ _COMMON: list[tuple[str, dict[str, Any], str]] = [
     ("response_format", {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]}, "json_schema": {"type": "object"}}},
      "structured output (JSON object or JSON schema)"),
-    ("structured_outputs", {"type": "object", "minProperties": 1},
+    ("structured_outputs", {"type": "object", "oneOf": [
+        {"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+        for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")]},
      "vLLM structured outputs: exactly one of json, regex, choice, grammar, json_object, structural_tag"),
     ("return_token_ids", _BOOL, "add token ids to the response (vLLM extension)"),
+    ("truncate_prompt_tokens", _nullable({"type": "integer", "minimum": -1, "maximum": _INT64 - 1}),
+     "keep this many prompt tokens (-1: the context less one); the router truncates before placement"),
+    ("truncation_side", _nullable({"enum": ["left", "right"]}),
+     "left keeps the last tokens (the default), right the first"),
     ("pdserve_timings", _BOOL, "add the router's per-phase timings to the response"),
 ]
 
@@ -76,7 +82,7 @@ _COMPLETION: list[tuple[str, dict[str, Any], str]] = [
                           {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
                            "items": {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1}]}}]},
      "one prompt: text or token ids"),
-    ("max_tokens", _nullable({"type": "integer", "minimum": 1}), "default 16; null: up to the context limit"),
+    ("max_tokens", _nullable({"type": "integer", "minimum": 1}), "default 16 (null too, as vLLM 0.32)"),
     ("add_special_tokens", _BOOL, "add the tokenizer's special tokens (default true)"),
     ("echo", _BOOL, "put the prompt (and its logprobs) before the output"),
     ("logprobs", _nullable({"type": "integer", "minimum": 0}), "logprobs of each output token and N alternatives"),
@@ -102,7 +108,8 @@ _CHAT: list[tuple[str, dict[str, Any], str]] = [
     ("add_special_tokens", _BOOL, "default false (the template has them)"),
     ("logprobs", _nullable(_BOOL), "logprobs of each output token"),
     ("top_logprobs", _nullable({"type": "integer", "minimum": 0}), "alternatives per token (with logprobs: true)"),
-    ("tools", {"type": "array", "items": _TOOL}, "functions the model may call (rendered by the chat template)"),
+    ("tools", {"type": "array", "minItems": 1, "items": _TOOL},
+     "functions the model may call (rendered by the chat template)"),
     ("tool_choice", {"anyOf": [{"enum": ["none", "auto", "required"]}, {
         "type": "object", "required": ["type", "function"], "properties": {
             "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
@@ -181,6 +188,7 @@ ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": 
         "message": _STR, "type": _STR, "param": _nullable(_STR), "code": _nullable(_STR)}}}}
 
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
+_SSE_EVENT = {"type": "object", "properties": {"data": _STR, "event": _STR}}  # one server-sent event
 
 
 def _request_schema(fields: list[tuple[str, dict[str, Any], str]], unsupported: tuple[str, ...],
@@ -188,7 +196,9 @@ def _request_schema(fields: list[tuple[str, dict[str, Any], str]], unsupported: 
     props = {name: {**schema, "description": desc} for name, schema, desc in _COMMON + fields}
     for name in unsupported:
         props.setdefault(name, {"anyOf": [{"type": "null"}, {"const": False}], "description": "not supported"})
-    return {"type": "object", "required": [required], "properties": props, "additionalProperties": True}
+    return {"type": "object", "required": [required], "properties": props, "additionalProperties": True,
+            # as vLLM: stream_options only with stream: true
+            "dependentSchemas": {"stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}}}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +217,8 @@ def _generation(summary: str, schema: str, error: str = "Error") -> dict[str, An
                      "requestBody": {"required": True, "content": _json(_ref(schema))},
                      "responses": {"200": {"description": "the completion (JSON), or server-sent events with "
                                                           "stream: true",
-                                           "content": {**_json(_ANY_OBJECT), "text/event-stream": {"schema": _STR}}},
+                                           "content": {**_json(_ANY_OBJECT),
+                                                       "text/event-stream": {"schema": _SSE_EVENT}}},
                                    **_errors(400, 404, 413, 429, 502, 503, schema=error)}}}
 
 
@@ -268,7 +279,8 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int) -> dic
             "/v1/pdserve/workers": _workers(),
             "/openapi.json": _get("this document", "openapi"),
             "/tokenize": _post("token ids of a prompt or a chat (as vLLM's /tokenize)", "tokenize", {
-                "type": "object", "properties": {"prompt": _STR, "messages": {"type": "array", "items": _MESSAGE},
+                "type": "object", "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+                "properties": {"prompt": _STR, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                                                  "add_special_tokens": _BOOL, "return_token_strs": _BOOL}}),
             "/detokenize": _post("text of token ids (as vLLM's /detokenize)", "detokenize", {
                 "type": "object", "required": ["tokens"], "properties": {"tokens": _TOKEN_IDS}}),

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import bad_request
 from .fields import EXTRA_REFUSED, names
 from .limits import load_json
+from .truncation import Truncation, parse_truncation
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
 UNSUPPORTED_FIELDS = {kind: names(kind, "refused") + EXTRA_REFUSED[kind] for kind in ("completions", "chat")}
@@ -64,6 +65,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     parallel_tool_calls: bool = True
+    truncation: Truncation | None = None  # truncate_prompt_tokens / truncation_side (the router truncates)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -102,8 +104,13 @@ def _opt_number(body: dict, name: str, lo: float | None = None, hi: float | None
     return v
 
 
+def _integral(v: Any) -> Any:
+    """An integral float (``1.0``) as the int vLLM's pydantic models read it; anything else unchanged."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
 def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
+    v = _integral(body.get(name))
     if v is None:
         return None
     if not _is_int(v):
@@ -116,6 +123,7 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
 
 
 def _token_id_list(v: Any, name: str) -> list[int]:
+    v = [_integral(t) for t in v] if isinstance(v, list) else v
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
         raise bad_request(f"'{name}' must be a list of non-negative integer token ids", name)
     return v
@@ -138,6 +146,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     if best_of not in (None, 1, req.n):
         raise bad_request("'best_of' > n is not supported by the pdserve router", "best_of", "unsupported_parameter")
     _parse_logprobs(body, req)
+    req.truncation = parse_truncation(body)
 
     req.stream = _opt_bool(body, "stream")
     so = body.get("stream_options")
@@ -209,7 +218,7 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False),
         "min_tokens": (int, False)}
     for name, (kind, regenerated) in checks.items():
-        v = body.get(name)
+        v = _integral(body.get(name)) if kind is int else body.get(name)
         if v is None:
             continue
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
@@ -308,8 +317,8 @@ def parse_completion(body: Any) -> GenerationRequest:
     else:
         req.prompt_ids = one
     req.add_special_tokens = _opt_bool(body, "add_special_tokens", True)
-    # OpenAI's default is 16; an explicit null means "up to the context limit" (as in vLLM).
-    req.max_tokens = _opt_int(body, "max_tokens", 1) if "max_tokens" in body else 16
+    # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too
+    req.max_tokens = _opt_int(body, "max_tokens", 1) or 16
     return req
 
 

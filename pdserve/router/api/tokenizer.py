@@ -17,7 +17,8 @@ class PromptTokenizer:
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            # truncation_side as vLLM loads a generative model's tokenizer (api/truncation.py)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, truncation_side="left")
         self.tok = tokenizer
         self.vocab_size = len(tokenizer)
         self._chars_per_token: int | None = None
@@ -35,8 +36,13 @@ class PromptTokenizer:
                 self._chars_per_token = 0
         return self._chars_per_token
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """The text's ids; ``max_length``: truncated by the tokenizer itself, as vLLM asks it to (its special
+        tokens kept, from its truncation side)."""
+        if max_length is None:
+            return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tok(text, truncation=True, max_length=max_length,
+                             add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -1,0 +1,124 @@
+"""Run conformance cases against a router and one plain worker and judge each: ``identical``, a known difference
+that holds (its name in compare.KNOWN), or ``different`` with what differs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.router.api.fields import FIELDS
+
+from .cases import ENDPOINTS, Case
+from .compare import differences, normalized_param, post, summary
+
+# fields whose streamed answers the quick tier checks too (the rest: the full tier)
+STREAMED = {"stream", "stream_options", "stream_interval", "logprobs", "top_logprobs", "n", "stop",
+            "include_stop_str_in_output", "return_token_ids", "prompt", "messages", "truncate_prompt_tokens",
+            "min_tokens", "bad_words", "tools", "tool_choice", "echo", "response_format", "max_tokens"}
+# values that make sampling random: the case is seeded (compare.KNOWN "seeded_sampling")
+SEEDED = 7
+
+
+# differences the suite found and nobody has fixed yet (issue 25's follow-ups), by case key: each must still
+# differ on every run that sends it (strict: a fixed one fails the test until its line goes)
+OPEN: dict[str, str] = {
+    "completions.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
+    "chat.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
+    "chat.return_tokens_as_token_ids=True": "chat logprobs: 1 -- vLLM's pydantic reads it as true, the router "
+                                            "refuses a non-boolean",
+}
+
+
+@dataclass
+class Verdict:
+    case: Case
+    stream: bool
+    kind: str  # "identical", a compare.KNOWN key, "open" (in OPEN) or "different"
+    detail: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.case.name + (" (streamed)" if self.stream else "")
+
+
+def _random(body: dict[str, Any]) -> bool:
+    t = body.get("temperature")
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+
+
+def judge(router_url: str, worker_url: str, case: Case, stream: bool) -> Verdict:
+    body = case.body()
+    chat = case.endpoint == "chat"
+    if stream:
+        body["stream"] = True
+    if _random(body):
+        body.setdefault("seed", SEEDED)
+    path = ENDPOINTS[case.endpoint]
+    use = FIELDS[case.endpoint][case.field][0]
+    mine_status, mine_answer = post(router_url + path, body)
+    mine = summary(mine_status, mine_answer, chat, bool(body.get("stream")))
+    if use == "refused" and case.value not in (None, False, [], {}):
+        ok = mine["status"] == 400 and mine.get("param") == case.field
+        return Verdict(case, stream, "refused" if ok else "different", "" if ok else f"router: {mine}")
+    ref_status, ref_answer = post(worker_url + path, body)
+    ref = summary(ref_status, ref_answer, chat, bool(body.get("stream")))
+    prefixed = isinstance(ref.get("param"), str) and ref["param"].startswith("body.")
+    ref["param"] = normalized_param(ref.get("param"))
+    diffs = differences(mine, ref)
+    if not diffs:
+        return Verdict(case, stream, "param_prefix" if prefixed else "identical")
+    if _random(body) and mine["status"] == ref["status"] == 200:
+        return _seeded(router_url + path, body, mine, ref, case, stream, diffs)
+    if mine["status"] == 400 and mine.get("param") in ("max_tokens", "max_completion_tokens") \
+            and ref["status"] == 200 and "truncate_prompt_tokens" not in body:
+        room = ref["usage"]["completion_tokens"] if ref.get("usage") else None
+        return Verdict(case, stream, "max_tokens_clamp", f"vLLM served {room} tokens")
+    if mine["status"] == 400 and mine.get("param") == case.field and case.field == "n" and ref["status"] == 200:
+        return Verdict(case, stream, "router_limit")
+    return Verdict(case, stream, "different", "; ".join(diffs)[:600])
+
+
+def _seeded(url: str, body: dict, mine: dict, ref: dict, case: Case, stream: bool, diffs: list[str]) -> Verdict:
+    """compare.KNOWN "seeded_sampling": each choice's first token is the worker's; the router repeats itself."""
+    again = summary(*post(url, body), case.endpoint == "chat", bool(body.get("stream")))
+    firsts = all(m["token_ids"][:1] == r["token_ids"][:1] for m, r in zip(mine["choices"], ref["choices"]))
+    if firsts and not differences(again, mine):
+        return Verdict(case, stream, "seeded_sampling")
+    return Verdict(case, stream, "different", "; ".join(diffs)[:600])
+
+
+def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
+        log: Callable[[str], None] | None = None, clients: int = 4) -> tuple[list[Verdict], float]:
+    """Every case, unstreamed, and streamed when ``stream_all`` or its field is in :data:`STREAMED`; ``clients``
+    cases at a time (greedy fp32 answers do not depend on the batch they share)."""
+    t0 = time.monotonic()
+    runs = [(case, stream) for case in cases
+            for stream in ((False, True) if stream_all or case.field in STREAMED else (False,))]
+
+    def one(item: tuple[Case, bool]) -> Verdict:
+        t = time.monotonic()
+        v = judge(router_url, worker_url, *item)
+        if v.kind == "different" and v.key in OPEN:
+            v.kind = "open"
+        if log is not None:
+            log(f"{time.monotonic() - t:6.2f}s {v.kind} {v.key}")
+        return v
+
+    with ThreadPoolExecutor(clients) as pool:
+        out = list(pool.map(one, runs))
+    return out, time.monotonic() - t0
+
+
+def table(verdicts: list[Verdict]) -> str:
+    """Per endpoint: fields, and how many cases were identical / each known difference / different."""
+    kinds = ["identical", "param_prefix", "refused", "max_tokens_clamp", "router_limit", "seeded_sampling",
+             "open", "different"]
+    lines = ["| endpoint | cases | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
+    for endpoint in ENDPOINTS:
+        mine = [v for v in verdicts if v.case.endpoint == endpoint]
+        lines.append(f"| {endpoint} | {len(mine)} | " + " | ".join(str(sum(v.kind == k for v in mine))
+                                                                   for k in kinds) + " |")
+    return "\n".join(lines)
