@@ -183,7 +183,7 @@ def test_bad_input_statuses_then_healthy(stack, mode):
         c.chat.completions.create(model="rl", messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="rl", prompt=[10 ** 7], max_tokens=2)  # out of vocabulary
-    assert [m.id for m in c.models.list()] == ["rl"]
+    assert [m.id for m in c.models.list()][0] == "rl"  # then any LoRA adapters the stack serves
     assert _get(stack[mode] + "/health")[0] == 200 and _get(stack["worker"] + "/health")[0] == 200
     ok = c.completions.create(model="rl", prompt="hi", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens >= 1
