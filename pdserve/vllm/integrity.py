@@ -264,12 +264,20 @@ class ReadVerifier:
 class SealTable:
     """P: checksums of each leased request's blocks, computed off the model's thread, answered to D's notification.
 
+    P's worker learns a lease from the step after the one that finished the prefill (with vLLM's async scheduling,
+    the one after that), so D's notification may come first: :meth:`reply` waits for it up to ``wait_s``, which the
+    worker sets to half D's transfer deadline (one long prefill step on a busy P exceeds a second: with 1 s, D
+    recomputed 15 of 16 1,024-token prompts in a bench). A lease that already ended is answered at once.
+
     Thread-safe: ``seal`` and ``drop`` run on the worker's step, ``reply`` on the transfer engine's thread."""
+
+    ENDED_KEPT = 4096  # how many ended leases are remembered (answered at once instead of waited for)
 
     def __init__(self, wait_s: float = 1.0, threads: int = 2) -> None:
         self.wait_s = wait_s
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdserve-seal")
         self._sealed: dict[str, tuple[tuple[int, ...], Future]] = {}
+        self._ended: dict[str, None] = {}  # insertion-ordered: the oldest is forgotten first
         self._cond = threading.Condition()
 
     def seal(self, req_id: str, block_ids: Sequence[int], compute: Callable[[Sequence[int]], list[int]]) -> None:
@@ -286,10 +294,12 @@ class SealTable:
         ``{"fp", "missing": why}`` when the request is not (or no longer) sealed here. Waits up to ``wait_s`` for a
         lease this worker has not heard of yet (D may read as soon as P's scheduler answered)."""
         with self._cond:
-            self._cond.wait_for(lambda: req_id in self._sealed, self.wait_s)
+            self._cond.wait_for(lambda: req_id in self._sealed or req_id in self._ended, self.wait_s)
             entry = self._sealed.get(req_id)
+            ended = req_id in self._ended
         if entry is None:
-            return {"fp": fingerprint, "missing": "no lease (ended, or never held here)"}
+            why = "the lease ended" if ended else f"no lease heard of within {self.wait_s:g} s"
+            return {"fp": fingerprint, "missing": why}
         blocks, future = entry
         try:
             sums = future.result(timeout=max(self.wait_s, 5.0))
@@ -298,10 +308,14 @@ class SealTable:
         return {"alg": alg, "fp": fingerprint, "b": list(blocks), "c": sums}
 
     def drop(self, req_ids: Sequence[str]) -> None:
-        """The leases ended: forget their checksums."""
+        """The leases ended: forget their checksums (and answer a late notification for them at once)."""
         with self._cond:
             for req_id in req_ids:
                 self._sealed.pop(req_id, None)
+                self._ended[req_id] = None
+            while len(self._ended) > self.ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
+            self._cond.notify_all()
 
     def __len__(self) -> int:
         with self._cond:

@@ -106,7 +106,8 @@ class WorkerSide:
         self.sums = BlockSums([], {})
         self.fingerprint: dict[str, str] = {}
         self.fp_digest = 0
-        self._seals = SealTable()  # P: checksums of leased blocks, answered to D's notification
+        # P: checksums of leased blocks, answered to D's notification (which may arrive before the lease does)
+        self._seals = SealTable(wait_s=max(1.0, config.transfer_deadline_s / 2))
         self.verifier = ReadVerifier()  # D: hashes what a read lands, checks it against P's answer
         self._pool_io: PoolIO | None = None
         self._peers: dict[tuple[str, int], Any] = {}

@@ -175,6 +175,8 @@ def test_seal_table_answers_waits_for_a_late_lease_and_forgets_ended_ones():
     assert table.reply("late", XXH3, 7)["c"] == [5]  # the lease arrived while D's notification waited
     table.drop(["r", "late"])
     assert len(table) == 0 and "missing" in SealTable(wait_s=0.0).reply("r", XXH3, 7)
+    t0 = time.monotonic()
+    assert table.reply("r", XXH3, 7)["missing"] == "the lease ended" and time.monotonic() - t0 < 0.1  # no wait
     table.close()
 
 
