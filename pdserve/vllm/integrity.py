@@ -265,9 +265,11 @@ class SealTable:
     """P: checksums of each leased request's blocks, computed off the model's thread, answered to D's notification.
 
     P's worker learns a lease from the step after the one that finished the prefill (with vLLM's async scheduling,
-    the one after that), so D's notification may come first: :meth:`reply` waits for it up to ``wait_s``, which the
-    worker sets to half D's transfer deadline (one long prefill step on a busy P exceeds a second: with 1 s, D
-    recomputed 15 of 16 1,024-token prompts in a bench). A lease that already ended is answered at once.
+    the one after that), so D's notification may come first, by a whole step (seconds, for a long prefill on a busy
+    P). :meth:`reply` waits for the lease up to ``wait_s``; then, if D named the blocks it read, it checksums those
+    blocks now (``compute``): they are still P's, since a lease ends only after the worker has heard of it, and a
+    flip in transit or a write after the read still shows. (With only the 1 s wait, D recomputed 15 of 16
+    1,024-token prompts in a 1P1D bench.) A lease that already ended is answered at once.
 
     Thread-safe: ``seal`` and ``drop`` run on the worker's step, ``reply`` on the transfer engine's thread."""
 
@@ -289,14 +291,21 @@ class SealTable:
             self._sealed[req_id] = (blocks, self._pool.submit(compute, blocks))
             self._cond.notify_all()
 
-    def reply(self, req_id: str, alg: str, fingerprint: int) -> dict[str, Any]:
+    def reply(self, req_id: str, alg: str, fingerprint: int, read: Sequence[int] = (),
+              compute: Callable[[Sequence[int]], list[int]] | None = None) -> dict[str, Any]:
         """What D's notification for ``req_id`` gets back: ``{"alg", "fp", "b": block ids, "c": sums}``, or
         ``{"fp", "missing": why}`` when the request is not (or no longer) sealed here. Waits up to ``wait_s`` for a
-        lease this worker has not heard of yet (D may read as soon as P's scheduler answered)."""
+        lease this worker has not heard of yet (D may read as soon as P's scheduler answered), then checksums the
+        blocks D ``read`` with ``compute`` (class doc)."""
         with self._cond:
             self._cond.wait_for(lambda: req_id in self._sealed or req_id in self._ended, self.wait_s)
             entry = self._sealed.get(req_id)
             ended = req_id in self._ended
+        if entry is None and not ended and read and compute is not None:
+            try:
+                return {"alg": alg, "fp": fingerprint, "b": list(read), "c": compute(read), "unsealed": True}
+            except Exception as exc:  # e.g. a block id this cache does not have
+                return {"fp": fingerprint, "missing": f"checksum of the blocks read failed: {exc}"}
         if entry is None:
             why = "the lease ended" if ended else f"no lease heard of within {self.wait_s:g} s"
             return {"fp": fingerprint, "missing": why}
