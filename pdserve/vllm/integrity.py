@@ -12,8 +12,9 @@ P (:class:`SealTable`): when its worker learns a lease (the step after prefill, 
 it computes the leased blocks' checksums on a worker thread and keeps them until the lease ends. D's READ
 batch ends with its notification; P answers it with the sums (the transfer engine's notification reply), so D
 gets them in the same round trip as the data. A block written after P sealed it (a late write into a recycled
-block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P no longer
-holds gets no sums, and D recomputes as well.
+block, a flipped bit on the link) no longer matches and D recomputes. A notification for a lease P's worker has
+not heard of yet (it learns leases a step or two late) is answered with the sums of the blocks D names, computed
+then; one for a lease P no longer holds gets no sums, and D recomputes.
 
 D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, the transfer
 engine's ``on_frame`` hook, on the lane that received each frame, while the peer moves the next), so when the last
