@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pdserve.vllm.layout import KVLayout, LayoutError, head_runs, reshard
 from pdserve.vllm.params import BlockPlan
 
-NOTE_SEP = "|"  # notification = request id [| sender rank / readers]; a bare id means one reader
+NOTE_SEP = "|"  # notification = request id [| sender rank / readers] [#blocks=b1,b2,...]; a bare id: one reader
+BLOCKS_SEP = "#blocks="
 
 
 class ShardError(ValueError):
@@ -106,18 +107,25 @@ def to_notify(table: Mapping[int, Sequence[int]], d_rank: int) -> dict[int, int]
     return {p: len(ds) for p, ds in table.items() if d_rank in ds}
 
 
-def notify_message(req_id: str, sender: int, readers: int) -> str:
-    """The notification one D rank sends with (or instead of) its read of P's request ``req_id``."""
-    return req_id if readers <= 1 else f"{req_id}{NOTE_SEP}{sender}/{readers}"
+def notify_message(req_id: str, sender: int, readers: int, blocks: Sequence[int] = ()) -> str:
+    """The notification one D rank sends with (or instead of) its read of P's request ``req_id``; ``blocks``: P's
+    block ids it read, which P checksums itself when its worker has not heard of the lease yet."""
+    head = req_id if readers <= 1 else f"{req_id}{NOTE_SEP}{sender}/{readers}"
+    return head + (BLOCKS_SEP + ",".join(str(b) for b in blocks) if blocks else "")
 
 
-def parse_notify(msg: str) -> tuple[str, int, int]:
-    """(P request id, sender D rank, readers expected): a bare id is one reader (TP=1 D, or an old D)."""
+def parse_notify(msg: str) -> tuple[str, int, int, tuple[int, ...]]:
+    """(P request id, sender D rank, readers expected, P's blocks read): a bare id is one reader (TP=1 D, or an
+    old D), and names no blocks."""
+    blocks: tuple[int, ...] = ()
+    head, sep, tail = msg.rpartition(BLOCKS_SEP)
+    if sep and tail and all(x.isdigit() for x in tail.split(",")):
+        msg, blocks = head, tuple(int(x) for x in tail.split(","))
     head, sep, tail = msg.rpartition(NOTE_SEP)
     sender, slash, readers = tail.partition("/")
     if sep and slash and sender.isdigit() and readers.isdigit() and int(readers) >= 1:
-        return head, int(sender), int(readers)
-    return msg, 0, 1
+        return head, int(sender), int(readers), blocks
+    return msg, 0, 1, blocks
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,8 @@ class WorkerSide:
             if fault_hits(fault, "fail", p):
                 failed.append(TransferError("test", f"pdserve_test_fault={fault} (P rank {p})"))
                 continue
-            note = notify_message(remote.request_id, self.rank, counts.get(p, 1)) if p in counts else None
+            note = notify_message(remote.request_id, self.rank, counts.get(p, 1), job.plan.remote) \
+                if p in counts else None
             handles[p] = self.engine.submit(self._peer(remote, p), batches.get(p, []), "read", notify=note,
                                             deadline_s=deadline_s, on_frame=tap.frame if tap and p == self.rank
                                             else None)
@@ -420,11 +421,11 @@ class WorkerSide:
         """D's READ notification: counts toward the lease's end; after a read (the batch moved bytes) it is answered
         with the lease's checksums (kv_checksum on)."""
         msg = note.message
-        req_id, sender, readers = parse_notify(msg.decode() if isinstance(msg, bytes) else str(msg))
+        req_id, sender, readers, read = parse_notify(msg.decode() if isinstance(msg, bytes) else str(msg))
         self._ledger.notify(req_id, sender=sender, readers=readers)
         if not self.config.kv_checksum or not getattr(note, "nbytes", 0):
             return None
-        return self._seals.reply(req_id, self.sums.alg, self.fp_digest)
+        return self._seals.reply(req_id, self.sums.alg, self.fp_digest, read, self.sums.sums)
 
     def results(self) -> KVConnectorTransferResults:
         recving: set[str] = set()

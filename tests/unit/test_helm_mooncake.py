@@ -88,6 +88,13 @@ def test_mooncake_store_pool(connector):
             assert env["MOONCAKE_CONFIG_PATH"] == "/etc/pdserve/mooncake/mooncake-store.json"
             assert {"name": "mooncake-store", "mountPath": "/etc/pdserve/mooncake", "readOnly": True} in c[
                 "volumeMounts"]
+    router = container(deployments((*sets, "router.policy=conductor"))["pd-pdserve-router"], "router")["args"]
+    # the conductor follows the store: the master's HTTP metrics server (router --mooncake-store)
+    store_http = router[router.index("--mooncake-store") + 1]
+    metrics_port = master["args"][master["args"].index("--metrics_port") + 1]
+    assert store_http.startswith("pd-pdserve-store-master.") and store_http.endswith(f":{metrics_port}")
+    router = container(deployments(sets)["pd-pdserve-router"], "router")["args"]
+    assert "--mooncake-store" not in router  # only the conductor reads it (the default policy is round_robin)
 
 
 @pytest.mark.parametrize("sets, needle", [

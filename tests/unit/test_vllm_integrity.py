@@ -175,6 +175,12 @@ def test_seal_table_answers_waits_for_a_late_lease_and_forgets_ended_ones():
     assert table.reply("late", XXH3, 7)["c"] == [5]  # the lease arrived while D's notification waited
     table.drop(["r", "late"])
     assert len(table) == 0 and "missing" in SealTable(wait_s=0.0).reply("r", XXH3, 7)
+    t0 = time.monotonic()
+    assert table.reply("r", XXH3, 7)["missing"] == "the lease ended" and time.monotonic() - t0 < 0.1  # no wait
+    assert table.reply("r", XXH3, 7, (1, 2), lambda b: [0, 0])["missing"] == "the lease ended"
+    # not heard of yet: the blocks D read are checksummed now, and marked so
+    assert table.reply("new", XXH3, 7, (1, 2), lambda b: [b[0] * 3, b[1] * 3]) == \
+        {"alg": XXH3, "fp": 7, "b": [1, 2], "c": [3, 6], "unsealed": True}
     table.close()
 
 
@@ -265,11 +271,23 @@ def test_corruption_in_transit_or_a_late_write_fails_the_read(pair, fault, strea
     assert counters.data["checksum_failures_p2p"] == 1 and counters.data["read_failures"] == 1
 
 
-def test_unsealed_lease_or_foreign_fingerprint_fails_the_read(pair):
+def test_a_lease_p_has_not_heard_of_yet_is_checked_on_the_blocks_d_read(pair):
+    """D's notification came before P's worker learned the lease (a long step): P checksums the blocks D names."""
     p, d = pair()
     p._seals.wait_s = 0.1
     res, stats, _ = _read(d, _lease(p, "req", seal=False))
-    assert res.failed_recving == {"dreq"} and "no lease" in stats["error"]
+    assert res.finished_recving == {"dreq"} and stats["ok"] and stats["verified"] == 2, stats
+    res, stats, _ = _read(d, _lease(p, "req-flip", seal=False), fault="flip")
+    assert res.failed_recving == {"dreq"} and "differ from P's checksums" in stats["error"]  # still caught
+
+
+def test_ended_lease_or_foreign_fingerprint_fails_the_read(pair):
+    p, d = pair()
+    p._seals.wait_s = 0.1
+    remote = _lease(p, "req", seal=False)
+    p._seals.drop(["req"])
+    res, stats, _ = _read(d, remote)
+    assert res.failed_recving == {"dreq"} and "the lease ended" in stats["error"]
     d.fp_digest ^= 1  # as if D ran another model than the P that answers
     res, stats, _ = _read(d, _lease(p, "req2"))
     assert res.failed_recving == {"dreq"} and "fingerprint digest" in stats["error"]

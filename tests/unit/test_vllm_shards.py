@@ -71,9 +71,11 @@ def test_notifiers_cover_every_p_rank_once_per_reader():
 
 def test_notify_message_round_trip_and_bare_ids():
     assert notify_message("req-1", 0, 1) == "req-1"  # one reader: what a TP=1 D always sent
-    assert parse_notify(notify_message("req|x", 1, 2)) == ("req|x", 1, 2)
-    assert parse_notify("req-1") == ("req-1", 0, 1)
-    assert parse_notify("a|b") == ("a|b", 0, 1)
+    assert parse_notify(notify_message("req|x", 1, 2)) == ("req|x", 1, 2, ())
+    assert parse_notify("req-1") == ("req-1", 0, 1, ())
+    assert parse_notify("a|b") == ("a|b", 0, 1, ())
+    assert parse_notify(notify_message("req|x", 1, 2, (7, 9))) == ("req|x", 1, 2, (7, 9))  # the blocks D read
+    assert parse_notify(notify_message("req-1", 0, 1, (3,))) == ("req-1", 0, 1, (3,))
 
 
 def test_ledger_waits_for_every_reader_of_a_rank():
