@@ -34,7 +34,8 @@ SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
                    "tests/integration/test_router_vllm.py", "tests/conformance/test_conformance.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
-    "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py"),
+    "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py",
+                "tests/integration/test_lora_vllm.py"),
 }
 STACK_OF = {path: stack for stack, paths in SHARED_STACKS.items() for path in paths}
 

@@ -325,6 +325,7 @@ class Router:
             if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
                 req.timings = True
             req.lora = self.models.adapter(req.model)  # 404 for an unknown model; P and D run the adapter
+            self.models.refuse_prompt_scoring(req.prompt_logprobs, req.echo, req.logprobs)
             assert self.client is not None, "router not started"
             tool_req = self.tools.prepare(req, body.get("messages")) if req.tools else None
             choices = await self._choices(req, t)

@@ -110,7 +110,7 @@ _PD_CLUSTER_LOG: list[str] = []  # the shared 1P1D launch's log lines
 def pd_cluster(tmp_path_factory):
     """The 1P1D stack as ``pdserve serve`` starts it (PdserveConnector, the KV pool, the router; fp32 random Llama
     with a Hermes-style tool template, vLLM's hermes tool parser on every worker and the router, and whitespace
-    tokens that cannot stall a JSON grammar on random weights; LoRA on, with one random adapter, lora_pd.ADAPTER).
+    tokens that cannot stall a JSON grammar on random weights).
     Started once per test process and shared by the
     modules listed with it in tests/conftest.py's ``SHARED_STACKS``; they run in that order on one process, so the
     one that kills a worker (test_router_prefill_kill.py) comes last."""
@@ -118,23 +118,16 @@ def pd_cluster(tmp_path_factory):
     from pdserve.launcher import Cluster
     from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
-    from .lora_pd import ADAPTER, write_random_lora
-
     log = _PD_CLUSTER_LOG  # one list for both fixture definitions (shared_stack)
 
     def start() -> Cluster:
         model = build_random_llama(tmp_path_factory.mktemp("pd-router-model") / "random-llama")
         model = quiet_whitespace_tokens(use_tool_chat_template(model))
         tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-        # one LoRA adapter on every worker (tests/integration/lora_pd.py); the other tests use the base model "rl".
-        # PDSERVE_TEST_LORA=0 starts the stack without LoRA (the LoRA test then skips)
-        adapter = write_random_lora(tmp_path_factory.mktemp("pd-router-lora") / ADAPTER)
-        lora = dict(lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=8, max_loras=2) \
-            if os.environ.get("PDSERVE_TEST_LORA", "1") != "0" else {}
         cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                              served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("pd-router-run")),
                              worker_timeout_s=400, worker_args=tools, router_args=("--tool-call-parser", "hermes"),
-                             pool_disk="64MiB", **lora)
+                             pool_disk="64MiB")
         return Cluster(cfg, log=log.append)
 
     with shared_stack("pd_cluster", start) as c:
@@ -176,9 +169,11 @@ def shared_stack(name: str, start):
 def pd_pair(tmp_path_factory):
     """Two vLLM servers P and D (fp32 random Llama, PdserveConnector with test faults allowed, no router, no pool),
     started once per test process and shared by the modules listed with it in tests/conftest.py's ``SHARED_STACKS``
-    (test_kv_integrity.py, test_pd_exactness.py)."""
+    (test_kv_integrity.py, test_pd_exactness.py, test_lora_vllm.py). Both load one random LoRA adapter (lora_pd.ADAPTER); the
+other tests use the base model."""
     import time
 
+    from .lora_pd import ADAPTER, RANK, write_random_lora
     from .test_pd_exactness import START_TIMEOUT_S, Server, model_path
 
     model = model_path(tmp_path_factory)
@@ -186,8 +181,14 @@ def pd_pair(tmp_path_factory):
     extra = {"secret": "pd-exactness-test-secret", "lease_s": 30, "allow_test_faults": True,
              # auto = same-host copy (process_vm_readv); tcp exercises the cross-host path
              "backend": os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "auto")}
-    p = Server(model, 0, logs / "p.log", extra)
-    d = Server(model, 1 if (os.cpu_count() or 1) > 1 else 0, logs / "d.log", extra)
+    # one LoRA adapter on both (tests/integration/test_lora_vllm.py; the other tests use the base model)
+    adapter = write_random_lora(tmp_path_factory.mktemp("pd-pair-lora") / ADAPTER)
+    lora_modules = f"{ADAPTER}={adapter}"
+    lora = ("--enable-lora", "--lora-modules", lora_modules, "--max-lora-rank", str(RANK), "--max-loras", "2")
+    runtime = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    p = Server(model, 0, logs / "p.log", extra, env_extra=runtime, args=lora)
+    d = Server(model, 1 if (os.cpu_count() or 1) > 1 else 0, logs / "d.log", extra, env_extra=runtime, args=lora)
+    p.model, p.lora_modules = model, lora_modules  # for the modules that start a router over the pair
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         p.wait_ready(deadline)

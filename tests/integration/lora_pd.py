@@ -1,8 +1,8 @@
-"""Multi-LoRA through P and D (issue 25, item 3) on the shared 1P1D stack (``pd_cluster``): the adapter written
-here at session start (a PEFT-format directory made by hand: peft is not installed), served by every worker
-through ``pdserve serve --lora-modules``. The cases compare the router's greedy output with ``model=<adapter>``
+"""Multi-LoRA through P and D (issue 25, item 3) on the shared P/D pair (``pd_pair``, with a router of its own):
+the adapter written here at session start (a PEFT-format directory made by hand: peft is not installed), loaded by
+both workers with vLLM's ``--lora-modules`` (what ``pdserve serve --lora-modules`` gives every worker). The cases compare the router's greedy output with ``model=<adapter>``
 against the D worker itself with the same adapter (streamed and not), and against the base model's (so the adapter
-really acted). Run from tests/integration/test_pd_router.py."""
+really acted). Run from tests/integration/test_lora_vllm.py."""
 
 from __future__ import annotations
 
@@ -92,12 +92,12 @@ def _reads(url: str) -> float:
     return scrape(url, READS).get(READS, 0.0)
 
 
-def check_adapter_through_pd_equals_one_worker(router_url: str, decode_url: str) -> None:
+def check_adapter_through_pd_equals_one_worker(router_url: str, decode_url: str, base: str) -> None:
     """Greedy output with model=<adapter> through P -> D equals D alone with the adapter (streamed and not, text
     and token ids), differs from the base model's, and the KV went P -> D. D's reference carries a cache salt of
     its own, so it is computed from scratch rather than from the blocks the routed request left in D's cache."""
     models = _models(router_url)
-    assert models[ADAPTER]["parent"] == "rl" and models["rl"]["parent"] is None
+    assert models[ADAPTER]["parent"] == base and models[base]["parent"] is None
     for length in (40, 300):  # one partial block; two full blocks read from P and a partial one
         ids = [random.Random(length).randrange(1000, 40000) for _ in range(length)]
         body = {"model": ADAPTER, "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
@@ -106,11 +106,11 @@ def check_adapter_through_pd_equals_one_worker(router_url: str, decode_url: str)
         routed = _ok(router_url + "/v1/completions", body)
         text, token_ids, names = _streamed(router_url + "/v1/completions", body)
         ref = _ok(decode_url + "/v1/completions", dict(body, cache_salt=f"lora-ref-{length}"))["choices"][0]
-        base = _ok(decode_url + "/v1/completions", dict(body, model="rl", cache_salt=f"base-{length}"))
+        plain = _ok(decode_url + "/v1/completions", dict(body, model=base, cache_salt=f"base-{length}"))
         got = routed["choices"][0]
         assert (got["text"], got["token_ids"]) == (text, token_ids) == (ref["text"], ref["token_ids"])
         assert routed["model"] == ADAPTER and names == {ADAPTER}
-        assert base["choices"][0]["token_ids"] != ref["token_ids"], "the adapter did not change greedy output"
+        assert plain["choices"][0]["token_ids"] != ref["token_ids"], "the adapter did not change greedy output"
         if length > 128:
             assert _reads(decode_url) >= reads + 2  # both routed requests read P's KV
     chat = {"model": ADAPTER, "messages": [{"role": "user", "content": "Name three colours, please."}],
@@ -121,7 +121,7 @@ def check_adapter_through_pd_equals_one_worker(router_url: str, decode_url: str)
     assert routed["model"] == ADAPTER
 
 
-def check_runtime_load_and_unload(router_url: str, decode_url: str, adapter_dir: str) -> None:
+def check_runtime_load_and_unload(router_url: str, decode_url: str, adapter_dir: str, base: str) -> None:
     """/v1/load_lora_adapter through the router loads on P and D (a later /v1/models lists it and a request runs
     it through P -> D as D alone does); a bad path is refused as vLLM refuses it and not listed; unload takes it
     off every worker and the list."""
@@ -131,7 +131,7 @@ def check_runtime_load_and_unload(router_url: str, decode_url: str, adapter_dir:
     assert name not in _models(router_url)
     status, out = _post(router_url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
     assert status == 200, out
-    assert _models(router_url)[name]["parent"] == "rl"
+    assert _models(router_url)[name]["parent"] == base
     ids = [random.Random(7).randrange(1000, 40000) for _ in range(200)]
     body = {"model": name, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
@@ -145,9 +145,9 @@ def check_runtime_load_and_unload(router_url: str, decode_url: str, adapter_dir:
     assert _post(decode_url + "/v1/completions", body)[0] == 404  # gone from the workers too
 
 
-def run_lora_cases(router_url: str, decode_url: str, lora_modules: str) -> None:
+def run_lora_cases(router_url: str, decode_url: str, lora_modules: str, base: str) -> None:
     """Every case above on the stack whose workers load ``lora_modules`` (with :data:`ADAPTER`)."""
     from pdserve.settings.lora import parse_lora_modules
 
-    check_adapter_through_pd_equals_one_worker(router_url, decode_url)
-    check_runtime_load_and_unload(router_url, decode_url, parse_lora_modules(lora_modules)[ADAPTER])
+    check_adapter_through_pd_equals_one_worker(router_url, decode_url, base)
+    check_runtime_load_and_unload(router_url, decode_url, parse_lora_modules(lora_modules)[ADAPTER], base)

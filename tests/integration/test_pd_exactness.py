@@ -41,7 +41,7 @@ START_TIMEOUT_S = float(os.environ.get("PDSERVE_TEST_VLLM_START_S", "300"))
 
 class Server:
     def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32",
-                 env_extra: dict[str, str] | None = None) -> None:
+                 env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -51,7 +51,8 @@ class Server:
                    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv)]
+               "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv),
+               *args]
         self.child = spawn("vllm", cmd, env=env, log_path=log_path, cwd=ROOT)
         self.proc = self.child.proc
 

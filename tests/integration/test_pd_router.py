@@ -468,15 +468,3 @@ def test_elastic_router_moves_a_running_decode_off_a_long_prefill(cluster, tmp_p
 
     run_move_case(str(cluster.model_dir), [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]],
                   tmp_path)
-
-
-
-def test_lora_adapter_through_pd_equals_one_worker(cluster):
-    """Issue 25 item 3: model=<adapter> runs on P and D and equals D alone with the adapter (streamed and not),
-    unlike the base model; /v1/load_lora_adapter and /v1/unload_lora_adapter reach both workers
-    (tests/integration/lora_pd.py)."""
-    from tests.integration.lora_pd import run_lora_cases
-
-    if not cluster.config.lora_modules:
-        pytest.skip("the stack runs without LoRA (PDSERVE_TEST_LORA=0)")
-    run_lora_cases(cluster.router_url, cluster.worker_urls("decode")[0], cluster.config.lora_modules)

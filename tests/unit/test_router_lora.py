@@ -98,6 +98,23 @@ def test_models_lists_adapters_and_model_reaches_p_and_d(model_dir, tokenizer):
     run(main())
 
 
+def test_prompt_scoring_is_refused_with_lora_on_and_reaches_no_worker(model_dir, tokenizer):
+    """vLLM 0.32's engine dies on prompt_logprobs with LoRA on (a batch of two): the router answers 400 first."""
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d], lora_modules=ADAPTERS) as env:
+            for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}):
+                before = len(p.requests) + len(d.requests)
+                st, out = await env.post("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2,
+                                                             **extra})
+                assert st == 400 and out["error"]["param"] == "prompt_logprobs", out
+                assert len(p.requests) + len(d.requests) == before
+            st, out = await env.post("/v1/completions", {"model": "ad", "prompt": "a", "max_tokens": 2, "logprobs": 1})
+            assert st == 200, out  # output logprobs are not prompt scoring
+    run(main())
+
+
 def test_lora_routes_absent_without_lora(model_dir, tokenizer):
     async def main():
         async with Env(model_dir, tokenizer, colocated=[FakeWorker("W")]) as env:

@@ -57,6 +57,16 @@ class ModelCatalog:
                         + (f" and the adapters {', '.join(sorted(self.adapters))}" if self.adapters else "")
                         + " (see /v1/models).", "model", "model_not_found")
 
+    def refuse_prompt_scoring(self, prompt_logprobs: int | None, echo: bool, logprobs: int | None) -> None:
+        """With LoRA on, a request that scores its prompt (``prompt_logprobs``, or ``echo`` with ``logprobs``) is a
+        400: vLLM 0.32's engine core dies computing prompt logprobs through LoRA's logits processor when the request
+        shares a step with another (``einsum(): subscript b has size 2 ... does not broadcast``), taking every
+        request on that worker with it. A refusal costs the client a feature; the crash costs everyone a worker."""
+        if self.lora and (prompt_logprobs is not None or (echo and logprobs is not None)):
+            raise bad_request("prompt_logprobs (and echo with logprobs) are not served while the workers run LoRA "
+                              "adapters: vLLM 0.32 crashes the worker computing prompt logprobs with LoRA on",
+                              "prompt_logprobs")
+
     def answer_name(self, model: Any) -> str:
         """The ``model`` of the answer: the adapter's name, else the served model's."""
         return self.adapter(model) or self.base
