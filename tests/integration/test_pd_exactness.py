@@ -177,16 +177,17 @@ def _wait_usage_zero(server: Server, timeout: float) -> float:
 def _handoff(p: Server, d: Server, prompt: list[int], p_params: dict | None = None, fault: str = "",
              d_salt: bool = True):
     """P prefill (1 token), then D decodes the rest from P's KV; return (tokens, P params, D stats)."""
+    # a fresh cache salt on both, as the router sends a client's salt to P and D (the hand-off's fingerprint
+    # carries the key domain, so a salt on one side only is refused): D must not find the prompt in its own cache
+    salt = {"cache_salt": _salt()} if d_salt else {}
     t0 = time.perf_counter()
-    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, **(p_params or {})})
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, **(p_params or {})}, **salt)
     t_p = time.perf_counter() - t0
     t1 = _tokens(pr)
     params = pr["kv_transfer_params"]
     assert params and params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt), params
     dparams = dict(params, pdserve_test_fault=fault) if fault else params
     t0 = time.perf_counter()
-    # a fresh cache salt: D must not find the prompt in its own prefix cache
-    salt = {"cache_salt": _salt()} if d_salt else {}
     dr = d.complete(prompt + t1, GEN - 1, kv_transfer_params=dparams, **salt)
     t_d = time.perf_counter() - t0
     stats = (dr.get("kv_transfer_params") or {}).get("pdserve")
