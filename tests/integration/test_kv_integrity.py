@@ -59,7 +59,8 @@ def _case(stack, seed: int, p_fault: str = "", d_fault: str = "", fingerprint: d
     prompt = _prompt(length, seed)
     reference = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
     pparams = {"do_remote_decode": True, **({"pdserve_test_fault": p_fault} if p_fault else {})}
-    pr = p.complete(prompt, 1, kv_transfer_params=pparams)
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(prompt, 1, kv_transfer_params=pparams, cache_salt=salt)
     params = dict(pr["kv_transfer_params"])
     assert params["remote_fingerprint"]["dtype"] == "float32", params
     if d_fault:
@@ -68,7 +69,7 @@ def _case(stack, seed: int, p_fault: str = "", d_fault: str = "", fingerprint: d
         params["remote_fingerprint"] = {**params["remote_fingerprint"], **fingerprint}
     if p_fault == "late":
         time.sleep(0.5)  # P's worker sealed the lease and then wrote into its block
-    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=_salt())
+    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=salt)
     return reference, _tokens(pr) + _tokens(dr), dr["kv_transfer_params"]["pdserve"]
 
 

@@ -243,10 +243,11 @@ def test_streamed_decode_equals_colocated(servers):
     p, d = servers
     prompt = _prompt(1900, seed=23)
     colocated = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
-    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, cache_salt=salt)
     t1 = _tokens(pr)
     rest, first_s = d.stream(prompt + t1, GEN - 1, kv_transfer_params=pr["kv_transfer_params"],
-                             cache_salt=_salt())
+                             cache_salt=salt)
     print(f"\n[stream n=1900] D first token {first_s * 1e3:.0f} ms after the hand-off")
     assert t1 + rest == colocated
     assert _wait_usage_zero(p, 10.0) <= 1e-9
@@ -281,13 +282,14 @@ def test_unusable_remote_kv_recomputes_exactly(servers, breakage):
     colocated = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
     # P unreachable means P never hears from D: a short lease frees its blocks for the next tests
     lease = {"lease_s": 3} if breakage == "p_unreachable" else {}
-    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, **lease})
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True, **lease}, cache_salt=salt)
     params = dict(pr["kv_transfer_params"])
     if breakage == "block_ids_out_of_range":
         params["remote_block_ids"] = [10**7 + i for i in range(len(params["remote_block_ids"]))]
     else:
         params["remote_port"] = free_port()
-    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=_salt())
+    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=salt)
     stats = dr["kv_transfer_params"]["pdserve"]
     assert not stats["ok"] and stats["error"], stats
     assert _tokens(pr) + _tokens(dr) == colocated
@@ -317,9 +319,11 @@ def test_connector_metrics_exported(servers):
     for seed in (41, 43):  # two clean reads of 3 blocks each
         _, _, stats, _ = _handoff(p, d, _prompt(300, seed=seed))
         assert stats and stats["ok"] and stats["blocks"] == 3, stats
-    pr = p.complete(_prompt(200, seed=47), 1, kv_transfer_params={"do_remote_decode": True, "lease_s": 2})
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(_prompt(200, seed=47), 1, kv_transfer_params={"do_remote_decode": True, "lease_s": 2},
+                    cache_salt=salt)
     failed = dict(pr["kv_transfer_params"], remote_port=free_port())  # nobody there: the read fails
-    d.complete(_prompt(200, seed=47) + _tokens(pr), 2, kv_transfer_params=failed, cache_salt=_salt())
+    d.complete(_prompt(200, seed=47) + _tokens(pr), 2, kv_transfer_params=failed, cache_salt=salt)
     want = {(d, "reads_total"): 2, (d, "read_bytes_total"): 2 * 3 * 2 * 2 * BLOCK * 2 * 64 * 4,
             (d, "read_failures_total"): 1, (d, "read_seconds_count"): 2,
             (p, "released_notified_total"): 2, (p, "released_lease_total"): 1}
@@ -340,9 +344,10 @@ def test_sync_and_async_loads_are_exact(servers, load, fault):
     p, d = servers
     prompt = _prompt(600, seed=31 + len(load) + len(fault))
     colocated = _tokens(d.complete(prompt, GEN, cache_salt=_salt()))
-    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, cache_salt=salt)
     params = dict(pr["kv_transfer_params"], pdserve_load=load, **({"pdserve_test_fault": fault} if fault else {}))
-    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=_salt())
+    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=params, cache_salt=salt)
     stats = dr["kv_transfer_params"]["pdserve"]
     assert stats["mode"] == ("sync" if load == "auto" else "async") and stats["ok"] == (not fault), stats
     assert _tokens(pr) + _tokens(dr) == colocated

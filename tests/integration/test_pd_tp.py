@@ -153,12 +153,13 @@ def _reference(stack, prompt: list[int]) -> list[int]:
 
 
 def _handoff(p: Server, d: Server, prompt: list[int], fault: str = "") -> tuple[list[int], dict, dict]:
-    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    salt = _salt()  # P and D in one key domain: D refuses P's KV of another
+    pr = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, cache_salt=salt)
     params = pr["kv_transfer_params"]
     assert params and params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt), params
     assert len(params.get("remote_ranks") or [0]) == p.tp
     dparams = dict(params, pdserve_test_fault=fault) if fault else params
-    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=dparams, cache_salt=_salt())
+    dr = d.complete(prompt + _tokens(pr), GEN - 1, kv_transfer_params=dparams, cache_salt=salt)
     return _tokens(pr) + _tokens(dr), params, (dr.get("kv_transfer_params") or {}).get("pdserve") or {}
 
 
