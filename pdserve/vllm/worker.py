@@ -319,12 +319,13 @@ class WorkerSide:
         handles: dict[int, Any] = {}
         failed: list[Exception] = []
         tap = self._tap(job, fault)
+        verify = self.config.kv_checksum and remote.tp == self.tp  # a resharded read is not verified (P seals blocks)
+        named = job.plan.remote if verify else ()  # P's blocks read, for P to checksum if it lacks the lease yet
         for p in sorted(set(batches) | set(counts)):
             if fault_hits(fault, "fail", p):
                 failed.append(TransferError("test", f"pdserve_test_fault={fault} (P rank {p})"))
                 continue
-            note = notify_message(remote.request_id, self.rank, counts.get(p, 1), job.plan.remote) \
-                if p in counts else None
+            note = notify_message(remote.request_id, self.rank, counts.get(p, 1), named) if p in counts else None
             handles[p] = self.engine.submit(self._peer(remote, p), batches.get(p, []), "read", notify=note,
                                             deadline_s=deadline_s, on_frame=tap.frame if tap and p == self.rank
                                             else None)
@@ -344,7 +345,7 @@ class WorkerSide:
             self.sums.flip_byte(job.plan.local[0])
             log.warning("request %s: pdserve_test_fault=%s: flipped a byte of received block %d", remote.request_id,
                         fault, job.plan.local[0])
-        if self.config.kv_checksum and remote.tp == self.tp:  # a resharded read is not verified (P seals blocks)
+        if verify:
             handle = handles.get(self.rank)
             self.verifier.verify(self.sums, self.fp_digest, handle.reply if handle else None, job.plan.local,
                                  job.plan.remote, tap, f"request {job.req_id} (P {remote.host}:{remote.port} "
