@@ -333,12 +333,17 @@ def test_tool_calls_equal_one_worker(cluster, client, choice):
 def test_messages_and_responses_apis_equal_one_worker(cluster):
     """/v1/messages and /v1/responses through P and D, whole and streamed (with a tool call), equal one worker's
     own endpoints (body in tests/integration/api_shapes.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tests.integration.api_shapes import check_errors, check_messages, check_responses
 
     router, worker = cluster.router_url, cluster.worker_urls("decode")[0]
-    assert check_messages(router, worker) >= 1, "the named tool case made no tool_use block"
-    check_responses(router, worker)
-    check_errors(router, worker)
+    with ThreadPoolExecutor(3) as pool:  # the three APIs' cases side by side, as three clients would send them
+        tool_blocks = pool.submit(check_messages, router, worker)
+        responses, errors = pool.submit(check_responses, router, worker), pool.submit(check_errors, router, worker)
+        assert tool_blocks.result() >= 1, "the named tool case made no tool_use block"
+        responses.result()
+        errors.result()
 
 
 def test_unsupported_fields_are_400(client):
@@ -370,31 +375,42 @@ def _forwarded_cases(cluster, plain: dict) -> list[dict]:
 
 
 def test_forwarded_fields_equal_one_worker(cluster):
-    """Every field the router forwards acts as on one worker: text, token ids and finish (streamed and not)."""
+    """Every field the router forwards acts as on one worker: text, token ids and finish (streamed and not). The
+    cases run 4 at a time (fp32: batching does not change greedy output), as a client's requests would."""
+    from concurrent.futures import ThreadPoolExecutor
+
     ids = [random.Random(7).randrange(1000, 40000) for _ in range(120)]
     base = {"model": "rl", "prompt": ids, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
     plain = _alone(cluster, "/v1/completions", base)["choices"][0]
-    acted: list[tuple[dict, bool]] = []
-    for extra in _forwarded_cases(cluster, plain):
-        body = {**base, **extra}
-        ref = _alone(cluster, "/v1/completions", body)["choices"][0]
-        if not {"cache_salt", "priority", "return_tokens_as_token_ids", "stream_interval"} & set(extra):
-            without = {k: v for k, v in body.items() if k != "min_tokens"}  # min_tokens acts against the stop
-            baseline = plain if "min_tokens" not in extra else _alone(cluster, "/v1/completions", without)["choices"][0]
-            acted.append((extra, ref["text"] != baseline["text"]))
-        mine = _post(cluster.router_url + "/v1/completions", body)["choices"][0]
-        assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
-            (ref["text"], ref["token_ids"], ref["finish_reason"]), extra
-        if "logprobs" in extra:
-            assert mine["logprobs"]["tokens"] == ref["logprobs"]["tokens"], extra
-            assert all(t.startswith("token_id:") for t in mine["logprobs"]["tokens"])
-        client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        kw = {k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens", "temperature")}
-        rest = {k: v for k, v in body.items() if k not in kw}
-        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True, extra_body=rest)
-                           if c.choices)
-        assert streamed == ref["text"], extra
+    with ThreadPoolExecutor(4) as pool:
+        acted = [a for a in pool.map(lambda extra: _forwarded_case(cluster, base, plain, extra),
+                                     _forwarded_cases(cluster, plain)) if a is not None]
     assert all(a for _, a in acted), f"cases that do not act on this model prove nothing: {acted}"
+
+
+def _forwarded_case(cluster, base: dict, plain: dict, extra: dict) -> tuple[dict, bool] | None:
+    """One case of the test above: the router's answer, whole and streamed, equals D's alone; (the case, whether
+    the field changed the output), None for the fields that are not meant to change it."""
+    body = {**base, **extra}
+    ref = _alone(cluster, "/v1/completions", body)["choices"][0]
+    acted = None
+    if not {"cache_salt", "priority", "return_tokens_as_token_ids", "stream_interval"} & set(extra):
+        without = {k: v for k, v in body.items() if k != "min_tokens"}  # min_tokens acts against the stop
+        baseline = plain if "min_tokens" not in extra else _alone(cluster, "/v1/completions", without)["choices"][0]
+        acted = (extra, ref["text"] != baseline["text"])
+    mine = _post(cluster.router_url + "/v1/completions", body)["choices"][0]
+    assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
+        (ref["text"], ref["token_ids"], ref["finish_reason"]), extra
+    if "logprobs" in extra:
+        assert mine["logprobs"]["tokens"] == ref["logprobs"]["tokens"], extra
+        assert all(t.startswith("token_id:") for t in mine["logprobs"]["tokens"])
+    client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = {k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens", "temperature")}
+    rest = {k: v for k, v in body.items() if k not in kw}
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True, extra_body=rest)
+                       if c.choices)
+    assert streamed == ref["text"], extra
+    return acted
 
 
 def test_request_id_names_the_answer_as_vllm(cluster):
