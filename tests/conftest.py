@@ -6,7 +6,8 @@ model worker inside vLLM's engine-core process: ``VLLM_ENABLE_V1_MULTIPROCESSING
 connector hooks (scheduler side and worker side are still separate objects, talking only through what vLLM
 carries); it starts ~3x faster on 2 cores (measured here: 69-72 s vs 194-251 s for one server under load), which
 keeps the suite within its time budget. Tensor-parallel workers (world size > 1) still get vLLM's multiprocess
-executor. ``pdserve serve`` itself leaves vLLM's default alone. Set ``PDSERVE_TEST_VLLM_MP=1`` to run the tests
+executor. ``pdserve serve`` does the same for its single-rank CPU workers (pdserve/launch/commands.py,
+``UNI_EXECUTOR_ENV``). Set ``PDSERVE_TEST_VLLM_MP=1`` to run the tests
 with vLLM's default (multiprocess) executor instead.
 
 Tests marked ``slow`` (minutes each on 2 cores: tensor-parallel stacks) run only with ``PDSERVE_TEST_SLOW=1``.

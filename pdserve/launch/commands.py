@@ -123,6 +123,15 @@ def lora_argv(worker: WorkerConfig) -> list[str]:
     return argv
 
 
+# A single-rank CPU worker runs its model inside vLLM's engine-core process ("uni" executor) instead of a third
+# process. That process's executor reader busy-polls its shared-memory queue for a second after every step, on
+# the cores the worker is bound to; where two workers share a core (3 workers on 2 cores), a D waiting for a
+# KV pull steps continuously and its spinning reader starved the co-located P's connector threads: every
+# MooncakeConnector hand-off from that P timed out (21-80 s, then recomputed) while the other P's took 0.1 s;
+# with the model in the engine core, all took 0.05-0.1 s (docs/bench.md, "Pools"). Same model code and hooks.
+UNI_EXECUTOR_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 def worker_env(worker: WorkerConfig) -> dict[str, str]:
     """Variables the launcher sets for one worker (on top of its own environment; the secret comes apart)."""
     env = dict(worker.env)
@@ -131,6 +140,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     else:  # one core list per tensor-parallel rank when tp > 1
         env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks if worker.tp > 1 else worker.omp_bind
+        if worker.tp == 1:  # the model runs in the engine-core process (see UNI_EXECUTOR_ENV); a worker's env wins
+            env.setdefault(UNI_EXECUTOR_ENV, "0")
     env["PYTHONUNBUFFERED"] = "1"
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
         env[RUNTIME_UPDATES_ENV] = "True"

@@ -136,3 +136,19 @@ def test_mooncake_store_pool_refusals(tmp_path):
     off = _cfg(tmp_path, kv_connector="nixl", pool_backend="mooncake", pool=False)
     plan = make_plan(off, off.model_dir)
     assert plan.pool is None and "MultiConnector" not in " ".join(plan.process("prefill0").argv)
+
+
+
+def test_single_rank_cpu_workers_run_the_model_in_the_engine_core():
+    """A CPU worker of one rank gets vLLM's uni executor (a busy-polling executor process on a shared core starved
+    a co-located P's MooncakeConnector threads); TP and GPU workers keep vLLM's default; the worker's env wins."""
+    from pdserve.launch.commands import UNI_EXECUTOR_ENV
+
+    def env(**kw):
+        return worker_env(WorkerConfig(role="prefill", index=0, model="/m", port=8100, kv_connector="mooncake",
+                                       mooncake_bootstrap_port=8998, **kw))
+
+    assert env(cores=(0,))[UNI_EXECUTOR_ENV] == "0"
+    assert UNI_EXECUTOR_ENV not in env(cores=(0, 1), tp=2)
+    assert UNI_EXECUTOR_ENV not in env(cores=(0,), gpus=("0",))
+    assert env(cores=(0,), env={UNI_EXECUTOR_ENV: "1"})[UNI_EXECUTOR_ENV] == "1"
