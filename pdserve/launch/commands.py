@@ -140,7 +140,7 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     else:  # one core list per tensor-parallel rank when tp > 1
         env["VLLM_CPU_KVCACHE_SPACE"] = str(worker.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks if worker.tp > 1 else worker.omp_bind
-        if worker.tp == 1:  # the model runs in the engine-core process (see UNI_EXECUTOR_ENV); a worker's env wins
+        if worker.tp == 1 and UNI_EXECUTOR_ENV not in os.environ:  # see UNI_EXECUTOR_ENV; a value set wins
             env.setdefault(UNI_EXECUTOR_ENV, "0")
     env["PYTHONUNBUFFERED"] = "1"
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker

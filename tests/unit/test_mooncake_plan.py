@@ -139,10 +139,12 @@ def test_mooncake_store_pool_refusals(tmp_path):
 
 
 
-def test_single_rank_cpu_workers_run_the_model_in_the_engine_core():
+def test_single_rank_cpu_workers_run_the_model_in_the_engine_core(monkeypatch):
     """A CPU worker of one rank gets vLLM's uni executor (a busy-polling executor process on a shared core starved
-    a co-located P's MooncakeConnector threads); TP and GPU workers keep vLLM's default; the worker's env wins."""
+    a co-located P's MooncakeConnector threads); TP and GPU workers keep vLLM's default; a value set in the worker's or the launcher's env wins."""
     from pdserve.launch.commands import UNI_EXECUTOR_ENV
+
+    monkeypatch.delenv(UNI_EXECUTOR_ENV, raising=False)
 
     def env(**kw):
         return worker_env(WorkerConfig(role="prefill", index=0, model="/m", port=8100, kv_connector="mooncake",
@@ -152,3 +154,5 @@ def test_single_rank_cpu_workers_run_the_model_in_the_engine_core():
     assert UNI_EXECUTOR_ENV not in env(cores=(0, 1), tp=2)
     assert UNI_EXECUTOR_ENV not in env(cores=(0,), gpus=("0",))
     assert env(cores=(0,), env={UNI_EXECUTOR_ENV: "1"})[UNI_EXECUTOR_ENV] == "1"
+    monkeypatch.setenv(UNI_EXECUTOR_ENV, "1")  # set in the launcher's own environment: the workers inherit it
+    assert UNI_EXECUTOR_ENV not in env(cores=(0,))
