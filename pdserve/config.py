@@ -1,11 +1,9 @@
 """Configuration of the launcher (``pdserve serve``) and of the vLLM workers it starts.
 
-One frozen dataclass per role, validated on construction with messages that say how to fix the value.
-The router has its own :class:`pdserve.router.config.RouterConfig`; the launcher only passes it command-line
-flags (``router_args``), so the two never drift apart.
-
-A launch is described by one :class:`LauncherConfig` (from flags, a YAML file, or both: flags win); the
-launcher turns it into one :class:`WorkerConfig` per vLLM server (see :func:`pdserve.launcher.plan_workers`).
+One frozen dataclass per role, validated on construction with messages that say how to fix the value. The router
+has its own :class:`pdserve.router.config.RouterConfig`; the launcher only passes it flags (``router_args``). A launch
+is one :class:`LauncherConfig` (flags, a YAML file, or both: flags win), which the launcher turns into one
+:class:`WorkerConfig` per vLLM server (see :func:`pdserve.launcher.plan_workers`).
 """
 
 from __future__ import annotations
