@@ -12,7 +12,8 @@ Configuration names (:func:`launcher_config`):
 - ``PpDd-POOL`` (``1p1d-nopool``, ``1p1d-pool``, ``1p1d-mooncake-store``): the KV pool off, pdserve's pool on, or
   Mooncake Store as the pool (``--pool-backend mooncake``: with the nixl or mooncake plane). Without a pool
   word the launcher's default holds (pdserve's pool with pdserve's connector, none with vLLM's).
-  The words combine in any order: ``2p1d-mooncake-store-conductor``.
+  ``-nocheck`` turns the KV checksums off (``--no-kv-checksum``), to measure what they cost under load.
+  The words combine in any order: ``2p1d-mooncake-store-conductor``, ``1p1d-nopool-nocheck``.
 - ``elasticN``: N workers with no fixed role (``pdserve serve --elastic N``), the cores split evenly between
   them, the conductor choosing colocated or split P -> D per request; ``elasticN-nomoves``: the same with the
   router's ``--no-moves`` (running decodes never move off a worker that starts a long prefill).
@@ -48,6 +49,7 @@ _NAME = re.compile(r"^(?:colocated(?P<c>\d+)|elastic(?P<e>\d+)(?P<nomoves>-nomov
 PLANES = ("nixl", "mooncake")  # --kv-connector
 POOLS: dict[str, dict[str, Any]] = {"nopool": {"pool": False}, "pool": {"pool": True},
                                     "store": {"pool_backend": "mooncake"}}
+CHECKS: dict[str, dict[str, Any]] = {"nocheck": {"kv_checksum": False}}  # --no-kv-checksum
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,12 @@ def launcher_config(name: str, s: CompareSettings) -> LauncherConfig:
 
 
 def _split_words(name: str, words: str) -> dict[str, Any]:
-    """``-nixl-store-conductor`` -> the LauncherConfig fields those words set (one plane, pool, policy each)."""
+    """``-nixl-store-conductor`` -> the LauncherConfig fields those words set (one plane, pool, checks, policy
+    each)."""
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for word in [w for w in words.split("-") if w]:
-        kind = "plane" if word in PLANES else "pool" if word in POOLS else "policy"
+        kind = "plane" if word in PLANES else "pool" if word in POOLS else "checks" if word in CHECKS else "policy"
         if kind in seen:
             raise ConfigError(f"{name}: two {kind} words ({seen[kind]!r}, {word!r}); give one")
         seen[kind] = word
@@ -146,6 +149,8 @@ def _split_words(name: str, words: str) -> dict[str, Any]:
             out["kv_connector"] = word
         elif kind == "pool":
             out.update(POOLS[word])
+        elif kind == "checks":
+            out.update(CHECKS[word])
         else:
             if "policy" not in {f.name for f in fields(LauncherConfig)}:
                 raise ConfigError(f"{name}: this pdserve's LauncherConfig has no 'policy' field yet (the router's "

@@ -48,6 +48,8 @@ def test_plane_and_pool_words():
     store = launcher_config("2p1d-mooncake-store-conductor", s)
     assert (store.prefill, store.kv_connector, store.pool, store.pool_backend, store.policy) == (
         2, "mooncake", True, "mooncake", "conductor")
+    unchecked = launcher_config("1p1d-nopool-nocheck", s)
+    assert (unchecked.pool, unchecked.kv_checksum, launcher_config("1p1d", s).kv_checksum) == (False, False, True)
     with pytest.raises(ConfigError, match="two plane words"):
         launcher_config("1p1d-nixl-mooncake", s)
     with pytest.raises(ConfigError, match="pool_backend=mooncake with kv_connector='pdserve'"):
