@@ -93,14 +93,6 @@ def cpu(monkeypatch):
     return use
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "tiny-llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    return d
-
-
 def _dtype_args(workers) -> set[str]:
     from pdserve.launch import worker_argv
 

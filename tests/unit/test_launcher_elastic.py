@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pdserve import cli
 from pdserve.config import ConfigError, LauncherConfig
 from pdserve.launcher import make_plan, plan_workers, router_command, worker_command
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "tiny-llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    return d
 
 
 def _cfg(argv):

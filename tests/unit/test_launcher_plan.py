@@ -16,15 +16,6 @@ from pdserve.launcher import kv_transfer_config, make_plan, plan_workers, router
 from pdserve.ports import ephemeral_range, free_ports, picking_range, port_is_free
 from pdserve.procs import assign_cores, available_cores
 
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "tiny-llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    return d
-
-
 # ----------------------------------------------------------------- ports and cores
 
 def test_free_ports_are_distinct_bindable_and_skip_excluded():
