@@ -332,7 +332,7 @@ class Router:
             if tool_req is not None:
                 for c in choices:
                     c.tools = tool_req.calls()
-            builder = ResponseBuilder(req, req.lora or self.config.served_model_name)
+            builder = ResponseBuilder(req, self.models.answer_name(req.lora))
             if req.stream:
                 resp, status = await stream(request, req, choices, builder, self.tokenizer.decode_one)
             else:

@@ -67,9 +67,10 @@ class ModelCatalog:
                               "adapters: vLLM 0.32 crashes the worker computing prompt logprobs with LoRA on",
                               "prompt_logprobs")
 
-    def answer_name(self, model: Any) -> str:
-        """The ``model`` of the answer: the adapter's name, else the served model's."""
-        return self.adapter(model) or self.base
+    def answer_name(self, lora: str | None) -> str:
+        """The ``model`` of the answer to a request that ran adapter ``lora`` (None: the base model): the adapter's
+        name, else the served model's, as vLLM names its answers."""
+        return lora or self.base
 
     def listing(self) -> dict[str, Any]:
         """GET /v1/models as vLLM answers it: the base model, then each adapter (root = its path, parent = the

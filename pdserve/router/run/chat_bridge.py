@@ -148,7 +148,7 @@ class ChatRun:
 
 
 class ChatBridge:
-    """What an endpoint needs of the router to run a chat body: the served model's name, admission, metrics,
+    """What an endpoint needs of the router to run a chat body: the served model and its adapters, admission, metrics,
     tools and the app's choice builder (tokenize, check lengths, one Generation per choice)."""
 
     def __init__(self, models: ModelCatalog, admission: Admission, metrics: RouterMetrics, tools: ToolSupport,
@@ -161,17 +161,13 @@ class ChatBridge:
         self.mode = mode
         self.max_body_bytes = max_body_bytes
 
-    @property
-    def model_name(self) -> str:
-        return self.models.base
-
     def check_model(self, model: Any) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for an unknown model."""
         return self.models.adapter(model)
 
     def answer_name(self, run: ChatRun) -> str:
         """The answer's ``model``: the adapter the request ran, else the served model."""
-        return run.req.lora or self.models.base
+        return self.models.answer_name(run.req.lora)
 
     @asynccontextmanager
     async def admitted(self, endpoint: str) -> AsyncIterator[list[str]]:
