@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.vllm.fingerprint import digest, worker_fingerprint
-from pdserve.vllm.integrity import ArrivalHasher, BlockSums, ReadVerifier, SealTable
+from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
 from pdserve.vllm.logs import connector_log
@@ -318,8 +318,9 @@ class WorkerSide:
         fault = remote.test_fault if self.config.allow_test_faults else ""
         handles: dict[int, Any] = {}
         failed: list[Exception] = []
-        tap = self._tap(job, fault)
         verify = self.config.kv_checksum and remote.tp == self.tp  # a resharded read is not verified (P seals blocks)
+        # what hashes the blocks of our own P rank's batch as they land
+        tap = self.verifier.tap(self.sums, job.plan.local, fault_hits(fault, "flip", self.rank)) if verify else None
         named = job.plan.remote if verify else ()  # P's blocks read, for P to checksum if it lacks the lease yet
         for p in sorted(set(batches) | set(counts)):
             if fault_hits(fault, "fail", p):
@@ -356,12 +357,6 @@ class WorkerSide:
                 log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",
                             remote.request_id, fault, len(entries), p)
         return total, sorted(batches)
-
-    def _tap(self, job: RecvJob, fault: str) -> ArrivalHasher | None:
-        """D: what hashes the blocks of our own P rank's batch as they land (kv_checksum on, same TP)."""
-        if not self.config.kv_checksum or job.remote.tp != self.tp:
-            return None
-        return self.verifier.tap(self.sums, job.plan.local, fault_hits(fault, "flip", self.rank))
 
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
