@@ -15,7 +15,7 @@ Tests marked ``slow`` (minutes each on 2 cores: tensor-parallel stacks) run only
 pytest-xdist (scripts/test.sh: ``-n 2``) runs with :class:`SharedStackScheduling`: each test file is one unit of
 work, so a module's fixtures start once, on one process; the files listed together in :data:`SHARED_STACKS` are
 one unit instead, so they run on one process, in file order, and share a session-scoped vLLM stack
-(tests/integration/conftest.py: ``pd_cluster``, ``pd_pair``), which saves the vLLM start-ups that dominate the
+(tests/integration/conftest.py: ``pd_cluster``, ``pd_faults``, ``pd_conductor``), which saves the vLLM start-ups that dominate the
 suite's time. (xdist's own ``--dist loadgroup`` cannot do this with pytest 9.2: it renames ``item._nodeid``, which
 pytest no longer reads, so every test became its own unit and every module's stack started on both processes.)
 """
@@ -35,8 +35,9 @@ SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
                    "tests/integration/test_router_vllm.py", "tests/conformance/test_conformance.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
-    "pd_pair": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py",
-                "tests/integration/test_lora_vllm.py"),
+    "pd_faults": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py",
+                  "tests/integration/test_router_faults.py"),  # stops and kills workers: last
+    "pd_conductor": ("tests/integration/test_conductor_vllm.py", "tests/integration/test_lora_vllm.py"),
 }
 STACK_OF = {path: stack for stack, paths in SHARED_STACKS.items() for path in paths}
 

@@ -166,34 +166,59 @@ def shared_stack(name: str, start):
 
 
 @pytest.fixture(scope="session")
-def pd_pair(tmp_path_factory):
-    """Two vLLM servers P and D (fp32 random Llama, PdserveConnector with test faults allowed, no router, no pool),
-    started once per test process and shared by the modules listed with it in tests/conftest.py's ``SHARED_STACKS``
-    (test_kv_integrity.py, test_pd_exactness.py, test_lora_vllm.py). Both load one random LoRA adapter (lora_pd.ADAPTER); the
-other tests use the base model."""
-    import time
+def pd_faults(tmp_path_factory):
+    """The 1P2D stack as ``pdserve serve`` starts it with PdserveConnector's test faults allowed (fp32 random Llama
+    served as "m", no pool, a router that probes every 0.5 s). Started once per test process and shared by the
+    modules listed with it in tests/conftest.py's ``SHARED_STACKS``: the ones that call P and D directly
+    (``pd_pair``) first, then test_router_faults.py, which stops and kills workers."""
+    from pdserve.config import LauncherConfig
+    from pdserve.launcher import Cluster
+
+    from .test_pd_exactness import model_path
+
+    def start() -> Cluster:
+        # auto = same-host copy (process_vm_readv); tcp exercises the cross-host path
+        extra = {"allow_test_faults": True, "backend": os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "auto")}
+        cfg = LauncherConfig(model=str(model_path(tmp_path_factory)), prefill=1, decode=2, port=0, dtype="float32",
+                             max_model_len=2048, served_model_name="m", run_dir=str(tmp_path_factory.mktemp("pd-faults")),
+                             worker_timeout_s=400, pool=False, connector_extra=extra,
+                             router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"))
+        return Cluster(cfg)
+
+    with shared_stack("pd_faults", start) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def pd_pair(pd_faults):
+    """P and D of the shared 1P2D launch (``pd_faults``: prefill0 and decode0), called directly, without its router,
+    by test_kv_integrity.py and test_pd_exactness.py."""
+    from .test_pd_exactness import Worker
+
+    children = {c.name: c for c in pd_faults.workers}
+    return tuple(Worker(children[name].url, children[name].log_path) for name in ("prefill0", "decode0"))
+
+
+@pytest.fixture(scope="session")
+def pd_conductor(tmp_path_factory):
+    """2P1D behind two router replicas on one port, with the conductor's placement and the KV pool, every worker
+    loading one random LoRA adapter (lora_pd.ADAPTER; the routers then refuse prompt scoring). Shared by
+    test_conductor_vllm.py, then test_lora_vllm.py (tests/conftest.py: ``SHARED_STACKS``)."""
+    from pdserve.config import LauncherConfig
+    from pdserve.launcher import Cluster
+    from pdserve.models import build_random_llama
 
     from .lora_pd import ADAPTER, RANK, write_random_lora
-    from .test_pd_exactness import START_TIMEOUT_S, Server, model_path
 
-    model = model_path(tmp_path_factory)
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    extra = {"secret": "pd-exactness-test-secret", "lease_s": 30, "allow_test_faults": True,
-             # auto = same-host copy (process_vm_readv); tcp exercises the cross-host path
-             "backend": os.environ.get("PDSERVE_TEST_TRANSFER_BACKEND", "auto")}
-    # one LoRA adapter on both (tests/integration/test_lora_vllm.py; the other tests use the base model)
-    adapter = write_random_lora(tmp_path_factory.mktemp("pd-pair-lora") / ADAPTER)
-    lora_modules = f"{ADAPTER}={adapter}"
-    lora = ("--enable-lora", "--lora-modules", lora_modules, "--max-lora-rank", str(RANK), "--max-loras", "2")
-    runtime = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    p = Server(model, 0, logs / "p.log", extra, env_extra=runtime, args=lora)
-    d = Server(model, 1 if (os.cpu_count() or 1) > 1 else 0, logs / "d.log", extra, env_extra=runtime, args=lora)
-    p.model, p.lora_modules = model, lora_modules  # for the modules that start a router over the pair
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        p.wait_ready(deadline)
-        d.wait_ready(deadline)
-        yield p, d
-    finally:
-        p.stop()
-        d.stop()
+    def start() -> Cluster:
+        model = build_random_llama(tmp_path_factory.mktemp("conductor-model") / "random-llama")
+        adapter = write_random_lora(tmp_path_factory.mktemp("conductor-lora") / ADAPTER)
+        cfg = LauncherConfig(model=str(model), prefill=2, decode=1, port=0, dtype="float32", max_model_len=2048,
+                             served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("conductor-run")),
+                             worker_timeout_s=400, policy="conductor", routers=2,
+                             lora_modules=f"{ADAPTER}={adapter}", max_lora_rank=RANK, max_loras=2,
+                             router_args=("--local-prefill-tokens", "0", "--no-calibrate"))
+        return Cluster(cfg)
+
+    with shared_stack("pd_conductor", start) as c:
+        yield c

@@ -1,4 +1,4 @@
-"""Multi-LoRA through P and D (issue 25, item 3) on the shared P/D pair (``pd_pair``, with a router of its own):
+"""Multi-LoRA through P and D (issue 25, item 3) on prefill0 and decode0 of the shared conductor launch (``pd_conductor``, with a router of its own):
 the adapter written here at session start (a PEFT-format directory made by hand: peft is not installed), loaded by
 both workers with vLLM's ``--lora-modules`` (what ``pdserve serve --lora-modules`` gives every worker). The cases compare the router's greedy output with ``model=<adapter>``
 against the D worker itself with the same adapter (streamed and not), and against the base model's (so the adapter

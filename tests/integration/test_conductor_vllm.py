@@ -15,8 +15,6 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
-from pdserve.launcher import Cluster
 
 pytestmark = [
     pytest.mark.integration,
@@ -47,16 +45,8 @@ def _indexed(router: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
-
-    model = build_random_llama(tmp_path_factory.mktemp("conductor-model") / "random-llama")
-    cfg = LauncherConfig(model=str(model), prefill=2, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("conductor-run")),
-                         worker_timeout_s=400, policy="conductor", routers=2,
-                         router_args=("--local-prefill-tokens", "0", "--no-calibrate"))
-    with Cluster(cfg) as c:
-        yield c
+def cluster(pd_conductor):
+    return pd_conductor  # tests/integration/conftest.py: 2P1D, two router replicas, the pool, one LoRA adapter
 
 
 def test_repeated_prefix_goes_to_its_holder(cluster):

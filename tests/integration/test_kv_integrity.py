@@ -1,7 +1,7 @@
 """Issue 27, end to end: injected KV corruption never reaches an answer.
 
 Two vLLM CPU workers P and D (fp32 random Llama, PdserveConnector with ``kv_checksum`` on by default and test faults
-allowed), test_pd_exactness.py's, started once for both modules (conftest.py: ``pd_pair``). Each case injects one
+allowed): prefill0 and decode0 of the shared 1P2D launch (conftest.py: ``pd_pair``). Each case injects one
 fault, checks that it was detected (the read's stats, the log, ``vllm:pdserve_kv_checksum_failures_total`` by path,
 or the refusal naming the field) and that greedy output still equals one worker's own:
 
@@ -22,9 +22,9 @@ import urllib.request
 import pytest
 
 from .corruption_tally import record
-from .test_pd_exactness import Server, _prompt, _salt, _tokens, _wait_usage_zero
+from .test_pd_exactness import Worker, _prompt, _salt, _tokens, _wait_usage_zero
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]  # pd_pair: P and D of the shared pd_faults launch (tests/conftest.py: SHARED_STACKS)
 GEN = 12
 BLOCK = 128
 PROMPT = 700  # 6 blocks, the last partial: 1.5 MiB (2 layers x 2 KV heads x 64 x fp32 x K, V: 256 KiB a block)
@@ -33,17 +33,17 @@ STREAMED = 1100  # 9 blocks, 2.25 MiB: D hashes what lands during the read (Read
 
 @pytest.fixture(scope="module")
 def stack(pd_pair):
-    return pd_pair  # conftest.py: test_pd_exactness.py's P and D, started once for both modules
+    return pd_pair  # conftest.py: prefill0 and decode0 of the shared 1P2D launch
 
 
-def _failures(server: Server, path: str) -> float:
+def _failures(server: Worker, path: str) -> float:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     pat = rf'^vllm:pdserve_kv_checksum_failures_total{{[^}}]*path="{path}"[^}}]*}} ([0-9.e+-]+)$'
     return sum(float(v) for v in re.findall(pat, text, re.M))
 
 
-def _wait_failures(server: Server, path: str, at_least: float, timeout: float = 20.0) -> float:
+def _wait_failures(server: Worker, path: str, at_least: float, timeout: float = 20.0) -> float:
     end = time.monotonic() + timeout
     value = _failures(server, path)
     while value < at_least and time.monotonic() < end:

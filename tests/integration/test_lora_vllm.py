@@ -1,5 +1,6 @@
-"""Multi-LoRA through P and D (issue 25, item 3), on the shared P/D pair (tests/integration/conftest.py: ``pd_pair``,
-whose two vLLM workers load one random adapter) behind a router this module starts with ``--lora-modules``: the
+"""Multi-LoRA through P and D (issue 25, item 3), on prefill0 and decode0 of the shared conductor launch
+(tests/integration/conftest.py: ``pd_conductor``, whose workers load one random adapter) behind a router this module
+starts with ``--lora-modules``: the
 cases are in tests/integration/lora_pd.py. The router refuses prompt scoring with LoRA on (vLLM 0.32's engine dies
 on it), which is checked against the real workers too."""
 
@@ -22,19 +23,20 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.timeout(600),
-]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
+]  # shares pd_conductor (tests/conftest.py: SHARED_STACKS)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def stack(pd_pair, tmp_path_factory):
-    p, d = pd_pair
+def stack(pd_conductor, tmp_path_factory):
+    cfg = pd_conductor.config
+    p, d = (pd_conductor.worker_urls(role)[0] for role in ("prefill", "decode"))
     port = free_port()
     log = tmp_path_factory.mktemp("lora-router") / "router.log"
-    router = spawn("router", [sys.executable, "-m", "pdserve.router", "--model-dir", str(p.model), "--port",
-                              str(port), "--served-model-name", "m", "--max-model-len", "2048", "--prefill", p.url,
-                              "--decode", d.url, "--lora-modules", p.lora_modules], cwd=ROOT, log_path=log)
+    router = spawn("router", [sys.executable, "-m", "pdserve.router", "--model-dir", cfg.model, "--port",
+                              str(port), "--served-model-name", cfg.served_model_name, "--max-model-len", "2048",
+                              "--prefill", p, "--decode", d, "--lora-modules", cfg.lora_modules], cwd=ROOT, log_path=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -48,7 +50,7 @@ def stack(pd_pair, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        yield url, d.url, p.lora_modules
+        yield url, d, cfg.lora_modules, cfg.served_model_name
     finally:
         stop_children([router], timeout_s=15)
 
@@ -58,13 +60,13 @@ def test_lora_adapter_through_pd_equals_one_worker(stack):
     model; /v1/load_lora_adapter and /v1/unload_lora_adapter reach both workers."""
     from tests.integration.lora_pd import run_lora_cases
 
-    router, decode, lora_modules = stack
-    run_lora_cases(router, decode, lora_modules, base="m")
+    router, decode, lora_modules, base = stack
+    run_lora_cases(router, decode, lora_modules, base=base)
 
 
 def test_prompt_scoring_with_lora_on_is_refused_and_the_workers_live(stack):
-    router, decode, _ = stack
-    body = {"model": "m", "prompt": "a b c", "max_tokens": 2, "prompt_logprobs": 1}
+    router, decode, _, base = stack
+    body = {"model": base, "prompt": "a b c", "max_tokens": 2, "prompt_logprobs": 1}
     req = urllib.request.Request(router + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:

@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.procs import free_port, spawn, stop_children
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]  # shares pd_pair (tests/conftest.py: SHARED_STACKS)
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]  # pd_pair: P and D of the shared pd_faults launch (tests/conftest.py: SHARED_STACKS)
 
 try:  # vLLM present and importable (its import is slow, but the servers need it anyway)
     import vllm  # noqa: F401
@@ -39,35 +39,12 @@ LENGTHS = (100, 1000, 1900)
 START_TIMEOUT_S = float(os.environ.get("PDSERVE_TEST_VLLM_START_S", "300"))
 
 
-class Server:
-    def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32",
-                 env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        kv = {"kv_connector": "PdserveConnector", "kv_connector_module_path": "pdserve.vllm.connector",
-              "kv_role": "kv_both", "kv_connector_extra_config": extra}
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv),
-               *args]
-        self.child = spawn("vllm", cmd, env=env, log_path=log_path, cwd=ROOT)
-        self.proc = self.child.proc
+class Worker:
+    """Requests to one vLLM server of these tests (started by :class:`Server` or by the launcher), and its log."""
 
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM server not ready in {START_TIMEOUT_S} s; log tail:\n{self.log_tail()}")
+    def __init__(self, url: str, log_path: Path) -> None:
+        self.url = url
+        self.log_path = log_path
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -77,9 +54,6 @@ class Server:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        stop_children([self.child], timeout_s=20)
 
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
         """Empty the worker's own prefix cache (vLLM's dev endpoint: start with env VLLM_SERVER_DEV_MODE=1), as a
@@ -138,6 +112,41 @@ class Server:
         return float(m.group(1))
 
 
+class Server(Worker):
+    """A vLLM server with PdserveConnector, started by the test (one core, fp32, served as "m")."""
+
+    def __init__(self, model: Path, core: int, log_path: Path, extra: dict, dtype: str = "float32",
+                 env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}", log_path)
+        kv = {"kv_connector": "PdserveConnector", "kv_connector_module_path": "pdserve.vllm.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core),
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
+               "--enforce-eager", "--max-model-len", "2048", "--dtype", dtype, "--kv-transfer-config", json.dumps(kv),
+               *args]
+        self.child = spawn("vllm", cmd, env=env, log_path=log_path, cwd=ROOT)
+        self.proc = self.child.proc
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM server not ready in {START_TIMEOUT_S} s; log tail:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        stop_children([self.child], timeout_s=20)
+
+
 def model_path(tmp_path_factory) -> Path:
     """The 2-layer random Llama these tests serve (built once per process, or taken from PDSERVE_TEST_MODEL_CACHE)."""
     from pdserve.models import build_random_llama
@@ -149,7 +158,7 @@ def model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(pd_pair):
-    return pd_pair  # conftest.py: started once, shared with test_kv_integrity.py
+    return pd_pair  # conftest.py: prefill0 and decode0 of the shared 1P2D launch
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -165,7 +174,7 @@ def _salt() -> str:
     return f"s{time.monotonic_ns()}"
 
 
-def _wait_usage_zero(server: Server, timeout: float) -> float:
+def _wait_usage_zero(server: Worker, timeout: float) -> float:
     end = time.monotonic() + timeout
     usage = server.kv_usage()
     while usage > 1e-9 and time.monotonic() < end:
@@ -174,7 +183,7 @@ def _wait_usage_zero(server: Server, timeout: float) -> float:
     return usage
 
 
-def _handoff(p: Server, d: Server, prompt: list[int], p_params: dict | None = None, fault: str = "",
+def _handoff(p: Worker, d: Worker, prompt: list[int], p_params: dict | None = None, fault: str = "",
              d_salt: bool = True):
     """P prefill (1 token), then D decodes the rest from P's KV; return (tokens, P params, D stats)."""
     # a fresh cache salt on both, as the router sends a client's salt to P and D (the hand-off's fingerprint

@@ -18,7 +18,6 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
 from pdserve.prom import label_values
 
@@ -31,16 +30,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
-
-    model = build_random_llama(tmp_path_factory.mktemp("faults-model") / "random-llama")
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=2, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="rl", run_dir=str(tmp_path_factory.mktemp("faults-run")),
-                         worker_timeout_s=400, pool=False,
-                         router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"))
-    with Cluster(cfg) as c:
-        yield c
+def cluster(pd_faults):
+    return pd_faults  # tests/integration/conftest.py: the shared 1P2D launch (served as "m"), whose other modules ran first
 
 
 def _child(cluster: Cluster, role: str, i: int = 0):
@@ -63,7 +54,7 @@ def _get(url: str) -> tuple[int, dict]:
 
 def _body(seed: int, max_tokens: int, **kw) -> dict:
     ids = [random.Random(seed).randrange(1000, 40000) for _ in range(40)]
-    return {"model": "rl", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+    return {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
 
 
 def _stream_events(url: str, body: dict, on_event=None) -> list[dict]:
