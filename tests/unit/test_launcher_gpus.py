@@ -262,3 +262,21 @@ def test_nixl_refusals(tmp_path):
     plain = _cfg(tmp_path, colocated=1, kv_connector="nixl")
     assert dry_run_ports(plain).side_channels == ()
     assert "--kv-transfer-config" not in make_plan(plain, plain.model_dir).process("colocated0").argv
+
+
+def test_nixl_cpu_workers_run_nixl_progress_threads_at_idle_priority(monkeypatch):
+    """NIXL's UCX progress thread spins (poll delay 0): CPU workers get PDSERVE_NIXL_PROGRESS=idle (the vLLM plugin
+    pdserve/vllm/nixl_progress.py then sets it to SCHED_IDLE); GPU workers keep NIXL's default; a set value wins."""
+    from pdserve.vllm.nixl_progress import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+
+    def env(**kw):
+        return worker_env(WorkerConfig(role="decode", index=0, model="/m", port=8100, kv_connector="nixl",
+                                       nixl_side_channel_port=5601, **kw))
+
+    assert env(cores=(0,))[ENV] == "idle"
+    assert ENV not in env(cores=(0,), gpus=("0",))
+    assert env(cores=(0,), env={ENV: "off"})[ENV] == "off"
+    monkeypatch.setenv(ENV, "off")  # the launcher's own environment: the workers inherit it
+    assert ENV not in env(cores=(0,))
