@@ -1,5 +1,5 @@
-"""Faults on a real 1P2D stack (vLLM workers with the pdserve connector, the router in front), in order on one
-stack: a stopped (slow) prefill worker is waited for, not ejected; a decode worker SIGKILLed mid-stream, whose
+"""Faults on a real 1P2D stack (vLLM workers with the pdserve connector, the router in front; the shared ``pd_faults``
+launch, whose P/D exactness and KV integrity modules ran first), in order on one stack: a stopped (slow) prefill worker is waited for, not ejected; a decode worker SIGKILLed mid-stream, whose
 request goes on elsewhere with the same greedy output, token for token; P SIGKILLed after its first token and
 before D read the KV (D recomputes, the client sees nothing); then the last decode worker serves whole requests
 alone and /ready says "degraded"."""
