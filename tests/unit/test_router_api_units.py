@@ -122,11 +122,18 @@ def test_parse_new_fields():
     ({"prompt": "a", "structured_outputs": {}}, "structured_outputs"),
     ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format"),
+    # as vLLM 0.32 (the conformance suite's full tier found the router serving them)
+    ({"prompt": "a", "stop": ""}, "stop"), ({"prompt": "a", "stop": ["x", ""]}, "stop"),
+    ({"prompt": "a", "stream": True, "prompt_logprobs": 5}, "prompt_logprobs"),
 ])
 def test_parse_completion_refuses(body, param):
     with pytest.raises(RouterError) as e:
         parse_completion(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_streamed_prompt_logprobs_0_is_served_as_vllm_serves_it():
+    assert parse_completion({"prompt": "a", "stream": True, "prompt_logprobs": 0}).prompt_logprobs == 0
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -138,6 +145,7 @@ def test_parse_completion_refuses(body, param):
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"stop": ""}, "stop"), ({"stream": True, "prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_parse_chat_refuses(extra, param):
     with pytest.raises(RouterError) as e:

@@ -157,14 +157,16 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         req.include_usage = _opt_bool(so, "include_usage")
         req.continuous_usage = _opt_bool(so, "continuous_usage_stats")
+    if req.stream and req.prompt_logprobs:  # as vLLM 0.32 refuses it (0 passes there: a falsy value)
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
     stop = body.get("stop")
     if stop is None:
         req.stop = []
-    elif isinstance(stop, str):
-        req.stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        req.stop = [s for s in stop if s]
+    elif isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        req.stop = [stop] if isinstance(stop, str) else list(stop)
+        if "" in req.stop:  # as vLLM 0.32 refuses it (an empty stop string would end every answer at once)
+            raise bad_request("stop cannot contain an empty string.", "stop")
     else:
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     if body.get("stop_token_ids") is not None:
