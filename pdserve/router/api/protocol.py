@@ -161,14 +161,12 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
     stop = body.get("stop")
-    if stop is None:
-        req.stop = []
-    elif isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        req.stop = [stop] if isinstance(stop, str) else list(stop)
-        if "" in req.stop:  # as vLLM 0.32 refuses it (an empty stop string would end every answer at once)
-            raise bad_request("stop cannot contain an empty string.", "stop")
-    else:
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if "" in stops:  # as vLLM 0.32 refuses it (an empty stop string would end every answer at once)
+        raise bad_request("stop cannot contain an empty string.", "stop")
+    req.stop = list(stops)
     if body.get("stop_token_ids") is not None:
         req.stop_token_ids = _token_id_list(body["stop_token_ids"], "stop_token_ids")
     req.include_stop_str_in_output = _opt_bool(body, "include_stop_str_in_output")
