@@ -167,7 +167,9 @@ class PdserveConnector(KVConnectorBase_V1):
         return None  # pull model: D reads P's blocks in place, nothing to save
 
     def wait_for_save(self) -> None:
-        return None
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, PdserveMeta):
+            self.worker.seal_after_forward(meta)  # checksums of the prompts this forward completed
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None

@@ -42,6 +42,20 @@ def _is_host(mem: Any) -> bool:
     return isinstance(mem, np.ndarray)
 
 
+def forward_done_event(memory: dict[str, Any]) -> Any:
+    """None for a KV cache in host memory (the forward has written it when ``wait_for_save`` runs); for CUDA
+    memory, an event recorded on the current stream, after the forward's kernels, that a seal waits for before
+    hashing. (Not run on a GPU yet.)"""
+    devices = [m for m in memory.values() if not _is_host(m)]
+    if not devices or devices[0].device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class BlockSums:
     """Checksums of whole blocks over ``layers``; ``memory``: layer name -> its registered bytes (a uint8 numpy
     view of host memory, or a flat uint8 torch tensor on a device)."""
@@ -262,6 +276,23 @@ class ReadVerifier:
             raise TransferError("checksum", problem)
 
 
+def sealer(sums: BlockSums, fault: str = "", ready: Any = None) -> Callable[[Sequence[int]], list[int]]:
+    """P: what computes a lease's checksums over ``sums``' memory: first waits for ``ready`` (a CUDA event: the
+    forward that wrote the blocks); with test fault ``late`` (the caller allows test faults) then writes into the
+    first block, as a late writer would."""
+    def seal(blocks: Sequence[int]) -> list[int]:
+        if ready is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(ready)
+        out = sums.sums(blocks)
+        if fault == "late" and blocks:
+            sums.flip_byte(blocks[0])
+            log.warning("pdserve_test_fault=late: wrote into leased block %d after sealing it", blocks[0])
+        return out
+    return seal
+
+
 class SealTable:
     """P: checksums of each leased request's blocks, computed off the model's thread, answered to D's notification.
 
@@ -326,6 +357,13 @@ class SealTable:
             while len(self._ended) > self.ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]
             self._cond.notify_all()
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        """Seals no lease stands for (made at a prefill's last forward; the request was not leased, or other
+        blocks were): dropped, not answered as ended (a lease of the same id may still come)."""
+        with self._cond:
+            for req_id in req_ids:
+                self._sealed.pop(req_id, None)
 
     def __len__(self) -> int:
         with self._cond:

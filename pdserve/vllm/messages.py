@@ -66,6 +66,10 @@ class PdserveMeta:
     pool: list[PoolJob] = field(default_factory=list)  # KV pool saves and loads
     # P request id -> its leased block ids, to checksum now (kv_checksum on; pdserve.vllm.integrity.SealTable)
     seal: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # P request id -> its prompt's blocks, to checksum right after this step's forward, which completes the
+    # prompt (pdserve.vllm.prefill_seals); unseal: such checksums to forget (not leased, or other blocks)
+    seal_now: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    unseal: list[str] = field(default_factory=list)
     faults: dict[str, str] = field(default_factory=dict)  # P request id -> its test fault (allow_test_faults)
 
 

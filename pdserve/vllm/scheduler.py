@@ -40,6 +40,7 @@ from pdserve.vllm.params import (
     prompt_hash,
     same_layout,
 )
+from pdserve.vllm.prefill_seals import PrefillSeals
 from pdserve.vllm.shards import ShardError, plan_slices
 from pdserve.vllm.stamps import HandoffStamps
 
@@ -109,6 +110,8 @@ class SchedulerSide:
         self._send: dict[str, float] = {}
         self._seal: dict[str, tuple[int, ...]] = {}  # P: leased blocks whose checksums the worker computes
         self._faults: dict[str, str] = {}  # P: test faults for the worker (allow_test_faults)
+        self.prefill_seals = PrefillSeals(block_size)  # P: seal the prompt's blocks right after its last forward
+        self._unseal: list[str] = []  # P: early seals for the worker to forget
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
         self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.reading = 0  # D reads and pool loads in flight
@@ -313,6 +316,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if self.config.kv_checksum and params and params.get("do_remote_decode"):
+            fault = str(params.get("pdserve_test_fault") or "") if self.config.allow_test_faults else ""
+            self.prefill_seals.watch(request.request_id, request.num_prompt_tokens, fault)
         if not params or not params.get("do_remote_prefill"):
             if request.request_id in self._pool_hits:
                 self._pool_plan_load(request, blocks, num_external_tokens)
@@ -355,6 +361,7 @@ class SchedulerSide:
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids)
+        self._settle_seal(request.request_id)
         if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
         return delay, out
@@ -403,6 +410,16 @@ class SchedulerSide:
                               hs.kv_heads, hs.unit, fingerprint=request_fingerprint(hs.fingerprint, request))
         return True, remote.to_params()
 
+    def _settle_seal(self, req_id: str) -> None:
+        """P: a seal made at the prefill's last forward stands for the lease when it covers the same blocks; else
+        the worker forgets it (and seals the leased blocks, if any, as planned in ``_hand_off``)."""
+        same, forget = self.prefill_seals.finished(req_id, self._seal.get(req_id))
+        if same:
+            del self._seal[req_id]
+            self._faults.pop(req_id, None)  # applied with that seal
+        if forget:
+            self._unseal.append(req_id)
+
     def _lease_s(self, params: dict[str, Any]) -> float:
         """The configured lease, or the request's ``lease_s`` override (router/tests), bounded."""
         if params.get("lease_s") is not None:
@@ -415,7 +432,7 @@ class SchedulerSide:
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
-                and not self._recv and not self._send and not self._pool_jobs and not self._seal
+                and not self._recv and not self._send and not self._pool_jobs and not self._seal and not self._unseal
                 and (self.held > 0 or self._pool_saving) and self.reading == 0
                 and self.config.idle_wait_ms > 0):
             # vLLM keeps stepping while P holds blocks for a decode, even with nothing to run: an
@@ -425,8 +442,9 @@ class SchedulerSide:
         if scheduler_output is not None:
             self.stamps.step(getattr(r, "req_id", "") for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
         self.reading += sum(1 for job in self._recv if job.load)
-        meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, self._faults)
-        self._recv, self._send, self._pool_jobs, self._seal, self._faults = [], {}, [], {}, {}
+        seal_now = self.prefill_seals.step(scheduler_output, self._faults) if scheduler_output is not None else {}
+        meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, seal_now, self._unseal, self._faults)
+        self._recv, self._send, self._pool_jobs, self._seal, self._unseal, self._faults = [], {}, [], {}, [], {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

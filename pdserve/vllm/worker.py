@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.vllm.fingerprint import digest, worker_fingerprint
-from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable
+from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
 from pdserve.vllm.logs import connector_log
@@ -198,8 +198,9 @@ class WorkerSide:
     def start(self, meta: PdserveMeta) -> None:
         for req_id, deadline in meta.send.items():
             self._ledger.lease(req_id, deadline)
+        self._seals.forget(meta.unseal)
         for req_id, blocks in meta.seal.items():
-            self._seals.seal(req_id, blocks, self._sealer(meta.faults.get(req_id, "")))
+            self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id)))
         for pjob in meta.pool:
             if pjob.save:
                 self._ledger.saving(pjob.req_id)
@@ -218,15 +219,17 @@ class WorkerSide:
         for th in now:  # this step's forward uses these blocks: the reads end (or fail) before it starts
             th.join()
 
-    def _sealer(self, fault: str) -> Any:
-        """P: what computes a lease's checksums (with test fault ``late``: then writes into its first block)."""
-        def seal(blocks: tuple[int, ...]) -> list[int]:
-            out = self.sums.sums(blocks)
-            if fault == "late" and self.config.allow_test_faults and blocks:
-                self.sums.flip_byte(blocks[0])
-                log.warning("pdserve_test_fault=late: wrote into leased block %d after sealing it", blocks[0])
-            return out
-        return seal
+    def seal_after_forward(self, meta: PdserveMeta) -> None:
+        """P, in ``wait_for_save``: checksum the prompts this step's forward completed (before P answers, so D's
+        notification finds them). Device memory: the checksums wait for an event recorded after the forward."""
+        if not meta.seal_now:
+            return
+        ready = forward_done_event(self._memory)
+        for req_id, blocks in meta.seal_now.items():
+            self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
+
+    def _fault(self, meta: PdserveMeta, req_id: str) -> str:
+        return meta.faults.get(req_id, "") if self.config.allow_test_faults else ""
 
     def _peer(self, remote: RemoteParams, rank: int = 0) -> Any:
         """P's rank ``rank``'s segment (fetched once per engine)."""

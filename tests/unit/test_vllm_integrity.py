@@ -281,6 +281,26 @@ def test_a_lease_p_has_not_heard_of_yet_is_checked_on_the_blocks_d_read(pair):
     assert res.failed_recving == {"dreq"} and "differ from P's checksums" in stats["error"]  # still caught
 
 
+@pytest.mark.parametrize("fault", ["", "late"])
+def test_a_prompt_sealed_after_its_forward_answers_d_before_p_hears_of_the_lease(pair, fault):
+    """The seal made in wait_for_save (the forward that completed the prompt) answers D's notification at once,
+    with no wait for the step that tells P of the lease; a write after it still shows."""
+    p, d = pair()
+    p._seals.wait_s = 5.0  # a wait would show in the read's time
+    p.seal_after_forward(PdserveMeta(seal_now={"req": (3, 4)}, faults={"req": fault} if fault else {}))
+    if fault:
+        time.sleep(0.2)  # P sealed, then wrote into the block; D reads afterwards
+    t0 = time.perf_counter()
+    res, stats, _ = _read(d, _lease(p, "req", seal=False))
+    assert time.perf_counter() - t0 < 2.0, "D's read waited for P to hear of the lease"
+    if fault:
+        assert res.failed_recving == {"dreq"} and "differ from P's checksums" in stats["error"]
+    else:
+        assert res.finished_recving == {"dreq"} and stats["ok"] and stats["verified"] == 2, stats
+    p.start(PdserveMeta(unseal=["req"]))  # request_finished: not leased after all
+    assert len(p._seals) == 0
+
+
 def test_ended_lease_or_foreign_fingerprint_fails_the_read(pair):
     p, d = pair()
     p._seals.wait_s = 0.1
