@@ -22,6 +22,7 @@ The conductor stays the one owner of placement: a move replaces the request's pl
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from .elastic import prefilling_long, step_budget
 from .load import DecodeJob, PrefillJob, WorkerLoad
 from .policy import Conductor
 from .view import FleetView
+
+log = logging.getLogger("pdserve.conductor")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
     job = w.prefills.get(request_id) if w is not None else None
     if w is None or job is None or w.role != "elastic":
         return []
+    log.debug("prefill of %s on %s, which runs decodes %s", request_id, w.worker_id,
+              sorted(j.request_id for j in w.decodes.values()))
     stall = stall_s(c, w, job)
     now = c.clock()
     ranked = []
@@ -129,6 +134,9 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
         cost = move_cost_s(c, j.context_tokens)
         if stall > cost + tail_s(c, j.context_tokens) + config.min_gain_s:
             ranked.append((cost - stall, j.request_id, j, cost))
+        else:
+            log.debug("prefill of %s on %s: decode %s stays (stall %.0f ms, move %.0f ms)", request_id,
+                      w.worker_id, j.request_id, stall * 1e3, cost * 1e3)
     moves: list[Move] = []
     for _, rid, j, cost in sorted(ranked, key=lambda x: (x[0], x[1])):
         if len(moves) >= config.max_moves:
@@ -136,6 +144,8 @@ def plan_moves(c: Conductor, request_id: str, config: MoveConfig,
         req = PlacementRequest(rid, j.context_tokens, (), j.remaining_tokens)
         dests = _destinations(c, w, req, now)
         if not dests or not can_move(rid, w.worker_id):
+            log.debug("prefill of %s on %s: decode %s stays (%s)", request_id, w.worker_id, rid,
+                      "no worker takes it" if not dests else "the router cannot move it now")
             continue
         d = min(dests, key=lambda x: (c.tpot_s(x, now, now, req), x.worker_id))
         m = Move(rid, w.worker_id, d.worker_id, j.context_tokens, j.remaining_tokens, stall, cost,

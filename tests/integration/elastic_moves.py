@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,14 +81,30 @@ def elastic_router(model_dir: str, urls: list[str], log: Path) -> Iterator[str]:
     child = spawn_healthy("elastic-router", [
         sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", model_dir,
         "--served-model-name", "rl", "--max-model-len", "2048", "--policy", "conductor", "--no-calibrate",
-        "--local-prefill-tokens", "256", "--elastic", *urls], router, timeout_s=120, log_path=log)
+        "--local-prefill-tokens", "256", "--log-level", "debug", "--elastic", *urls], router, timeout_s=120,
+        log_path=log)
     try:
         yield router
     finally:
         stop_children([child])
 
 
-def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
+def _failed_reads(logs: list[Path]) -> str:
+    """The workers' log lines on failed KV reads (what a failed count assertion shows)."""
+    keys = ("failed (", "checksum failure", "could not tell")
+    return "\n".join(line for p in logs if p.exists() for line in p.read_text(errors="replace").splitlines()
+                     if any(k in line for k in keys))[-4000:]
+
+
+def _conductor_lines(log: Path) -> str:
+    """The router's lines on placements and moves (debug level)."""
+    return "\n".join(line for line in log.read_text(errors="replace").splitlines()
+                     if "conductor" in line or "move" in line)[-4000:]
+
+
+def run_move_case(model_dir: str, urls: list[str], tmp: Path, logs: Sequence[Path] = ()) -> None:
+    """The case above over the kv_both workers at ``urls``; ``logs``: their log files, quoted when a read
+    failed."""
     a, b = sorted(urls)  # the conductor breaks ties by worker id: R (first, idle pool) lands on a
     with elastic_router(model_dir, urls, tmp / "moves-router.log") as router:
         before = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures",
@@ -104,7 +120,8 @@ def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
         r.join(120)
         s.join(120)
         assert not r.is_alive() and not s.is_alive() and not r.error and not s.error, (r.error, s.error)
-        assert _metric(router, "pdserve_router_moves_total") == 1.0, (tmp / "moves-router.log").read_text()[-3000:]
+        moved = _metric(router, "pdserve_router_moves_total")
+        assert moved == 1.0, (moved, _conductor_lines(tmp / "moves-router.log"))
         assert _metric(router, "pdserve_router_move_gap_seconds_count") == 1.0
         print(f"move gap (stop on A -> first token after the move): "
               f"{_metric(router, 'pdserve_router_move_gap_seconds_sum') * 1e3:.0f} ms")
@@ -115,8 +132,8 @@ def run_move_case(model_dir: str, urls: list[str], tmp: Path) -> None:
         after = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in before[u]} for u in urls}
         # b read two KV hand-offs from a (L's split and R's move), none failed (nothing recomputed); a freed both
         # leases on b's notification, not at the lease's end
-        assert after[b]["reads"] - before[b]["reads"] == 2, (before, after)
-        assert after[b]["read_failures"] == before[b]["read_failures"]
+        assert after[b]["reads"] - before[b]["reads"] == 2, (before, after, _failed_reads(list(logs)))
+        assert after[b]["read_failures"] == before[b]["read_failures"], _failed_reads(list(logs))
         assert after[a]["released_notified"] - before[a]["released_notified"] == 2, (before, after)
         deadline = time.monotonic() + 20  # well inside the 30 s lease: freeing came from the hand-off
         while time.monotonic() < deadline and any(_metric(u, "vllm:kv_cache_usage_perc") for u in urls):

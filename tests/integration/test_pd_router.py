@@ -483,4 +483,4 @@ def test_elastic_router_moves_a_running_decode_off_a_long_prefill(cluster, tmp_p
     from tests.integration.elastic_moves import run_move_case
 
     run_move_case(str(cluster.model_dir), [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]],
-                  tmp_path)
+                  tmp_path, [cluster.run_dir / "prefill0.log", cluster.run_dir / "decode0.log"])
