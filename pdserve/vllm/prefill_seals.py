@@ -55,7 +55,7 @@ class PrefillSeals:
             if w is not None:
                 w.blocks = list(new.block_ids[0]) if new.block_ids else []
                 self._check(new.req_id, w, new.num_computed_tokens + scheduled.get(new.req_id, 0), done, faults)
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(getattr(cached, "req_ids", ()) or ()):
             w = self._watch.get(req_id)
