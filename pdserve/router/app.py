@@ -306,7 +306,7 @@ class Router:
         if n + req.max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                               f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} for the completion). "
-                              "Please reduce the length of the prompt or max_tokens.", "max_tokens",
+                              "Please reduce the length of the prompt or max_tokens.", req.max_tokens_field,
                               "context_length_exceeded")
         return req.max_tokens
 
@@ -385,7 +385,8 @@ class Router:
                     sub = replace(req, request_id=f"{req.request_id}-{index}", sampling=sampling)
                 timings = t if index == 0 else Timings(arrive=t.arrive, mode=self.config.mode)
                 gen = self._generation(sub, prompt_ids, max_tokens, timings)
-                track = None if req.logprobs is None else LogprobTrack(req.kind == "chat", req.logprobs)
+                track = (None if req.logprobs is None
+                         else LogprobTrack(req.kind == "chat", req.logprobs, self.tokenizer.decode_one))
                 out.append(Choice(index, k, gen, prompt_ids, prompt_text, track))
         if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools:
             out[0].gen.passthrough = True  # per-token transform not needed: plain events relayed (.relay)

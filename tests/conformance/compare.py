@@ -9,6 +9,11 @@ Known differences, each documented in :data:`KNOWN` and checked by its own rule 
 - ``max_tokens_clamp``: ``max_tokens`` over the room the prompt leaves: vLLM 0.32 serves it clamped, the router
   answers 400 ``context_length_exceeded`` naming ``max_tokens`` (without truncate_prompt_tokens).
 - ``router_limit``: values past a limit the router documents (``n`` x prompts over 128).
+- ``refused_before_stream``: a streamed request both refuse: vLLM answers 200 and then an error event (status
+  400), the router a 400 before streaming (it validates first, or passes on P's 400).
+- ``greedy_n``: ``n`` > 1 with greedy sampling: vLLM 0.32 refuses it, the router serves it (every choice the same
+  greedy answer; the exactness tests use it); checked: the choices are identical.
+- ``param_named``: both refuse with a 400; the router's error names the field (``param``), vLLM's says null.
 - ``seeded_sampling``: random sampling (temperature > 0) with a seed: P's first token is the worker's, but D's
   generator starts over at the second token, so the rest differs; checked: the first token is the worker's and
   the router's answer repeats itself.
@@ -26,6 +31,9 @@ KNOWN = {
     "param_prefix": "vLLM's pydantic errors name body.<field>, the router <field>",
     "max_tokens_clamp": "max_tokens over the room left: vLLM clamps it, the router answers 400 naming max_tokens",
     "router_limit": "past a limit the router documents (n x prompts <= 128): 400 naming the field",
+    "refused_before_stream": "streamed: vLLM answers 200 then an error event, the router a 400 before streaming",
+    "greedy_n": "n > 1 with greedy sampling: vLLM refuses it, the router serves identical choices",
+    "param_named": "both answer 400; the router's error names the field, vLLM's param is null",
     "seeded_sampling": "temperature > 0: D's seeded generator starts over at the second token",
 }
 TOL = 1e-3

@@ -12,7 +12,7 @@ from typing import Any
 from pdserve.router.api.fields import FIELDS
 
 from .cases import ENDPOINTS, Case
-from .compare import differences, normalized_param, post, summary
+from .compare import KNOWN, differences, normalized_param, post, summary
 
 # fields whose streamed answers the quick tier checks too (the rest: the full tier)
 STREAMED = {"stream", "stream_options", "stream_interval", "logprobs", "top_logprobs", "n", "stop",
@@ -25,10 +25,10 @@ SEEDED = 7
 # differences the suite found and nobody has fixed yet (issue 25's follow-ups), by case key: each must still
 # differ on every run that sends it (strict: a fixed one fails the test until its line goes)
 OPEN: dict[str, str] = {
-    "completions.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
-    "chat.thinking_token_budget=0": "vLLM refuses 0 (400), the router forwards it and serves",
-    "chat.return_tokens_as_token_ids=True": "chat logprobs: 1 -- vLLM's pydantic reads it as true, the router "
-                                            "refuses a non-boolean",
+    "chat.top_logprobs=-1": "both refuse it; vLLM names logprobs (it reads -1 as the whole vocabulary, over its "
+                            "limit), the router top_logprobs",
+    "chat.include_reasoning=False": "without a reasoning parser vLLM answers no tokens at all; the router answers",
+    "chat.include_reasoning=False (streamed)": "as unstreamed",
 }
 
 
@@ -78,6 +78,14 @@ def judge(router_url: str, worker_url: str, case: Case, stream: bool) -> Verdict
         return Verdict(case, stream, "max_tokens_clamp", f"vLLM served {room} tokens")
     if mine["status"] == 400 and mine.get("param") == case.field and case.field == "n" and ref["status"] == 200:
         return Verdict(case, stream, "router_limit")
+    if case.field == "n" and mine["status"] == 200 and ref["status"] == 400 and not _random(body) \
+            and len({tuple(c["token_ids"]) for c in mine["choices"]}) == 1:
+        return Verdict(case, stream, "greedy_n")
+    if mine["status"] == 400 and ref["status"] == 200 and ref.get("stream_error") == 400:
+        return Verdict(case, stream, "refused_before_stream", f"vLLM: {ref}")
+    if mine["status"] == 400 and ref.get("param") is None and mine.get("param") == case.field \
+            and 400 in (ref["status"], ref.get("stream_error")):
+        return Verdict(case, stream, "param_named")
     return Verdict(case, stream, "different", "; ".join(diffs)[:600])
 
 
@@ -114,8 +122,7 @@ def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
 
 def table(verdicts: list[Verdict]) -> str:
     """Per endpoint: fields, and how many cases were identical / each known difference / different."""
-    kinds = ["identical", "param_prefix", "refused", "max_tokens_clamp", "router_limit", "seeded_sampling",
-             "open", "different"]
+    kinds = ["identical", *KNOWN, "open", "different"]
     lines = ["| endpoint | cases | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
     for endpoint in ENDPOINTS:
         mine = [v for v in verdicts if v.case.endpoint == endpoint]

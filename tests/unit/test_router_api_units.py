@@ -38,6 +38,17 @@ def test_chat_shape_keeps_top_n_with_bytes():
     assert LogprobTrack(chat=True, top=0).chat_part(P_PART)["content"][0]["top_logprobs"] == []
 
 
+def test_chat_bytes_under_return_tokens_as_token_ids_are_the_sampled_token_s_text_s_as_vllm():
+    """vLLM 0.32 (seen on a worker): the sampled token's ``bytes`` are its text's (" Zhao" -> [32, 90, ...]), an
+    alternative's are its ``token_id:N`` string's."""
+    t = LogprobTrack(chat=True, top=1, decode={41663: " Zhao"}.__getitem__)
+    part = t.chat_part({"tokens": ["token_id:41663"], "token_logprobs": [-0.01],
+                        "top_logprobs": [{"token_id:41663": -0.01}]})
+    entry = part["content"][0]
+    assert entry["token"] == "token_id:41663" and entry["bytes"] == list(b" Zhao")
+    assert entry["top_logprobs"][0]["bytes"] == list(b"token_id:41663")
+
+
 def test_echo_prompt_part_from_prompt_logprobs():
     t = LogprobTrack(chat=False, top=1)
     rows = [None, {"6": {"logprob": -1.5, "rank": 2, "decoded_token": "yz"},

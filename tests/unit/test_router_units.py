@@ -86,8 +86,8 @@ def test_parse_completion_fields():
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1.5]}, "prompt"),
-    ({"prompt": "a", "seed": "1"}, "seed"), ({"prompt": "a", "stream": "yes"}, "stream"),
-    ({"prompt": "a", "temperature": float("nan")}, "temperature"), ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "seed": "1"}, "seed"), ({"prompt": "a", "stream": "maybe"}, "stream"),
+    ({"prompt": "a", "temperature": float("nan")}, "temperature"), ({"prompt": "a", "echo": 2}, "echo"),
     ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": "a", "stop": [1]}, "stop"),
 ])
 def test_parse_completion_rejects(body, param):

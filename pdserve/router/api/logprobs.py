@@ -26,8 +26,9 @@ def _bytes(token: str) -> list[int]:
 class LogprobTrack:
     """Logprobs of one choice; feed each delta's raw logprobs in order."""
 
-    def __init__(self, chat: bool, top: int) -> None:
+    def __init__(self, chat: bool, top: int, decode: Callable[[int], str] | None = None) -> None:
         self.chat = chat
+        self.decode = decode  # chat: a sampled token's bytes under return_tokens_as_token_ids (its text's, as vLLM)
         self.top = top  # alternatives asked for (completions: N -> N+1 entries kept, as vLLM; chat: N)
         self.offset = 0  # next token's text_offset
         self.content: list[dict[str, Any]] = []  # chat, whole choice
@@ -89,12 +90,19 @@ class LogprobTrack:
         out = []
         for tok, lp, top in zip(raw.get("tokens") or [], raw.get("token_logprobs") or [],
                                 raw.get("top_logprobs") or []):
-            entry: dict[str, Any] = {"token": tok, "logprob": lp, "bytes": _bytes(tok)}
+            entry: dict[str, Any] = {"token": tok, "logprob": lp, "bytes": self._sampled_bytes(tok)}
             alts = list(top.items())[:self.top] if isinstance(top, dict) else []
             entry["top_logprobs"] = [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in alts]
             out.append(entry)
         self.content += out
         return {"content": out}
+
+    def _sampled_bytes(self, tok: str) -> list[int]:
+        """A sampled token's ``bytes``: of its text, also when ``return_tokens_as_token_ids`` writes the token as
+        ``token_id:N`` (vLLM 0.32 does the same; an alternative's bytes are its ``token_id:N`` string's)."""
+        if self.decode is not None and tok.startswith("token_id:") and tok[9:].isdigit():
+            return _bytes(self.decode(int(tok[9:])))
+        return _bytes(tok)
 
     def chat_total(self) -> dict[str, Any]:
         return {"content": self.content}

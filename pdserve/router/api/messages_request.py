@@ -28,6 +28,7 @@ import math
 from typing import Any
 
 from ..errors import RouterError, bad_request
+from .flags import flag
 
 _ROLES = ("user", "assistant", "system")
 _BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
@@ -264,10 +265,7 @@ def to_chat(body: Any, merge_inline_system: bool = False, disabled_effort: str =
     for name in ("top_k", "cache_salt", "vllm_xargs", "chat_template_kwargs", "watermarking"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"'stream' must be true or false, got {stream!r}", "stream")
-    chat["stream"] = bool(stream)
+    chat["stream"] = flag(body, "stream")
     _output_config(body, chat)
     _thinking(body, chat, disabled_effort)
     _tools(body, chat)

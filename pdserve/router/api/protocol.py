@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import bad_request
 from .fields import EXTRA_REFUSED, names
+from .flags import as_flag, flag
 from .limits import load_json
 from .truncation import Truncation, parse_truncation
 
@@ -44,6 +45,7 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = True
     max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # the field that set it (chat: max_completion_tokens wins), named in errors
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -79,15 +81,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def _opt_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"'{name}' must be true or false, got {v!r}", name)
-    return v
 
 
 def _opt_number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
@@ -148,15 +141,15 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     _parse_logprobs(body, req)
     req.truncation = parse_truncation(body)
 
-    req.stream = _opt_bool(body, "stream")
+    req.stream = flag(body, "stream")
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
         if not req.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        req.include_usage = _opt_bool(so, "include_usage")
-        req.continuous_usage = _opt_bool(so, "continuous_usage_stats")
+        req.include_usage = flag(so, "include_usage")
+        req.continuous_usage = flag(so, "continuous_usage_stats")
     if req.stream and req.prompt_logprobs:  # as vLLM 0.32 refuses it (0 passes there: a falsy value)
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
@@ -169,7 +162,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     req.stop = list(stops)
     if body.get("stop_token_ids") is not None:
         req.stop_token_ids = _token_id_list(body["stop_token_ids"], "stop_token_ids")
-    req.include_stop_str_in_output = _opt_bool(body, "include_stop_str_in_output")
+    req.include_stop_str_in_output = flag(body, "include_stop_str_in_output")
 
     s: dict[str, Any] = {}
     for name, lo, hi, lo_open in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, True),
@@ -183,11 +176,11 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     seed = _opt_int(body, "seed", -_INT64, _INT64 - 1)
     if seed is not None:
         s["seed"] = seed
-    if _opt_bool(body, "ignore_eos"):
+    if flag(body, "ignore_eos"):
         s["ignore_eos"] = True
     for name in ("skip_special_tokens", "spaces_between_special_tokens"):
         if name in body and body[name] is not None:
-            s[name] = _opt_bool(body, name)
+            s[name] = flag(body, name)
     _forward(body, req, s)
     if req.logprobs is not None:
         s["logprobs"] = req.logprobs
@@ -198,14 +191,16 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         s["prompt_logprobs"] = prompt_logprobs
     _parse_structured(body, req, s)
     req.sampling = s
-    req.return_token_ids = _opt_bool(body, "return_token_ids")
-    req.timings = _opt_bool(body, "pdserve_timings")
+    req.return_token_ids = flag(body, "return_token_ids")
+    req.timings = flag(body, "pdserve_timings")
 
 
 def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
     """The fields the workers read as vLLM does (:mod:`.fields`: forwarded, regenerated), checked for their JSON
     type here (the workers check the rest: a 400 from P reaches the client as it is). A regenerated field set to
     a value that acts makes D regenerate the first token (``constrained``)."""
+    if body.get("mm_payload") not in (None, "tensors", "none"):  # ignored here, as by vLLM, which checks it
+        raise bad_request(f"'mm_payload' must be 'tensors' or 'none', got {body['mm_payload']!r}", "mm_payload")
     for name in ("presence_penalty", "frequency_penalty"):
         v = _opt_number(body, name, -2.0, 2.0)
         if v:
@@ -221,6 +216,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         v = _integral(body.get(name)) if kind is int else body.get(name)
         if v is None:
             continue
+        if kind is bool:
+            v = as_flag(v, name)
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
             want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
             raise bad_request(f"'{name}' must be of type {want}, got {v!r}", name)
@@ -228,8 +225,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
             raise bad_request(f"'{name}' must be {'a non-empty string' if kind is str else '>= 1'}, got {v!r}", name)
         if name == "min_tokens" and isinstance(v, int) and v < 0:
             raise bad_request(f"'min_tokens' must be >= 0, got {v!r}", name)
-        if v in (False, [], {}) and name != "priority":
-            continue  # vLLM's default: nothing to send
+        if (v is False or (isinstance(v, (list, dict)) and not v)) and name != "priority":
+            continue  # vLLM's default: nothing to send (an int 0 is sent: thinking_token_budget=0 is refused there)
         s[name] = v
         if regenerated:
             req.constrained = True
@@ -244,13 +241,13 @@ def _parse_logprobs(body: dict, req: GenerationRequest) -> None:
     """Completions: ``logprobs`` = N alternatives, ``echo``. Chat: ``logprobs`` true + ``top_logprobs`` = N.
     Both: vLLM's ``prompt_logprobs`` = N (-1: the whole vocabulary)."""
     if req.kind == "chat":
-        if _opt_bool(body, "logprobs"):
+        if flag(body, "logprobs"):
             req.logprobs = _opt_int(body, "top_logprobs", 0) or 0
         elif body.get("top_logprobs") not in (None, 0):
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         req.logprobs = _opt_int(body, "logprobs", 0)
-        req.echo = _opt_bool(body, "echo")
+        req.echo = flag(body, "echo")
     req.prompt_logprobs = _opt_int(body, "prompt_logprobs", -1)
 
 
@@ -316,7 +313,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         req.prompt_text = one
     else:
         req.prompt_ids = one
-    req.add_special_tokens = _opt_bool(body, "add_special_tokens", True)
+    req.add_special_tokens = flag(body, "add_special_tokens", True)
     # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too
     req.max_tokens = _opt_int(body, "max_tokens", 1) or 16
     return req
@@ -406,7 +403,7 @@ def _parse_tools(body: dict, req: GenerationRequest) -> None:
                           "\"function\": {\"name\": ...}}", "tool_choice")
     req.tools = [_vllm_tool(t) for t in tools]
     req.tool_choice = choice
-    req.parallel_tool_calls = _opt_bool(body, "parallel_tool_calls", True)
+    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
     if choice == "required" or isinstance(choice, dict):
         if "response_format" in req.sampling or "structured_outputs" in req.sampling:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
@@ -437,8 +434,8 @@ def parse_chat(body: Any) -> GenerationRequest:
         out.append(msg)
     req.messages = out
     _parse_tools(body, req)
-    req.add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
-    req.continue_final_message = _opt_bool(body, "continue_final_message", False)
+    req.add_generation_prompt = flag(body, "add_generation_prompt", True)
+    req.continue_final_message = flag(body, "continue_final_message", False)
     if req.add_generation_prompt and req.continue_final_message and "add_generation_prompt" in body:
         raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",
                           "continue_final_message")
@@ -450,12 +447,13 @@ def parse_chat(body: Any) -> GenerationRequest:
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         req.chat_template_kwargs = ctk
     _template_extras(body, req)
-    req.add_special_tokens = _opt_bool(body, "add_special_tokens", False)
+    req.add_special_tokens = flag(body, "add_special_tokens", False)
     mt = body.get("max_completion_tokens")
-    name = "max_completion_tokens"
     if mt is None:
-        mt, name = body.get("max_tokens"), "max_tokens"
-    req.max_tokens = None if mt is None else _opt_int({name: mt}, name, 1)
+        mt = body.get("max_tokens")
+    else:
+        req.max_tokens_field = "max_completion_tokens"  # named when it is over the room left, as vLLM does
+    req.max_tokens = None if mt is None else _opt_int({"max_tokens": mt}, "max_tokens", 1)  # vLLM names max_tokens
     return req
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import RouterError, bad_request
+from .flags import flag
 
 _STATEFUL = ("previous_response_id", "previous_input_messages", "background", "enable_response_messages")
 _REFUSED = ("prompt", "kv_transfer_params", "ec_transfer_params")
@@ -213,10 +214,7 @@ def to_chat(body: Any) -> dict[str, Any]:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"'stream' must be true or false, got {stream!r}", "stream")
-    chat["stream"] = bool(stream)
+    chat["stream"] = flag(body, "stream")
     _text_format(body, chat)
     _tools(body, chat)
     return chat

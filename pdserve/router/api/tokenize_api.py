@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import bad_request
+from .flags import flag
 from .limits import read_body
 from .lora import ModelCatalog
 from .protocol import GenerationRequest, parse_chat, parse_json
@@ -51,8 +52,8 @@ class TokenizeApi:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-            ids = tok.encode(prompt, _flag(body, "add_special_tokens", True))
-        strs = list(tok.tok.convert_ids_to_tokens(ids)) if _flag(body, "return_token_strs", False) else None
+            ids = tok.encode(prompt, flag(body, "add_special_tokens", True))
+        strs = list(tok.tok.convert_ids_to_tokens(ids)) if flag(body, "return_token_strs", False) else None
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                   "token_strs": strs})
 
@@ -64,15 +65,6 @@ class TokenizeApi:
             raise bad_request("'tokens' must be a list of non-negative integer token ids", "tokens")
         self.tokenizer.check_ids(ids, "tokens")
         return web.json_response({"prompt": self.tokenizer.decode(ids)})
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"'{name}' must be true or false, got {v!r}", name)
-    return v
 
 
 def add_routes(app: web.Application, tokenizer: PromptTokenizer, prompt_ids: PromptIds, models: ModelCatalog,

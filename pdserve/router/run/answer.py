@@ -91,6 +91,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                 if builder.chat else b""
             t = choices[0].gen.t
             plain = not req.continuous_usage and req.logprobs is None
+            held: dict[int, list[int]] = {}  # choice -> token ids of chunks the tool parser held back
             while item is not None:
                 c, d = item
                 if d.relay is not None:  # plain events as the worker's bytes, until one is not (run/relay.py)
@@ -120,7 +121,8 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                     finish = c.tools.finish_reason(finish)
                     if delta is None:
                         delta = {}  # nothing to show yet (e.g. inside a tool call's name)
-                chunk = builder.chunk(text, d.token_ids, finish, d.stop_reason,
+                ids = held.pop(c.index, []) + d.token_ids if held else d.token_ids
+                chunk = builder.chunk(text, ids, finish, d.stop_reason,
                                       prompt_ids=c.prompt_ids if is_first else None, index=c.index,
                                       logprobs=logprobs_part(req, c, d, is_first, decode_one), delta=delta)
                 c.started = True
@@ -128,6 +130,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                 if req.continuous_usage:
                     chunk["usage"] = usage_dict(len(c.prompt_ids), c.tokens)
                 if delta == {} and finish is None and chunk["choices"][0]["logprobs"] is None:
+                    held[c.index] = ids  # their ids go out with the next chunk, so they all reach the client
                     item = await deltas.__anext__()  # the parser holds this text back (as vLLM skips it)
                     continue
                 if d.finish_reason is not None:
