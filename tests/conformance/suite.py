@@ -27,7 +27,8 @@ SEEDED = 7
 OPEN: dict[str, str] = {
     "chat.top_logprobs=-1": "both refuse it; vLLM names logprobs (it reads -1 as the whole vocabulary, over its "
                             "limit), the router top_logprobs",
-    "chat.include_reasoning=False": "without a reasoning parser vLLM answers no tokens at all; the router answers",
+    "chat.include_reasoning=False": "vLLM with a tool or reasoning parser hides the answer's token ids and "
+                                    "logprobs (not its text) under include_reasoning: false; the router shows them",
     "chat.include_reasoning=False (streamed)": "as unstreamed",
 }
 
