@@ -37,11 +37,13 @@ class PrefillSeals:
         self._watch: dict[str, _Watched] = {}
         self._sealed: dict[str, tuple[int, ...]] = {}  # sealed at a forward's end, until request_finished
 
-    def watch(self, req_id: str, prompt_tokens: int, fault: str = "") -> None:
-        """Follow ``req_id`` (just allocated blocks; again after a preemption) until its prompt is computed."""
-        if prompt_tokens > 0:
-            self._watch[req_id] = _Watched(prompt_tokens, fault)
-            self._sealed.pop(req_id, None)
+    def watch(self, req_id: str, prompt_tokens: int, fault: str = "") -> bool:
+        """Follow ``req_id`` (just allocated blocks; again after a preemption) until its prompt is computed.
+        True when an earlier seal of it (before a preemption: other blocks, perhaps) is for the worker to forget."""
+        if prompt_tokens <= 0:
+            return False
+        self._watch[req_id] = _Watched(prompt_tokens, fault)
+        return self._sealed.pop(req_id, None) is not None
 
     def step(self, scheduler_output: Any, faults: dict[str, str]) -> dict[str, tuple[int, ...]]:
         """The watched requests whose prompt this step completes -> the blocks that hold it (to seal after the

@@ -318,7 +318,8 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.config.kv_checksum and params and params.get("do_remote_decode"):
             fault = str(params.get("pdserve_test_fault") or "") if self.config.allow_test_faults else ""
-            self.prefill_seals.watch(request.request_id, request.num_prompt_tokens, fault)
+            if self.prefill_seals.watch(request.request_id, request.num_prompt_tokens, fault):
+                self._unseal.append(request.request_id)  # sealed before a preemption: the worker forgets it first
         if not params or not params.get("do_remote_prefill"):
             if request.request_id in self._pool_hits:
                 self._pool_plan_load(request, blocks, num_external_tokens)

@@ -102,6 +102,20 @@ def test_an_aborted_prefill_s_early_seal_is_forgotten_by_the_worker():
     assert meta.unseal == ["p1"] and meta.seal == {} and meta.send == {}
 
 
+def test_a_request_preempted_after_its_seal_has_the_old_seal_forgotten_before_the_new_one():
+    """Preempted after the forward that sealed it, then scheduled again: the worker forgets the old seal (whose
+    blocks may not be the lease's) before the new one is made, so the lease is never answered with stale sums."""
+    s = _side()
+    req = Req("p1", prompt(10), {"do_remote_decode": True})
+    assert _prefill(s, req, [7, 8, 9]).seal_now == {"p1": (7, 8, 9)}
+    meta = _prefill(s, req, [3, 4, 5])  # rescheduled after a preemption, on other blocks
+    assert meta.unseal == ["p1"] and meta.seal_now == {"p1": (3, 4, 5)}
+    req.status, req.num_computed_tokens = Status.FINISHED_LENGTH_CAPPED, 10
+    assert s.request_finished(req, [3, 4, 5])[0]
+    meta = s.build_connector_meta(None)
+    assert meta.seal == {} and meta.unseal == []  # the new seal stands for the lease
+
+
 def test_checksums_off_watch_nothing():
     s = _side(kv_checksum=False)
     assert _prefill(s, Req("p1", prompt(10), {"do_remote_decode": True}), [7, 8, 9]).seal_now == {}
