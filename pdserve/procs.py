@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import warm_start
 from .http_probe import http_answer
 from .ports import free_port, free_ports, port_is_free  # noqa: F401 (the launcher's and tests' import path)
 
@@ -87,12 +88,15 @@ def _deathsig_setup(parent_pid: int, deathsig: bool = True) -> Callable[[], None
     return setup
 
 
+ProcessHandle = subprocess.Popen | warm_start.WarmProcess  # a child's process, executed or forked warm
+
+
 @dataclass
 class Child:
     """A started child process: its own process group, output in ``log_path``."""
 
     name: str
-    proc: subprocess.Popen
+    proc: ProcessHandle
     log_path: Path | None
     argv: list[str]
     url: str = ""
@@ -159,7 +163,11 @@ def spawn(
     reaper: Reaper | None = None,
 ) -> Child:
     """Start ``argv`` in its own process group with PDEATHSIG=SIGKILL (from the main thread), stdout+stderr
-    to ``log_path``, its group registered with ``reaper``."""
+    to ``log_path``, its group registered with ``reaper``. With ``PDSERVE_WARM_START=1`` a vLLM server is forked
+    from a warm starter instead (:mod:`pdserve.warm_start`)."""
+    proc = _warm_spawn(argv, env, log_path, cwd)
+    if proc is not None:
+        return _child(name, proc, log_path, argv, reaper)
     out = open(log_path, "ab", buffering=0) if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(
@@ -178,10 +186,30 @@ def spawn(
     finally:
         if not isinstance(out, int):
             out.close()
+    return _child(name, proc, log_path, argv, reaper)
+
+
+def _child(name: str, proc: ProcessHandle, log_path: Path | None, argv: Sequence[str],
+           reaper: Reaper | None) -> Child:
     child = Child(name=name, proc=proc, log_path=log_path, argv=list(argv))
     if reaper is not None:
         reaper.add(child.pgid)
     return child
+
+
+def _warm_spawn(argv: Sequence[str], env: Mapping[str, str] | None, log_path: Path | None,
+                cwd: str | os.PathLike | None) -> ProcessHandle | None:
+    """A process forked by this process's warm starter, or None where warm start is off or does not apply."""
+    module = warm_start.module_of(argv) if warm_start.enabled() else None
+    starter = warm_start.starter() if module is not None else None
+    if starter is None:
+        return None
+    try:
+        return starter.spawn(argv, dict(env) if env is not None else dict(os.environ),
+                             os.fspath(cwd) if cwd is not None else None, os.fspath(log_path) if log_path else None)
+    except warm_start.WarmStartError as e:
+        warm_start.log.warning("%s; starting a new interpreter instead", e)
+        return None
 
 
 def signal_group(child: Child, sig: int) -> bool:

@@ -10,6 +10,12 @@ executor. ``pdserve serve`` does the same for its single-rank CPU workers (pdser
 ``UNI_EXECUTOR_ENV``). Set ``PDSERVE_TEST_VLLM_MP=1`` to run the tests
 with vLLM's default (multiprocess) executor instead.
 
+With ``PDSERVE_WARM_START=1`` (set here; ``=0`` turns it off) the launcher forks each vLLM server and router from a
+warm starter that has imported vLLM once per test process (pdserve/warm_start.py), and the server forks its engine
+core rather than spawning it (pdserve/vllm/engine_fork.py): ~80% of a server's start-up on 2 cores is imports. A
+1P1D stack's workers are healthy ~7 s after the launch instead of ~33 s (one stack, quiet machine). The warm
+starter starts in the background when the collected tests include vLLM ones (:func:`_warm_up`).
+
 Tests marked ``slow`` (minutes each on 2 cores: tensor-parallel stacks) run only with ``PDSERVE_TEST_SLOW=1``.
 
 pytest-xdist (scripts/test.sh: ``-n 2``) runs with :class:`SharedStackScheduling`: each test file is one unit of
@@ -28,6 +34,9 @@ import pytest
 
 if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM servers forked from a warm starter that has imported vLLM once (pdserve/warm_start.py): ~80% of a server's
+# start-up is imports; PDSERVE_WARM_START=0 executes a new interpreter for each one instead
+os.environ.setdefault("PDSERVE_WARM_START", "1")
 
 
 # test files that share one session-scoped stack, by the fixture they share; each tuple runs in this order
@@ -61,12 +70,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _order_shared_stacks(items)
+    _warm_up(config, items)
     if os.environ.get("PDSERVE_TEST_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow (minutes on 2 cores): run with PDSERVE_TEST_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _warm_up(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start this test process's warm starter in the background (it imports vLLM: ~15 s) when its tests will start
+    vLLM servers, so that the first stack does not wait for it. Not in xdist's controller, which runs no test."""
+    if os.environ.get("PDSERVE_WARM_START") != "1" or config.pluginmanager.hasplugin("dsession"):
+        return
+    if any("vllm" in item.keywords for item in items):
+        import threading
+
+        from pdserve import warm_start
+
+        threading.Thread(target=warm_start.starter, name="warm-start-up", daemon=True).start()
 
 
 def _order_shared_stacks(items: list[pytest.Item]) -> None:

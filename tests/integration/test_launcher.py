@@ -63,7 +63,8 @@ def _start_cli(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, dict, str]
         [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--run-dir", str(run_dir),
          "--worker-timeout", str(START_TIMEOUT_S), *args],
         stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(tmp_path),
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        # the production start (no warm starter, tests/conftest.py): vLLM's own CLI start, engine core spawned
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_WARM_START="0"),
     )
     err.close()
     banner = p.stdout.readline()
