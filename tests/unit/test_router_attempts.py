@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.router.api.protocol import parse_completion
 from pdserve.router.errors import RouterError
-from pdserve.router.fleet.workers import Wait, WorkerError
+from pdserve.router.fleet.workers import Probe, Wait, WorkerError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.attempt import Attempt, AttemptContext
 from pdserve.router.run.failures import Migrate, Retry, classify
@@ -32,9 +32,17 @@ SCORES = [None, {"5": {"logprob": -1.0}}]
 class ScoringClient:
     """Unstreamed answers with prompt_logprobs; ``fail``: url -> the WorkerErrors its next calls raise."""
 
-    def __init__(self, fail: dict[str, list[WorkerError]] | None = None) -> None:
+    def __init__(self, fail: dict[str, list[WorkerError]] | None = None, down: frozenset[str] = frozenset()) -> None:
         self.fail = fail or {}
+        self.down = down  # workers whose /health probe is refused
         self.calls: list[tuple[str, dict]] = []
+        self.probed: list[str] = []
+
+    async def check(self, url: str, timeout_s: float) -> Probe:
+        self.probed.append(url)
+        if url in self.down:
+            return Probe(False, "unreachable: connection refused", True)
+        return Probe(True, "HTTP 200")
 
     async def complete(self, url: str, body: dict, wait: Wait) -> dict:
         self.calls.append((url, body))
@@ -108,6 +116,23 @@ def test_a_prompt_logprobs_request_whose_worker_dies_migrates(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any("scored attempt on colocated worker http://c0: migrate (worker http://c0: connection lost" in m
                and "0 token(s) out" in m for m in lines), lines
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_a_worker_that_dropped_an_accepted_call_is_probed_at_once(dead):
+    """Its connection was lost: its /health is probed now, not at the next health tick; refused -> out of the
+    placement at once, answering -> it keeps serving (the request has moved on either way)."""
+    pl, _, _, _ = colocated(C0, C1)
+    lost = WorkerError(C0, "closed", "connection lost before the answer: [Errno 104] Connection reset by peer")
+    client = ScoringClient({C0: [lost]}, down=frozenset({C0}) if dead else frozenset())
+
+    async def run() -> list[Any]:
+        out = await drain(scored(pl, client))
+        await asyncio.sleep(0)  # the probe's task
+        return out
+
+    assert asyncio.run(run())[-1].token_ids == [10, 11, 12]
+    assert client.probed == [C0] and pl.registry[C0].healthy is not dead and pl.registry[C1].healthy
 
 
 def test_a_4xx_on_the_prompt_logprobs_path_is_the_clients_error():

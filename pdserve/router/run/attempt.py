@@ -32,6 +32,8 @@ from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
 log = logging.getLogger("pdserve.router")
+RECHECK_TIMEOUT_S = 2.0  # a worker that dropped an accepted call is probed at once, within this
+_rechecks: set[asyncio.Task] = set()  # the probes in flight (held so they are not collected)
 
 
 @dataclass
@@ -88,9 +90,24 @@ class Attempt:
             self.end("retry" if not out.dead else "retry (dead)", out.reason)
         elif isinstance(out, Migrate):
             self.end("migrate", out.reason)
+            if e.kind == "closed":
+                self._recheck()
         else:
             self.end("error", f"{out.status} {out.message}")
         return out
+
+    def _recheck(self) -> None:
+        """The worker dropped a call it had accepted (the connection was lost): probe its /health now, not at the
+        next health tick, so that a dead worker (its probe refused) is out before other requests are placed on it.
+        The probe is judged as any other (:meth:`WorkerRegistry.report_probe`): a slow one does not take it out."""
+        url, ctx = self.worker.url, self.ctx
+
+        async def recheck() -> None:
+            ctx.registry.report_probe(url, await ctx.client.check(url, RECHECK_TIMEOUT_S))
+
+        task = asyncio.get_running_loop().create_task(recheck())
+        _rechecks.add(task)
+        task.add_done_callback(_rechecks.discard)
 
     def end(self, outcome: str, reason: str) -> None:
         """The attempt's one log line (the first call only): ok at debug level, interrupted (the deadline, a move, the
