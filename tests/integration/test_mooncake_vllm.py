@@ -54,6 +54,7 @@ def cluster(tmp_path_factory):
                          served_model_name="rl", kv_connector="mooncake", pool_backend="mooncake",
                          pool_mem="256MiB", lease_s=20,
                          run_dir=str(tmp_path_factory.mktemp("mooncake-run")), worker_timeout_s=400,
+                         restart=False,  # a killed P or master stays dead (supervision: test_supervision.py)
                          # the conductor, so the router follows the store; every fresh prompt split P -> D
                          policy="conductor", router_args=("--no-calibrate", "--local-prefill-tokens", "0"))
     with Cluster(cfg) as c:

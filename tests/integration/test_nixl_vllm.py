@@ -50,7 +50,8 @@ def cluster(tmp_path_factory):
     model = build_random_llama(tmp_path_factory.mktemp("nixl-model") / "random-llama")
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="rl", kv_connector="nixl", lease_s=20,
-                         run_dir=str(tmp_path_factory.mktemp("nixl-run")), worker_timeout_s=400)
+                         run_dir=str(tmp_path_factory.mktemp("nixl-run")), worker_timeout_s=400,
+                         restart=False)  # a killed P stays dead (supervision: test_supervision.py)
     with Cluster(cfg) as c:
         yield c
 

@@ -21,7 +21,7 @@ def test_conductor_beats_round_robin_on_trace_with_64_workers():
     from pdserve.plan.simulator import Cluster, SimSettings, Simulation
     from pdserve.plan.traffic import load_trace
 
-    reqs = load_trace(default_trace(), rate=12.0, limit=1000)
+    reqs = load_trace(default_trace(), rate=12.0, limit=500)
     out = {}
     for policy in ("round_robin", "conductor"):
         sim = Simulation(Cluster(prefill=32, decode=32), _cost(),
