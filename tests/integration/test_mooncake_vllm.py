@@ -171,12 +171,11 @@ def test_master_killed_requests_recompute(cluster):
         assert time.monotonic() < deadline, "the conductor still counts blocks in a dead store"
         time.sleep(0.5)
     router = cluster.router_url + "/v1/completions"
-    for salt in (11, 12):
-        prompt = _prompt(300, salt)
-        st, out = _post(router, _body(prompt), timeout=120)
-        assert st == 200, out
-        st, ref = _post(cluster.worker_urls("prefill")[0] + "/v1/completions", _body(prompt))
-        assert st == 200 and out["choices"][0]["text"] == ref["choices"][0]["text"]
+    prompt = _prompt(300, 11)  # one: each takes ~9 s here, the workers' store client waiting on the dead master
+    st, out = _post(router, _body(prompt), timeout=120)
+    assert st == 200, out
+    st, ref = _post(cluster.worker_urls("prefill")[0] + "/v1/completions", _body(prompt))
+    assert st == 200 and out["choices"][0]["text"] == ref["choices"][0]["text"]
 
 
 def test_p_killed_d_serves_alone_exactly(cluster):
