@@ -13,6 +13,17 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 echo "[test] ruff check ." >&2
 .venv/bin/python -m ruff check --quiet .
-echo "[test] mypy (pdserve/)" >&2
-.venv/bin/python -m mypy --no-error-summary
-exec .venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=30 "${@:-tests}"
+echo "[test] mypy (pdserve/), beside the tests (its output: .mypy.log)" >&2
+.venv/bin/python -m mypy --no-error-summary > .mypy.log 2>&1 &
+MYPY=$!
+set +e
+.venv/bin/python -m pytest -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile --durations=30 "${@:-tests}"
+RC=$?
+set -e
+if ! wait "$MYPY"; then
+    echo "[test] mypy failed:" >&2
+    cat .mypy.log >&2
+    exit 1
+fi
+echo "[test] mypy: no issues" >&2
+exit "$RC"

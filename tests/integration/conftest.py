@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import pids_in_group, wait_dead
+from pdserve.procs import pids_in_group, spawn, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "integration-test-secret"
@@ -81,11 +81,10 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     port = free_port()
     log = tmp_path_factory.mktemp(f"{name}-logs") / "router.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
-                                 "--model-dir", str(model), "--mode", "disaggregated", "--served-model-name", "rl",
-                                 "--max-model-len", "2048", "--health-interval-s", str(health_interval_s)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    proc = spawn("router", [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port),
+                            "--model-dir", str(model), "--mode", "disaggregated", "--served-model-name", "rl",
+                            "--max-model-len", "2048", "--health-interval-s", str(health_interval_s)],
+                 env=env, log_path=log, cwd=ROOT).proc  # warm-started (tests/conftest.py)
     url = f"http://127.0.0.1:{port}"
     api = HttpRouterApi(url, token=token)
     deadline = time.monotonic() + 120
