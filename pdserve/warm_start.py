@@ -182,15 +182,12 @@ class WarmStarter:
         return WarmProcess(self, answer["pid"], argv)
 
     def exit_code(self, pid: int) -> int | None:
-        """The exit code of a child that has exited (negative: killed by that signal), else None. A child the
-        warm starter can no longer report on (it died) counts as killed once it is gone."""
+        """The exit code of a child that has exited (negative: killed by that signal), else None. Once the warm
+        starter is gone, so are its children: SIGKILLed by their parent-death signal, or by the starter itself."""
         with self._cond:
             if pid in self._exits:
                 return self._exits[pid]
-            gone = self._gone
-        if gone and not _pid_exists(pid):
-            return -signal.SIGKILL
-        return None
+            return -signal.SIGKILL if self._gone else None
 
     def wait_exit(self, timeout_s: float) -> None:
         with self._cond:
@@ -208,16 +205,6 @@ class WarmStarter:
         except subprocess.TimeoutExpired:  # pragma: no cover
             self.proc.kill()
             self.proc.wait()
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover
-        return True
-    return True
 
 
 _STARTER: list[WarmStarter | None] = []  # this process's warm starter once tried (None: it could not start)
