@@ -14,10 +14,11 @@ interpreter's normal shutdown. vLLM forks its own workers after importing the sa
 Off by default: the tests turn it on (tests/conftest.py), where ~30 vLLM servers start per run. The
 launcher-side handle (:class:`WarmProcess`) answers like :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``,
 ``returncode``, signals); exit statuses come from the warm starter, which reaps its children. The two talk
-JSON lines over a pair of pipes (local, one per launcher): requests ``{"id", "argv", "env", "cwd", "log"}``,
-answers ``{"ready"}`` / ``{"id", "pid"}`` / ``{"id", "error"}`` / ``{"exit": pid, "code"}``. When the launcher's
-pipe closes (the launcher exited or was killed), the warm starter SIGKILLs every child's group and exits. If the
-warm starter cannot start (an import fails), :func:`starter` says so once in the log and spawn falls back to
+JSON lines over a pair of pipes (local, one per launcher): requests
+``{"id", "module", "argv", "env", "cwd", "log", "netns"}``, answers ``{"ready"}`` / ``{"id", "pid"}`` /
+``{"id", "error"}`` / ``{"exit": pid, "code"}``. When the launcher's pipe closes (the launcher exited or was
+killed), the warm starter SIGKILLs every child's group and exits. If the warm starter cannot start (an import
+fails), :func:`starter` says so once in the log and spawn falls back to
 executing a new interpreter.
 """
 
@@ -124,7 +125,6 @@ class WarmStarter:
         self._cond = threading.Condition()
         self._answers: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
-        self._children: set[int] = set()
         self._ready: dict[str, Any] | None = None
         self._gone = False
         self._next_id = 0
@@ -178,7 +178,6 @@ class WarmStarter:
         if answer is None or "pid" not in answer:
             why = "no answer" if answer is None else answer.get("error")
             raise WarmStartError(f"the warm starter could not start {cmd[2]}: {why}")
-        self._children.add(answer["pid"])
         return WarmProcess(self, answer["pid"], argv)
 
     def exit_code(self, pid: int) -> int | None:
@@ -327,7 +326,6 @@ def _become(req: dict[str, Any], parent: int) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # pdserve/vllm/engine_fork.py
     sys.path[0] = req["cwd"]
     sys.argv = [req["module"], *req["argv"]]
 

@@ -19,6 +19,8 @@ def fork_engine_core() -> None:
     """Make this process's vLLM server fork its engine core (call before the server reads its config)."""
     from vllm.platforms.cpu import CpuPlatform
 
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # the CLI's own default would be spawn
+
     original = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
