@@ -14,7 +14,6 @@ Three layers, so that no vLLM server (nor its engine-core grandchildren) is left
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import warm_start
+from .deathsig import die_with_parent
 from .http_probe import http_answer
 from .ports import free_port, free_ports, port_is_free  # noqa: F401 (the launcher's and tests' import path)
-
-PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -61,16 +59,6 @@ def assign_cores(n_workers: int, cores: Sequence[int], per_worker: int = 1) -> l
 # --------------------------------------------------------------------------- spawning
 
 
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:  # pragma: no cover
-        return None
-
-
-_LIBC = _libc()
-
-
 def _deathsig_setup(parent_pid: int, deathsig: bool = True) -> Callable[[], None]:
     """preexec_fn for a child (runs between fork and exec: keep it tiny): unblock every signal (the mask survives
     exec, and the launcher holds SIGTERM/SIGINT/SIGHUP while its supervisor restarts a process), and with
@@ -78,12 +66,8 @@ def _deathsig_setup(parent_pid: int, deathsig: bool = True) -> Callable[[], None
 
     def setup() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        if not deathsig:
-            return
-        if _LIBC is not None:
-            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
+        if deathsig:
+            die_with_parent(parent_pid)
 
     return setup
 

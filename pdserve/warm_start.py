@@ -39,6 +39,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .deathsig import LIBC, die_with_parent
+
 ENV = "PDSERVE_WARM_START"
 # the modules a warm starter runs (python -m MODULE), and what it imports before it forks
 WARM_MODULES = ("vllm.entrypoints.openai.api_server", "pdserve.router")
@@ -233,7 +235,6 @@ def close_all() -> None:
 
 # --------------------------------------------------------------------------- the warm starter process
 
-PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 
 
@@ -309,10 +310,7 @@ def _become(req: dict[str, Any], parent: int) -> None:
     """In the forked child: a session of its own, SIGKILL when the warm starter dies, the request's log as
     stdout and stderr, its environment, folder and argv."""
     os.setsid()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)
     if req.get("netns"):
         _enter_netns(req["netns"])
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -335,8 +333,8 @@ def _enter_netns(name: str) -> None:
     starts is in it too)."""
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
+        if LIBC is None or LIBC.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno() if LIBC is not None else 0
             raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
     finally:
         os.close(fd)

@@ -404,7 +404,8 @@ class Router:
         options = RunOptions(**self.kv_protocol.options(constrained=req.constrained),
                              migration_limit=self.config.migration_limit,
                              request_timeout_s=self.config.request_timeout_s,
-                             handoff_timeout_s=self.config.handoff_timeout_s)
+                             handoff_timeout_s=self.config.handoff_timeout_s,
+                             probe_timeout_s=self.config.health_timeout_s)
         return Generation(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
                           self.config.mode, detok, options)
 

@@ -17,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...settings import default
 from ..errors import deadline_exceeded
 from ..fleet.registry import WorkerRegistry
 from ..fleet.ticket import PlacementTicket
@@ -32,7 +33,6 @@ from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
 log = logging.getLogger("pdserve.router")
-RECHECK_TIMEOUT_S = 2.0  # a worker that dropped an accepted call is probed at once, within this
 _rechecks: set[asyncio.Task] = set()  # the probes in flight (held so they are not collected)
 
 
@@ -40,7 +40,8 @@ _rechecks: set[asyncio.Task] = set()  # the probes in flight (held so they are n
 class AttemptContext:
     """What every attempt of one request's run shares: the worker client, the metrics and registry, the request's
     timings, output and interrupts, and the P -> D hand-off's clock (``handoff_since``: loop time P answered, until
-    D's first token; ``handoff_timeout_s``: how long D may take to start)."""
+    D's first token; ``handoff_timeout_s``: how long D may take to start; ``probe_timeout_s``: how long the probe of a
+    worker that dropped an accepted call may take, the router's ``health_timeout_s``)."""
 
     client: WorkerClient
     metrics: RouterMetrics
@@ -51,6 +52,7 @@ class AttemptContext:
     interrupts: Interrupts = field(default_factory=Interrupts)
     handoff_timeout_s: float | None = None
     handoff_since: float | None = None
+    probe_timeout_s: float = default("health_timeout_s", "router")
 
 
 class Attempt:
@@ -103,7 +105,7 @@ class Attempt:
         url, ctx = self.worker.url, self.ctx
 
         async def recheck() -> None:
-            ctx.registry.report_probe(url, await ctx.client.check(url, RECHECK_TIMEOUT_S))
+            ctx.registry.report_probe(url, await ctx.client.check(url, ctx.probe_timeout_s))
 
         task = asyncio.get_running_loop().create_task(recheck())
         _rechecks.add(task)

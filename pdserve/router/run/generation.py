@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...hashing import domain_root
+from ...settings import default
 from ..api.protocol import GenerationRequest
 from ..api.tokenizer import IncrementalDetokenizer
 from ..errors import RouterError, upstream_failed
@@ -45,7 +46,7 @@ from .timings import Timings, transfer_stats
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "Generation", "RunOptions", "Timings"]
 
-DEFAULT_MIGRATION_LIMIT = 2
+DEFAULT_MIGRATION_LIMIT: int = default("migration_limit", "router")
 
 log = logging.getLogger("pdserve.router")
 
@@ -68,6 +69,7 @@ class RunOptions:
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     request_timeout_s: float | None = None
     handoff_timeout_s: float | None = None
+    probe_timeout_s: float = default("health_timeout_s", "router")
 
 
 class Generation:
@@ -104,7 +106,7 @@ class Generation:
         self.output = Output(StopStrings(req.stop, req.include_stop_str_in_output), timings,
                              None if self.colocated else detokenizer, metrics.move_gap)
         self.ctx = AttemptContext(client, metrics, placement.registry, timings, self.output, req.request_id,
-                                  handoff_timeout_s=o.handoff_timeout_s)
+                                  handoff_timeout_s=o.handoff_timeout_s, probe_timeout_s=o.probe_timeout_s)
         self.deadline = Deadline(o.request_timeout_s, timings.arrive, metrics, lambda: self.interrupt("deadline"))
         self.moves = MovableRun(self)
         self.ticket: PlacementTicket | None = None  # the placement in force; run closes it
