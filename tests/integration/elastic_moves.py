@@ -1,12 +1,14 @@
 """A running decode moved off a worker that starts a long prefill (issue 16, item 1), on real vLLM workers: an
 elastic router over two kv_both workers, a decode R streaming on worker A, then a long prompt whose prefill the
 conductor puts on A; R moves to B (A prefills R's prompt + streamed tokens from its prefix cache, B reads that KV
-through the connector) and its greedy output equals one worker's, token for token. Run from a test module that
+through the connector) and its greedy output equals one worker's, token for token. (A second decode S runs on B;
+when the conductor puts L's prefill on B instead, S is the one that moves to A: both are checked alike.) Run from a test module that
 owns a stack of two kv_both workers (tests/integration/test_pd_router.py)."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import threading
@@ -20,10 +22,13 @@ from pathlib import Path
 from pdserve.bench.prom import scrape
 from pdserve.procs import free_port, spawn_healthy, stop_children
 
-# R and S short (colocated: R on a, then S on b, a being busy), L long (> 256 tokens: prefill on a, whose decode's
-# context is the smaller, so its steps are the cheaper; S's context (>= 250) always exceeds R's (<= 20 + 220))
+# R and S short (colocated: R on one worker, then S on the other, the first being busy), L long (> 256 tokens: its
+# prefill goes on one of them, and the decode running there moves to the other). R and S must still be decoding when
+# L is placed, whatever this machine's speed: their lengths are sized from a decode timed on the workers first
+# (DECODE_S of decoding each; one fast CPU made R's 220 tokens in 0.84 s, before S was even placed).
 R_PROMPT, S_PROMPT, L_PROMPT = 20, 250, 1000
-R_TOKENS = 220
+MIN_TOKENS, MAX_TOKENS = 220, 1500  # R's context stays under --max-model-len 2048 with S's prompt
+DECODE_S = 5.0
 
 
 def _post(url: str, body: dict) -> dict:
@@ -102,39 +107,60 @@ def _conductor_lines(log: Path) -> str:
                      if "conductor" in line or "move" in line)[-4000:]
 
 
+def decode_tokens(url: str, seconds: float = DECODE_S, probe: int = 128) -> int:
+    """How many greedy tokens take about ``seconds`` to decode on the worker at ``url`` (timed on ``probe``
+    tokens there, prompt included, so an overestimate of the step), within [MIN_TOKENS, MAX_TOKENS]."""
+    t0 = time.perf_counter()
+    _post(url, _body(R_PROMPT, 30, probe))
+    step = (time.perf_counter() - t0) / probe
+    return max(MIN_TOKENS, min(MAX_TOKENS, math.ceil(seconds / step)))
+
+
+def _counters(urls: Sequence[str]) -> dict[str, dict[str, float]]:
+    return {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures", "released_notified")}
+            for u in urls}
+
+
 def run_move_case(model_dir: str, urls: list[str], tmp: Path, logs: Sequence[Path] = ()) -> None:
     """The case above over the kv_both workers at ``urls``; ``logs``: their log files, quoted when a read
-    failed."""
-    a, b = sorted(urls)  # the conductor breaks ties by worker id: R (first, idle pool) lands on a
+    failed. Which worker L prefills on is the conductor's choice (the one whose decode's context is the smaller,
+    which depends on how far R got before S started): the test reads it from the workers' own counters (the source
+    of the move freed two leases, L's split and the move's tail; the destination read both) and checks every
+    stream's output against one worker's, so it holds whichever decode moved."""
+    tokens = min(decode_tokens(u) for u in urls)
     with elastic_router(model_dir, urls, tmp / "moves-router.log") as router:
-        before = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in ("reads", "read_failures",
-                                                                             "released_notified")} for u in urls}
-        r_body, s_body, l_body = _body(R_PROMPT, 31, R_TOKENS), _body(S_PROMPT, 32, 120), _body(L_PROMPT, 33, 4)
+        before = _counters(urls)
+        r_body, s_body, l_body = _body(R_PROMPT, 31, tokens), _body(S_PROMPT, 32, tokens), _body(L_PROMPT, 33, 4)
         r = Streamed(router, r_body)
         r.start()
         assert r.started.wait(60), "R never started"
-        s = Streamed(router, s_body)  # S decodes on b (a is busy with R): b is no idler than a for L's prefill
+        s = Streamed(router, s_body)  # S decodes on the other worker (R's is busy)
         s.start()
         assert s.started.wait(60), "S never started"
-        long_out = _post(router, l_body)  # its prefill goes on a (R's context is the smaller): R moves to b
-        r.join(120)
-        s.join(120)
+        long_out = _post(router, l_body)  # its prefill goes on one of the two: the decode there moves
+        r.join(300)
+        s.join(300)
         assert not r.is_alive() and not s.is_alive() and not r.error and not s.error, (r.error, s.error)
+        lines = _conductor_lines(tmp / "moves-router.log")
         moved = _metric(router, "pdserve_router_moves_total")
-        assert moved == 1.0, (moved, _conductor_lines(tmp / "moves-router.log"))
+        assert moved == 1.0, (moved, tokens, lines)
         assert _metric(router, "pdserve_router_move_gap_seconds_count") == 1.0
-        print(f"move gap (stop on A -> first token after the move): "
+        print(f"{tokens} tokens per decode; move gap (stop on the source -> first token after the move): "
               f"{_metric(router, 'pdserve_router_move_gap_seconds_sum') * 1e3:.0f} ms")
         assert scrape(router, "pdserve_router_migrations_total") == {}  # not a failure
-        # token for token what one worker alone produces
-        assert r.text == _post(b, r_body)["choices"][0]["text"]
-        assert long_out["choices"][0]["text"] == _post(b, l_body)["choices"][0]["text"]
-        after = {u: {k: _metric(u, f"vllm:pdserve_kv_{k}_total") for k in before[u]} for u in urls}
-        # b read two KV hand-offs from a (L's split and R's move), none failed (nothing recomputed); a freed both
-        # leases on b's notification, not at the lease's end
-        assert after[b]["reads"] - before[b]["reads"] == 2, (before, after, _failed_reads(list(logs)))
-        assert after[b]["read_failures"] == before[b]["read_failures"], _failed_reads(list(logs))
-        assert after[a]["released_notified"] - before[a]["released_notified"] == 2, (before, after)
+        # token for token what one worker alone produces, whichever of R and S moved
+        ref = urls[0]
+        assert r.text == _post(ref, r_body)["choices"][0]["text"]
+        assert s.text == _post(ref, s_body)["choices"][0]["text"]
+        assert long_out["choices"][0]["text"] == _post(ref, l_body)["choices"][0]["text"]
+        after = _counters(urls)
+        grew = {u: {k: after[u][k] - before[u][k] for k in before[u]} for u in urls}
+        # the destination read two KV hand-offs from the source (L's split and the move), none failed (nothing
+        # recomputed); the source freed both leases on the destination's notification, not at the lease's end
+        src = [u for u in urls if grew[u]["released_notified"] == 2]
+        dst = [u for u in urls if grew[u]["reads"] == 2]
+        assert len(src) == 1 and dst == [u for u in urls if u not in src], (grew, lines, _failed_reads(list(logs)))
+        assert all(g["read_failures"] == 0 for g in grew.values()), _failed_reads(list(logs))
         deadline = time.monotonic() + 20  # well inside the 30 s lease: freeing came from the hand-off
         while time.monotonic() < deadline and any(_metric(u, "vllm:kv_cache_usage_perc") for u in urls):
             time.sleep(0.2)
