@@ -11,7 +11,9 @@ and end-to-end p50 for both, the ms the router adds to TTFT, and the ms it adds 
 ((e2e_router - e2e_direct) / output tokens, medians), plus the router process's CPU time per streamed token
 (from /proc, read around each routed request). With ``--baseline-root DIR`` (another pdserve source tree, e.g.
 ``git archive REV pdserve | tar -x -C DIR``) a router from DIR runs in front of the same worker in the same
-rotation, and the result compares the two (CPU per token p50 / mean ratios, the median of the rounds' ratios).
+rotation, beside a router from this tree started with the same command line (``same``: the launch's router has
+launch-only flags, such as ``--membership-file``, whose work would be counted too), and the result compares those
+two (CPU per token p50 / mean ratios, the median of the rounds' ratios, TTFT added).
 
 Then it finds where the router's time goes: a second router process in front of the same worker runs under
 cProfile (switched on and off by signals around ``--profile-requests`` requests only, so start-up and health
@@ -353,18 +355,22 @@ def main(argv: list[str] | None = None) -> int:
         assert cluster.router is not None
         targets: list[tuple[str, str, int | None]] = [("router", cluster.router_url, cluster.router.pid),
                                                       ("direct", cluster.worker_urls()[0], None)]
-        base = floor = None
+        base = same = floor = None
         try:
             if args.baseline_root:
                 base, base_url = start_router(cluster, Path(args.baseline_root).resolve(), out_dir, "baseline")
                 targets.insert(1, ("baseline", base_url, base.pid))
+                # this tree's router started exactly as the baseline is (same argv): the like-for-like comparison
+                # (the launch's router has launch-only flags, such as --membership-file, whose work is counted too)
+                same, same_url = start_router(cluster, ROOT, out_dir, "same")
+                targets.insert(1, ("same", same_url, same.pid))
             if args.floor:
                 floor, floor_url = start_floor(cluster.worker_urls()[0], out_dir)
                 targets.insert(1, ("floor", floor_url, floor.pid))
             say(f"{args.requests} requests each, alternating {', '.join(f'{n} {u}' for n, u, _ in targets)}")
             runs = asyncio.run(alternate(targets, payload, args.requests))
         finally:
-            for proc in (base, floor):
+            for proc in (base, same, floor):
                 if proc is not None:
                     stop(proc)
         result = summarize(runs, args.output)
@@ -377,12 +383,16 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             result["baseline"] = summarize(runs, args.output, "baseline")
             result["baseline"]["root"] = str(Path(args.baseline_root).resolve())
-            result["vs_baseline"] = {k: round(result[k] / result["baseline"][k], 3) if result["baseline"][k] else None
+            result["same"] = summarize(runs, args.output, "same")
+            mine = result["same"]
+            result["vs_baseline"] = {k: round(mine[k] / result["baseline"][k], 3) if result["baseline"][k] else None
                                      for k in ("router_cpu_ms_per_token_p50", "router_cpu_ms_per_token_mean")}
-            # per round: this router's CPU per token over the baseline's on the request sent next to it (same load)
-            paired = [a / b for a, b in zip(runs["router_cpu_s"], runs["baseline_cpu_s"]) if b > 0]
+            # per round: this tree's router's CPU per token over the baseline's on the request sent next to it (same
+            # load, same argv)
+            paired = [a / b for a, b in zip(runs["same_cpu_s"], runs["baseline_cpu_s"]) if b > 0]
             result["vs_baseline"]["cpu_ratio_paired_p50"] = round(statistics.median(paired), 3) if paired else None
-            result["vs_baseline"]["added_ttft_ms"] = [result["added_ttft_ms"], result["baseline"]["added_ttft_ms"]]
+            result["vs_baseline"]["added_ttft_ms_paired_p50"] = [mine["added_ttft_ms_paired_p50"],
+                                                                 result["baseline"]["added_ttft_ms_paired_p50"]]
         loops = [lp for lp in args.profile_loops.split(",") if lp and args.profile_requests]
         if "uvloop" in loops and importlib.util.find_spec("uvloop") is None:
             say("uvloop is not installed: profiling on asyncio only")
@@ -409,8 +419,12 @@ def main(argv: list[str] | None = None) -> int:
               f"e2e p50 {b['e2e_p50_ms']['router']:.2f} ms, added per token "
               f"{b['added_ms_per_token']:.3f} ms; CPU {b['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; mean "
               f"{b['router_cpu_ms_per_token_mean']:.3f}); router_overhead_ms p50 {b['router_overhead_ms_p50']}")
+        m = result["same"]
+        print(f"this tree's router, started as the baseline: TTFT added, paired "
+              f"{m['added_ttft_ms_paired_p50']:.2f} ms; CPU {m['router_cpu_ms_per_token_p50']:.3f} ms/token (p50; "
+              f"mean {m['router_cpu_ms_per_token_mean']:.3f})")
         v = result["vs_baseline"]
-        print(f"this router / baseline, CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
+        print(f"this tree's router / baseline (same argv), CPU per token: {v['router_cpu_ms_per_token_p50']} (p50), "
               f"{v['router_cpu_ms_per_token_mean']} (mean), {v['cpu_ratio_paired_p50']} (median of the rounds' "
               f"ratios)")
     if "floor" in result:
