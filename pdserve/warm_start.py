@@ -324,8 +324,38 @@ def _become(req: dict[str, Any], parent: int) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    _openmp_as_exec(req["env"])
     sys.path[0] = req["cwd"]
     sys.argv = [req["module"], *req["argv"]]
+
+
+def openmp_places(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The cores ``OMP_PLACES`` names when it is a list of single cores (``{0,2,3}``, as the launcher writes it,
+    pdserve.launch.commands.omp_pin_env) and ``OMP_PROC_BIND`` binds; None otherwise."""
+    places = env.get("OMP_PLACES", "").strip()
+    if env.get("OMP_PROC_BIND", "").strip().lower() not in ("true", "close", "spread", "master", "primary") \
+            or not (places.startswith("{") and places.endswith("}")):
+        return None
+    try:
+        cores = tuple(int(c) for c in places[1:-1].split(","))
+    except ValueError:
+        return None
+    return cores or None
+
+
+def _openmp_as_exec(env: Mapping[str, str]) -> None:
+    """A new interpreter's OpenMP runtime reads OMP_NUM_THREADS, OMP_PLACES and OMP_PROC_BIND when torch loads it;
+    a forked child inherits the warm starter's runtime, which read them before this request's environment existed.
+    So apply them as an exec would: the thread count through torch, the places as this process's CPU affinity
+    (every thread started from now on inherits it)."""
+    cores = openmp_places(env)
+    if cores is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(0, cores)
+    n = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if n.isdigit() and int(n) > 0 and torch is not None:
+        torch.set_num_threads(int(n))
 
 
 def _enter_netns(name: str) -> None:

@@ -91,3 +91,35 @@ def test_only_python_dash_m_of_a_warm_module_is_forked():
     assert warm_start.module_of(in_ns) == vllm
     assert warm_start.split_netns(in_ns) == ("pd-p", in_ns[4:])
     assert warm_start.split_netns(["ip", "netns", "list"]) == (None, ["ip", "netns", "list"])
+
+
+def test_a_forked_process_takes_its_openmp_settings_as_an_executed_one_would(tmp_path):
+    """The warm starter's torch read OpenMP's variables before the request's environment existed: the child applies
+    the launcher's OMP_NUM_THREADS (torch's thread count) and OMP_PLACES with OMP_PROC_BIND (its CPU affinity)."""
+    s = warm_start.WarmStarter(("torch",))
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMP_PLACES="{0}", OMP_PROC_BIND="true")
+        p = s.spawn(_argv("0"), env, str(ROOT), str(tmp_path / "child.log"))
+        assert p.wait(timeout=30) == 0
+        said = _said(tmp_path / "child.log")
+        assert said["affinity"] == [0] and said["threads"] == 1, said
+        plain = dict(os.environ)
+        for k in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND"):
+            plain.pop(k, None)
+        p = s.spawn(_argv("0"), plain, str(ROOT), str(tmp_path / "plain.log"))
+        assert p.wait(timeout=30) == 0
+        assert _said(tmp_path / "plain.log")["affinity"] == sorted(os.sched_getaffinity(0))  # left as inherited
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("env, cores", [
+    ({"OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"}, (0, 2, 3)),
+    ({"OMP_PLACES": "{1}", "OMP_PROC_BIND": "close"}, (1,)),
+    ({"OMP_PLACES": "{0,1}"}, None),  # not bound
+    ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, None),  # an abstract name: the runtime's business
+    ({"OMP_PLACES": "{0:4}", "OMP_PROC_BIND": "true"}, None),  # an interval: not what the launcher writes
+    ({}, None),
+])
+def test_openmp_places_reads_the_launchers_lists_of_cores_only(env, cores):
+    assert warm_start.openmp_places(env) == cores

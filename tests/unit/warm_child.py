@@ -7,7 +7,9 @@ import sys
 import time
 
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("WARM_TEST"), "pid": os.getpid(),
-                  "pgid": os.getpgid(0), "name": __name__, "stdin": sys.stdin.read()}), flush=True)
+                  "pgid": os.getpgid(0), "name": __name__, "stdin": sys.stdin.read(),
+                  "affinity": sorted(os.sched_getaffinity(0)),
+                  "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None}), flush=True)
 if sys.argv[1:2] == ["sleep"]:
     time.sleep(60)
 sys.exit(int(sys.argv[1]) if sys.argv[1:2] and sys.argv[1].isdigit() else 0)
