@@ -10,7 +10,9 @@ interleaved in the same run (medians): ``off`` (kv_checksum off: P answers nothi
 (pdserve.vllm.integrity's ReadVerifier: P answers with the checksums it sealed off the read's path; D hashes each
 frame as it lands for reads of 2 MiB or more, after the read below that, and compares); ``streamed`` (hashed as
 frames land at every size) and ``after`` (hashed after the read at every size).
-<backend>_checksum_overhead_<size> = time(on) / time(off) - 1; ..._streamed_<size> and ..._after_<size> alike.
+<backend>_checksum_overhead_<size> = time(on) / time(off) - 1; ..._streamed_<size> and ..._after_<size> alike;
+<backend>_checksum_cpu_ms_<size>_<way>: the median CPU time of this (D's) process per read, all threads, each way:
+on two busy cores a hash that no idle core can take shows in the wall time at about this cost.
 When installed, the anchors run too: Mooncake TE's TCP transport and NIXL/UCX through their own APIs
 (mooncake_tcp_*, nixl_*), and pdserve's adapters over them (mooncake_adapter_*, nixl_adapter_*).
 """
@@ -126,17 +128,19 @@ def bench_checksum(backend: str, peer: dict, engine: TransferEngine, src: np.nda
     sums = kv_sums("src", src)
     out = {}
     for size in CHECK_SIZES:
-        med = time_checks(backend, peer, engine, sums, size, reps)
+        med, cpu = time_checks(backend, peer, engine, sums, size, reps)
         label = f"{size // MiB}MiB"
         out[label] = med["on"] / med["off"] - 1
         for k, v in med.items():
             out[f"{label}_{k}_ms"] = v * 1e3
             out[f"{label}_{k}"] = v / med["off"] - 1
+            out[f"{label}_{k}_cpu_ms"] = cpu[k] * 1e3
     return out
 
 
 def time_checks(backend: str, peer: dict, engine: TransferEngine, sums: BlockSums, size: int,
-                reps: int) -> dict[str, float]:
+                reps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds per way: wall time, and this process's CPU time."""
     import time
 
     blocks = list(range(size // KV_BLOCK))
@@ -156,13 +160,15 @@ def time_checks(backend: str, peer: dict, engine: TransferEngine, sums: BlockSum
     ways = {"on": ReadVerifier(), "streamed": ReadVerifier(min_bytes=0), "after": ReadVerifier(min_bytes=1 << 62)}
     steps = {"off": off, **{name: (lambda v=v: check(v)) for name, v in ways.items()}}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpus: dict[str, list[float]] = {name: [] for name in steps}
     for rep in range(3 + max(reps, 5) * 4):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             if rep >= 3:  # warm-ups
                 times[name].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+                cpus[name].append(time.process_time() - c0)
+    return ({k: float(np.median(v)) for k, v in times.items()}, {k: float(np.median(v)) for k, v in cpus.items()})
 
 
 def bench_engine(backend: str, peer: dict, engine: TransferEngine, sizes: list[int], scatter_total: int,
@@ -219,16 +225,19 @@ def main() -> None:
         print(f"{name:<18}{label:>10}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
     ways = ("on", "streamed", "after")
     print(f"\n{'READ + notify':<18}{'size':>10}{'off ms':>10}" + "".join(f"{w + ' ms':>12}" for w in ways)
-          + "".join(f"{w:>10}" for w in ways))
+          + "".join(f"{w:>10}" for w in ways) + "   D cpu ms: off / " + " / ".join(ways))
     for backend, figures in checks.items():
         for size in CHECK_SIZES:
             label = f"{size // MiB}MiB"
             print(f"{backend:<18}{label:>10}{figures[label + '_off_ms']:>10.3f}"
                   + "".join(f"{figures[f'{label}_{w}_ms']:>12.3f}" for w in ways)
-                  + "".join(f"{figures[f'{label}_{w}']:>10.1%}" for w in ways))
+                  + "".join(f"{figures[f'{label}_{w}']:>10.1%}" for w in ways)
+                  + "   " + " / ".join(f"{figures[f'{label}_{w}_cpu_ms']:.3f}" for w in ("off", *ways)))
             result[f"{backend}_checksum_overhead_{label}"] = figures[label]
             for w in ways[1:]:
                 result[f"{backend}_checksum_overhead_{w}_{label}"] = figures[f"{label}_{w}"]
+            for w in ("off", *ways):
+                result[f"{backend}_checksum_cpu_ms_{label}_{w}"] = figures[f"{label}_{w}_cpu_ms"]
     print(json.dumps({k: round(v, 3) for k, v in result.items()}))
 
 

@@ -99,9 +99,9 @@ def cut_frames(entries: list[TransferEntry], sizes: Iterable[int]) -> list[list[
 
 
 def taper_sizes(total: int, cap: int, tail: int) -> list[int]:
-    """Frame sizes that cover ``total`` bytes, largest first, halving towards the end down to ``tail`` (the last
-    two are ``tail``): ..., 4t, 2t, t, t. Whoever reads the frames as they arrive (a checksum) keeps up with
-    the transfer and has only the last, small frame left when the transfer ends."""
+    """Sizes that cover ``total`` bytes, largest first, halving towards the end down to ``tail`` (the last two are
+    ``tail``): ..., 4t, 2t, t, t. Whoever reads the pieces as they arrive (a checksum) keeps up with the transfer
+    and has only the last, small piece left when the transfer ends."""
     sizes: list[int] = []
     size, left = tail, total
     while left > 0:
@@ -111,16 +111,6 @@ def taper_sizes(total: int, cap: int, tail: int) -> list[int]:
         if len(sizes) >= 2:
             size = min(cap, size * 2)
     return sizes[::-1]
-
-
-def tapered_lanes(entries: list[TransferEntry], lanes: int, cap: int, tail: int) -> list[list[list[TransferEntry]]]:
-    """``lanes`` contiguous shares of the entries (as equal in bytes as the entries allow), each cut into tapered
-    frames (:func:`taper_sizes`), so every lane ends on a small frame."""
-    total = sum(e.length for e in entries)
-    if not total:
-        return []
-    groups = split_into_frames(entries, -(-total // max(1, lanes)))
-    return [cut_frames(g, taper_sizes(sum(e.length for e in g), cap, tail)) for g in groups]
 
 
 def stripe(frames: list[list[TransferEntry]], streams: int) -> list[list[list[TransferEntry]]]:

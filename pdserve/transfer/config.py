@@ -30,9 +30,10 @@ class TransferConfig:
     staging_chunk_bytes: device memory (CUDA) crosses sockets through two pinned host buffers of this
     size: one is copied while the other is sent. Staging runs per frame, so it is a fraction of
     slice_bytes (4 chunks per default frame) for the copies to overlap the socket.
-    tail_slice_bytes: a READ whose caller reads its frames as they arrive (``submit(on_frame=...)``, D's checksum)
-    is cut into frames that halve towards each lane's end, down to this size, so what is left to check when the
-    last byte lands is one small frame (:func:`~pdserve.transfer.batch.tapered_lanes`).
+    piece_bytes, tail_slice_bytes: a tcp READ whose caller reads the bytes as they arrive (``submit(on_frame=...)``,
+    D's checksum) receives and reports each frame in pieces of at most ``piece_bytes``, so the reader finds them
+    in this core's cache; the pieces of a lane's last frame halve down to ``tail_slice_bytes``, so what is left to
+    read when the last byte lands is one small piece (:meth:`~pdserve.transfer.tcp.TcpBackend.run`).
     """
 
     secret: str = ""
@@ -44,6 +45,7 @@ class TransferConfig:
     slice_bytes: int = 4 << 20
     local_slice_bytes: int = 16 << 20
     staging_chunk_bytes: int = 1 << 20
+    piece_bytes: int = 1 << 20
     tail_slice_bytes: int = 256 << 10
     connect_timeout_s: float = 5.0
     default_deadline_s: float = 30.0
@@ -68,7 +70,7 @@ class TransferConfig:
             raise TransferError("config", f"port {self.port} out of range 0-65535 (0 picks a free port)")
         if not 1 <= self.streams <= 64:
             raise TransferError("config", f"streams={self.streams}: use 1 to 64 parallel connections per peer")
-        for name in ("slice_bytes", "local_slice_bytes", "staging_chunk_bytes", "tail_slice_bytes"):
+        for name in ("slice_bytes", "local_slice_bytes", "staging_chunk_bytes", "piece_bytes", "tail_slice_bytes"):
             if getattr(self, name) < 4096:
                 raise TransferError("config", f"{name}={getattr(self, name)}: use at least 4096 bytes")
         if not 1 <= self.max_iov <= 1024:

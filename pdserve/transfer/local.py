@@ -23,7 +23,7 @@ import numpy as np
 
 from . import procmem, wire
 from .backend import Backend, run_lanes
-from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe, tapered_lanes
+from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
 from .errors import TransferError
@@ -142,9 +142,6 @@ class LocalBackend(Backend):
             return self._run_ipc(handle, peer, op, entries)
         config = self.ctx.config
         lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(entries))
-        if op is Op.READ and handle.on_frame is not None:  # checked as it arrives: end every lane on a small frame,
-            copiers = min(len(lanes), max(1, (os.cpu_count() or 1) - 1))  # and leave the checker a core
-            lanes = tapered_lanes(entries, copiers, config.local_slice_bytes, config.tail_slice_bytes)
         kind = "lw" if op is Op.WRITE else "lr"
 
         addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}

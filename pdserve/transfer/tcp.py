@@ -14,7 +14,7 @@ from typing import Any
 
 from . import wire
 from .backend import Backend, parse_entries, run_lanes
-from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe, tapered_lanes
+from .batch import BatchHandle, Op, TransferEntry, cut_frames, split_into_frames, stripe, taper_sizes
 from .connection import Connection
 from .descriptor import SegmentDescriptor
 from .errors import TransferError
@@ -33,10 +33,11 @@ class TcpBackend(Backend):
         return True
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
+        """A READ with ``on_frame`` moves the same frames as one without; the lane receives each frame in pieces of
+        ``piece_bytes`` (its last frame's pieces halving down to ``tail_slice_bytes``) and tells the hook each piece
+        as it lands, while it is still in this core's cache and the peer sends the rest."""
         config = self.ctx.config
         lanes = stripe(split_into_frames(entries, config.slice_bytes), config.streams)
-        if op is Op.READ and handle.on_frame is not None:  # checked as it arrives: end every lane on a small frame
-            lanes = tapered_lanes(entries, len(lanes), config.slice_bytes, config.tail_slice_bytes)
         job = self._write_lane if op is Op.WRITE else self._read_lane
         run_lanes(self.ctx, handle, peer.address, lanes, job)
 
@@ -63,16 +64,29 @@ class TcpBackend(Backend):
         for frame in frames:
             conn.sock.settimeout(handle.remaining())
             wire.send_msg(conn.sock, {"t": "r", "b": handle.batch_id, "e": _peer_rows(frame)})
-        for frame in frames:
+        for i, frame in enumerate(frames):
             conn.sock.settimeout(handle.remaining())
             wire.raise_if_error(wire.recv_msg(conn.sock))
-            parts = self._local_parts(frame)
-            if all_host(parts):
-                wire.recv_into_views(conn.sock, parts, conn.max_iov)  # type: ignore[arg-type]
-            else:
-                recv_parts(parts, self.ctx.staging, lambda v: wire.recv_into_views(conn.sock, v, conn.max_iov),
-                           handle.remaining)
-            handle.frame_arrived(frame)
+            pieces = self._pieces(handle, frame, i == len(frames) - 1)
+            for piece in pieces:
+                self._recv_into(conn, handle, self._local_parts(piece))
+                handle.frame_arrived(piece)
+
+    def _pieces(self, handle: BatchHandle, frame: list[TransferEntry], last: bool) -> list[list[TransferEntry]]:
+        """How a read lane receives ``frame``: whole, or for a hook in pieces (``run``)."""
+        if handle.on_frame is None:
+            return [frame]
+        config = self.ctx.config
+        if not last:
+            return split_into_frames(frame, config.piece_bytes)
+        return cut_frames(frame, taper_sizes(sum(e.length for e in frame), config.piece_bytes, config.tail_slice_bytes))
+
+    def _recv_into(self, conn: Connection, handle: BatchHandle, parts: list[Part]) -> None:
+        if all_host(parts):
+            wire.recv_into_views(conn.sock, parts, conn.max_iov)  # type: ignore[arg-type]
+        else:
+            recv_parts(parts, self.ctx.staging, lambda v: wire.recv_into_views(conn.sock, v, conn.max_iov),
+                       handle.remaining)
 
     # ---- owner side ----
     def server_handlers(self) -> dict[str, Handler]:

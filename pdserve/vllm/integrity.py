@@ -16,9 +16,9 @@ block, a flipped bit on the link) no longer matches and D recomputes. A notifica
 not heard of yet (it learns leases a step or two late) is answered with the sums of the blocks D names, computed
 then; one for a lease P no longer holds gets no sums, and D recomputes.
 
-D (:class:`ReadVerifier`): the read's frames are hashed as they land (:class:`ArrivalHasher`, the transfer
-engine's ``on_frame`` hook, on the lane that received each frame, while the peer moves the next), so when the last
-byte is in only the last small frame is left to hash; then the sums are compared with P's reply.
+D (:class:`ReadVerifier`): a read of 2 MiB or more is hashed as it lands (:class:`ArrivalHasher`, the transfer
+engine's ``on_frame`` hook, on the lane that received each piece, while the peer moves the rest), a smaller one
+after it; then the sums are compared with P's reply.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.transfer import TransferError
-from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, add_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.transfer.checksum import MASK64, WSUM, XXH3, XXH3U, to_u64, wsum_rows, xxh3_spans, xxh3_unit
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.params import LayerGeometry
 
@@ -63,6 +63,7 @@ class BlockSums:
     def __init__(self, layers: Sequence[LayerGeometry], memory: dict[str, Any]) -> None:
         self.layers = list(layers)
         self.memory = memory
+        self._views: dict[str, memoryview] = {}
         self.alg = XXH3U if all(_is_host(memory[g.name]) for g in self.layers) else WSUM
 
     def sums(self, block_ids: Sequence[int], alg: str = "") -> list[int]:
@@ -89,10 +90,20 @@ class BlockSums:
         return out
 
     def _unit_sum(self, block: int) -> int:
-        total = 0
-        for k, span in enumerate(self._host_spans(block)):
-            total = add_u64(total, xxh3_unit(span, k))
-        return total
+        total, k = 0, 0
+        for g in self.layers:  # memoryview slices: cheaper than numpy views, the same bytes
+            view, base = self.view(g.name), block * g.block_stride
+            for off, n in g.block_runs:
+                total += xxh3_unit(view[base + off:base + off + n], k)
+                k += 1
+        return total & MASK64
+
+    def view(self, region: str) -> memoryview:
+        """A memoryview of host region ``region``'s bytes (made once)."""
+        view = self._views.get(region)
+        if view is None:
+            view = self._views[region] = memoryview(self.memory[region])
+        return view
 
     def units(self, block: int) -> list[tuple[str, int, int]]:
         """The block's units in order: (layer region, byte offset, bytes), one per run of each layer."""
@@ -159,9 +170,9 @@ def check_read(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[in
 class ArrivalHasher:
     """D: the ``xxh3u`` sums of one read's blocks (D's ``blocks``), hashed unit by unit while the read's frames
     land. :meth:`frame` is the transfer engine's ``on_frame`` hook: it runs on the transfer lane that received the
-    frame, so the lane hashes frame i while the peer copies or sends frame i+1 (the lane asked for all its frames at
-    once); a unit is hashed once all its bytes are in, by whichever lane completed it (python-xxhash releases the
-    GIL, so lanes hash in parallel). :meth:`result`, after the read succeeded, hashes what no frame reported (data
+    frame (tcp: a piece of it, hashed while still in the cache of the core that received it, as the peer sends
+    the rest; same host: each frame the owner copied, as it answers). A unit is hashed once all its bytes are in,
+    by whichever lane completed it. :meth:`result`, after the read succeeded, hashes what no frame reported (data
     paths without the hook) and returns one sum per block.
 
     ``flip`` (test fault): the first block's first unit gets a byte flipped as it lands, before it is hashed
@@ -172,80 +183,77 @@ class ArrivalHasher:
     def __init__(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> None:
         self.sums, self.blocks, self.flip = sums, list(blocks), flip
         self._slot = {b: i for i, b in enumerate(self.blocks)}
-        self._layers: dict[str, tuple[LayerGeometry, int]] = {}  # region -> (geometry, index of its first unit)
+        self._top = max(self.blocks, default=-1)
+        # region -> (block stride, its runs as (offset, bytes, unit index in the block), its memory)
+        self._regions: dict[str, tuple[int, list[tuple[int, int, int]], memoryview]] = {}
         k = 0
         for g in sums.layers:
-            self._layers[g.name] = (g, k)
-            k += len(g.block_runs)
-        self._partial: dict[tuple[int, int], int] = {}  # (slot, unit index) -> bytes in so far
-        self._done: set[tuple[int, int]] = set()
+            runs = [(off, n, k + j) for j, (off, n) in enumerate(g.block_runs)]
+            self._regions[g.name] = (g.block_stride, runs, sums.view(g.name))
+            k += len(runs)
+        self._per_block = k
+        self._partial: dict[int, int] = {}  # unit id -> bytes in so far, for units split across frames
+        self._done = bytearray(len(self.blocks) * k)  # by unit id: slot * units per block + unit index
+        self._left = len(self._done)
         self._acc = [0] * len(self.blocks)
         self._lock = threading.Lock()
 
     def frame(self, frame: Sequence[Any]) -> None:
         """``frame``'s entries (local region, local offset, ..., length) landed: hash the units they complete."""
-        ready = []
+        ready: list[_Unit] = []
         with self._lock:
             for e in frame:
-                ready += self._arrive(e[0], e[1], e[1] + e[-1])
+                self._arrive(e[0], e[1], e[1] + e[-1], ready)
         self._hash(ready)
 
     def result(self) -> list[int]:
         with self._lock:
-            if len(self._done) == len(self.blocks) * sum(len(g.block_runs) for g, _ in self._layers.values()):
-                return list(self._acc)  # every unit landed through a frame (the usual case)
-            rest = [(slot, k, name, b * g.block_stride + off, n) for slot, b in enumerate(self.blocks)
-                    for name, (g, k0) in self._layers.items() for k, (off, n) in enumerate(g.block_runs, k0)
-                    if (slot, k) not in self._done]  # never reported by a frame: the read succeeded, so they are in
-            self._done.update((slot, k) for slot, k, *_ in rest)
+            rest: list[_Unit] = []
+            if self._left:  # units never reported by a frame: the read succeeded, so they are in
+                for name in self._regions:
+                    self._arrive(name, 0, 1 << 62, rest)
         self._hash(rest)
-        return list(self._acc)
+        return [value & MASK64 for value in self._acc]
 
-    def _arrive(self, name: str, lo: int, hi: int) -> list[tuple[int, int, str, int, int]]:
-        """The units that bytes [lo, hi) of region ``name`` complete: (slot, unit index, region, offset, bytes)."""
-        layer = self._layers.get(name)
-        if layer is None:
-            return []
-        g, k0 = layer
-        out: list[tuple[int, int, str, int, int]] = []
-        pos = lo
-        while pos < hi:
-            at = self._unit_at(g, pos)
-            if at is None:
-                return out  # not a unit of this read (cannot happen for the connector's entries)
-            j, block, within = at
-            n = g.block_runs[j][1]
-            take = min(hi - pos, n - within)
-            key = (self._slot[block], k0 + j)
-            got = self._partial.pop(key, 0) + take
-            if got < n:
-                self._partial[key] = got
-            elif key not in self._done:
-                self._done.add(key)
-                out.append((*key, name, pos - within, n))
-            pos += take
-        return out
+    def _arrive(self, name: str, lo: int, hi: int, out: list[_Unit]) -> None:
+        """Add to ``out`` the units of this read that bytes [lo, hi) of region ``name`` complete."""
+        region = self._regions.get(name)
+        if region is None:
+            return
+        stride, runs, view = region
+        slot_of, done, per_block, add, before = self._slot.get, self._done, self._per_block, out.append, len(out)
+        for off, n, k in runs:  # the unit of block b in this run: [off + b * stride, +n)
+            for b in range(max(0, (lo - off - n) // stride + 1), min((hi - off - 1) // stride, self._top) + 1):
+                slot = slot_of(b)
+                if slot is None or done[uid := slot * per_block + k]:
+                    continue
+                start = off + b * stride
+                if start < lo or start + n > hi:  # the unit is split across frames
+                    got = self._partial.pop(uid, 0) + min(hi, start + n) - max(lo, start)
+                    if got < n:
+                        self._partial[uid] = got
+                        continue
+                done[uid] = 1
+                add((slot, k, start, start + n, view))
+        self._left -= len(out) - before
 
-    def _unit_at(self, g: LayerGeometry, pos: int) -> tuple[int, int, int] | None:
-        """(run, block, bytes into the run) of the unit of this read holding byte ``pos`` of ``g``'s region."""
-        for j, (off, n) in enumerate(g.block_runs):
-            block, within = divmod(pos - off, g.block_stride)
-            if pos >= off and within < n and block in self._slot:
-                return j, block, within
-        return None
-
-    def _hash(self, units: list[tuple[int, int, str, int, int]]) -> None:
-        for slot, k, name, off, n in units:
-            if self.flip and slot == 0 and k == 0:
-                self.sums.flip_byte(self.blocks[0])
-                log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed",
-                            self.blocks[0])
-            value = xxh3_unit(self.sums.memory[name][off:off + n], k)
-            with self._lock:
-                self._acc[slot] = add_u64(self._acc[slot], value)
+    def _hash(self, units: list[_Unit]) -> None:
+        if not units:
+            return
+        if self.flip and any(slot == 0 and k == 0 for slot, k, *_ in units):
+            self.sums.flip_byte(self.blocks[0])
+            log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed", self.blocks[0])
+        values = [xxh3_unit(view[lo:hi], k) for _, k, lo, hi, view in units]
+        with self._lock:
+            acc = self._acc  # summed mod 2**64 in result()
+            for unit, value in zip(units, values):
+                acc[unit[0]] += value
 
 
-STREAM_MIN_BYTES = 2 << 20  # smaller reads are hashed after they land: tapered frames cost more than they hide
+_Unit = tuple[int, int, int, int, memoryview]  # a landed unit: (slot in the read, unit index, start, end, memory)
+
+
+STREAM_MIN_BYTES = 2 << 20  # smaller reads are hashed after they land: cheaper at 1 MiB (transfer_bench)
 
 
 class ReadVerifier:

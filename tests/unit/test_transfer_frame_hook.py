@@ -1,6 +1,7 @@
-"""Issue 27, checking a read while it lands: a READ submitted with ``on_frame`` is cut into frames that halve
-towards each lane's end, and the hook sees every frame once its bytes are in local memory, before the batch's
-notification is sent, on the tcp and the same-host (process_vm_readv) paths."""
+"""Issue 27, checking a read while it lands: the hook of a READ submitted with ``on_frame`` sees every byte once,
+after it is in local memory and before the batch's notification is sent. tcp moves the same frames as without a
+hook and reports them in pieces as they land (each lane's last pieces halving to a small tail); the same-host path
+(the owner's process_vm_writev) reports its frames as the owner answers them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdserve.transfer import TransferConfig, TransferEngine
-from pdserve.transfer.batch import TransferEntry, cut_frames, merge_contiguous, taper_sizes, tapered_lanes
+from pdserve.transfer.batch import TransferEntry, cut_frames, merge_contiguous, taper_sizes
 
 SECRET = "0123456789abcdef-frame-hook"
 MiB = 1 << 20
@@ -28,20 +29,18 @@ def test_taper_sizes_halve_towards_a_small_tail_and_cover_the_total():
         assert all(a >= b or a == sizes[0] for a, b in zip(sizes, sizes[1:]))
 
 
-def test_tapered_lanes_cover_every_byte_once_and_each_lane_ends_small():
-    entries = [E(i * 4096, 10 * i * 4096, 4096) for i in range(1000)]  # gaps on the peer side: no merges
-    lanes = tapered_lanes(entries, 3, MiB, 64 << 10)
-    assert len(lanes) == 3
-    assert all(sum(e.length for e in lane[-1]) <= 64 << 10 for lane in lanes)
-    pieces = [e for lane in lanes for f in lane for e in f]
-    assert merge_contiguous(pieces) == entries
-    assert tapered_lanes([], 2, MiB, 4096) == []
+def test_cut_frames_cuts_entries_into_consecutive_sizes():
     assert cut_frames([E(0, 0, 10)], iter([4, 4])) == [[E(0, 0, 4)], [E(4, 4, 4)], [E(8, 8, 2)]]
+    entries = [E(i * 4096, 10 * i * 4096, 4096) for i in range(100)]  # gaps on the peer side: no merges
+    frames = cut_frames(entries, taper_sizes(100 * 4096, 64 << 10, 8192))
+    assert merge_contiguous([e for f in frames for e in f]) == entries
+    assert [sum(e.length for e in f) for f in frames][-3:] == [16384, 8192, 8192]
 
 
 @pytest.mark.parametrize("backend", ["tcp", "local"])
 def test_on_frame_sees_every_frame_landed_before_the_notification(backend):
-    conf = TransferConfig(secret=SECRET, slice_bytes=MiB, local_slice_bytes=MiB, tail_slice_bytes=64 << 10)
+    conf = TransferConfig(secret=SECRET, slice_bytes=MiB, local_slice_bytes=MiB, piece_bytes=256 << 10,
+                          tail_slice_bytes=64 << 10)
     owner, reader = TransferEngine(conf), TransferEngine(conf)
     try:
         src = np.random.default_rng(0).integers(0, 255, 8 * MiB, dtype=np.uint8)
@@ -66,10 +65,13 @@ def test_on_frame_sees_every_frame_landed_before_the_notification(backend):
         handle = reader.submit(peer, entries, "read", notify="n", backend=backend, on_frame=hook)
         handle.result()
         assert np.array_equal(dst.reshape(128, -1), src.reshape(128, -1)[::-1])
-        covered = sorted((e.local_offset, e.length) for f in frames for e in f)
-        assert sum(n for _, n in covered) == 8 * MiB and len(frames) >= 4
-        assert all(sum(e.length for e in f) <= MiB for f in frames)
-        assert min(sum(e.length for e in f) for f in frames) <= 64 << 10  # a lane ended on a small frame
+        landed = sorted((e for f in frames for e in f), key=lambda e: e.local_offset)
+        assert merge_contiguous(landed) == sorted(TransferEntry(*e) for e in entries)  # every byte, once
+        sizes = [sum(e.length for e in f) for f in frames]
+        if backend == "tcp":  # pieces of the same 1 MiB frames, each lane's last ones halving to 64 KiB
+            assert max(sizes) <= 256 << 10 and sizes.count(64 << 10) >= 2 * conf.streams
+        else:  # the owner's frames, as without a hook
+            assert sizes == [MiB] * 8
         assert order[-1] == "notify" and order.count("notify") == 1
         plain = reader.submit(peer, entries, "read", backend=backend)  # no hook: frames as before
         plain.result()
