@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pdserve.bench.traces import default_trace, trace_lines  # noqa: E402
+from pdserve.bench.traces import TraceRow, conversation_rows, default_trace, load_trace  # noqa: E402
 from pdserve.config import LauncherConfig  # noqa: E402
 from pdserve.launcher import Cluster  # noqa: E402
 from pdserve.models import build_random_llama  # noqa: E402
@@ -36,68 +36,21 @@ from pdserve.models import build_random_llama  # noqa: E402
 TRACE_BLOCK = 512
 
 
-def load_rows(path: Path, start: int, n: int) -> list[dict]:
-    rows = []
-    for i, (_, line) in enumerate(trace_lines(path)):
-        if i >= start:
-            rows.append(json.loads(line))
-        if len(rows) == n:
-            break
-    return rows
+def select_rows(path: Path, start: int, n: int, target: float) -> list[TraceRow]:
+    """``n`` rows from ``start`` on with prefix reuse near ``target``: conversations' later turns together with the
+    earlier turn they extend (:func:`pdserve.bench.traces.conversation_rows`; consecutive rows reuse only ~5%: a
+    conversation's turns are far apart in the trace)."""
+    return conversation_rows(load_trace(path, start), n, target)
 
 
-def _shared_blocks(rows: list[dict]) -> tuple[int, int]:
-    """(leading blocks shared with an earlier row, all blocks), summed over rows in order."""
-    seen: set[tuple] = set()
-    shared = total = 0
-    for r in rows:
-        h = r["hash_ids"]
-        k = 0
-        while k < len(h) and tuple(h[:k + 1]) in seen:
-            k += 1
-        shared, total = shared + k, total + len(h)
-        seen.update(tuple(h[:i + 1]) for i in range(len(h)))
-    return shared, total
-
-
-def select_rows(path: Path, start: int, n: int, target: float, scan: int = 12031) -> list[dict]:
-    """``n`` rows, in trace order, whose prefix reuse (leading blocks shared with an earlier chosen row, over
-    all blocks) is near ``target``: later turns of conversations together with the earlier turn they extend,
-    and rows that extend nothing mixed in whenever the running ratio is above the target. (Consecutive rows
-    reuse only ~5%: a conversation's turns are far apart in the trace.)"""
-    rows = load_rows(path, start, scan)
-    first_with: dict[tuple, int] = {}
-    parent: dict[int, int] = {}
-    for i, r in enumerate(rows):
-        h = r["hash_ids"]
-        k = 0
-        while k < len(h) and tuple(h[:k + 1]) in first_with:
-            k += 1
-        if k > 1:  # more than the shared system-prompt block
-            parent[i] = first_with[tuple(h[:k])]
-        for j in range(len(h)):
-            first_with.setdefault(tuple(h[:j + 1]), i)
-    singles = [i for i in range(len(rows)) if i not in parent and i not in set(parent.values())]
-    chosen: set[int] = set()
-    children = sorted(parent)
-    while len(chosen) < n and (children or singles):
-        shared, total = _shared_blocks([rows[i] for i in sorted(chosen)]) if chosen else (0, 0)
-        if singles and (not children or (total and shared / total > target)):
-            chosen.add(singles.pop(0))
-        else:
-            child = children.pop(0)
-            chosen.update((parent[child], child) if len(chosen) + 2 <= n else (child,))
-    return [rows[i] for i in sorted(chosen)]
-
-
-def build_prompts(rows: list[dict], scale: float, max_input: int, vocab: int) -> list[list[int]]:
+def build_prompts(rows: list[TraceRow], scale: float, max_input: int, vocab: int) -> list[list[int]]:
     block = max(1, round(TRACE_BLOCK * scale))
     out = []
     for row in rows:
         toks: list[int] = []
-        for h in row["hash_ids"]:
+        for h in row.hash_ids:
             toks += np.random.default_rng(1_000_003 + h).integers(1000, vocab, block).tolist()
-        out.append(toks[:min(max_input, max(block, round(row["input_length"] * scale)))])
+        out.append(toks[:min(max_input, max(block, round(row.input_length * scale)))])
     return out
 
 

@@ -15,10 +15,10 @@ per-run figures (:func:`kv_figures`):
   (``vllm:mooncake_store_operation_keys_total{operation="load_get"}``, one key a block at TP 1) times the block size.
   ``prefill_external_tokens``: the prefill workers' ``external_kv_transfer`` prompt tokens (a prefill worker's only
   outside source is the pool).
-- ``pool_get_gbps`` / ``pool_put_gbps``: Mooncake Store's load / save bytes over the seconds its operations took
-  (``vllm:mooncake_store_operation_{bytes_total,time_seconds_sum}``). pdserve's pool counts bytes
-  (``vllm:pdserve_kv_pool_{load,save}_bytes_total``: ``pool_get_bytes`` / ``pool_put_bytes``) but not the time
-  its loads and saves take, so its rate is not measurable from outside (None).
+- ``pool_get_gbps`` / ``pool_put_gbps``: a pool's load / save bytes over the seconds its get / put calls took:
+  Mooncake Store's ``vllm:mooncake_store_operation_{bytes_total,time_seconds_sum}``, pdserve's pool's
+  ``vllm:pdserve_kv_pool_{load,save}_{bytes,seconds}_total`` (both time the store's call: master RPCs and the
+  bytes' transfer, not the seals or the scheduling around it). ``pool_get_bytes`` / ``pool_put_bytes``: the bytes.
 """
 
 from __future__ import annotations
@@ -79,10 +79,15 @@ def kv_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, f
             every[k] = every.get(k, 0.0) + v
     src = "vllm:prompt_tokens_by_source_total"
     plane = max((_plane_bytes(c) for c in d.values()), default=0.0)
-    get_b = _sum(every, "vllm:mooncake_store_operation_bytes_total", 'operation="load_get"')
-    put_b = _sum(every, "vllm:mooncake_store_operation_bytes_total", 'operation="save_put"')
-    get_s = _sum(every, "vllm:mooncake_store_operation_time_seconds_sum", 'operation="load_get"')
-    put_s = _sum(every, "vllm:mooncake_store_operation_time_seconds_sum", 'operation="save_put"')
+    store = "vllm:mooncake_store_operation_"
+    get_b = (_sum(every, store + "bytes_total", 'operation="load_get"')
+             + _sum(every, "vllm:pdserve_kv_pool_load_bytes_total"))
+    put_b = (_sum(every, store + "bytes_total", 'operation="save_put"')
+             + _sum(every, "vllm:pdserve_kv_pool_save_bytes_total"))
+    get_s = (_sum(every, store + "time_seconds_sum", 'operation="load_get"')
+             + _sum(every, "vllm:pdserve_kv_pool_load_seconds_total"))
+    put_s = (_sum(every, store + "time_seconds_sum", 'operation="save_put"')
+             + _sum(every, "vllm:pdserve_kv_pool_save_seconds_total"))
     return {
         "kv_bytes_per_request": round(plane / requests, 1) if requests else None,
         "prefill_tokens_computed": int(_sum(every, src, 'source="local_compute"')),
@@ -91,8 +96,8 @@ def kv_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, f
                                + _sum(every, "vllm:mooncake_store_operation_keys_total", 'operation="load_get"')
                                * block_size),
         "prefill_external_tokens": int(_sum(d.get("prefill", {}), src, 'source="external_kv_transfer"')),
-        "pool_get_bytes": int(get_b or _sum(every, "vllm:pdserve_kv_pool_load_bytes_total")),
-        "pool_put_bytes": int(put_b or _sum(every, "vllm:pdserve_kv_pool_save_bytes_total")),
+        "pool_get_bytes": int(get_b),
+        "pool_put_bytes": int(put_b),
         "pool_get_gbps": _gbps(get_b, get_s),
         "pool_put_gbps": _gbps(put_b, put_s),
     }

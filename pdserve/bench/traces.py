@@ -16,6 +16,11 @@ structure: what was a shared 512-token block is a shared smaller block. ``output
 lengths, ``time_scale`` multiplies inter-arrival times (0.5 = twice as fast); ``rate`` instead rescales time so
 the mean arrival rate over the selected rows is that many requests per second. Finally lengths are capped:
 ``max_output``, then the input to ``min(max_input, max_model_len - output)``.
+
+Row choice: consecutive rows from ``start``, or (:func:`conversation_rows`, the workload's ``reuse=R``) later
+turns of conversations with the earlier turn each extends, at a block-level prefix reuse near ``R``: a
+conversation's next turn is 100-300 rows after its last in the conversation trace, so consecutive rows share
+little beyond a one-block system prompt.
 """
 
 from __future__ import annotations
@@ -170,6 +175,51 @@ def load_trace(path: str | Path | None = None, start: int = 0, limit: int | None
     if not rows:
         raise TraceError(f"{p}: no rows from index {start}")
     return rows
+
+
+def _shared_blocks(rows: Sequence[TraceRow]) -> tuple[int, int]:
+    """(leading blocks each row shares with an earlier one, all blocks), summed over ``rows`` in order."""
+    seen: set[tuple[int, ...]] = set()
+    shared = total = 0
+    for r in rows:
+        h = r.hash_ids
+        k = 0
+        while k < len(h) and h[:k + 1] in seen:
+            k += 1
+        shared, total = shared + k, total + len(h)
+        seen.update(h[:i + 1] for i in range(len(h)))
+    return shared, total
+
+
+def conversation_rows(rows: Sequence[TraceRow], n: int, target: float) -> list[TraceRow]:
+    """``n`` of ``rows``, in trace order, whose prefix reuse (leading blocks shared with an earlier chosen row, over
+    all blocks) is near ``target``: later turns of conversations together with the earlier turn they extend, and
+    rows that extend nothing mixed in whenever the running ratio is above the target. Consecutive rows reuse
+    little beyond a one-block system prompt (a conversation's next turn is 100-300 rows later in the conversation
+    trace), so a slice of consecutive rows cannot show a pool's value; these rows can."""
+    first_with: dict[tuple[int, ...], int] = {}
+    parent: dict[int, int] = {}
+    for i, r in enumerate(rows):
+        h = r.hash_ids
+        k = 0
+        while k < len(h) and h[:k + 1] in first_with:
+            k += 1
+        if k > 1:  # more than the shared system-prompt block
+            parent[i] = first_with[h[:k]]
+        for j in range(len(h)):
+            first_with.setdefault(h[:j + 1], i)
+    parents = set(parent.values())
+    singles = [i for i in range(len(rows)) if i not in parent and i not in parents]
+    chosen: set[int] = set()
+    children = sorted(parent)
+    while len(chosen) < n and (children or singles):
+        shared, total = _shared_blocks([rows[i] for i in sorted(chosen)]) if chosen else (0, 0)
+        if singles and (not children or (total and shared / total > target)):
+            chosen.add(singles.pop(0))
+        else:
+            child = children.pop(0)
+            chosen.update((parent[child], child) if len(chosen) + 2 <= n else (child,))
+    return [rows[i] for i in sorted(chosen)]
 
 
 def scale_rows(rows: Sequence[TraceRow], scale: TraceScale) -> list[ScaledRequest]:

@@ -22,7 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from .traces import TOKEN_LOW, TraceError, TraceScale, default_trace, load_trace, prompt_ids, scale_rows, trace_summary
+from .traces import (
+    TOKEN_LOW,
+    TraceError,
+    TraceScale,
+    conversation_rows,
+    default_trace,
+    load_trace,
+    prompt_ids,
+    scale_rows,
+    trace_summary,
+)
 
 
 @dataclass
@@ -102,13 +112,20 @@ def _arrivals(rng: np.random.Generator, rate: float, n: int, process: str) -> li
 
 def trace_workload(path: str = "", start: int = 0, requests: int = 100,
                    scale: TraceScale = TraceScale(), vocab_size: int = 32000, seed: int = 0,
-                   concurrency: int | None = None, name: str = "trace") -> Workload:
+                   concurrency: int | None = None, name: str = "trace", reuse: float | None = None) -> Workload:
+    """Rows ``start ..`` of a trace, consecutive, or with ``reuse`` (0-1) conversations' turns picked from every row
+    after ``start`` (:func:`~pdserve.bench.traces.conversation_rows`, prefix reuse near that block ratio)."""
     path = path or str(default_trace())  # "" = $PDSERVE_TRACE or the packaged conversation trace
-    rows = load_trace(path, start=start, limit=requests)
+    if reuse is not None and not 0 <= reuse < 1:
+        raise TraceError(f"reuse={reuse!r}: give the block-level prefix reuse to aim at, 0 <= reuse < 1 (e.g. 0.32)")
+    if reuse is None:
+        rows = load_trace(path, start=start, limit=requests)
+    else:
+        rows = conversation_rows(load_trace(path, start=start), requests, reuse)
     scaled = scale_rows(rows, scale)
     sessions = [Session(r.index, r.arrival_s, [Turn(prompt_ids(r, scale.block_tokens, vocab_size, seed),
                                                     r.output_length)]) for r in scaled]
-    info = {"kind": "trace", "path": str(path), "start": start, **trace_summary(scaled),
+    info = {"kind": "trace", "path": str(path), "start": start, "reuse": reuse, **trace_summary(scaled),
             "block_tokens": scale.block_tokens, "scale": scale.__dict__}
     return Workload(name, sessions, concurrency, info)
 

@@ -132,6 +132,23 @@ def lora_argv(worker: WorkerConfig) -> list[str]:
 # with the model in the engine core, all took 0.05-0.1 s (docs/bench.md, "Pools"). Same model code and hooks.
 UNI_EXECUTOR_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
+# vLLM 0.32 pins a CPU worker's OpenMP threads only in its multiprocess executor, which sets these per worker
+# process from VLLM_CPU_OMP_THREADS_BIND (vllm/utils/ompmultiprocessing.py). Under the uni executor nothing reads
+# that variable: torch starts one unpinned OpenMP thread per core of the machine in every worker, so P's prefill
+# and D's decode share every core and each parallel region waits for a thread the other worker's descheduled
+# (docs/bench.md, "Data planes and pools": D's decode steps of 2-5 requests took ~1 s). The launcher sets them
+# itself for such a worker: libgomp binds the process's first thread when torch loads, and every thread started
+# after (the engine core, its model, the connector's) inherits the worker's cores.
+OMP_PIN_VARS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")
+
+
+def omp_pin_env(cores: Sequence[int]) -> dict[str, str]:
+    """OpenMP's variables that keep a worker's threads on ``cores``, one thread per core, as vLLM's multiprocess
+    executor sets them without a preloaded OpenMP runtime."""
+    ids = sorted(set(cores))
+    return {"OMP_NUM_THREADS": str(len(ids)), "OMP_PLACES": "{" + ",".join(str(c) for c in ids) + "}",
+            "OMP_PROC_BIND": "true"}
+
 
 def worker_env(worker: WorkerConfig) -> dict[str, str]:
     """Variables the launcher sets for one worker (on top of its own environment; the secret comes apart)."""
@@ -143,6 +160,9 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = worker.omp_bind_ranks if worker.tp > 1 else worker.omp_bind
         if worker.tp == 1 and UNI_EXECUTOR_ENV not in os.environ:  # see UNI_EXECUTOR_ENV; a value set wins
             env.setdefault(UNI_EXECUTOR_ENV, "0")
+        uni = worker.tp == 1 and env.get(UNI_EXECUTOR_ENV, os.environ.get(UNI_EXECUTOR_ENV)) == "0"
+        if uni and not any(v in env or v in os.environ for v in OMP_PIN_VARS):  # see OMP_PIN_VARS; values set win
+            env.update(omp_pin_env(worker.cores))
     env["PYTHONUNBUFFERED"] = "1"
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
         env[RUNTIME_UPDATES_ENV] = "True"

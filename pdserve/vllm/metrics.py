@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 _COUNTERS = ("reads", "read_failures", "read_bytes", "released_notified", "released_lease",
-             "pool_loads", "pool_load_failures", "pool_loaded_tokens", "pool_load_bytes",
-             "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes",
+             "pool_loads", "pool_load_failures", "pool_loaded_tokens", "pool_load_bytes", "pool_load_seconds",
+             "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes", "pool_save_seconds",
              "checksum_failures_p2p", "checksum_failures_pool")
 CHECKSUM_PATHS = {"checksum_failures_p2p": "p2p", "checksum_failures_pool": "pool"}
 
@@ -71,10 +71,12 @@ class PdservePromMetrics(KVConnectorPromMetrics):
                 "pool_load_failures": "KV pool loads that failed in part or whole (those blocks recomputed)",
                 "pool_loaded_tokens": "prompt tokens whose KV was loaded from the KV pool, not computed",
                 "pool_load_bytes": "KV bytes loaded from the KV pool",
+                "pool_load_seconds": "seconds the KV pool's get calls took (master RPCs and the transfer)",
                 "pool_saves": "finished requests whose full blocks were offered to the KV pool",
                 "pool_save_failures": "KV pool saves that failed (the pool is a cache: nothing else happens)",
                 "pool_saved_blocks": "KV blocks newly written to the KV pool",
-                "pool_save_bytes": "KV bytes written to the KV pool"}
+                "pool_save_bytes": "KV bytes written to the KV pool",
+                "pool_save_seconds": "seconds the KV pool's put calls took (master RPCs and the transfer)"}
         self.counters = {key: per_engine(self._counter_cls(name=f"vllm:pdserve_kv_{key}", documentation=doc,
                                                            labelnames=labelnames))
                          for key, doc in docs.items()}

@@ -28,8 +28,10 @@ class PoolIO:
 
     @staticmethod
     def run_job(io: PoolIO | None, job: PoolJob) -> tuple[int, dict[str, Any]]:
-        """Run ``job`` on ``io`` (None: no pool here); (blocks that made it, stats with ``ms``, ``error`` on a
-        failure). Never raises: the pool is a cache, a failure costs a recompute, never a wrong token."""
+        """Run ``job`` on ``io`` (None: no pool here); (blocks that made it, stats with ``ms`` (the whole job),
+        ``io_s`` (the store's put or get call alone: master RPCs and the bytes' transfer, not the seals, as
+        Mooncake Store's connector times its own), ``error`` on a failure). Never raises: the pool is a cache, a
+        failure costs a recompute, never a wrong token."""
         t0 = time.perf_counter()
         good = 0
         stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
@@ -62,15 +64,17 @@ class PoolIO:
         sums = self.sums.sums(job.block_ids) if self.checksum else [0] * len(slots)
         for slot, value in zip(slots, sums):
             self.slots.write(slot, self.sums.alg if self.checksum else "", self.fingerprint, value)
+        t0 = time.perf_counter()
         statuses = self.pool.put(items)
         stored = statuses.count("stored")
         return stored + statuses.count("exists"), {
             "blocks": len(job.keys), "stored": stored, "bytes": stored * self.block_bytes,
-            "full": statuses.count("full"), "failed": statuses.count("failed")}
+            "full": statuses.count("full"), "failed": statuses.count("failed"), "io_s": time.perf_counter() - t0}
 
     def _load(self, job: PoolJob, items: list, slots: list[int]) -> tuple[int, dict[str, Any]]:
+        t0 = time.perf_counter()
         good = loaded_prefix(self.pool.get_into(items))
-        stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0}
+        stats: dict[str, Any] = {"blocks": len(job.keys), "bytes": 0, "io_s": time.perf_counter() - t0}
         checked, corrupt = self.verified(job, slots, good)
         if checked < good:
             stats["seal_failures"] = 1

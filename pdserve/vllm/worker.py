@@ -381,12 +381,14 @@ class WorkerSide:
                 data["pool_save_failures"] += 0 if ok else 1
                 data["pool_saved_blocks"] += stats.get("stored", 0)
                 data["pool_save_bytes"] += stats["bytes"]
+                data["pool_save_seconds"] += stats.get("io_s", 0.0)
                 continue
             recving.add(job.req_id)
             data["pool_loads"] += 1
             data["checksum_failures_pool"] += stats.get("seal_failures", 0)
             data["pool_loaded_tokens"] += good * self.block_size
             data["pool_load_bytes"] += stats["bytes"]
+            data["pool_load_seconds"] += stats.get("io_s", 0.0)
             if good < len(job.block_ids):  # the rest is recomputed: vLLM keeps the valid prefix
                 failed.add(job.req_id)
                 self._invalid.update(job.block_ids[good:])

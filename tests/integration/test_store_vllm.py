@@ -150,6 +150,7 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
         computed = _tokens(server.complete(prompt, GEN))
         _wait_pooled(client, keys)
         assert _wait_metric(server, "vllm:pdserve_kv_pool_saved_blocks_total", 7) == 7
+        assert server.metric("vllm:pdserve_kv_pool_save_seconds_total") > 0  # the put's own time (bench's GB/s)
         assert server.metric("vllm:pdserve_kv_pool_loaded_tokens_total") == 0
         ext0 = _by_source(server, "external_kv_transfer")
 
@@ -168,6 +169,7 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
         loaded = _tokens(server.complete(prompt, GEN))
         assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 7 * BLOCK) == 7 * BLOCK
         assert server.metric("vllm:pdserve_kv_pool_load_failures_total") == 0
+        assert server.metric("vllm:pdserve_kv_pool_load_seconds_total") > 0  # the get's own time (bench's GB/s)
         assert _by_source(server, "external_kv_transfer") - ext0 == 7 * BLOCK  # vLLM's own count: loaded
         assert _by_source(server, "local_compute") - local0 == 1000 - 7 * BLOCK  # ... not computed
         assert loaded == computed

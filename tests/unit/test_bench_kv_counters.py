@@ -17,7 +17,8 @@ def test_pdserve_plane_and_pool():
         "prefill": {_src("local_compute"): 1100.0, _src("external_kv_transfer"): 512.0,
                     _src("local_cache_hit"): 256.0, "vllm:pdserve_kv_pool_load_bytes_total": 4e6,
                     "vllm:pdserve_kv_pool_loaded_tokens_total": 512.0,
-                    "vllm:pdserve_kv_pool_save_bytes_total": 8e6},
+                    "vllm:pdserve_kv_pool_save_bytes_total": 8e6,
+                    "vllm:pdserve_kv_pool_load_seconds_total": 0.002, "vllm:pdserve_kv_pool_save_seconds_total": 0.016},
         "decode": {_src("external_kv_transfer"): 1500.0, "vllm:pdserve_kv_read_bytes_total": 3e6},
     }
     f = kv_figures(before, after, requests=3)
@@ -25,7 +26,9 @@ def test_pdserve_plane_and_pool():
     assert (f["prefill_tokens_computed"], f["prefix_cache_tokens"], f["pool_hit_tokens"]) == (1000, 256, 512)
     assert f["prefill_external_tokens"] == 512
     assert (f["pool_get_bytes"], f["pool_put_bytes"]) == (4_000_000, 8_000_000)
-    assert f["pool_get_gbps"] is None and f["pool_put_gbps"] is None  # pdserve's pool times nothing
+    assert (f["pool_get_gbps"], f["pool_put_gbps"]) == (2.0, 0.5)  # its get and put calls' own seconds
+    untimed = {"prefill": {"vllm:pdserve_kv_pool_save_bytes_total": 8e6}}  # a worker from before the timers
+    assert kv_figures({}, untimed, 1)["pool_put_gbps"] is None
 
 
 def test_nixl_and_mooncake_planes_take_the_larger_side():

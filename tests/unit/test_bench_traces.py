@@ -14,6 +14,7 @@ from pdserve.bench.traces import (
     TraceError,
     TraceRow,
     TraceScale,
+    conversation_rows,
     default_trace,
     load_trace,
     parse_row,
@@ -178,3 +179,23 @@ def test_spread_dequantizes_bursts(trace):
     assert spread_timestamps([0, 3000, 9000, 9000]) == [0, 3000, 9000, 11250]
     reqs = scale_rows(load_trace(trace), TraceScale(spread=True))
     assert [r.arrival_s for r in reqs] == [0.0, 2.0, 4.0, 8.0]  # distinct stamps: unchanged
+
+
+def test_conversation_rows_keep_a_later_turn_with_the_turn_it_extends(tmp_path):
+    # rows 1 and 4 are one conversation's turns (row 4 extends row 1 by two blocks), three rows apart; rows 0, 2
+    # and 3 share only the one-block system prompt (id 0) or nothing
+    rows = [{"timestamp": 1000 * i, "input_length": 512 * len(h), "output_length": 4, "hash_ids": h}
+            for i, h in enumerate([[0, 1], [0, 2, 3], [4, 5], [0, 6], [0, 2, 3, 7, 8], [9]])]
+    p = tmp_path / "conv.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    picked = conversation_rows(load_trace(p), 3, 0.3)
+    # the turn pair first, then a row that extends nothing once the reuse (3 of 8 blocks) is above the target
+    assert [r.hash_ids for r in picked] == [(0, 1), (0, 2, 3), (0, 2, 3, 7, 8)]  # in trace order
+    consecutive = build_workload(f"trace:path={p},requests=3,input_scale=0.25")
+    turns = build_workload(f"trace:path={p},requests=2,input_scale=0.25,reuse=0.3")
+    a, b = (s.turns[0].prompt_ids for s in turns.sessions)
+    assert shared_prefix_len(a, b) == 3 * 128 and turns.info["reuse"] == 0.3  # the whole earlier turn is reused
+    c = [s.turns[0].prompt_ids for s in consecutive.sessions]
+    assert max(shared_prefix_len(x, y) for x, y in ((c[0], c[1]), (c[0], c[2]), (c[1], c[2]))) == 128
+    with pytest.raises(TraceError, match="reuse"):
+        build_workload(f"trace:path={p},reuse=1.5")

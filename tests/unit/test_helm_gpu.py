@@ -82,6 +82,24 @@ def test_nixl_extra_config_and_cpu_buffer():
                                                                                    "kv_lease_duration": 30}
 
 
+def _progress(sets: tuple[str, ...], role: str) -> str | None:
+    env = {e["name"]: e.get("value") for e in container(deployments(sets)[f"{FULL}-{role}"], "vllm")["env"]}
+    return env.get("PDSERVE_NIXL_PROGRESS")
+
+
+def test_nixl_progress_thread_idles_on_cpu_pods_only():
+    """NIXL's UCX progress thread spins a core per worker (docs/architecture.md, "NIXL's progress thread"): CPU pods
+    get PDSERVE_NIXL_PROGRESS=idle as the launcher's CPU workers do, GPU pods keep NIXL's own; nixl.progress
+    overrides; pdserve's connector gets nothing."""
+    mixed = ("kvConnector=nixl", "prefill.gpus=0", "decode.gpus=1")
+    assert (_progress(mixed, "prefill"), _progress(mixed, "decode")) == ("idle", None)
+    assert _progress((*mixed, "nixl.progress=idle"), "decode") == "idle"
+    assert _progress((*mixed, "nixl.progress=default"), "prefill") is None
+    assert _progress(("prefill.gpus=0",), "prefill") is None  # pdserve's connector: no NIXL
+    out = helm_template(sets=(*mixed, "nixl.progress=spin"))
+    assert out.returncode != 0 and "progress" in out.stderr
+
+
 def test_nixl_refusals():
     out = helm_template(sets=("kvConnector=nixl", "store.enabled=true"))
     assert out.returncode != 0 and "store.enabled with kvConnector=nixl" in out.stderr

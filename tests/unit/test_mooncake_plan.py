@@ -156,3 +156,26 @@ def test_single_rank_cpu_workers_run_the_model_in_the_engine_core(monkeypatch):
     assert env(cores=(0,), env={UNI_EXECUTOR_ENV: "1"})[UNI_EXECUTOR_ENV] == "1"
     monkeypatch.setenv(UNI_EXECUTOR_ENV, "1")  # set in the launcher's own environment: the workers inherit it
     assert UNI_EXECUTOR_ENV not in env(cores=(0,))
+
+
+def test_uni_executor_workers_pin_their_openmp_threads_to_their_cores(monkeypatch):
+    """vLLM pins OpenMP threads only in its multiprocess executor: a uni-executor CPU worker gets OMP_NUM_THREADS,
+    OMP_PLACES and OMP_PROC_BIND for its own cores from the launcher (else torch runs one unpinned thread per core
+    of the machine in every worker); TP (vLLM's executor pins), GPU and multiprocess workers get none; values set in
+    the worker's or the launcher's env win."""
+    from pdserve.launch.commands import OMP_PIN_VARS, UNI_EXECUTOR_ENV
+
+    for var in (UNI_EXECUTOR_ENV, *OMP_PIN_VARS):
+        monkeypatch.delenv(var, raising=False)
+
+    def env(**kw):
+        return worker_env(WorkerConfig(role="decode", index=0, model="/m", port=8100, **kw))
+
+    one = env(cores=(1,))
+    assert (one["OMP_NUM_THREADS"], one["OMP_PLACES"], one["OMP_PROC_BIND"]) == ("1", "{1}", "true")
+    assert env(cores=(3, 2))["OMP_PLACES"] == "{2,3}" and env(cores=(3, 2))["OMP_NUM_THREADS"] == "2"
+    for other in (env(cores=(0, 1), tp=2), env(cores=(0,), gpus=("0",)), env(cores=(0,), env={UNI_EXECUTOR_ENV: "1"}),
+                  env(cores=(0,), env={"OMP_NUM_THREADS": "4"})):
+        assert "OMP_PLACES" not in other
+    monkeypatch.setenv("OMP_PROC_BIND", "false")  # the launcher's own: the workers inherit it, and nothing is added
+    assert "OMP_PLACES" not in env(cores=(0,))
