@@ -54,6 +54,11 @@ log = connector_log()
 
 # RequestStatus names of a request that ran to its end (not aborted, not failed): only these hand off KV.
 COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+# P's kv_transfer_params key: false = lease only a prompt whose one-token prefill ended by length. A caller that
+# streams P's first token and ends the request when P stops (the router's P -> D path) never asks a decode to
+# continue a stopped one, so its blocks are freed at once instead of held until the lease ends. Absent (true):
+# a stopped prefill is leased too, for a caller whose D regenerates the first token (structured outputs).
+LEASE_ON_STOP = "lease_on_stop"
 MAX_READ_STATS = 10000  # D reads whose stats wait for their request to finish (aborted ones never do)
 
 
@@ -387,6 +392,8 @@ class SchedulerSide:
             return False, ({"pdserve": reads} if reads else None)
         if not completed(request):
             return False, None  # aborted or errored prefill: nothing to hand off, free now
+        if params.get(LEASE_ON_STOP) is False and getattr(request.status, "name", None) == "FINISHED_STOPPED":
+            return False, None  # the caller continues only a prompt P ended by length: a stopped one is over
         if self.handshake is None or (self.tp > 1 and len(self.ranks) != self.tp):
             log.error("request %s asked for remote decode but not every worker rank published its transfer "
                       "engine; freeing its blocks", request.request_id)

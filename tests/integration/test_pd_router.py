@@ -46,6 +46,20 @@ def _metric(url: str, name: str) -> float:
     return scrape(url, name).get(name, 0.0)
 
 
+LEASE_S = 30.0  # the connector's default lease (a P lease no decode read is freed by then)
+
+
+def _wait_for_empty_caches(cluster: Cluster) -> None:
+    """Before a test that checks both workers free every block: wait out what earlier tests on this stack left
+    leased on P (a request that ended with P's answer, or whose client left before D was asked, holds P's blocks
+    until its lease ends, as a vLLM P holds them for a D that never reads), at most one lease."""
+    urls = [cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]]
+    deadline = time.monotonic() + LEASE_S + 5
+    while any(_metric(u, "vllm:kv_cache_usage_perc") for u in urls) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [_metric(u, "vllm:kv_cache_usage_perc") for u in urls] == [0.0, 0.0], "blocks held past a lease"
+
+
 @pytest.mark.parametrize("length", [100, 1000])
 def test_router_pd_output_equals_one_worker(cluster, length):
     ids = [random.Random(length).randrange(1000, 40000) for _ in range(length)]
@@ -91,6 +105,7 @@ def test_pd_streams_are_relayed_as_bytes_and_equal_one_worker(cluster):
 
 def test_client_leaving_mid_stream_frees_blocks_on_both_workers(cluster):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
+    _wait_for_empty_caches(cluster)
     released = _metric(p_url, "vllm:pdserve_kv_released_notified_total")
     client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0)
     ids = [random.Random(7).randrange(1000, 40000) for _ in range(600)]
@@ -420,6 +435,7 @@ def test_request_id_names_the_answer_as_vllm(cluster):
 
 def test_client_leaving_n_stream_frees_blocks(cluster, client):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
+    _wait_for_empty_caches(cluster)
     stream = client.completions.create(model="rl", prompt="Tell me a very long story " * 30, max_tokens=1500, n=2,
                                        temperature=0, stream=True, logprobs=1, extra_body={"ignore_eos": True})
     seen: dict[int, int] = {}

@@ -297,7 +297,8 @@ def test_pd_non_stream_handoff_sequence(model_dir, tokenizer):
             assert len(p.requests) == 1 and len(d.requests) == 1
             pb, db = p.requests[0], d.requests[0]
             assert pb["prompt"] == prompt and pb["max_tokens"] == 1 and pb["stream"] is False
-            assert pb["kv_transfer_params"] == {"do_remote_decode": True} and pb["return_token_ids"] is True
+            assert pb["kv_transfer_params"] == {"do_remote_decode": True, "lease_on_stop": False}
+            assert pb["return_token_ids"] is True
             assert pb["temperature"] == 0 and pb["seed"] == 7 and pb["ignore_eos"] is True
             t1 = 10  # "on" follows "sat" (9) in the fake model
             assert db["prompt"] == prompt + [t1] and db["max_tokens"] == 3 and db["stream"] is True

@@ -86,6 +86,26 @@ def test_pdserve_protocol_passes_params_through():
     assert PdserveProtocol().decode_params(P_URL, "junk") is None
 
 
+def test_pdserve_prefill_is_leased_on_stop_only_where_d_regenerates_the_first_token():
+    """P's first token streamed (unconstrained): a prefill that stopped ends the request, so P need not lease it;
+    constrained output (D regenerates the first token) and the other planes keep the default."""
+    assert PdserveProtocol().options()["prefill_kv_params"] == {"do_remote_decode": True, "lease_on_stop": False}
+    assert PdserveProtocol().options(constrained=True)["prefill_kv_params"] == {"do_remote_decode": True}
+    assert "lease_on_stop" not in NixlProtocol().options()["prefill_kv_params"]
+
+
+def test_a_one_token_request_asks_p_for_no_lease_and_d_for_nothing(model_dir, tokenizer):  # noqa: F811
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/completions", {"model": "tiny", "prompt": "the cat sat", "max_tokens": 1,
+                                                         "temperature": 0})
+            assert st == 200 and out["choices"][0]["text"] == " on", out
+            assert len(p.requests) == 1 and "kv_transfer_params" not in p.requests[0] and d.requests == []
+    run(main())
+
+
 def test_router_config_kv_connector(model_dir):  # noqa: F811
     ok = RouterConfig(model_dir=str(model_dir), prefill=("http://a:1",), decode=("http://b:1",))
     assert ok.kv_connector == "pdserve"

@@ -123,6 +123,20 @@ def test_scheduler_half_imports_no_vllm():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.parametrize("status, params, leased", [
+    (Status.FINISHED_LENGTH_CAPPED, {"lease_on_stop": False}, True),  # the one-token prefill a D continues
+    (Status.FINISHED_STOPPED, {"lease_on_stop": False}, False),  # its first token ended it: no D will come
+    (Status.FINISHED_STOPPED, {}, True),  # a D that regenerates the first token still reads it (default)
+    (Status.FINISHED_ABORTED, {}, False),
+])
+def test_p_leases_a_stopped_prefill_only_when_its_caller_may_still_decode_it(clock, status, params, leased):
+    s = side()
+    req = Req("p1", prompt(10), {"do_remote_decode": True, **params}, status, 10)
+    delay, out = s.request_finished(req, [7, 8, 9, 10])
+    assert delay is leased and (out is not None) is leased and s.held == int(leased)
+    assert s.build_connector_meta(None).send == ({"p1": NOW + 30.0} if leased else {})
+
+
 def test_p_request_finished_leases_the_prompt_blocks(clock):
     s = side()
     delay, params = p_finished(s)

@@ -364,7 +364,8 @@ class Generation:
         if not self.first_from_prefill:  # P's token is thrown away: no grammar for P to compile
             body.pop("structured_outputs", None)
             body.pop("response_format", None)
-        body["kv_transfer_params"] = dict(self.prefill_kv_params)
+        if not (self.first_from_prefill and self._left == 1):  # else P's token is the whole output: no lease
+            body["kv_transfer_params"] = dict(self.prefill_kv_params)
         now = time.perf_counter()
         if self.t.dispatch is None:
             self.t.dispatch = now

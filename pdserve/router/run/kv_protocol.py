@@ -77,6 +77,14 @@ class PdserveProtocol(KVProtocol):
     def prefill_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
 
+    def options(self, constrained: bool = False) -> dict[str, Any]:
+        """As every protocol's; and where P's first token streams, P leases only a prefill that ended by length
+        (``lease_on_stop``: the router ends a request whose first token stopped it, so no D reads that lease)."""
+        out = super().options(constrained)
+        if out["first_from_prefill"]:
+            out["prefill_kv_params"] = {**out["prefill_kv_params"], "lease_on_stop": False}
+        return out
+
     def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None) -> dict[str, Any] | None:
         return kvp if isinstance(kvp, dict) else None
 
