@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -30,17 +31,18 @@ from ..settings.lora import parse_lora_modules
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
-from .api.limits import body_too_large, check_prompt_chars, read_body
+from .api.limits import body_too_large, read_body
 from .api.logprobs import LogprobTrack
 from .api.lora import LoraAdmin, ModelCatalog
 from .api.lora import add_routes as add_lora_routes
 from .api.openapi import openapi_document
+from .api.prompt import prompt_chars, prompt_ids
 from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from .api.response import ResponseBuilder
 from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
-from .api.truncation import check_truncation, truncated_ids, truncated_max_tokens, truncated_text_ids
+from .api.truncation import truncated_max_tokens
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request
 from .fleet.calibration import calibrate
@@ -261,33 +263,9 @@ class Router:
 
     # ---- generation ----
     async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        tok, trunc, limit = self.tokenizer, req.truncation, self.config.max_model_len
-        check_truncation(trunc, limit)
-        encode: Callable[[str], list[int]] = lambda text: (  # noqa: E731
-            tok.encode(text, req.add_special_tokens) if trunc is None else
-            truncated_text_ids(tok, text, trunc, limit, req.max_tokens or 0, req.add_special_tokens))
-        if req.kind == "chat":
-            assert req.messages is not None
-            size = sum(len(m["content"]) for m in req.messages)
-            if trunc is None:  # vLLM bounds the characters only when it does not truncate
-                check_prompt_chars(size, limit, tok.chars_per_token, "messages")
-            messages = req.messages
-            kwargs = dict(req.chat_template_kwargs)
-            if req.tools:
-                kwargs["tools"] = req.tools
-            fn: Callable[[], list[int]] = lambda: encode(tok.render_chat(  # noqa: E731
-                messages, req.add_generation_prompt, req.continue_final_message, **kwargs))
-        elif req.prompt_ids is not None:
-            ids = req.prompt_ids if trunc is None else truncated_ids(req.prompt_ids, trunc, limit, req.max_tokens or 0)
-            tok.check_ids(ids)
-            return ids
-        else:
-            text = req.prompt_text or ""
-            size = len(text)
-            if trunc is None:
-                check_prompt_chars(size, limit, tok.chars_per_token, "prompt")
-            fn = lambda: encode(text)  # noqa: E731
-        if size > _OFFLOAD_CHARS:
+        """api/prompt.py's ids, tokenized in a thread for a long prompt (the event loop stays responsive)."""
+        fn = partial(prompt_ids, self.tokenizer, req, self.config.max_model_len)
+        if prompt_chars(req) > _OFFLOAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, fn)
         return fn()
 
@@ -360,6 +338,11 @@ class Router:
 
     async def _choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
         """Tokenize each prompt, check its length and build one Generation per choice (n per prompt)."""
+        bias = [int(k) for k in req.sampling.get("logit_bias", {})]
+        for name, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", bias),
+                          ("allowed_token_ids", req.sampling.get("allowed_token_ids", [])),
+                          ("logprob_token_ids", req.sampling.get("logprob_token_ids", []))):
+            self.tokenizer.check_ids(ids, name)  # out-of-vocabulary ids: the 400 vLLM answers, naming the field
         prompts: list[str | list[int]] = req.prompts or [req.prompt_ids if req.prompt_ids is not None
                                                          else req.prompt_text or ""]
         out: list[Choice] = []
