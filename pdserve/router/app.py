@@ -454,7 +454,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, router.models, config.max_model_len,
                         config.max_body_bytes)
-    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
+    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes,
+                                         router.tokenizer.vocab_size, bool(config.tool_call_parser))
     return app
 
 
