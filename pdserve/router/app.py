@@ -338,6 +338,8 @@ class Router:
 
     async def _choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
         """Tokenize each prompt, check its length and build one Generation per choice (n per prompt)."""
+        if not req.include_reasoning and self.config.tool_call_parser:
+            req.token_details = False  # as a vLLM worker running a parser: ids and logprobs hidden, not the text
         bias = [int(k) for k in req.sampling.get("logit_bias", {})]
         for name, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", bias),
                           ("allowed_token_ids", req.sampling.get("allowed_token_ids", [])),
@@ -368,10 +370,11 @@ class Router:
                     sub = replace(req, request_id=f"{req.request_id}-{index}", sampling=sampling)
                 timings = t if index == 0 else Timings(arrive=t.arrive, mode=self.config.mode)
                 gen = self._generation(sub, prompt_ids, max_tokens, timings)
-                track = (None if req.logprobs is None
+                track = (None if req.logprobs is None or not req.token_details  # the workers still check them
                          else LogprobTrack(req.kind == "chat", req.logprobs, self.tokenizer.decode_one))
                 out.append(Choice(index, k, gen, prompt_ids, prompt_text, track))
-        if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools:
+        if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools \
+                and req.token_details:
             out[0].gen.passthrough = True  # per-token transform not needed: plain events relayed (.relay)
         return out
 

@@ -97,8 +97,9 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
         "chat_template": ("refused", "a request's own chat template is not served"),
         "documents": ("router", "passed to the chat template, as vLLM"),
         "reasoning_effort": ("router", "passed to the chat template with enable_thinking, as vLLM"),
-        "include_reasoning": ("ignored_as_vllm", "the router runs no reasoning parser, so there is no reasoning "
-                                                 "field to leave out"),
+        "include_reasoning": ("router", "false with --tool-call-parser: the answer's token ids and logprobs are "
+                                        "left out (not its text), as vLLM does with a parser; the router runs no "
+                                        "reasoning parser, so there is no reasoning field to leave out"),
         "media_io_kwargs": ("refused", "multimodal inputs are not served"),
         "mm_processor_kwargs": ("refused", "multimodal inputs are not served"),
         "return_prompt_text": ("refused", "not served"),

@@ -137,6 +137,7 @@ _CHAT: Fields = [
     ("documents", {"type": "array", "items": {"type": "object", "additionalProperties": STR}},
      "passed to the chat template"),
     ("reasoning_effort", {"enum": list(REASONING_EFFORTS)}, "passed to the chat template with enable_thinking"),
+    ("include_reasoning", BOOL, "false with --tool-call-parser: no token ids or logprobs in the answer (vLLM's)"),
 ]
 
 # add_generation_prompt and continue_final_message, not both (the second continues the last message instead)

@@ -57,6 +57,10 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # forwarded to workers as is
     return_token_ids: bool = False
+    include_reasoning: bool = True  # chat: False hides the tokens' details where a parser runs (token_details)
+    # whether the answer shows each output token's id and logprobs: vLLM 0.32 hides them (not the text) for a chat
+    # request with include_reasoning: false when it runs a tool or reasoning parser (set by the router's app)
+    token_details: bool = True
     timings: bool = False
     request_id: str = ""  # the router's own, unique: the conductor's and the workers' request id
     response_id: str = ""  # the answer's id when the client named the request (vLLM: prefix + its request_id)
@@ -488,6 +492,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     req.messages = out
+    req.include_reasoning = flag(body, "include_reasoning", True)
     _parse_tools(body, req)
     req.add_generation_prompt = flag(body, "add_generation_prompt", True)
     req.continue_final_message = flag(body, "continue_final_message", False)
