@@ -45,6 +45,7 @@ from .api.tools import ToolSupport
 from .api.truncation import truncated_max_tokens
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request
+from .fleet.adapter_sync import AdapterSync
 from .fleet.calibration import calibrate
 from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
@@ -53,6 +54,7 @@ from .fleet.mooncake_store import MooncakeStoreFollower
 from .fleet.placement import ConductorPlacement, Placement, make_placement
 from .fleet.pool_index import PoolIndexFollower
 from .fleet.registry import WorkerRegistry
+from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
@@ -106,6 +108,10 @@ class Router:
         # the served model and its LoRA adapters: the names ``model`` may take (api/lora.py)
         self.models = ModelCatalog(config.served_model_name, config.model_dir, config.max_model_len, self.created,
                                    parse_lora_modules(config.lora_modules), config.enable_lora)
+        self.adapter_sync = AdapterSync(self.models, lambda: self.session)  # a worker back without its adapters
+        self.shared_adapters: AdapterFile | None = None  # the adapter list shared with the other replicas
+        if self.shared is not None and self.models.lora:
+            self.shared_adapters = AdapterFile(self.shared.file, self.models)
         self.tools = ToolSupport(config.tool_call_parser, self.tokenizer.tok, config.served_model_name)
         self.registry.subscribe(self)
         if self.conducted is not None:
@@ -137,9 +143,10 @@ class Router:
         self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
-        if self.shared is not None:  # before the KV event feed: it follows the workers the file lists
-            self.shared.start()
-            self._tasks.append(asyncio.create_task(self.shared.follow()))
+        for shared in (self.shared, self.shared_adapters):  # before the KV event feed: it follows the file's workers
+            if shared is not None:
+                shared.start()
+                self._tasks.append(asyncio.create_task(shared.follow()))
         cp = self.conducted
         if cp is not None and self.config.policy != "round_robin":
             self.events = KVEventFeed(cp.conductor, self.config.block_size, self.config.kv_events_bind)
@@ -214,13 +221,18 @@ class Router:
         assert self.client is not None
         workers = list(self.registry)
         results = await asyncio.gather(*(self.client.check(w.url, self.config.health_timeout_s) for w in workers))
+        lacking = await asyncio.gather(*(self.adapter_sync.ensure(w.url) if p.ok else _none()
+                                         for w, p in zip(workers, results)))
         out = []
-        for w, probe in zip(workers, results):
-            self.registry.report_probe(w.url, probe)  # a slow answer alone does not take a worker out
+        for w, probe, why in zip(workers, results, lacking):
+            if why is not None:  # it answers, but lacks adapters the router lists (fleet/adapter_sync.py)
+                self.registry.set_health(w.url, False, why)
+            else:
+                self.registry.report_probe(w.url, probe)  # a slow answer alone does not take a worker out
             for role in sorted(w.roles):
                 self.metrics.worker_healthy.labels(role, w.url).set(1.0 if w.healthy else 0.0)
-            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok, "detail": probe.detail,
-                        "serving": w.healthy})
+            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok and why is None,
+                        "detail": why or probe.detail, "serving": w.healthy})
         return out
 
     # ---- handlers ----
@@ -393,6 +405,10 @@ class Router:
                              handoff_timeout_s=self.config.handoff_timeout_s)
         return Generation(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
                           self.config.mode, detok, options)
+
+
+async def _none() -> None:
+    return None
 
 
 @web.middleware
