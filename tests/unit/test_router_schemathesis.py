@@ -2,8 +2,8 @@
 /openapi.json is accepted, every invalid one refused with a 4xx, no 5xx, and 405s carry ``Allow`` (issue 25,
 item 6). The rules the document lists under ``x-pdserve-rules`` (those JSON Schema cannot state) are applied to
 the generated valid cases by tests/unit/schemathesis_rules.py, schemathesis' hooks; the checks are all on. A small
-example count keeps it cheap; the seed keeps it repeatable (seeds 1-17, 25, 99 and 123, at 6 and at 60 examples,
-found nothing either when this was written)."""
+example count keeps it cheap; the seed keeps it repeatable (seeds 1-17, 25, 99 and 123 at 6 examples, and 7, 25,
+99 and 123 at 60, found nothing either when this was written)."""
 
 from __future__ import annotations
 
