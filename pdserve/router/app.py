@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -30,19 +31,21 @@ from ..settings.lora import parse_lora_modules
 from ..settings.targets import handed_on
 from .admission import Admission
 from .api import messages, responses
-from .api.limits import body_too_large, check_prompt_chars, read_body
+from .api.limits import body_too_large, read_body
 from .api.logprobs import LogprobTrack
 from .api.lora import LoraAdmin, ModelCatalog
 from .api.lora import add_routes as add_lora_routes
 from .api.openapi import openapi_document
+from .api.prompt import prompt_chars, prompt_ids
 from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from .api.response import ResponseBuilder
 from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
-from .api.truncation import check_truncation, truncated_ids, truncated_max_tokens, truncated_text_ids
+from .api.truncation import truncated_max_tokens
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request
+from .fleet.adapter_sync import AdapterSync
 from .fleet.calibration import calibrate
 from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
@@ -51,6 +54,7 @@ from .fleet.mooncake_store import MooncakeStoreFollower
 from .fleet.placement import ConductorPlacement, Placement, make_placement
 from .fleet.pool_index import PoolIndexFollower
 from .fleet.registry import WorkerRegistry
+from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
 from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
@@ -104,6 +108,10 @@ class Router:
         # the served model and its LoRA adapters: the names ``model`` may take (api/lora.py)
         self.models = ModelCatalog(config.served_model_name, config.model_dir, config.max_model_len, self.created,
                                    parse_lora_modules(config.lora_modules), config.enable_lora)
+        self.adapter_sync = AdapterSync(self.models, lambda: self.session)  # a worker back without its adapters
+        self.shared_adapters: AdapterFile | None = None  # the adapter list shared with the other replicas
+        if self.shared is not None and self.models.lora:
+            self.shared_adapters = AdapterFile(self.shared.file, self.models)
         self.tools = ToolSupport(config.tool_call_parser, self.tokenizer.tok, config.served_model_name)
         self.registry.subscribe(self)
         if self.conducted is not None:
@@ -135,9 +143,10 @@ class Router:
         self.client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop())
-        if self.shared is not None:  # before the KV event feed: it follows the workers the file lists
-            self.shared.start()
-            self._tasks.append(asyncio.create_task(self.shared.follow()))
+        for shared in (self.shared, self.shared_adapters):  # before the KV event feed: it follows the file's workers
+            if shared is not None:
+                shared.start()
+                self._tasks.append(asyncio.create_task(shared.follow()))
         cp = self.conducted
         if cp is not None and self.config.policy != "round_robin":
             self.events = KVEventFeed(cp.conductor, self.config.block_size, self.config.kv_events_bind)
@@ -212,13 +221,18 @@ class Router:
         assert self.client is not None
         workers = list(self.registry)
         results = await asyncio.gather(*(self.client.check(w.url, self.config.health_timeout_s) for w in workers))
+        lacking = await asyncio.gather(*(self.adapter_sync.ensure(w.url) if p.ok else _none()
+                                         for w, p in zip(workers, results)))
         out = []
-        for w, probe in zip(workers, results):
-            self.registry.report_probe(w.url, probe)  # a slow answer alone does not take a worker out
+        for w, probe, why in zip(workers, results, lacking):
+            if why is not None:  # it answers, but lacks adapters the router lists (fleet/adapter_sync.py)
+                self.registry.set_health(w.url, False, why)
+            else:
+                self.registry.report_probe(w.url, probe)  # a slow answer alone does not take a worker out
             for role in sorted(w.roles):
                 self.metrics.worker_healthy.labels(role, w.url).set(1.0 if w.healthy else 0.0)
-            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok, "detail": probe.detail,
-                        "serving": w.healthy})
+            out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok and why is None,
+                        "detail": why or probe.detail, "serving": w.healthy})
         return out
 
     # ---- handlers ----
@@ -261,33 +275,9 @@ class Router:
 
     # ---- generation ----
     async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        tok, trunc, limit = self.tokenizer, req.truncation, self.config.max_model_len
-        check_truncation(trunc, limit)
-        encode: Callable[[str], list[int]] = lambda text: (  # noqa: E731
-            tok.encode(text, req.add_special_tokens) if trunc is None else
-            truncated_text_ids(tok, text, trunc, limit, req.max_tokens or 0, req.add_special_tokens))
-        if req.kind == "chat":
-            assert req.messages is not None
-            size = sum(len(m["content"]) for m in req.messages)
-            if trunc is None:  # vLLM bounds the characters only when it does not truncate
-                check_prompt_chars(size, limit, tok.chars_per_token, "messages")
-            messages = req.messages
-            kwargs = dict(req.chat_template_kwargs)
-            if req.tools:
-                kwargs["tools"] = req.tools
-            fn: Callable[[], list[int]] = lambda: encode(tok.render_chat(  # noqa: E731
-                messages, req.add_generation_prompt, req.continue_final_message, **kwargs))
-        elif req.prompt_ids is not None:
-            ids = req.prompt_ids if trunc is None else truncated_ids(req.prompt_ids, trunc, limit, req.max_tokens or 0)
-            tok.check_ids(ids)
-            return ids
-        else:
-            text = req.prompt_text or ""
-            size = len(text)
-            if trunc is None:
-                check_prompt_chars(size, limit, tok.chars_per_token, "prompt")
-            fn = lambda: encode(text)  # noqa: E731
-        if size > _OFFLOAD_CHARS:
+        """api/prompt.py's ids, tokenized in a thread for a long prompt (the event loop stays responsive)."""
+        fn = partial(prompt_ids, self.tokenizer, req, self.config.max_model_len)
+        if prompt_chars(req) > _OFFLOAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, fn)
         return fn()
 
@@ -360,6 +350,13 @@ class Router:
 
     async def _choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
         """Tokenize each prompt, check its length and build one Generation per choice (n per prompt)."""
+        if not req.include_reasoning and self.config.tool_call_parser:
+            req.token_details = False  # as a vLLM worker running a parser: ids and logprobs hidden, not the text
+        bias = [int(k) for k in req.sampling.get("logit_bias", {})]
+        for name, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", bias),
+                          ("allowed_token_ids", req.sampling.get("allowed_token_ids", [])),
+                          ("logprob_token_ids", req.sampling.get("logprob_token_ids", []))):
+            self.tokenizer.check_ids(ids, name)  # out-of-vocabulary ids: the 400 vLLM answers, naming the field
         prompts: list[str | list[int]] = req.prompts or [req.prompt_ids if req.prompt_ids is not None
                                                          else req.prompt_text or ""]
         out: list[Choice] = []
@@ -385,10 +382,11 @@ class Router:
                     sub = replace(req, request_id=f"{req.request_id}-{index}", sampling=sampling)
                 timings = t if index == 0 else Timings(arrive=t.arrive, mode=self.config.mode)
                 gen = self._generation(sub, prompt_ids, max_tokens, timings)
-                track = (None if req.logprobs is None
+                track = (None if req.logprobs is None or not req.token_details  # the workers still check them
                          else LogprobTrack(req.kind == "chat", req.logprobs, self.tokenizer.decode_one))
                 out.append(Choice(index, k, gen, prompt_ids, prompt_text, track))
-        if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools:
+        if len(out) == 1 and req.stream and not req.continuous_usage and req.logprobs is None and not req.tools \
+                and req.token_details:
             out[0].gen.passthrough = True  # per-token transform not needed: plain events relayed (.relay)
         return out
 
@@ -408,6 +406,10 @@ class Router:
                              probe_timeout_s=self.config.health_timeout_s)
         return Generation(req, prompt_ids, max_tokens, self.placement, self.client, self.metrics, t,
                           self.config.mode, detok, options)
+
+
+async def _none() -> None:
+    return None
 
 
 @web.middleware
@@ -472,7 +474,8 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, router.models, config.max_model_len,
                         config.max_body_bytes)
-    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes)
+    app[OPENAPI_KEY] = openapi_document(config.served_model_name, config.max_model_len, config.max_body_bytes,
+                                         router.tokenizer.vocab_size, bool(config.tool_call_parser))
     return app
 
 

@@ -24,13 +24,7 @@ SEEDED = 7
 
 # differences the suite found and nobody has fixed yet (issue 25's follow-ups), by case key: each must still
 # differ on every run that sends it (strict: a fixed one fails the test until its line goes)
-OPEN: dict[str, str] = {
-    "chat.top_logprobs=-1": "both refuse it; vLLM names logprobs (it reads -1 as the whole vocabulary, over its "
-                            "limit), the router top_logprobs",
-    "chat.include_reasoning=False": "vLLM with a tool or reasoning parser hides the answer's token ids and "
-                                    "logprobs (not its text) under include_reasoning: false; the router shows them",
-    "chat.include_reasoning=False (streamed)": "as unstreamed",
-}
+OPEN: dict[str, str] = {}
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -143,6 +144,35 @@ def check_runtime_load_and_unload(router_url: str, decode_url: str, adapter_dir:
     assert name not in _models(router_url)
     assert _post(router_url + "/v1/completions", body)[0] == 404
     assert _post(decode_url + "/v1/completions", body)[0] == 404  # gone from the workers too
+
+
+def _until(check, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def check_runtime_load_reaches_replicas(router_a: str, router_b: str, decode_url: str, adapter_dir: str,
+                                        base: str) -> None:
+    """A load through replica A is listed by replica B within its poll of the shared file (0.5 s) and runs through
+    B as on D alone; an unload through B leaves A's list and A answers 404 for it."""
+    name = "rl-lora-replicas"
+    status, out = _post(router_a + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
+    assert status == 200, out
+    try:
+        _until(lambda: name in _models(router_b), "replica b never listed the adapter loaded through a")
+        assert (_models(router_b)[name]["root"], _models(router_b)[name]["parent"]) == (adapter_dir, base)
+        body = {"model": name, "prompt": [random.Random(11).randrange(1000, 40000) for _ in range(60)],
+                "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        routed = _ok(router_b + "/v1/completions", body)
+        ref = _ok(decode_url + "/v1/completions", dict(body, cache_salt="replicas-ref"))
+        assert routed["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"] and routed["model"] == name
+    finally:
+        status, out = _post(router_b + "/v1/unload_lora_adapter", {"lora_name": name})
+    assert status == 200, out
+    _until(lambda: name not in _models(router_a), "replica a still lists the adapter unloaded through b")
+    assert _post(router_a + "/v1/completions", body)[0] == 404
 
 
 def run_lora_cases(router_url: str, decode_url: str, lora_modules: str, base: str) -> None:

@@ -28,28 +28,33 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _start_router(cfg, p: str, d: str, log: Path, *extra: str):
+    """A router on P and D with the launch's adapters; its URL once its /health is 200."""
+    port = free_port()
+    router = spawn("router", [sys.executable, "-m", "pdserve.router", "--model-dir", cfg.model, "--port",
+                              str(port), "--served-model-name", cfg.served_model_name, "--max-model-len", "2048",
+                              "--prefill", p, "--decode", d, "--lora-modules", cfg.lora_modules, *extra], cwd=ROOT,
+                   log_path=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert router.proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return router, url
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def stack(pd_conductor, tmp_path_factory):
     cfg = pd_conductor.config
     p, d = (pd_conductor.worker_urls(role)[0] for role in ("prefill", "decode"))
-    port = free_port()
-    log = tmp_path_factory.mktemp("lora-router") / "router.log"
-    router = spawn("router", [sys.executable, "-m", "pdserve.router", "--model-dir", cfg.model, "--port",
-                              str(port), "--served-model-name", cfg.served_model_name, "--max-model-len", "2048",
-                              "--prefill", p, "--decode", d, "--lora-modules", cfg.lora_modules], cwd=ROOT, log_path=log)
-    url = f"http://127.0.0.1:{port}"
+    router, url = _start_router(cfg, p, d, tmp_path_factory.mktemp("lora-router") / "router.log")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert router.proc.poll() is None, log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
         yield url, d, cfg.lora_modules, cfg.served_model_name
     finally:
         stop_children([router], timeout_s=15)
@@ -74,3 +79,23 @@ def test_prompt_scoring_with_lora_on_is_refused_and_the_workers_live(stack):
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "prompt_logprobs"
     with urllib.request.urlopen(decode + "/health", timeout=10) as r:
         assert r.status == 200
+
+
+def test_a_runtime_adapter_reaches_every_router_replica(pd_conductor, tmp_path):
+    """Two router replicas sharing a membership file (as ``pdserve serve --routers 2`` starts them): an adapter
+    loaded through one is listed by the other within its poll and runs there through P -> D as on D alone; an
+    unload through the other takes it off the first."""
+    from pdserve.settings.lora import parse_lora_modules
+    from tests.integration.lora_pd import ADAPTER, check_runtime_load_reaches_replicas
+
+    cfg = pd_conductor.config
+    p, d = (pd_conductor.worker_urls(role)[0] for role in ("prefill", "decode"))
+    shared = ("--membership-file", str(tmp_path / "membership.json"))
+    routers = []
+    try:
+        for name in ("a", "b"):
+            routers.append(_start_router(cfg, p, d, tmp_path / f"router-{name}.log", *shared))
+        check_runtime_load_reaches_replicas(routers[0][1], routers[1][1], d,
+                                            parse_lora_modules(cfg.lora_modules)[ADAPTER], cfg.served_model_name)
+    finally:
+        stop_children([r for r, _ in routers], timeout_s=15)

@@ -88,3 +88,57 @@ def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm():
         with pytest.raises(RouterError) as e:
             parse_chat({"messages": msgs, **bad})
         assert e.value.param == next(iter(bad))
+
+
+def _refuses_null(model, base: dict, name: str) -> bool:
+    try:
+        model.model_validate({**base, name: None})
+    except Exception:  # pydantic's ValidationError, or vLLM's validators' own errors
+        return True
+    return False
+
+
+def _vllm_models() -> dict:
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    msgs = [{"role": "user", "content": "x"}]
+    return {"completions": (CompletionRequest, {"model": "m", "prompt": "x"}),
+            "chat": (ChatCompletionRequest, {"model": "m", "messages": msgs}),
+            "messages": (AnthropicMessagesRequest, {"model": "m", "messages": msgs, "max_tokens": 4}),
+            "responses": (ResponsesRequest, {"input": "x"})}
+
+
+def test_not_null_sets_are_vllms():
+    """Each set of fields the router refuses null for is the set vLLM's model refuses null for."""
+    from pdserve.router.api.agent_fields import MESSAGES_NOT_NULL, RESPONSES_NOT_NULL
+    from pdserve.router.api.fields import NOT_NULL
+
+    ours = {**NOT_NULL, "messages": MESSAGES_NOT_NULL, "responses": RESPONSES_NOT_NULL}
+    for endpoint, (model, base) in _vllm_models().items():
+        theirs = {name for name in model.model_fields if _refuses_null(model, base, name)}
+        assert ours[endpoint] == theirs, endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_is_refused_by_name_where_vllm_refuses_it(endpoint):
+    from pdserve.router.api.fields import NOT_NULL
+
+    for name in NOT_NULL[endpoint] - {"prompt", "messages"}:
+        with pytest.raises(RouterError) as e:
+            _parse(endpoint, {name: None})
+        assert e.value.status == 400 and e.value.param == name, name
+    req = _parse(endpoint, {"temperature": None, "seed": None, "stop": None})  # null: not sent
+    assert "temperature" not in req.sampling and "seed" not in req.sampling and req.stop == []
+
+
+def test_tokenize_chat_fields_are_vllms():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+    from pdserve.router.api.tokenize_api import CHAT_FIELDS
+
+    assert sorted(CHAT_FIELDS) == sorted(TokenizeChatRequest.model_fields)

@@ -19,14 +19,25 @@ ADAPTERS = "ad=/adapters/ad,other=/adapters/other"
 
 
 class LoraWorker(FakeWorker):
-    """A fake worker that also serves vLLM's load / unload endpoints (``lora_status``: answer loads with this
-    HTTP error instead)."""
+    """A fake worker that also serves vLLM's load / unload endpoints and lists its adapters in /v1/models
+    (``lora_status``: answer loads with this HTTP error instead; ``configured``: what it loads at start, and again
+    after :meth:`restart`)."""
 
-    def __init__(self, name: str, lora_status: int | None = None, **kw: Any) -> None:
+    def __init__(self, name: str, lora_status: int | None = None, configured: dict[str, str] | None = None,
+                 **kw: Any) -> None:
         super().__init__(name, **kw)
         self.lora_status = lora_status
-        self.adapters: dict[str, str] = {}
+        self.configured = dict(configured or {})
+        self.adapters: dict[str, str] = dict(self.configured)
         self.lora_calls: list[tuple[str, dict]] = []
+
+    def restart(self) -> None:
+        """What a supervisor's restart leaves: the configured adapters only."""
+        self.adapters = dict(self.configured)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}] + [
+            {"id": name, "root": path, "parent": "tiny"} for name, path in self.adapters.items()]})
 
     async def load(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -51,6 +62,7 @@ class LoraWorker(FakeWorker):
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/load_lora_adapter", self.load)
         app.router.add_post("/v1/unload_lora_adapter", self.unload)
+        app.router.add_get("/v1/models", self.models)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -15,6 +15,12 @@ from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenize
 _METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
+def validator(doc: dict, name: str):
+    """A validator of the document's component ``name``, its ``$ref``s resolved in the document."""
+    jsonschema = pytest.importorskip("jsonschema")
+    return jsonschema.Draft202012Validator({"$ref": "#/components/schemas/" + name, "components": doc["components"]})
+
+
 def _app_routes(app) -> dict[str, set[str]]:
     routes: dict[str, set[str]] = {}
     for route in app.router.routes():
@@ -59,7 +65,7 @@ def test_openapi_document_is_valid(model_dir, tokenizer):
 
 
 def test_structure_by_hand(model_dir):
-    doc = openapi_document("m", 128, 4 << 20)
+    doc = openapi_document("m", 128, 4 << 20, 1000)
     schemas = doc["components"]["schemas"]
     refs = []
 
@@ -84,11 +90,8 @@ def test_structure_by_hand(model_dir):
 
 
 def test_request_schemas_accept_served_requests_and_error_body():
-    jsonschema = pytest.importorskip("jsonschema")
-    schemas = openapi_document("m", 128, 4 << 20)["components"]["schemas"]
-    chat = jsonschema.Draft202012Validator(schemas["ChatCompletionRequest"])
-    comp = jsonschema.Draft202012Validator(schemas["CompletionRequest"])
-    err = jsonschema.Draft202012Validator(schemas["Error"])
+    doc = openapi_document("m", 128, 4 << 20, 1000)
+    chat, comp, err = (validator(doc, name) for name in ("ChatCompletionRequest", "CompletionRequest", "Error"))
     chat.validate({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                    "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, "stop": ["x"],
                    "temperature": 0.5, "top_p": 1, "seed": 3})
@@ -99,6 +102,11 @@ def test_request_schemas_accept_served_requests_and_error_body():
     assert not chat.is_valid({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})
     assert not comp.is_valid({"prompt": ""}) and not comp.is_valid({}) and not comp.is_valid({"prompt": [-1]})
     assert not comp.is_valid({"prompt": "x", "top_p": 0})
+    assert not comp.is_valid({"prompt": [1000]}) and comp.is_valid({"prompt": [999]})  # the vocabulary's ids
+    assert comp.is_valid({"prompt": "x", "stream": "yes", "stream_options": {"include_usage": 1}})  # lax booleans
+    assert not comp.is_valid({"prompt": "x", "stream": "no", "stream_options": {"include_usage": True}})
+    assert comp.is_valid({"prompt": "x", "n": None}) is False and comp.is_valid({"prompt": "x", "seed": None})
+    assert not chat.is_valid({"messages": [{"role": "u"}], "stop": ""})  # vLLM refuses an empty stop string
     err.validate({"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": None}})
     assert not err.is_valid({"message": "m"})
 

@@ -73,8 +73,9 @@ def test_responses_refuses_stateful_fields_and_bad_input(model_dir, tokenizer):
                     ({**BODY, "previous_response_id": "resp_1"}, 400, "previous_response_id"),
                     ({**BODY, "background": True}, 400, "background"),
                     ({**BODY, "include": "message.output_text.logprobs"}, 400, "include"),
-                    ({**BODY, "include": ["message.output_text.logprobs"], "top_logprobs": -1}, 400,
-                     "top_logprobs"),
+                    ({**BODY, "include": ["message.output_text.logprobs"], "top_logprobs": -2}, 400,
+                     "top_logprobs"),  # -1 (the whole vocabulary) goes to the workers, as on vLLM
+                    ({**BODY, "user": 5}, 400, "user"), ({**BODY, "tools": {}}, 400, "tools"),
                     ({**BODY, "input": 5}, 400, "input"), ({"model": "tiny"}, 400, "input"),
                     ({**BODY, "model": "nope"}, 404, "model"), ({**BODY, "max_output_tokens": 0}, 400,
                                                                 "max_output_tokens"),

@@ -40,6 +40,12 @@ MESSAGES: dict[str, tuple[str, str]] = {
     "ec_transfer_params": ("refused", "the router owns the hand-offs"),
 }
 
+# fields these vLLM models refuse null for (as fields.NOT_NULL; the router refuses it by name too)
+MESSAGES_NOT_NULL = frozenset({"max_tokens", "messages", "mm_payload", "model"})
+RESPONSES_NOT_NULL = frozenset({"enable_response_messages", "ignore_eos", "include_reasoning",
+                                "include_stop_str_in_output", "input", "mm_payload", "priority", "request_id",
+                                "service_tier", "skip_special_tokens", "tool_choice", "tools"})
+
 RESPONSES: dict[str, tuple[str, str]] = {
     "model": ("mapped", "checked against the served model (404)"),
     "input": ("mapped", "messages, function_call and function_call_output items -> chat messages"),

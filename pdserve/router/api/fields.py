@@ -10,7 +10,9 @@ models, so a vLLM upgrade that adds a field fails that test until the field is c
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+
+from ..errors import bad_request
 
 Use = Literal["router", "forwarded", "regenerated", "ignored_as_vllm", "refused"]
 
@@ -95,8 +97,9 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
         "chat_template": ("refused", "a request's own chat template is not served"),
         "documents": ("router", "passed to the chat template, as vLLM"),
         "reasoning_effort": ("router", "passed to the chat template with enable_thinking, as vLLM"),
-        "include_reasoning": ("ignored_as_vllm", "the router runs no reasoning parser, so there is no reasoning "
-                                                 "field to leave out"),
+        "include_reasoning": ("router", "false with --tool-call-parser: the answer's token ids and logprobs are "
+                                        "left out (not its text), as vLLM does with a parser; the router runs no "
+                                        "reasoning parser, so there is no reasoning field to leave out"),
         "media_io_kwargs": ("refused", "multimodal inputs are not served"),
         "mm_processor_kwargs": ("refused", "multimodal inputs are not served"),
         "return_prompt_text": ("refused", "not served"),
@@ -108,6 +111,27 @@ EXTRA_REFUSED: dict[str, tuple[str, ...]] = {
     "completions": (),
     "chat": ("functions", "audio", "modalities", "prediction"),
 }
+
+
+# fields whose vLLM model refuses an explicit null (not Optional there, or a validator that refuses it): the router
+# refuses it by name too (refuse_nulls); every other field's null means "not sent", on both. tests/unit/
+# test_router_fields.py sends null to the installed vLLM's models to check these sets.
+_NOT_NULL_COMMON = frozenset({"add_special_tokens", "bad_words", "ignore_eos", "include_stop_str_in_output",
+                              "length_penalty", "min_tokens", "mm_payload", "priority", "request_id",
+                              "routed_experts_prompt_start", "skip_special_tokens", "spaces_between_special_tokens",
+                              "use_beam_search"})
+NOT_NULL: dict[str, frozenset[str]] = {
+    "completions": _NOT_NULL_COMMON | {"n", "prompt"},
+    "chat": _NOT_NULL_COMMON | {"add_generation_prompt", "continue_final_message", "echo", "include_reasoning",
+                                "messages"},
+}
+
+
+def refuse_nulls(body: dict[str, Any], not_null: frozenset[str]) -> None:
+    """A 400 naming the first field of ``not_null`` that ``body`` sets to null, as vLLM's model refuses it."""
+    name = next((n for n in sorted(not_null) if n in body and body[n] is None), None)
+    if name is not None:
+        raise bad_request(f"'{name}' may not be null", name)
 
 
 def names(endpoint: str, use: Use) -> tuple[str, ...]:

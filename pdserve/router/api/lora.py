@@ -3,8 +3,11 @@ POST /v1/load_lora_adapter / /v1/unload_lora_adapter, which reach every worker.
 
 :class:`ModelCatalog` is the one owner of the adapter list. It starts from the configured ``--lora-modules`` (what
 every worker loads at start, and again after a restart) and follows the load and unload calls made through this
-router. It is kept here rather than asked of a worker per request: the model check runs on every request with no
-worker round trip, and it cannot disagree between P and D. A request with ``model=<adapter>`` is sent to P and D
+router and, with ``--routers N``, through the other replicas of the host (the ``lora_adapters`` section of their
+shared file: :mod:`..fleet.shared_adapters`). It is kept here rather than asked of a worker per request: the
+model check runs on every request with no worker round trip, and it cannot disagree between P and D. A worker
+that comes back (restarted, with only the configured adapters) gets the others loaded again before it takes
+requests (:mod:`..fleet.adapter_sync`). A request with ``model=<adapter>`` is sent to P and D
 with that model (both run the adapter), its block keys take the adapter into their domain
 (:func:`pdserve.hashing.domain_root`), and the answer's ``model`` is the adapter's name, as vLLM's is.
 
@@ -44,7 +47,25 @@ class ModelCatalog:
         self.created = created
         self.adapters: dict[str, str] = dict(adapters or {})
         self.lora = lora or bool(self.adapters)
-        self.lock = asyncio.Lock()  # one load or unload at a time
+        self.lock = asyncio.Lock()  # one load or unload (or a worker's re-load) at a time
+        self.changed: Callable[[str, str | None], None] | None = None  # told each add / remove (the shared file)
+
+    def add(self, name: str, path: str) -> None:
+        """List an adapter every worker has loaded."""
+        self.adapters[name] = path
+        if self.changed is not None:
+            self.changed(name, path)
+
+    def remove(self, name: str) -> bool:
+        """Stop listing an adapter; False when it was not listed."""
+        known = self.adapters.pop(name, None) is not None
+        if known and self.changed is not None:
+            self.changed(name, None)
+        return known
+
+    def replace(self, adapters: Mapping[str, str]) -> None:
+        """Take another replica's list (the shared file), without telling it back."""
+        self.adapters = dict(adapters)
 
     def adapter(self, model: Any) -> str | None:
         """The adapter ``model`` names (None: the base model, or no model given); 404 ``model_not_found`` for any
@@ -178,7 +199,7 @@ class LoraAdmin:
             answers = await post_all(session, urls, LOAD_PATH, body, self.timeout_s)
             failed = [a for a in answers if not a.ok]
             if not failed:
-                c.adapters[name] = path
+                c.add(name, path)
                 return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
             loaded = [a.url for a in answers if a.ok]
             note = ""
@@ -196,7 +217,7 @@ class LoraAdmin:
         async with c.lock:
             session, urls = self._targets()
             answers = await post_all(session, urls, UNLOAD_PATH, body, self.timeout_s)
-            known = c.adapters.pop(name, None) is not None
+            known = c.remove(name)
             if all(a.status == 404 for a in answers) and not known:
                 raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
             failed = [a for a in answers if not a.ok and a.status != 404]  # 404: that worker has it no more

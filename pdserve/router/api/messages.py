@@ -53,7 +53,7 @@ class MessagesEndpoint:
         """True when the chat template rejects a system message after the first turn (probed once)."""
         if self._merge is None:
             try:
-                self.tokenizer.render_chat(_PROBE, add_generation_prompt=False)
+                self.tokenizer.render_chat(_PROBE, False)
                 self._merge = False
             except RouterError:
                 self._merge = True

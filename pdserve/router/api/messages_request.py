@@ -28,7 +28,9 @@ import math
 from typing import Any
 
 from ..errors import RouterError, bad_request
-from .flags import flag
+from .agent_fields import MESSAGES_NOT_NULL
+from .fields import refuse_nulls
+from .flags import flag, integral
 
 _ROLES = ("user", "assistant", "system")
 _BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
@@ -212,7 +214,7 @@ def _thinking(body: dict[str, Any], chat: dict[str, Any], disabled_effort: str) 
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad_request("'thinking' must be {\"type\": enabled | disabled | adaptive}", "thinking")
     if kind == "enabled":
-        budget = thinking.get("budget_tokens")
+        budget = integral(thinking.get("budget_tokens"))
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
             raise bad_request("thinking.budget_tokens must be an integer >= 1024", "thinking")
         if budget >= chat["max_tokens"]:
@@ -228,13 +230,14 @@ def to_chat(body: Any, merge_inline_system: bool = False, disabled_effort: str =
     for this), so system messages inside ``messages`` join the top-level system prompt, as vLLM merges them."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    refuse_nulls(body, MESSAGES_NOT_NULL)
     for name in _REFUSED_FIELDS:
         if body.get(name) is not None:
             raise _unsupported(name, f"'{name}'")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required: a non-empty string", "model")
-    mt = body.get("max_tokens")
+    mt = integral(body.get("max_tokens"))
     if isinstance(mt, bool) or not isinstance(mt, int):
         raise bad_request("'max_tokens' is required: a positive integer", "max_tokens")
     if mt <= 0:

@@ -12,22 +12,25 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import bad_request
-from .fields import EXTRA_REFUSED, names
-from .flags import as_flag, flag
+from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
+from .flags import as_flag, flag, integral
 from .limits import load_json
 from .truncation import Truncation, parse_truncation
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
 UNSUPPORTED_FIELDS = {kind: names(kind, "refused") + EXTRA_REFUSED[kind] for kind in ("completions", "chat")}
 # vLLM's older names for structured outputs: refused with the field to use instead.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 MAX_CHOICES = 128  # n x prompts per request
+CACHE_SALT_MAX = 128  # vLLM 0.32 refuses a longer cache_salt, or one with these characters
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _INT64 = 2 ** 63
 
 
@@ -54,6 +57,10 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # forwarded to workers as is
     return_token_ids: bool = False
+    include_reasoning: bool = True  # chat: False hides the tokens' details where a parser runs (token_details)
+    # whether the answer shows each output token's id and logprobs: vLLM 0.32 hides them (not the text) for a chat
+    # request with include_reasoning: false when it runs a tool or reasoning parser (set by the router's app)
+    token_details: bool = True
     timings: bool = False
     request_id: str = ""  # the router's own, unique: the conductor's and the workers' request id
     response_id: str = ""  # the answer's id when the client named the request (vLLM: prefix + its request_id)
@@ -97,13 +104,8 @@ def _opt_number(body: dict, name: str, lo: float | None = None, hi: float | None
     return v
 
 
-def _integral(v: Any) -> Any:
-    """An integral float (``1.0``) as the int vLLM's pydantic models read it; anything else unchanged."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
 def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = _integral(body.get(name))
+    v = integral(body.get(name))
     if v is None:
         return None
     if not _is_int(v):
@@ -115,8 +117,9 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
     return v
 
 
-def _token_id_list(v: Any, name: str) -> list[int]:
-    v = [_integral(t) for t in v] if isinstance(v, list) else v
+def token_id_list(v: Any, name: str) -> list[int]:
+    """``v`` as a list of token ids (integral floats read as ints, as vLLM's models read them), or a 400."""
+    v = [integral(t) for t in v] if isinstance(v, list) else v
     if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
         raise bad_request(f"'{name}' must be a list of non-negative integer token ids", name)
     return v
@@ -130,7 +133,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     for name in UNSUPPORTED_FIELDS[req.kind]:
         if body.get(name) not in (None, False, [], {}):
             raise bad_request(f"'{name}' is not supported by the pdserve router", name, "unsupported_parameter")
-    for name, kind in _GUIDED.items():
+    for name, kind in GUIDED.items():
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is vLLM's old name: send \"structured_outputs\": {{\"{kind}\": ...}}",
                               name, "unsupported_parameter")
@@ -161,7 +164,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         raise bad_request("stop cannot contain an empty string.", "stop")
     req.stop = list(stops)
     if body.get("stop_token_ids") is not None:
-        req.stop_token_ids = _token_id_list(body["stop_token_ids"], "stop_token_ids")
+        req.stop_token_ids = token_id_list(body["stop_token_ids"], "stop_token_ids")
     req.include_stop_str_in_output = flag(body, "include_stop_str_in_output")
 
     s: dict[str, Any] = {}
@@ -195,6 +198,54 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     req.timings = flag(body, "pdserve_timings")
 
 
+def _salt(v: str, name: str) -> str:
+    if not v:
+        raise bad_request(f"'{name}' must be a non-empty string, got {v!r}", name)
+    if len(v) > CACHE_SALT_MAX or CACHE_SALT_FORBIDDEN & set(v):
+        raise bad_request(f"'{name}' must be at most {CACHE_SALT_MAX} characters and must not contain "
+                          "'@', '/', '\\', or NUL", name)
+    return v
+
+
+def _at_least(lo: int) -> Callable[[int, str], int]:
+    def check(v: int, name: str) -> int:
+        if v < lo:
+            raise bad_request(f"'{name}' must be >= {lo}, got {v!r}", name)
+        return v
+    return check
+
+
+def _int64(v: int, name: str) -> int:
+    if not -_INT64 <= v < _INT64:
+        raise bad_request(f"'{name}' must be a 64-bit integer, got {v!r}", name)
+    return v
+
+
+def _strings(v: list[Any], name: str) -> list[str]:
+    if not all(isinstance(w, str) for w in v):
+        raise bad_request(f"'{name}' must be a list of strings", name)
+    return v
+
+
+def _bias(v: dict[Any, Any], name: str) -> dict[str, float]:
+    if not all(isinstance(k, str) and k.isascii() and k.isdigit() and _is_num(b) for k, b in v.items()):
+        raise bad_request(f"'{name}' maps token ids (as strings) to numbers", name)
+    return v
+
+
+def _allowed(v: list[Any], name: str) -> list[int]:
+    ids = token_id_list(v, name)
+    if not ids:  # as vLLM 0.32 refuses it
+        raise bad_request("allowed_token_ids is not None and empty!", name)
+    return ids
+
+
+# a forwarded field's value checks past its JSON type, as vLLM makes them (the value to send, or a 400 naming it)
+_VALUE_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "cache_salt": _salt, "stream_interval": _at_least(1), "min_tokens": _at_least(0), "priority": _int64,
+    "bad_words": _strings, "logit_bias": _bias, "allowed_token_ids": _allowed, "logprob_token_ids": token_id_list}
+
+
 def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
     """The fields the workers read as vLLM does (:mod:`.fields`: forwarded, regenerated), checked for their JSON
     type here (the workers check the rest: a 400 from P reaches the client as it is). A regenerated field set to
@@ -213,7 +264,7 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         "thinking_token_budget": (int, True), "watermarking": (bool, True), "stream_interval": (int, False),
         "min_tokens": (int, False)}
     for name, (kind, regenerated) in checks.items():
-        v = _integral(body.get(name)) if kind is int else body.get(name)
+        v = integral(body.get(name)) if kind is int else body.get(name)
         if v is None:
             continue
         if kind is bool:
@@ -221,10 +272,9 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
             want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
             raise bad_request(f"'{name}' must be of type {want}, got {v!r}", name)
-        if (name == "cache_salt" and not v) or (name == "stream_interval" and isinstance(v, int) and v < 1):
-            raise bad_request(f"'{name}' must be {'a non-empty string' if kind is str else '>= 1'}, got {v!r}", name)
-        if name == "min_tokens" and isinstance(v, int) and v < 0:
-            raise bad_request(f"'min_tokens' must be >= 0, got {v!r}", name)
+        check = _VALUE_CHECKS.get(name)
+        if check is not None:
+            v = check(v, name)
         if (v is False or (isinstance(v, (list, dict)) and not v)) and name != "priority":
             continue  # vLLM's default: nothing to send (an int 0 is sent: thinking_token_budget=0 is refused there)
         s[name] = v
@@ -242,8 +292,9 @@ def _parse_logprobs(body: dict, req: GenerationRequest) -> None:
     Both: vLLM's ``prompt_logprobs`` = N (-1: the whole vocabulary)."""
     if req.kind == "chat":
         if flag(body, "logprobs"):
-            req.logprobs = _opt_int(body, "top_logprobs", 0) or 0
-        elif body.get("top_logprobs") not in (None, 0):
+            # -1 (the whole vocabulary) goes on: the workers refuse it naming logprobs past their --max-logprobs
+            req.logprobs = _opt_int(body, "top_logprobs", -1) or 0
+        elif _opt_int(body, "top_logprobs", -1) not in (None, 0):
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         req.logprobs = _opt_int(body, "logprobs", 0)
@@ -259,6 +310,8 @@ def _parse_structured(body: dict, req: GenerationRequest, s: dict[str, Any]) -> 
         if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMATS:
             raise bad_request("'response_format' must be an object with 'type' one of " + ", ".join(_RESPONSE_FORMATS),
                               "response_format")
+        if rf.get("json_schema") is not None and not isinstance(rf["json_schema"], dict):
+            raise bad_request("response_format.json_schema must be an object", "response_format")
         if rf["type"] == "json_schema" and not isinstance(rf.get("json_schema"), dict):
             raise bad_request("response_format type 'json_schema' needs a 'json_schema' object "
                               "({\"name\": ..., \"schema\": {...}})", "response_format")
@@ -288,13 +341,14 @@ def _one_prompt(prompt: Any, name: str = "prompt") -> str | list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise bad_request(f"'{name}' is empty", "prompt")
-        return _token_id_list(prompt, "prompt")
+        return token_id_list(prompt, "prompt")
     raise bad_request("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    refuse_nulls(body, NOT_NULL["completions"])
     req = GenerationRequest(kind="completions", model=None)
     _parse_common(body, req)
     prompt = body.get("prompt")
@@ -372,6 +426,7 @@ def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
 def _parse_tools(body: dict, req: GenerationRequest) -> None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)  # checked even without tools, as vLLM does
     if tools is None:
         if choice not in (None, "none"):
             raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
@@ -388,6 +443,8 @@ def _parse_tools(body: dict, req: GenerationRequest) -> None:
                               "\"parameters\": {...}}}", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"tools[{k}].function.parameters must be a JSON schema object", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad_request(f"tools[{k}].function.description must be a string", "tools")
         names.append(fn["name"])
     if choice is None:
         choice = "auto"
@@ -403,7 +460,6 @@ def _parse_tools(body: dict, req: GenerationRequest) -> None:
                           "\"function\": {\"name\": ...}}", "tool_choice")
     req.tools = [_vllm_tool(t) for t in tools]
     req.tool_choice = choice
-    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
     if choice == "required" or isinstance(choice, dict):
         if "response_format" in req.sampling or "structured_outputs" in req.sampling:
             raise bad_request("a required or named tool_choice constrains the output itself: drop "
@@ -414,6 +470,7 @@ def _parse_tools(body: dict, req: GenerationRequest) -> None:
 def parse_chat(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    refuse_nulls(body, NOT_NULL["chat"])
     req = GenerationRequest(kind="chat", model=None)
     _parse_common(body, req)
     messages = body.get("messages")
@@ -425,7 +482,9 @@ def parse_chat(body: Any) -> GenerationRequest:
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
         msg: dict[str, Any] = {"role": m["role"], "content": "" if content is None else _message_text(content, i)}
-        if isinstance(m.get("name"), str):
+        if "name" in m:
+            if not isinstance(m["name"], str):
+                raise bad_request(f"messages[{i}].name must be a string", "messages")
             msg["name"] = m["name"]
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = _message_tool_calls(m["tool_calls"], i)
@@ -433,6 +492,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     req.messages = out
+    req.include_reasoning = flag(body, "include_reasoning", True)
     _parse_tools(body, req)
     req.add_generation_prompt = flag(body, "add_generation_prompt", True)
     req.continue_final_message = flag(body, "continue_final_message", False)
@@ -445,9 +505,14 @@ def parse_chat(body: Any) -> GenerationRequest:
     if ctk is not None:
         if not isinstance(ctk, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        unexpected = sorted({"chat_template", "tokenize"} & ctk.keys())  # as vLLM refuses them
+        if unexpected:
+            raise bad_request(f"Found unexpected chat template kwargs from request: {unexpected}",
+                              "chat_template_kwargs")
         req.chat_template_kwargs = ctk
     _template_extras(body, req)
     req.add_special_tokens = flag(body, "add_special_tokens", False)
+    _opt_int(body, "max_tokens")  # an integer even when max_completion_tokens wins (vLLM's model checks both)
     mt = body.get("max_completion_tokens")
     if mt is None:
         mt = body.get("max_tokens")
@@ -457,7 +522,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     return req
 
 
-_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _template_extras(body: dict, req: GenerationRequest) -> None:
@@ -472,8 +537,8 @@ def _template_extras(body: dict, req: GenerationRequest) -> None:
         extra["documents"] = docs
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in _REASONING_EFFORTS:
-            raise bad_request(f"'reasoning_effort' must be one of {', '.join(_REASONING_EFFORTS)}, got {effort!r}",
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
                               "reasoning_effort")
         extra["reasoning_effort"] = effort
         if "enable_thinking" not in req.chat_template_kwargs:

@@ -29,6 +29,7 @@ class ResponseBuilder:
         self.model = model_name
         self.created = int(time.time())
         self.chat = req.kind == "chat"
+        self.token_ids = req.return_token_ids and req.token_details  # each choice's (the prompt's: return_token_ids)
         base = dumps(self._base("chat.completion.chunk" if self.chat else "text_completion"))[:-1]
         self._text_head = (base + ',"choices":[{"index":').encode()
         self._text_mid = b',"delta":{"content":' if self.chat else b',"text":'
@@ -51,10 +52,10 @@ class ResponseBuilder:
                       "stop_reason": stop_reason}
             if prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs
-        if self.req.return_token_ids:
+        if self.token_ids:
             choice["token_ids"] = token_ids
-            if not self.chat:
-                choice["prompt_token_ids"] = prompt_ids
+        if self.req.return_token_ids and not self.chat:
+            choice["prompt_token_ids"] = prompt_ids
         return choice
 
     def response(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
@@ -89,13 +90,13 @@ class ResponseBuilder:
             out = self._base("text_completion")
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        if self.req.return_token_ids and token_ids is not None:
+        if self.token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
-            if prompt_ids is not None:
-                if self.chat:
-                    out["prompt_token_ids"] = prompt_ids
-                else:
-                    choice["prompt_token_ids"] = prompt_ids
+        if self.req.return_token_ids and token_ids is not None and prompt_ids is not None:
+            if self.chat:
+                out["prompt_token_ids"] = prompt_ids
+            else:
+                choice["prompt_token_ids"] = prompt_ids
         out["choices"] = [choice]
         return out
 
@@ -103,16 +104,16 @@ class ResponseBuilder:
         """``sse(self.chunk(text, token_ids, index=index))`` byte for byte, for the common streamed delta (no
         finish, logprobs, role, prompt ids or tool delta), without building and encoding the whole object."""
         out = self._text_head + str(index).encode() + self._text_mid + dumps(text).encode() + self._text_tail
-        if self.req.return_token_ids:
+        if self.token_ids:
             out += b',"token_ids":' + dumps(token_ids).encode()
         return b"data: " + out + b"}]}\n\n"
 
     def relay_parts(self, index: int = 0) -> tuple[bytes, bytes]:
         """(head, tail) of :meth:`text_chunk`'s bytes around the text's JSON string: ``head + json_text + tail +
-        [token_ids list if return_token_ids] + b"}]}\n\n"`` is ``text_chunk`` (the relay splices the worker's
-        raw JSON text and ids in)."""
+        [token_ids list if token_ids] + b"}]}\n\n"`` is ``text_chunk`` (the relay splices the worker's raw JSON
+        text and ids in)."""
         head = b"data: " + self._text_head + str(index).encode() + self._text_mid
-        tail = self._text_tail + (b',"token_ids":' if self.req.return_token_ids else b"")
+        tail = self._text_tail + (b',"token_ids":' if self.token_ids else b"")
         return head, tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -27,7 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import RouterError, bad_request
-from .flags import flag
+from .agent_fields import RESPONSES_NOT_NULL
+from .fields import refuse_nulls
+from .flags import flag, integral
 
 _STATEFUL = ("previous_response_id", "previous_input_messages", "background", "enable_response_messages")
 _REFUSED = ("prompt", "kv_transfer_params", "ec_transfer_params")
@@ -111,7 +113,8 @@ def _continues(items: list[Any]) -> bool:
 
 
 def _tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
-    tools = body.get("tools") or []
+    tools = body.get("tools")
+    tools = [] if tools is None else tools
     if not isinstance(tools, list):
         raise bad_request("'tools' must be a list of function tools", "tools")
     out = []
@@ -145,16 +148,20 @@ def _text_format(body: dict[str, Any], chat: dict[str, Any]) -> None:
     text = body.get("text")
     if text is None:
         return
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise bad_request("'text' must be an object like {\"format\": {\"type\": \"text\"}}", "text")
+    fmt = text.get("format")
     if fmt is None:
         return
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise bad_request("text.format must be {\"type\": text | json_object | json_schema}", "text")
-    if "structured_outputs" in body and fmt["type"] != "text":
+    if body.get("structured_outputs") is not None:  # as vLLM: any text.format with structured_outputs
         raise bad_request("Cannot specify both structured_outputs and text.format", "structured_outputs")
     if fmt["type"] == "json_object":
         chat["structured_outputs"] = {"json_object": True}
     elif fmt["type"] == "json_schema" and fmt.get("schema") is not None:
+        if not isinstance(fmt["schema"], dict):
+            raise bad_request("text.format.schema must be a JSON schema object", "text")
         chat["structured_outputs"] = {"json": fmt["schema"]}
 
 
@@ -166,10 +173,15 @@ def _refusals(body: dict[str, Any]) -> None:
         if body.get(name) is not None:
             raise _unsupported(name, f"'{name}'")
     include = body.get("include")
-    if include is not None and not isinstance(include, list):
+    if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) for i in include)):
         raise bad_request("'include' must be a list of strings", "include")
     if body.get("truncation") not in (None, "disabled"):
         raise _unsupported("truncation", "'truncation' other than \"disabled\"")
+    for name in ("store", "parallel_tool_calls"):  # nothing is stored; echoed fields checked as vLLM's model does
+        flag(body, name)
+    for name, kind in (("metadata", dict), ("user", str), ("instructions", str)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise bad_request(f"'{name}' must be {'an object' if kind is dict else 'a string'}", name)
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad_request("'reasoning' must be an object like {\"effort\": \"low\"}", "reasoning")
@@ -180,6 +192,7 @@ def to_chat(body: Any) -> dict[str, Any]:
     refused)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    refuse_nulls(body, RESPONSES_NOT_NULL)
     _refusals(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -199,7 +212,7 @@ def to_chat(body: Any) -> dict[str, Any]:
     else:
         raise bad_request("'input' is required: a string or a list of input items", "input")
     chat: dict[str, Any] = {"model": model, "messages": messages}
-    mt = body.get("max_output_tokens")
+    mt = integral(body.get("max_output_tokens"))
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise bad_request(f"'max_output_tokens' must be a positive integer, got {mt!r}", "max_output_tokens")
@@ -207,8 +220,11 @@ def to_chat(body: Any) -> dict[str, Any]:
     for name in _SAME:
         if body.get(name) is not None:
             chat[name] = body[name]
+    top = integral(body.get("top_logprobs"))
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        raise bad_request(f"'top_logprobs' must be an integer, got {top!r}", "top_logprobs")
     if LOGPROBS_INCLUDE in (body.get("include") or []):  # output logprobs, top_logprobs alternatives each
-        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
+        chat["logprobs"], chat["top_logprobs"] = True, top or 0
     if isinstance(items, list) and _continues(items):
         chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     effort = (body.get("reasoning") or {}).get("effort")

@@ -16,13 +16,19 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import bad_request
+from .fields import refuse_nulls
 from .flags import flag
 from .limits import read_body
 from .lora import ModelCatalog
-from .protocol import GenerationRequest, parse_chat, parse_json
+from .protocol import GenerationRequest, parse_chat, parse_json, token_id_list
 from .tokenizer import PromptTokenizer
 
 PromptIds = Callable[[GenerationRequest], Awaitable[list[int]]]
+# the fields of vLLM's TokenizeChatRequest: a chat body to /tokenize is read as a chat request of these alone (vLLM
+# ignores any other field there; tests/unit/test_router_tokenize.py compares them with the installed vLLM's)
+CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
+               "add_special_tokens", "chat_template", "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs",
+               "tools")
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,9 @@ class TokenizeApi:
         body = self.check_model(parse_json(await read_body(request, self.max_body_bytes)))
         tok = self.tokenizer
         if "messages" in body:
-            ids = await self.prompt_ids(parse_chat(body))
+            ids = await self.prompt_ids(parse_chat({k: v for k, v in body.items() if k in CHAT_FIELDS}))
         else:
+            refuse_nulls(body, frozenset({"add_special_tokens"}))  # as vLLM's TokenizeCompletionRequest
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
@@ -59,10 +66,7 @@ class TokenizeApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = self.check_model(parse_json(await read_body(request, self.max_body_bytes)))
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                for t in ids):
-            raise bad_request("'tokens' must be a list of non-negative integer token ids", "tokens")
+        ids = token_id_list(body.get("tokens"), "tokens")
         self.tokenizer.check_ids(ids, "tokens")
         return web.json_response({"prompt": self.tokenizer.decode(ids)})
 

@@ -52,17 +52,21 @@ class PromptTokenizer:
         return self.decode([token_id])
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **template_kwargs: Any) -> str:
+                    continue_final_message: bool = False, /, **template_kwargs: Any) -> str:
+        """The chat as the template renders it; ``template_kwargs`` (the request's chat_template_kwargs and the
+        router's additions) under the request's own add_generation_prompt / continue_final_message, as vLLM merges
+        them. Any failure of the template on them is a 400 (vLLM's too)."""
         if not getattr(self.tok, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages", "no_chat_template")
+        kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message}
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                continue_final_message=continue_final_message, **template_kwargs)
-        except Exception as e:  # jinja2 errors raised by the template itself (e.g. bad role order)
+            return self.tok.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception as e:  # jinja2 errors raised by the template (e.g. bad role order), a clashing kwarg
             raise bad_request(f"chat template failed on these messages: {e}", "messages") from None
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, add_special_tokens: bool = False,
+                 continue_final_message: bool = False, add_special_tokens: bool = False, /,
                  **template_kwargs: Any) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, **template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import bad_request
+from .flags import integral
 
 _INT64_MAX = 2 ** 63 - 1
 SIDES = ("left", "right")
@@ -60,7 +61,7 @@ def parse_truncation(body: dict[str, Any]) -> Truncation | None:
     side = body.get("truncation_side")
     if side is not None and side not in SIDES:
         raise bad_request(f"'truncation_side' must be 'left' or 'right', got {side!r}", "truncation_side")
-    tokens = body.get("truncate_prompt_tokens")
+    tokens = integral(body.get("truncate_prompt_tokens"))
     if tokens is None:
         return None
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not -1 <= tokens <= _INT64_MAX:

@@ -90,7 +90,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
             out = b"".join(sse(builder.chunk("", role=True, index=c.index)) for c in choices) \
                 if builder.chat else b""
             t = choices[0].gen.t
-            plain = not req.continuous_usage and req.logprobs is None
+            plain = not req.continuous_usage and (req.logprobs is None or not req.token_details)
             held: dict[int, list[int]] = {}  # choice -> token ids of chunks the tool parser held back
             while item is not None:
                 c, d = item
@@ -99,7 +99,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                         await resp.write(out)
                         out = b""
                     r_head, r_tail = builder.relay_parts(c.index)
-                    c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, req.return_token_ids)
+                    c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, builder.token_ids)
                     item = await deltas.__anext__()
                     continue
                 text = d.text
@@ -107,10 +107,11 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                 if plain and not is_first and d.finish_reason is None and c.tools is None:
                     # the common delta: its SSE bytes straight from the text (ResponseBuilder.text_chunk)
                     c.tokens += len(d.token_ids)
-                    t0 = time.perf_counter()
-                    await resp.write(out + builder.text_chunk(text, d.token_ids, c.index))
-                    t.client.seconds += time.perf_counter() - t0
-                    out = b""
+                    if text or req.token_details:  # without its ids a chunk with no text is not sent (vLLM's)
+                        t0 = time.perf_counter()
+                        await resp.write(out + builder.text_chunk(text, d.token_ids, c.index))
+                        t.client.seconds += time.perf_counter() - t0
+                        out = b""
                     item = await deltas.__anext__()
                     continue
                 if is_first and req.echo:
@@ -132,6 +133,9 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                 if delta == {} and finish is None and chunk["choices"][0]["logprobs"] is None:
                     held[c.index] = ids  # their ids go out with the next chunk, so they all reach the client
                     item = await deltas.__anext__()  # the parser holds this text back (as vLLM skips it)
+                    continue
+                if not req.token_details and finish is None and not is_first and delta is None and not text:
+                    item = await deltas.__anext__()  # nothing to show without its ids: vLLM sends no chunk either
                     continue
                 if d.finish_reason is not None:
                     live -= 1
