@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from tests.unit.test_import_cycles import modules  # noqa: E402
+from tests.unit.test_import_cycles import components, import_graph, modules  # noqa: E402
 from tests.unit.test_private_names import _private, _resolve, violations  # noqa: E402
 
 # the run of one request before the router's split (76468ae^): Generation, its mixins, its subclass and helpers
@@ -43,24 +43,15 @@ def report(root: Path, run: set[str]) -> dict:
     missing = run - set(known)
     if missing:
         raise SystemExit(f"not in {root}: {sorted(missing)}")
-    edges = {m: {t for t, _ in _imports(known, m) if t in run and t != m} for m in run}
-
-    def reaches(start: str) -> set[str]:
-        seen: set[str] = set()
-        todo = list(edges[start])
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo.extend(edges[m])
-        return seen
-
+    graph = import_graph(root, "pdserve")
+    edges = {m: graph[m] & run for m in run}
+    circled = sorted(m.rsplit(".", 1)[1] for comp in components(edges) for m in comp)
     public = {(m, t, n) for m in run for t, n in _imports(known, m) if t in run and t != m and n and not _private(n)}
     files = {str(known[m].relative_to(root)) for m in run}
     private = [v for v in violations(root, "pdserve") if v.split(":")[0] in files]
     return {"files": sorted(files), "lines": sum(len(known[m].read_text().splitlines()) for m in run),
             "import_edges": sum(map(len, edges.values())),
-            "on_a_circle": sorted(m.rsplit(".", 1)[1] for m in run if m in reaches(m)),
+            "on_a_circle": circled,
             "public_names_imported": len(public), "distinct_public_names": len({n for *_, n in public}),
             "private_names_read": private}
 
