@@ -9,9 +9,9 @@ from typing import Any
 
 from . import openapi_rules as rules
 from .agent_fields import MESSAGES_NOT_NULL, RESPONSES_NOT_NULL
+from .chat_request import REASONING_EFFORTS
 from .openapi_parts import BOOL, NAME, SALT, STOP, STR, TEMPLATE_KWARGS, nullable, nulls_in, tool_rules
 from .openapi_requests import COMMON
-from .protocol import REASONING_EFFORTS
 from .responses_request import LOGPROBS_INCLUDE
 
 _BLOCK = {"type": "object", "required": ["type"], "properties": {

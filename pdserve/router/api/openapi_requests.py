@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import openapi_rules as rules
+from .chat_request import REASONING_EFFORTS
 from .fields import NOT_NULL
 from .openapi_parts import (
     BOOL,
@@ -24,7 +25,7 @@ from .openapi_parts import (
     tool_rules,
     with_nulls,
 )
-from .protocol import GUIDED, MAX_CHOICES, REASONING_EFFORTS, UNSUPPORTED_FIELDS
+from .protocol import GUIDED, MAX_CHOICES, UNSUPPORTED_FIELDS
 from .tokenize_api import CHAT_FIELDS
 
 Fields = list[tuple[str, dict[str, Any], str]]  # (name, schema, description)

@@ -9,7 +9,6 @@ refused with a 400 naming it. Fields vLLM does not know either are ignored (as v
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import bad_request
+from .chat_request import parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
 from .flags import as_flag, flag, integral
 from .limits import load_json
@@ -373,127 +373,19 @@ def parse_completion(body: Any) -> GenerationRequest:
     return req
 
 
-def _message_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                  "are supported", "messages")
-        return "\n".join(parts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def _message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    """An assistant message's earlier tool calls, arguments parsed from their JSON string (as vLLM hands them to
-    chat templates)."""
-    if not isinstance(calls, list):
-        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
-    out = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"messages[{i}].tool_calls: each needs a 'function' with a 'name'", "messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args else {}
-            except ValueError:
-                raise bad_request(f"messages[{i}].tool_calls: 'arguments' of {fn['name']!r} is not JSON",
-                                  "messages") from None
-        out.append({**call, "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def _vllm_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool as vLLM hands it to the chat template (its pydantic dump: these keys in this order, description and
-    parameters even when null), so the rendered prompt is the one a vLLM worker renders."""
-    fn = tool["function"]
-    out = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
-    for key in ("strict", "defer_loading"):
-        if fn.get(key, tool.get(key) if key == "defer_loading" else None) is not None:
-            out[key] = fn.get(key, tool.get(key))
-    wrapped: dict[str, Any] = {"type": "function", "function": out}
-    if tool.get("defer_loading") is not None:
-        wrapped["defer_loading"] = tool["defer_loading"]
-    return wrapped
-
-
-def _parse_tools(body: dict, req: GenerationRequest) -> None:
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)  # checked even without tools, as vLLM does
-    if tools is None:
-        if choice not in (None, "none"):
-            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
-        return
-    if not isinstance(tools, list) or not tools:
-        raise bad_request("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}}",
-                          "tools")
-    names = []
-    for k, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                              "\"parameters\": {...}}}", "tools")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"tools[{k}].function.parameters must be a JSON schema object", "tools")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise bad_request(f"tools[{k}].function.description must be a string", "tools")
-        names.append(fn["name"])
-    if choice is None:
-        choice = "auto"
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                              "\"function\": {\"name\": ...}}", "tool_choice")
-        if fn["name"] not in names:
-            raise bad_request(f"tool_choice names {fn['name']!r}, which is not in 'tools' ({names})", "tool_choice")
-    elif choice not in ("none", "auto", "required"):
-        raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}", "tool_choice")
-    req.tools = [_vllm_tool(t) for t in tools]
-    req.tool_choice = choice
-    if choice == "required" or isinstance(choice, dict):
-        if "response_format" in req.sampling or "structured_outputs" in req.sampling:
-            raise bad_request("a required or named tool_choice constrains the output itself: drop "
-                              "'response_format' / 'structured_outputs'", "tool_choice")
-        req.constrained = True
-
-
 def parse_chat(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     refuse_nulls(body, NOT_NULL["chat"])
     req = GenerationRequest(kind="chat", model=None)
     _parse_common(body, req)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' is required: a non-empty list of {\"role\", \"content\"} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        msg: dict[str, Any] = {"role": m["role"], "content": "" if content is None else _message_text(content, i)}
-        if "name" in m:
-            if not isinstance(m["name"], str):
-                raise bad_request(f"messages[{i}].name must be a string", "messages")
-            msg["name"] = m["name"]
-        if m.get("tool_calls") is not None:
-            msg["tool_calls"] = _message_tool_calls(m["tool_calls"], i)
-        if isinstance(m.get("tool_call_id"), str):
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    req.messages = out
+    req.messages = parse_messages(body.get("messages"))
     req.include_reasoning = flag(body, "include_reasoning", True)
-    _parse_tools(body, req)
+    req.parallel_tool_calls = flag(body, "parallel_tool_calls", True)  # checked even without tools, as vLLM does
+    tools = parse_tools(body, req.sampling)
+    if tools is not None:
+        req.tools, req.tool_choice = tools.tools, tools.choice
+        req.constrained = req.constrained or tools.constrained
     req.add_generation_prompt = flag(body, "add_generation_prompt", True)
     req.continue_final_message = flag(body, "continue_final_message", False)
     if req.add_generation_prompt and req.continue_final_message and "add_generation_prompt" in body:
@@ -510,7 +402,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             raise bad_request(f"Found unexpected chat template kwargs from request: {unexpected}",
                               "chat_template_kwargs")
         req.chat_template_kwargs = ctk
-    _template_extras(body, req)
+    req.chat_template_kwargs = template_extras(body, req.chat_template_kwargs)
     req.add_special_tokens = flag(body, "add_special_tokens", False)
     _opt_int(body, "max_tokens")  # an integer even when max_completion_tokens wins (vLLM's model checks both)
     mt = body.get("max_completion_tokens")
@@ -520,31 +412,6 @@ def parse_chat(body: Any) -> GenerationRequest:
         req.max_tokens_field = "max_completion_tokens"  # named when it is over the room left, as vLLM does
     req.max_tokens = None if mt is None else _opt_int({"max_tokens": mt}, "max_tokens", 1)  # vLLM names max_tokens
     return req
-
-
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-
-
-def _template_extras(body: dict, req: GenerationRequest) -> None:
-    """``documents`` and ``reasoning_effort`` go to the chat template as vLLM hands them over: over the client's
-    ``chat_template_kwargs``, with ``enable_thinking`` following the effort unless the client set it."""
-    extra: dict[str, Any] = {}
-    docs = body.get("documents")
-    if docs is not None:
-        if not isinstance(docs, list) or not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
-                                                 for d in docs):
-            raise bad_request("'documents' must be a list of objects with string values", "documents")
-        extra["documents"] = docs
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                              "reasoning_effort")
-        extra["reasoning_effort"] = effort
-        if "enable_thinking" not in req.chat_template_kwargs:
-            extra["enable_thinking"] = effort != "none"
-    if extra:
-        req.chat_template_kwargs = {**req.chat_template_kwargs, **extra}
 
 
 def parse_json(raw: bytes) -> Any:
