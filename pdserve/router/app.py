@@ -108,7 +108,8 @@ class Router:
         # the served model and its LoRA adapters: the names ``model`` may take (api/lora.py)
         self.models = ModelCatalog(config.served_model_name, config.model_dir, config.max_model_len, self.created,
                                    parse_lora_modules(config.lora_modules), config.enable_lora)
-        self.adapter_sync = AdapterSync(self.models, lambda: self.session)  # a worker back without its adapters
+        # a worker back without its adapters gets them again (checked in each health probe)
+        self.adapter_sync = AdapterSync(self.models, lambda: self.session, config.health_timeout_s)
         self.shared_adapters: AdapterFile | None = None  # the adapter list shared with the other replicas
         if self.shared is not None and self.models.lora:
             self.shared_adapters = AdapterFile(self.shared.file, self.models)

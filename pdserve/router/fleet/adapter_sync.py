@@ -21,12 +21,15 @@ from ..api.lora import LOAD_PATH, ModelCatalog, post_all
 
 
 class AdapterSync:
-    """Re-applies the catalog's adapters to a worker that lacks them. ``session``: the router's HTTP session."""
+    """Re-applies the catalog's adapters to a worker that lacks them. ``session``: the router's HTTP session;
+    ``list_timeout_s``: how long a worker's /v1/models may take (it runs inside the health probe: the router's
+    ``health_timeout_s``); ``timeout_s``: how long loading an adapter may take."""
 
     def __init__(self, catalog: ModelCatalog, session: Callable[[], aiohttp.ClientSession | None],
-                 timeout_s: float = 120.0) -> None:
+                 list_timeout_s: float, timeout_s: float = 120.0) -> None:
         self.catalog = catalog
         self.session = session
+        self.list_timeout_s = list_timeout_s
         self.timeout_s = timeout_s
         self.reloads = 0  # adapters loaded again onto workers that came back without them
 
@@ -36,7 +39,7 @@ class AdapterSync:
         if session is None:
             return None
         try:
-            async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+            async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.list_timeout_s)) as r:
                 if r.status != 200:
                     return None
                 data = json.loads(await r.text()).get("data")
