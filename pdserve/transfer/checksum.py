@@ -47,12 +47,13 @@ def xxh3_spans(spans: Iterable[Any]) -> int:
 
 def xxh3_unit(span: Any, index: int) -> int:
     """XXH3-64 of one unit of a block (a buffer), seeded with its index ``index`` in the block; an ``xxh3u`` block
-    checksum is the sum of its units' values mod 2**64 (:func:`add_u64`)."""
+    checksum is the sum of its units' values mod 2**64 (:func:`sum_u64`)."""
     return xxhash.xxh3_64_intdigest(span, seed=index)
 
 
-def add_u64(a: int, b: int) -> int:
-    return (a + b) & MASK64
+def sum_u64(values: Iterable[int]) -> int:
+    """``values`` summed mod 2**64: an ``xxh3u`` block checksum from its units' values."""
+    return sum(values) & MASK64
 
 
 def wsum_rows(rows: Any, first_word: int = 0) -> Any:

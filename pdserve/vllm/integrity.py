@@ -24,14 +24,14 @@ after it; then the sums are compared with P's reply.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from pdserve.transfer import TransferError
-from pdserve.transfer.checksum import MASK64, WSUM, XXH3, XXH3U, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.transfer.checksum import MASK64, WSUM, XXH3, XXH3U, sum_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.params import LayerGeometry
 
@@ -90,13 +90,15 @@ class BlockSums:
         return out
 
     def _unit_sum(self, block: int) -> int:
-        total, k = 0, 0
+        return sum_u64(self._unit_values(block))
+
+    def _unit_values(self, block: int) -> Iterator[int]:
+        k = 0
         for g in self.layers:  # memoryview slices: cheaper than numpy views, the same bytes
             view, base = self.view(g.name), block * g.block_stride
             for off, n in g.block_runs:
-                total += xxh3_unit(view[base + off:base + off + n], k)
+                yield xxh3_unit(view[base + off:base + off + n], k)
                 k += 1
-        return total & MASK64
 
     def view(self, region: str) -> memoryview:
         """A memoryview of host region ``region``'s bytes (made once)."""

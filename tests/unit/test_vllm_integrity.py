@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, add_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.transfer.checksum import WSUM, XXH3, XXH3U, sum_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
 from pdserve.vllm.fingerprint import differences, digest, model_hash, parse
 from pdserve.vllm.integrity import ArrivalHasher, BlockSums, ReadVerifier, SealTable, check_read, mismatched
 from pdserve.vllm.kvmemory import byte_region
@@ -99,9 +99,7 @@ def _two_layers() -> BlockSums:
 
 def test_xxh3u_is_the_seeded_sum_of_a_blocks_units():
     sums = _two_layers()
-    want = 0
-    for k, (name, off, n) in enumerate(sums.units(3)):
-        want = add_u64(want, xxh3_unit(sums.memory[name][off:off + n], k))
+    want = sum_u64(xxh3_unit(sums.memory[name][off:off + n], k) for k, (name, off, n) in enumerate(sums.units(3)))
     assert sums.sums([3]) == [want] and len(sums.units(3)) == 4
     a, b = sums.units(3)[:2]  # two units swapped in place: the seeds tie each hash to its place
     mem = sums.memory["l0"]
