@@ -27,8 +27,8 @@ import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pdserve.config import LauncherConfig  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
+from pdserve.launch.config import LauncherConfig  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model
     if not model:
-        from pdserve.models import build_random_llama
+        from pdserve.launch.models import build_random_llama
 
         model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama")))
     cfg = LauncherConfig(model=model, prefill=1, decode=1, port=0, dtype="float32", max_model_len=4096,

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.bench import cli as bench_cli  # noqa: E402
 from pdserve.bench.compare import CompareSettings, launcher_config  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
 
 
 def aiperf_metric(artifacts: Path, name: str) -> float | None:
@@ -75,7 +75,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-aiperf-"))
     model = args.model
     if not model:
-        from pdserve.models import build_random_llama
+        from pdserve.launch.models import build_random_llama
 
         model = str(build_random_llama(work / "random-llama"))
     spec = (f"trace:input_scale={args.input_scale},output_scale=0.05,max_output=16,requests={args.requests},"

@@ -4,7 +4,7 @@
     python benchmarks/chaos_bench.py --quick --routers 2   # two router replicas on one port; one is killed
     python benchmarks/chaos_bench.py --duration 180 --rate 1.5 --prefill 1 --decode 2 --seed 7
 
-A stack of at least three vLLM workers (default 1P2D, a tiny random Llama from pdserve.models, fp32) plus the KV
+A stack of at least three vLLM workers (default 1P2D, a tiny random Llama from pdserve.launch.models, fp32) plus the KV
 pool and the router is started through the launcher (`pdserve serve`, a real subprocess: its supervisor restarts
 what dies). First an undisturbed reference: every prompt once, greedy, straight to one worker. Then a Poisson
 load of streamed greedy completions through the router for ``--duration`` seconds, while the faults fire at
@@ -60,7 +60,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.http_probe import http_status  # noqa: E402
-from pdserve.procs import pids_in_group, wait_dead  # noqa: E402
+from pdserve.launch.procs import pids_in_group, wait_dead  # noqa: E402
 from pdserve.prom import families  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -417,7 +417,7 @@ async def run_load(stack: Stack, args: argparse.Namespace, prompts: list[list[in
 def build_model(args: argparse.Namespace, tmp: Path) -> Path:
     if args.model:
         return Path(args.model)
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     return build_random_llama(tmp / "tiny-llama", layers=2, hidden=256)
 

@@ -343,8 +343,8 @@ def _worker_counters(urls: list[str]) -> tuple[float, float]:
 def run_live(args) -> dict:
     import asyncio
 
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
 
     rows = sample_conversations(args.requests, args.seed)
     reuse = trace_reuse(rows)

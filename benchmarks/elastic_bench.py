@@ -1,7 +1,7 @@
 """Elastic roles against fixed ones on the same cores (issue 16, "Measure"): the full matrix in one run.
 
 Configurations (``pdserve.bench.compare.launcher_config`` names), one after another on the same cores, each
-started ONCE through the launcher (``pdserve.launcher.Cluster``) and then given, in order:
+started ONCE through the launcher (``pdserve.launch.Cluster``) and then given, in order:
 
 1. ``probe``: a closed-loop capacity probe (``--probe-concurrency`` clients, ``--probe-requests`` requests of
    the mixed prompt mix); its req/s is the configuration's capacity.
@@ -144,7 +144,7 @@ def _span(wl: Workload) -> float:
 
 
 def run_config(name: str, m: Matrix, rates: dict[str, Any]) -> None:
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
 
     a = m.a
     settings = CompareSettings(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len)

@@ -6,7 +6,7 @@ connector loading P's KV synchronously (small reads, the default) against the as
 
 For each mode a real 1P1D stack is started through the launcher (router, P and D vLLM CPU workers, one core
 each, the same two cores for both stacks; KV pool off unless ``--pool``) on a random fp32 Llama from
-``pdserve.models`` (``--layers``, ``--hidden``). Both stacks stay up and take the load in turns
+``pdserve.launch.models`` (``--layers``, ``--hidden``). Both stacks stay up and take the load in turns
 (``--rounds`` rounds, each a slice of the prompts on one stack then the same slice on the other), so a busy
 shared machine weighs on both alike. ``--concurrency`` closed-loop clients stream completions of
 ``--min-prompt``..``--max-prompt`` random token ids with ``--output`` tokens each (greedy, ignore_eos), so D
@@ -229,7 +229,7 @@ def phases(rec: dict, st: dict | None) -> dict[str, float]:
 
 def start(mode: str, model: Path, a: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     from pdserve.bench.compare import CompareSettings, launcher_config
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"handoff-{mode}-"))
     cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=a.max_model_len,
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", action="store_true", help="keep the KV pool on (off by default: only P -> D)")
     p.add_argument("--model", default="", help="model folder (default: a random Llama built here)")
     a = p.parse_args(argv)
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     model = Path(a.model) if a.model else build_random_llama(
         Path(tempfile.mkdtemp(prefix="handoff-bench-")) / "random-llama", layers=a.layers, hidden=a.hidden,

@@ -10,8 +10,8 @@ decode steps), and how many moves the router made. Ratios are moves on / moves o
 
     python benchmarks/move_bench.py [--model DIR] [--rounds 3] [--long 1500] [--calibrate]
 
-Without ``--model`` a small random Llama is built (pdserve.models). ``--calibrate`` lets the router time the workers
-at start-up (the conductor then predicts with measured costs, and may decide that no move pays on this machine).
+Without ``--model`` a small random Llama is built (pdserve.launch.models). ``--calibrate`` lets the router time the
+workers at start-up (the conductor then predicts with measured costs, and may decide that no move pays on this machine).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.prom import scrape  # noqa: E402
-from pdserve.config import LauncherConfig  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
-from pdserve.procs import free_port, spawn_healthy, stop_children  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
+from pdserve.launch.config import LauncherConfig  # noqa: E402
+from pdserve.launch.procs import free_port, spawn_healthy, stop_children  # noqa: E402
 
 R_TOKENS = 220  # R: 20 prompt tokens, this many output tokens
 
@@ -97,7 +97,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="move-bench-"))
     model = a.model
     if not model:
-        from pdserve.models import build_random_llama
+        from pdserve.launch.models import build_random_llama
 
         model = str(build_random_llama(tmp / "random-llama"))
     extra = ("--local-prefill-tokens", "256") + (() if a.calibrate else ("--no-calibrate",))

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pdserve.bench.compare import CompareSettings, WorkloadPlan, launcher_config, run_on_cluster  # noqa: E402
 from pdserve.bench.metrics import SLO  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
 
 PROMPT_LENGTHS = (512, 2048)
 CONFIGS = {"colocated": "colocated1", "pd_1p1d": "1p1d"}

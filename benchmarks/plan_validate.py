@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 
 from pdserve.bench.client import stream_completion  # noqa: E402
-from pdserve.config import LauncherConfig  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
+from pdserve.launch.config import LauncherConfig  # noqa: E402
 from pdserve.plan.calibrate import Calibration, fit, measure  # noqa: E402
 from pdserve.plan.kvsize import load_model  # noqa: E402
 from pdserve.plan.measure import transfer_bytes_s  # noqa: E402

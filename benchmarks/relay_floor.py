@@ -63,7 +63,7 @@ def start_floor(worker_url: str, out_dir: Path) -> tuple[subprocess.Popen, str]:
     a /health through it answers 200."""
     import urllib.parse
 
-    from pdserve.procs import free_port, spawn_healthy
+    from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     w = urllib.parse.urlsplit(worker_url)

@@ -4,7 +4,7 @@
                                                [--profile-requests 10] [--baseline-root DIR] [--out DIR]
 
 Starts the ``pdserve serve --colocated 1 --cores-per-worker 2`` stack (one real vLLM worker on up to two cores,
-fp32, and the router in front of it) with a small random Llama from ``pdserve.models`` (or ``--model``). Sends
+fp32, and the router in front of it) with a small random Llama from ``pdserve.launch.models`` (or ``--model``). Sends
 ``--requests`` identical streamed completions (greedy, ``ignore_eos``, a fixed ``--prompt``-token prompt,
 ``--output`` tokens) one at a time, alternately to the router and straight to the worker, and reports TTFT p50
 and end-to-end p50 for both, the ms the router adds to TTFT, and the ms it adds per streamed token
@@ -244,7 +244,7 @@ def _wait_for(path: Path, timeout_s: float) -> None:
 def start_router(cluster: Any, root: Path, out_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
     """A router process from the source tree ``root`` (e.g. an older commit's ``git archive``) in front of the
     cluster's worker; returns (process, url) once its /health answers 200."""
-    from pdserve.procs import free_port, spawn_healthy
+    from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.router", "--model-dir", str(cluster.model_dir), "--colocated",
@@ -269,7 +269,7 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
                 ) -> dict[str, Any]:
     """A second router in front of the same worker, on event loop ``loop``: its CPU per token over ``n`` requests
     unprofiled, then a cProfile of ``n`` more requests only."""
-    from pdserve.procs import free_port, spawn_healthy
+    from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     prof = out_dir / f"router-{loop}.prof"
@@ -308,7 +308,7 @@ def run_profile(cluster: Any, payload: dict[str, Any], n: int, out_dir: Path, ti
 def _model(path: str) -> str:
     if path:
         return path
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     out = ROOT / ".pdserve" / "bench-models" / "router-overhead-llama"
     return str(build_random_llama(out, dtype="float32"))
@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     "token on this loop")
     ap.add_argument("--out", default="", help="folder for router.prof and logs (default: a temporary one)")
     args = ap.parse_args(argv)
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
 
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="router-overhead-"))
     out_dir.mkdir(parents=True, exist_ok=True)

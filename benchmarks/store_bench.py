@@ -27,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pdserve.procs import free_port  # noqa: E402
+from pdserve.launch.procs import free_port  # noqa: E402
 from pdserve.store import ClientConfig, StoreClient  # noqa: E402
 from pdserve.transfer import TransferConfig, TransferEngine  # noqa: E402
 

@@ -29,9 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from pdserve.bench.traces import TraceRow, conversation_rows, default_trace, load_trace  # noqa: E402
-from pdserve.config import LauncherConfig  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
-from pdserve.models import build_random_llama  # noqa: E402
+from pdserve.launch import Cluster  # noqa: E402
+from pdserve.launch.config import LauncherConfig  # noqa: E402
+from pdserve.launch.models import build_random_llama  # noqa: E402
 
 TRACE_BLOCK = 512
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pdserve.procs import free_port, spawn, stop_children  # noqa: E402
+from pdserve.launch.procs import free_port, spawn, stop_children  # noqa: E402
 
 SECRET = "tp-handoff-bench-secret"
 
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--model", default="", help="model folder (default: a random 2-layer Llama built here)")
     ap.add_argument("--start-timeout", type=float, default=1200)
     args = ap.parse_args()
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     work = Path(tempfile.mkdtemp(prefix="tp-bench-"))
     model = Path(args.model) if args.model else build_random_llama(work / "model")

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, LauncherConfig, parse_cpu_list
-from .procs import LaunchError
+from .launch.config import ConfigError, LauncherConfig, parse_cpu_list
+from .launch.procs import LaunchError
 from .settings.flags import add_flags, non_negative_int
 
 

@@ -1,5 +1,5 @@
 """Which dtype the model runs in on this CPU: the one rule that ``pdserve serve``, ``pdserve bench compare``,
-the model converter (:mod:`pdserve.models`) and the planner's measurement (:mod:`pdserve.plan.measure`) share.
+the model converter (:mod:`pdserve.launch.models`) and the planner's measurement (:mod:`pdserve.plan.measure`) share.
 
 bf16 where the CPU computes it natively (AVX512-BF16, or AMX: ``avx512_bf16``, ``amx_bf16``, ``amx_tile`` in
 ``/proc/cpuinfo``'s flags), else fp32: without those instructions torch and vLLM emulate bf16 matmuls, and an AVX2

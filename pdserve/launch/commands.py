@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from ..settings.argv import launcher_values_for_router, router_flags
 from ..settings.lora import RUNTIME_UPDATES_ENV, parse_lora_modules
 from ..vllm.nixl_progress import ENV as NIXL_PROGRESS_ENV
+from .config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"

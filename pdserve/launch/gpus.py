@@ -4,7 +4,7 @@
     slots = assign_gpus(3, gpus, per_worker=1, share=True, memory_utilization=0.9)
 
 Discovery reads the environment and runs ``nvidia-smi`` (never imports torch: the launcher stays light and
-CUDA-free). Assignment (:mod:`pdserve.config_gpus`, re-exported here) is pure: each worker gets its own GPUs
+CUDA-free). Assignment (:mod:`pdserve.launch.config_gpus`, re-exported here) is pure: each worker gets its own GPUs
 (``CUDA_VISIBLE_DEVICES``), or with ``share`` several workers take turns on the same GPU group and split
 ``--gpu-memory-utilization`` evenly. No GPU found means the CPU plan, unchanged.
 """
@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
-from ..config_gpus import (  # noqa: F401  (re-exported: assignment is a config rule, checked when a config is built)
+from .config_gpus import (  # noqa: F401  (re-exported: assignment is a config rule, checked when a config is built)
     DEFAULT_MEMORY_UTILIZATION,
     MIN_MEMORY_UTILIZATION,
     GpuSlot,

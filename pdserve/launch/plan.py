@@ -20,13 +20,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
-from ..config_devices import worker_tp
-from ..config_gpus import GpuSlot, assign_gpus
 from ..dtype import DtypeChoice, choose_dtype
-from ..procs import assign_cores, available_cores
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
+from .config_devices import worker_tp
+from .config_gpus import GpuSlot, assign_gpus
 from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
+from .procs import assign_cores, available_cores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOL_HOST = "127.0.0.1"  # the KV pool master and node run on this host, next to the workers

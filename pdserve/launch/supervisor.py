@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..procs import Child
+from .procs import Child
 
 STARTING, UP, BACKOFF, GIVEN_UP = "starting", "up", "backoff", "given_up"
 
@@ -52,7 +52,7 @@ class RestartPolicy:
 
     @classmethod
     def from_config(cls, config: Any) -> RestartPolicy:
-        """From a :class:`~pdserve.config.LauncherConfig` (which validated the values)."""
+        """From a :class:`~pdserve.launch.config.LauncherConfig` (which validated the values)."""
         return cls(config.restart_backoff_s, config.restart_backoff_max_s, config.restart_reset_s,
                    config.crash_loop_restarts, config.crash_loop_window_s, config.restart)
 

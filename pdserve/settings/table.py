@@ -1,6 +1,6 @@
 """The table of settings: each one declared once, with which processes get it (see :mod:`.spec`).
 
-launcher: ``pdserve serve`` (:class:`pdserve.config.LauncherConfig`, its flags); router: ``python -m
+launcher: ``pdserve serve`` (:class:`pdserve.launch.config.LauncherConfig`, its flags); router: ``python -m
 pdserve.router`` (:class:`pdserve.router.config.RouterConfig`, its flags); conductor:
 :class:`pdserve.conductor.config.ConductorConfig` (inside the router, or alone in the simulator); worker: the
 vLLM workers (their argv, or pdserve's connector through ``kv_connector_extra_config``); pool: the KV pool's

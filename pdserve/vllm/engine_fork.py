@@ -1,4 +1,4 @@
-"""A vLLM server forked by pdserve's warm starter (:mod:`pdserve.warm_start`) forks its engine core from itself.
+"""A vLLM server forked by pdserve's warm starter (:mod:`pdserve.launch.warm_start`) forks its engine core from itself.
 
 vLLM's OpenAI server runs its engine core in a child process. Its CLI asks for ``spawn`` (a new interpreter, which
 imports torch and vLLM again: ~15 s of a ~25 s start on 2 cores), and vLLM's CPU platform sets

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import pids_in_group, spawn, wait_dead
+from pdserve.launch.procs import pids_in_group, spawn, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "integration-test-secret"
@@ -73,9 +73,9 @@ def membership_router(tmp_path_factory, name: str, token: str, health_interval_s
     ``token``; yields its URL once the API answers and stops it afterwards. For module fixtures."""
     import time
 
-    from pdserve.discovery import HttpRouterApi, RouterApiError
-    from pdserve.models import build_random_llama
-    from pdserve.procs import free_port
+    from pdserve.kube.discovery import HttpRouterApi, RouterApiError
+    from pdserve.launch.models import build_random_llama
+    from pdserve.launch.procs import free_port
 
     model = build_random_llama(tmp_path_factory.mktemp(f"{name}-model") / "random-llama")
     port = free_port()
@@ -113,9 +113,9 @@ def pd_cluster(tmp_path_factory):
     Started once per test process and shared by the
     modules listed with it in tests/conftest.py's ``SHARED_STACKS``; they run in that order on one process, so the
     one that kills a worker (test_router_prefill_kill.py) comes last."""
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
-    from pdserve.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
+    from pdserve.launch.models import build_random_llama, quiet_whitespace_tokens, use_tool_chat_template
 
     log = _PD_CLUSTER_LOG  # one list for both fixture definitions (shared_stack)
 
@@ -170,8 +170,8 @@ def pd_faults(tmp_path_factory):
     served as "m", no pool, a router that probes every 0.5 s). Started once per test process and shared by the
     modules listed with it in tests/conftest.py's ``SHARED_STACKS``: the ones that call P and D directly
     (``pd_pair``) first, then test_router_faults.py, which stops and kills workers."""
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
 
     from .test_pd_exactness import model_path
 
@@ -203,9 +203,9 @@ def pd_conductor(tmp_path_factory):
     """2P1D behind two router replicas on one port, with the conductor's placement and the KV pool, every worker
     loading one random LoRA adapter (lora_pd.ADAPTER; the routers then refuse prompt scoring). Shared by
     test_conductor_vllm.py, then test_lora_vllm.py (tests/conftest.py: ``SHARED_STACKS``)."""
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
-    from pdserve.models import build_random_llama
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
+    from pdserve.launch.models import build_random_llama
 
     from .lora_pd import ADAPTER, RANK, write_random_lora
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.bench.prom import scrape
-from pdserve.procs import free_port, spawn_healthy, stop_children
+from pdserve.launch.procs import free_port, spawn_healthy, stop_children
 
 # R and S short (colocated: R on one worker, then S on the other, the first being busy), L long (> 256 tokens: its
 # prefill goes on one of them, and the decode running there moves to the other). R and S must still be decoding when

@@ -24,7 +24,7 @@ READS = "vllm:pdserve_kv_reads_total"
 
 def write_random_lora(out: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
                       rank: int = RANK, seed: int = 7, std: float = 0.5) -> Path:
-    """A PEFT LoRA adapter for :func:`pdserve.models.build_random_llama`'s default shape: ``lora_A`` (rank x in)
+    """A PEFT LoRA adapter for :func:`pdserve.launch.models.build_random_llama`'s default shape: ``lora_A`` (rank x in)
     and ``lora_B`` (out x rank) for every layer's q_proj and v_proj, random (std ``std``, scale alpha/r = 2), so
     large next to the base weights' 0.2 that greedy output changes. Deterministic for a seed."""
     import torch

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 from pdserve.http_probe import http_status
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
 
 from .test_pd_exactness import _prompt
 

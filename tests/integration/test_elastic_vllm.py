@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
+from pdserve.launch.config import LauncherConfig
 
 pytestmark = [
     pytest.mark.integration,
@@ -30,7 +30,7 @@ LONG_FROM = 256  # --local-prefill-tokens: a prompt over this many uncached toke
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     model = build_random_llama(tmp_path_factory.mktemp("elastic-model") / "random-llama")
     cfg = LauncherConfig(model=str(model), elastic=2, policy="conductor", port=0, dtype="float32",

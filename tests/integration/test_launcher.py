@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.http_probe import http_status
-from pdserve.procs import pids_in_group, wait_dead
+from pdserve.launch.procs import pids_in_group, wait_dead
 
 pytestmark = [
     pytest.mark.integration,
@@ -36,7 +36,7 @@ START_TIMEOUT_S = 400  # vLLM takes ~35 s alone; much longer when other engineer
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     return build_random_llama(tmp_path_factory.mktemp("launcher-model") / "tiny-llama", layers=2, hidden=256)
 

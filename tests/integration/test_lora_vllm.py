@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port, spawn, stop_children
+from pdserve.launch.procs import free_port, spawn, stop_children
 
 pytestmark = [
     pytest.mark.integration,

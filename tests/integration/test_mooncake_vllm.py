@@ -30,8 +30,8 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.config import LauncherConfig
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
+from pdserve.launch.config import LauncherConfig
 
 pytestmark = [
     pytest.mark.integration,
@@ -47,7 +47,7 @@ GEN = 8
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     model = build_random_llama(tmp_path_factory.mktemp("mooncake-model") / "random-llama")
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,

@@ -1,4 +1,4 @@
-"""pdserve.discovery and pdserve.drain against the real router's membership API (no vLLM: the workers are
+"""pdserve.kube.discovery and pdserve.kube.drain against the real router's membership API (no vLLM: the workers are
 small HTTP servers answering /health and /metrics like vLLM does; the router process is the real one)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler, RouterApiError
-from pdserve.drain import DrainConfig, drain
+from pdserve.kube.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler, RouterApiError
+from pdserve.kube.drain import DrainConfig, drain
 from tests.integration.conftest import membership_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -14,10 +14,10 @@ given would fail here. Tests:
 - the transfer engine between two namespaces: data arrives intact, ``auto`` picks TCP (the same-host path's
   abstract Unix socket does not cross network namespaces), and the peer is reachable only at its address;
 - the whole disaggregated path as the Helm chart runs it: the router starts empty in its namespace,
-  pdserve.discovery finds the prefill and decode workers (vLLM + pdserve connector, commands built by
-  pdserve.launcher, each in its own namespace) by name and adds them; greedy output through the router, from
+  pdserve.kube.discovery finds the prefill and decode workers (vLLM + pdserve connector, commands built by
+  pdserve.launch, each in its own namespace) by name and adds them; greedy output through the router, from
   a client in a fourth namespace, equals the decode worker serving the request alone, and the KV moved over
-  a TCP connection from the decode host to the prefill host; then pdserve.drain (from the decode host, with
+  a TCP connection from the decode host to the prefill host; then pdserve.kube.drain (from the decode host, with
   the router's admin token) takes the decode worker out and discovery does not add it back.
 
 Skipped with the reason when namespaces cannot be created (not root, no `ip`, no CAP_NET_ADMIN).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import spawn, stop_children
+from pdserve.launch.procs import spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -291,16 +291,16 @@ class NsProcess:
 
 @pytest.mark.vllm
 def test_router_prefill_decode_on_three_hosts_with_discovery_and_drain(lab, tmp_path):
-    """As on Kubernetes: the router starts empty, pdserve.discovery adds the workers it finds by name,
+    """As on Kubernetes: the router starts empty, pdserve.kube.discovery adds the workers it finds by name,
     PD output through the router equals one worker alone with the KV read over TCP from the prefill host,
-    then pdserve.drain takes the decode worker out (admin token, from another host) and discovery leaves it out."""
+    then pdserve.kube.drain takes the decode worker out (admin token, from another host) and discovery leaves it out."""
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # pragma: no cover - environment
         pytest.skip(f"vllm not importable: {exc}")
-    from pdserve.config import WorkerConfig
-    from pdserve.launcher import router_env, worker_command
-    from pdserve.models import build_random_llama
+    from pdserve.launch import router_env, worker_command
+    from pdserve.launch.config import WorkerConfig
+    from pdserve.launch.models import build_random_llama
 
     model = build_random_llama(tmp_path / "random-llama")
     cores = sorted(os.sched_getaffinity(0))
@@ -326,7 +326,7 @@ def test_router_prefill_decode_on_three_hosts_with_discovery_and_drain(lab, tmp_
                  "--max-model-len", "2048", "--health-interval-s", "1"]
         procs.append(NsProcess(lab, "router", rargv, dict(router_env(), PDSERVE_ADMIN_TOKEN=ADMIN_TOKEN),
                                tmp_path / "router.log"))
-        disc = NsProcess(lab, "router", [sys.executable, "-m", "pdserve.discovery", "--router", router_url,
+        disc = NsProcess(lab, "router", [sys.executable, "-m", "pdserve.kube.discovery", "--router", router_url,
                                          "--prefill-dns", "prefill.pd.test:8100", "--decode-dns", "decode.pd.test:8100",
                                          "--interval", "1", "--absent-rounds", "2", "--tombstone", "600"],
                          admin_env, tmp_path / "discovery.log")
@@ -345,7 +345,7 @@ def test_router_prefill_decode_on_three_hosts_with_discovery_and_drain(lab, tmp_
                                                 f"( sport = :{TRANSFER_PORT} )"]), check=False).stdout
 
         # drain the decode worker from its own host, as its preStop hook would
-        dr = subprocess.run(lab.exec("decode", [sys.executable, "-m", "pdserve.drain", "--router", router_url,
+        dr = subprocess.run(lab.exec("decode", [sys.executable, "-m", "pdserve.kube.drain", "--router", router_url,
                                                 "--self", decode_url, "--timeout", "60", "--poll", "0.5"]),
                             capture_output=True, text=True, timeout=120, env=admin_env, cwd=ROOT)
         assert dr.returncode == 0, dr.stderr[-2000:]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port, spawn, stop_children
+from pdserve.launch.procs import free_port, spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]  # pd_pair: P and D of the shared pd_faults launch (tests/conftest.py: SHARED_STACKS)
 
@@ -149,7 +149,7 @@ class Server(Worker):
 
 def model_path(tmp_path_factory) -> Path:
     """The 2-layer random Llama these tests serve (built once per process, or taken from PDSERVE_TEST_MODEL_CACHE)."""
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     cache = os.environ.get("PDSERVE_TEST_MODEL_CACHE")
     out = Path(cache) / "random-llama-2l" if cache else tmp_path_factory.mktemp("model") / "random-llama"

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
 
 pytestmark = [
     pytest.mark.integration,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port, spawn, stop_children
+from pdserve.launch.procs import free_port, spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500), pytest.mark.slow]
 
@@ -107,7 +107,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     cache = os.environ.get("PDSERVE_TEST_MODEL_CACHE")
     out = Path(cache) / "random-llama-2l" if cache else tmp_path_factory.mktemp("model") / "random-llama"

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from pdserve.bench.prom import scrape
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
 from pdserve.prom import label_values
 
 pytestmark = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port, spawn, stop_children
+from pdserve.launch.procs import free_port, spawn, stop_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 

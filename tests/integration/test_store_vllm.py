@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from pdserve.hashing import block_hashes
-from pdserve.procs import free_port
+from pdserve.launch.procs import free_port
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine
 from pdserve.transfer.checksum import xxh3_spans
@@ -52,7 +52,7 @@ def _start_store(*args: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     cache = os.environ.get("PDSERVE_TEST_MODEL_CACHE")
     out = Path(cache) / "random-llama-2l" if cache else tmp_path_factory.mktemp("model") / "random-llama"

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import LauncherConfig
 from pdserve.http_probe import http_status
 from pdserve.launch import Cluster
+from pdserve.launch.config import LauncherConfig
+from pdserve.launch.procs import pids_in_group, wait_dead
 from pdserve.launch.supervisor import UP
-from pdserve.procs import pids_in_group, wait_dead
 from pdserve.prom import families
 
 pytestmark = [
@@ -78,7 +78,7 @@ def _wait(what: str, cond, timeout_s: float, log: list[str]) -> float:
 
 
 def test_launcher_restarts_a_killed_worker_gives_up_a_crash_loop_and_stops_cleanly(tmp_path):
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     model = build_random_llama(tmp_path / "tiny-llama", layers=2, hidden=256)
     run_dir = tmp_path / "run"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler
 from pdserve.http_probe import http_status
+from pdserve.kube.discovery import DiscoveryConfig, HttpRouterApi, PoolTarget, Reconciler
 from tests.integration.conftest import membership_router
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.compare import CompareSettings, launcher_config, plan_workloads
-from pdserve.config import ConfigError, LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 
 
 def test_config_names():

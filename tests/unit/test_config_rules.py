@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import settings
 from pdserve.conductor.config import POLICIES, ConductorConfig, ConductorConfigError
-from pdserve.config import ConfigError, LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.router.config import RouterConfig, RouterConfigError
 
 

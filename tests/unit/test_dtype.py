@@ -11,8 +11,8 @@ import pytest
 
 import pdserve.dtype
 from pdserve import cli
-from pdserve.config import LauncherConfig
 from pdserve.dtype import DtypeChoice, DtypeError, choose_dtype, cpu_flags, normalize
+from pdserve.launch.config import LauncherConfig
 
 AVX2 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7R13\n"
         "flags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n\n"
@@ -145,17 +145,17 @@ def test_bench_compare_configs_leave_the_dtype_to_the_rule(cpu, model_dir):
 
 @pytest.fixture
 def gguf(tmp_path, monkeypatch) -> Path:
-    import pdserve.models
+    import pdserve.launch.models
 
-    path = tmp_path / "gguf" / pdserve.models.GGUF_NAME
+    path = tmp_path / "gguf" / pdserve.launch.models.GGUF_NAME
     path.parent.mkdir()
     path.write_bytes(b"x" * 100)
-    monkeypatch.setattr(pdserve.models, "smollm2_gguf_path", lambda: path)
+    monkeypatch.setattr(pdserve.launch.models, "smollm2_gguf_path", lambda: path)
     return path
 
 
 def _converted(out: Path, dtype: str, gguf_bytes: int = 100) -> Path:
-    from pdserve.models import GGUF_NAME, STAMP
+    from pdserve.launch.models import GGUF_NAME, STAMP
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text("{}")
@@ -166,7 +166,7 @@ def _converted(out: Path, dtype: str, gguf_bytes: int = 100) -> Path:
 
 
 def test_stale_reason_names_the_dtype_mismatch(cpu, gguf, tmp_path):
-    from pdserve.models import smollm2_stale_reason
+    from pdserve.launch.models import smollm2_stale_reason
 
     out = _converted(tmp_path / "m", "bfloat16")
     cpu(AVX2)
@@ -184,8 +184,8 @@ def test_stale_reason_names_the_dtype_mismatch(cpu, gguf, tmp_path):
 
 
 def test_serve_converts_the_default_model_again_in_the_rules_dtype(cpu, gguf, tmp_path, monkeypatch):
-    import pdserve.models
-    from pdserve import launcher
+    import pdserve.launch.models
+    from pdserve import launch as launcher
 
     monkeypatch.setenv("PDSERVE_MODELS_DIR", str(tmp_path / "models"))
     want = tmp_path / "models" / "smollm2-135m-instruct"
@@ -195,7 +195,7 @@ def test_serve_converts_the_default_model_again_in_the_rules_dtype(cpu, gguf, tm
         calls.append(choose_dtype(dtype).dtype)
         return _converted(Path(out), choose_dtype(dtype).dtype)
 
-    monkeypatch.setattr(pdserve.models, "convert_smollm2", fake_convert)
+    monkeypatch.setattr(pdserve.launch.models, "convert_smollm2", fake_convert)
     logs: list[str] = []
     cpu(AMX)
     assert launcher.resolve_model(LauncherConfig(), logs.append) == want.resolve()
@@ -210,7 +210,7 @@ def test_serve_converts_the_default_model_again_in_the_rules_dtype(cpu, gguf, tm
 
 
 def test_models_cli_refuses_a_bad_dtype(capsys):
-    from pdserve.models import main
+    from pdserve.launch.models import main
 
     with pytest.raises(SystemExit) as e:
         main(["smollm2", "/nonexistent/out", "--dtype", "fp8"])

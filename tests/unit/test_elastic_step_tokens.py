@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import LauncherConfig
+from pdserve.launch import plan_workers, router_command
 from pdserve.launch.commands import step_tokens
-from pdserve.launcher import plan_workers, router_command
+from pdserve.launch.config import LauncherConfig
 from pdserve.router.__main__ import config_from_args
 from pdserve.router.config import RouterConfigError
 

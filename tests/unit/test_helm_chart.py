@@ -229,7 +229,7 @@ def kv_config(scenario: str, role: str) -> dict:
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_kv_transfer_config_is_accepted_by_the_connector(scenario):
-    from pdserve.config import CONNECTOR_MODULE, CONNECTOR_NAME
+    from pdserve.launch.config import CONNECTOR_MODULE, CONNECTOR_NAME
     from pdserve.vllm.params import ConnectorConfig
 
     for role in ("prefill", "decode"):
@@ -349,7 +349,7 @@ def test_only_the_router_is_reachable_from_outside_the_release(scenario):
 
 @pytest.mark.parametrize("scenario", ["default", "eks-efa"])
 def test_workers_drain_in_prestop_within_their_grace_period(scenario):
-    from pdserve.drain import build_parser
+    from pdserve.kube.drain import build_parser
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for f in SCENARIOS[scenario][0]:
@@ -362,7 +362,7 @@ def test_workers_drain_in_prestop_within_their_grace_period(scenario):
         cmd = container(dep, "vllm")["lifecycle"]["preStop"]["exec"]["command"]
         assert cmd[:2] == ["/bin/sh", "-c"]
         argv = shlex.split(cmd[2].replace("${POD_IP}", "10.0.0.7"))
-        assert argv[:4] == ["exec", "python3", "-m", "pdserve.drain"]
+        assert argv[:4] == ["exec", "python3", "-m", "pdserve.kube.drain"]
         a = build_parser().parse_args(argv[4:])
         assert a.router == [f"http://{FULL}-router-peers.{NAMESPACE}.svc:8000"]
         assert a.self_url == "http://10.0.0.7:8000" and a.metrics_url == "http://127.0.0.1:8000/metrics"
@@ -376,7 +376,7 @@ def test_workers_drain_in_prestop_within_their_grace_period(scenario):
 
 
 def test_router_and_discovery_flags_are_the_ones_their_clis_accept():
-    from pdserve.discovery import config_from_args
+    from pdserve.kube.discovery import config_from_args
     from pdserve.router.__main__ import build_parser as router_parser
 
     dep = objs("default", "Deployment")[f"{FULL}-router"]
@@ -398,7 +398,7 @@ def test_router_and_discovery_flags_are_the_ones_their_clis_accept():
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
 
     disc = container(dep, "discovery")
-    assert disc["command"] == ["python3", "-m", "pdserve.discovery"]
+    assert disc["command"] == ["python3", "-m", "pdserve.kube.discovery"]
     cfg, _ = config_from_args(disc["args"])
     assert cfg.router == "http://127.0.0.1:8000"
     svcs = objs("default", "Service")

@@ -1,4 +1,4 @@
-"""pdserve.discovery: DNS -> router membership reconciliation (fake router and resolver; one real HTTP round)."""
+"""pdserve.kube.discovery: DNS -> router membership reconciliation (fake router and resolver; one real HTTP round)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdserve.discovery import (
+from pdserve.kube.discovery import (
     DiscoveryConfig,
     DiscoveryConfigError,
     HttpRouterApi,

@@ -1,4 +1,4 @@
-"""pdserve.drain against real HTTP servers on 127.0.0.1: two router replicas and a worker's /metrics."""
+"""pdserve.kube.drain against real HTTP servers on 127.0.0.1: two router replicas and a worker's /metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.drain import DrainConfig, DrainConfigError, busy_counts, drain, parse_prometheus, router_targets
+from pdserve.kube.drain import DrainConfig, DrainConfigError, busy_counts, drain, parse_prometheus, router_targets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +232,7 @@ def test_cli_exit_codes(servers):
     w = Worker(running=1, finish_after=10_000)
     r = Router({w.server.url})
     servers += [w, r]
-    cmd = [sys.executable, "-m", "pdserve.drain", "--router", r.server.url, "--self", w.server.url,
+    cmd = [sys.executable, "-m", "pdserve.kube.drain", "--router", r.server.url, "--self", w.server.url,
            "--timeout", "0.5", "--poll", "0.05"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 1 and "still busy" in out.stderr
@@ -240,6 +240,6 @@ def test_cli_exit_codes(servers):
     w.running = 0
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
-    bad = subprocess.run([sys.executable, "-m", "pdserve.drain", "--router", "r", "--self", "x"],
+    bad = subprocess.run([sys.executable, "-m", "pdserve.kube.drain", "--router", "r", "--self", "x"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "base URL" in bad.stderr

@@ -77,7 +77,7 @@ def test_one_elastic_pool_of_kv_both_workers_replaces_prefill_and_decode():
 
 
 def test_router_runs_the_conductor_in_elastic_mode_and_discovery_follows_the_pool():
-    from pdserve.discovery import PoolTarget, config_from_args
+    from pdserve.kube.discovery import PoolTarget, config_from_args
 
     a = router_args(ELASTIC)
     assert (a.policy, a.mode_hint, a.elastic, a.prefill, a.decode) == ("conductor", "elastic", [], [], [])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import ConfigError, LauncherConfig, WorkerConfig, default_model_dir, parse_cpu_list
+from pdserve.launch.config import ConfigError, LauncherConfig, WorkerConfig, default_model_dir, parse_cpu_list
 
 ROOT = Path(__file__).resolve().parents[2]
 

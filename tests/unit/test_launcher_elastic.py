@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pdserve import cli
-from pdserve.config import ConfigError, LauncherConfig
-from pdserve.launcher import make_plan, plan_workers, router_command, worker_command
+from pdserve.launch import make_plan, plan_workers, router_command, worker_command
+from pdserve.launch.config import ConfigError, LauncherConfig
 
 
 def _cfg(argv):

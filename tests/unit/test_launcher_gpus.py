@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pdserve.cli import build_parser, config_from_args, describe_devices
-from pdserve.config import ConfigError, LauncherConfig, WorkerConfig
 from pdserve.launch.commands import worker_argv, worker_env
+from pdserve.launch.config import ConfigError, LauncherConfig, WorkerConfig
 from pdserve.launch.gpus import (
     GpuSlot,
     assign_gpus,

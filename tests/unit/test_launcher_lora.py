@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import cli
-from pdserve.config import ConfigError, LauncherConfig
-from pdserve.launcher import plan_workers, router_command, worker_command
+from pdserve.launch import plan_workers, router_command, worker_command
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.settings.lora import parse_lora_modules
 
 

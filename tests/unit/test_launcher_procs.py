@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launcher
-from pdserve.config import LauncherConfig
+from pdserve import launch as launcher
 from pdserve.http_probe import PID_HEADER, http_status
 from pdserve.launch import commands
-from pdserve.procs import (
+from pdserve.launch.config import LauncherConfig
+from pdserve.launch.procs import (
     LaunchError,
     Reaper,
     group_alive,
@@ -143,7 +143,7 @@ def test_sigterm_ignored_escalates_to_sigkill(tmp_path):
 FAKE_LAUNCHER = r'''
 import os, sys, threading, time
 from pathlib import Path
-from pdserve.procs import Reaper, spawn
+from pdserve.launch.procs import Reaper, spawn
 reaper = Reaper()
 argv = [sys.executable, "-c", "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', "
         "'import time; time.sleep(600)']); print('GRANDCHILD', g.pid, flush=True); time.sleep(600)"]
@@ -252,7 +252,7 @@ def test_wait_healthy_counts_a_shared_port_ready_per_process_that_answered(tmp_p
 
 
 def test_spawn_healthy_returns_the_serving_child_and_stops_one_that_fails(tmp_path):
-    from pdserve.procs import free_port
+    from pdserve.launch.procs import free_port
 
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     port = free_port()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser, config_from_args
-from pdserve.config import ConfigError, LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.plan import assign_rank_cores, make_plan
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from pdserve.cli import build_parser, config_from_args
-from pdserve.config import ConfigError, LauncherConfig, WorkerConfig
 from pdserve.launch.commands import worker_argv, worker_env
+from pdserve.launch.config import ConfigError, LauncherConfig, WorkerConfig
 from pdserve.launch.plan import dry_run_ports, make_plan
 
 

@@ -9,7 +9,7 @@ import json
 import msgpack
 import zmq
 
-from pdserve.procs import free_port
+from pdserve.launch.procs import free_port
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 PATH = "/v1/pdserve/workers"

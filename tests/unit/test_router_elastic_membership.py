@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.discovery import DiscoveryConfig, DiscoveryConfigError, PoolTarget, Reconciler, config_from_args
+from pdserve.kube.discovery import DiscoveryConfig, DiscoveryConfigError, PoolTarget, Reconciler, config_from_args
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.fleet.registry import WorkerRegistry, role_of
 from tests.unit.test_helm_discovery import Clock, FakeDns, FakeRouter, u

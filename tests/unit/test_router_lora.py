@@ -12,7 +12,7 @@ import msgpack
 import zmq
 from aiohttp import web
 
-from pdserve.procs import free_port
+from pdserve.launch.procs import free_port
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 ADAPTERS = "ad=/adapters/ad,other=/adapters/other"

@@ -281,7 +281,7 @@ def test_worker_call_failures_are_classified_by_evidence():
     """Refused: connect + dead. Accepted then silent: timeout (not 'no connection'). Accepted then dropped: closed."""
     import aiohttp
 
-    from pdserve.procs import free_port
+    from pdserve.launch.procs import free_port
     from pdserve.router.fleet.workers import WorkerClient
 
     async def silent(request: web.Request) -> web.Response:

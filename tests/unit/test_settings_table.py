@@ -12,8 +12,8 @@ from pdserve.cli import build_parser as serve_parser
 from pdserve.cli import config_from_args as serve_config
 from pdserve.conductor.config import ConductorConfig, ConductorConfigError
 from pdserve.conductor.moves import MoveConfig
-from pdserve.config import LauncherConfig, WorkerConfig
 from pdserve.launch import make_plan
+from pdserve.launch.config import LauncherConfig, WorkerConfig
 from pdserve.router.__main__ import build_parser as router_parser
 from pdserve.router.__main__ import config_from_args as router_config
 from pdserve.router.config import RouterConfig

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import ConfigError, LauncherConfig
-from pdserve.launcher import kv_transfer_config, make_plan
+from pdserve.launch import kv_transfer_config, make_plan
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.store.cli import add_serve_flags
 
 

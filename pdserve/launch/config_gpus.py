@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .settings import ConfigError
+from ..settings import ConfigError
 
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's own default for one instance on a GPU
 MIN_MEMORY_UTILIZATION = 0.05  # below this a worker cannot hold weights plus a useful KV cache

@@ -3,7 +3,7 @@
 One frozen dataclass per role, validated on construction with messages that say how to fix the value. The router
 has its own :class:`pdserve.router.config.RouterConfig`; the launcher only passes it flags (``router_args``). A launch
 is one :class:`LauncherConfig` (flags, a YAML file, or both: flags win), which the launcher turns into one
-:class:`WorkerConfig` per vLLM server (see :func:`pdserve.launcher.plan_workers`).
+:class:`WorkerConfig` per vLLM server (see :func:`pdserve.launch.plan_workers`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..settings import (
+    DTYPES,
+    ConfigError,
+    check_fields,
+    check_slo_needs_conductor,
+    default,
+    of,
+    setting,
+    write_resolved,
+)
+from ..settings.connector import SECRET_ENV, ConnectorConfig
+from ..settings.lora import check_max_lora_rank, parse_lora_modules
 from .config_devices import (
     check_gpus_and_data_plane,
     check_tp,
@@ -26,9 +38,6 @@ from .config_devices import (
     tensor_parallel,
 )
 from .config_services import check_pool, check_supervision
-from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
-from .settings.connector import SECRET_ENV, ConnectorConfig
-from .settings.lora import check_max_lora_rank, parse_lora_modules
 
 __all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
            "parse_cpu_list"]

@@ -1,6 +1,6 @@
 """Graceful drain of one worker, run as its Kubernetes preStop hook (or by hand before stopping a worker).
 
-    python -m pdserve.drain --router http://pd-pdserve-router-peers.llm.svc:8000 \\
+    python -m pdserve.kube.drain --router http://pd-pdserve-router-peers.llm.svc:8000 \\
         --self http://10.0.3.17:8000 --metrics-url http://127.0.0.1:8000/metrics --timeout 120 --hold 35
 
 1. Deregister: ``DELETE /v1/pdserve/workers {"url": SELF}`` on *every* router replica: the router's host name
@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ..prom import parse, types
 from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
-from .prom import parse, types
 
-log = logging.getLogger("pdserve.drain")
+log = logging.getLogger("pdserve.kube.drain")
 
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 KV_GAUGE_PREFIX = "vllm:pdserve_kv_"
@@ -234,7 +234,7 @@ def drain(config: DrainConfig, clock: Callable[[], float] = time.monotonic,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.drain",
+    p = argparse.ArgumentParser(prog="python -m pdserve.kube.drain",
                                 description="Take a worker out of the routers and wait until it is idle "
                                             "(Kubernetes preStop hook).")
     p.add_argument("--router", action="append", required=True, metavar="URL",

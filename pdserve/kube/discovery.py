@@ -1,6 +1,6 @@
 """Worker discovery: keep the router's prefill/decode membership equal to what DNS says is ready.
 
-    python -m pdserve.discovery --router http://127.0.0.1:8000 \\
+    python -m pdserve.kube.discovery --router http://127.0.0.1:8000 \\
         --prefill-dns pd-pdserve-prefill.llm.svc:8000 --decode-dns pd-pdserve-decode.llm.svc:8000 --interval 5
 
 On Kubernetes each pool has a headless Service; its name resolves to the addresses of the pool's *ready*
@@ -12,7 +12,7 @@ router's membership API (``GET/POST/DELETE /v1/pdserve/workers``):
   the router stops sending it new requests, in-flight ones finish), so one DNS hiccup removes nobody;
 - a resolution that fails for another reason than "no such name" (timeouts, SERVFAIL) changes nothing;
 - a member that disappears from the router while still resolving was removed by someone else (the worker's
-  own preStop drain, ``pdserve.drain``); it is not added back for ``tombstone_s`` seconds or until its name
+  own preStop drain, ``pdserve.kube.drain``); it is not added back for ``tombstone_s`` seconds or until its name
   stops resolving, so a draining worker is not resurrected from a stale DNS answer.
 
 An elastic router's one pool (``--elastic-dns``) is followed the same way, its workers added with role
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger("pdserve.kube.discovery")
 
 WORKERS_PATH = "/v1/pdserve/workers"
 ROLES = ("prefill", "decode", "elastic")  # elastic: one pool of workers with no fixed role (router --mode elastic)
@@ -349,7 +349,7 @@ class Reconciler:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.discovery",
+    p = argparse.ArgumentParser(prog="python -m pdserve.kube.discovery",
                                 description="Follow the prefill/decode pools in DNS (headless Services) and keep "
                                             "the router's worker membership in step, without restarting it.")
     p.add_argument("--router", required=True, help="router base URL, e.g. http://127.0.0.1:8000")

@@ -1,6 +1,6 @@
-"""What the launcher's checks by concept (:mod:`pdserve.config_devices`, :mod:`pdserve.config_services`) read of
-a config, as read-only protocols: :class:`~pdserve.config.LauncherConfig` and
-:class:`~pdserve.config.WorkerConfig` satisfy them, so those modules need not import :mod:`pdserve.config` (which
+"""What the launcher's checks by concept (:mod:`.config_devices`, :mod:`.config_services`) read of
+a config, as read-only protocols: :class:`~pdserve.launch.config.LauncherConfig` and
+:class:`~pdserve.launch.config.WorkerConfig` satisfy them, so those modules need not import :mod:`.config` (which
 imports them) and the config layer has no import circle."""
 
 from __future__ import annotations

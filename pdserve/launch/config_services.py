@@ -1,15 +1,15 @@
 """The launcher's settings for the processes beside the workers: the KV pool (master and node) and the supervisor
-that restarts whatever exits (pdserve/launch/supervisor.py). Checks of :class:`~pdserve.config.LauncherConfig`."""
+that restarts whatever exits (:mod:`.supervisor`). Checks of :class:`~pdserve.launch.config.LauncherConfig`."""
 
 from __future__ import annotations
 
+from ..settings import ConfigError
 from .config_shapes import LaunchShape
-from .settings import ConfigError
 
 
 def check_pool(cfg: LaunchShape) -> None:
     """KV pool settings (pdserve.store): sizes parse (``pool`` itself is resolved by the config)."""
-    from .store.config import StoreConfigError, parse_size
+    from ..store.config import StoreConfigError, parse_size
 
     if cfg.pool and cfg.pool_backend == "pdserve" and cfg.kv_connector != "pdserve":
         raise ConfigError(f"pool=true with kv_connector={cfg.kv_connector!r}: pdserve's KV pool saves and loads "
