@@ -52,7 +52,7 @@ from relay_floor import start_floor  # noqa: E402  (benchmarks/relay_floor.py, n
 # have the file "~" and their name in the function ("<method 'poll' of 'select.epoll' objects>")
 GROUPS: dict[str, tuple[tuple[str, str], ...]] = {
     "worker stream: read + SSE split + json.loads": (
-        ("router/fleet/workers.py", "stream"), ("router/fleet/workers.py", "_sse_data"), ("json/decoder.py", ""),
+        ("router/workers/client.py", "stream"), ("router/workers/client.py", "_sse_data"), ("json/decoder.py", ""),
         ("json/__init__.py", "loads"), ("aiohttp/streams.py", ""), ("aiohttp/client_proto.py", ""),
         ("aiohttp/http_parser.py", ""), ("~", "scanstring"), ("~", "recv")),
     "the run: attempts, Delta, stop strings, output": (("router/run/generation.py", ""), ("router/run/attempt.py", ""),

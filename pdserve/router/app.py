@@ -1,13 +1,13 @@
 """The router's HTTP server (aiohttp): the one public port.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming and not), POST /v1/messages and
-/v1/responses (run as chat requests: :mod:`.api.messages`, :mod:`.api.responses`), POST /tokenize and /detokenize
-(:mod:`.tokenize_api`), GET /v1/models and POST /v1/load_lora_adapter, /v1/unload_lora_adapter (the served
-model and its LoRA adapters: :mod:`.api.lora`), GET /health (200 only when every configured worker answers its /health),
-GET /ready (200 while a healthy worker can serve requests end to end, "degraded" with one role gone: the
-Kubernetes readiness probe), GET /metrics (Prometheus text), and worker membership: GET/POST/DELETE
-/v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
-Input limits (body size, JSON nesting, prompt length) are in :mod:`.limits`.
+/v1/responses (run as chat requests: :mod:`.endpoints.anthropic_messages`, :mod:`.endpoints.responses`), POST
+/tokenize and /detokenize (:mod:`.endpoints.tokenize`), GET /v1/models and POST /v1/load_lora_adapter,
+/v1/unload_lora_adapter (the served model and its LoRA adapters: :mod:`.api.model_catalog`), GET /health (200
+only when every configured worker answers its /health), GET /ready (200 while a healthy worker can serve requests
+end to end, "degraded" with one role gone: the Kubernetes readiness probe), GET /metrics (Prometheus text), and
+worker membership: GET/POST/DELETE /v1/pdserve/workers (admin token or loopback only); GET /openapi.json describes them.
+Input limits (body size, JSON nesting, prompt length) are in :mod:`.api.limits`.
 """
 
 from __future__ import annotations
@@ -30,20 +30,21 @@ from ..http_probe import PID_HEADER
 from ..settings.lora import parse_lora_modules
 from ..settings.targets import handed_on
 from .admission import Admission
-from .api import messages, responses
 from .api.limits import body_too_large, read_body
 from .api.logprobs import LogprobTrack
-from .api.lora import LoraAdmin, ModelCatalog
-from .api.lora import add_routes as add_lora_routes
+from .api.model_catalog import LoraAdmin, ModelCatalog
+from .api.model_catalog import add_routes as add_lora_routes
 from .api.openapi import openapi_document
 from .api.prompt import prompt_chars, prompt_ids
 from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from .api.response import ResponseBuilder
-from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
 from .api.truncation import truncated_max_tokens
 from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
+from .endpoints import anthropic_messages, responses
+from .endpoints.chat_bridge import ChatBridge
+from .endpoints.tokenize import add_routes as add_tokenize_routes
 from .errors import RouterError, bad_request
 from .fleet.adapter_sync import AdapterSync
 from .fleet.calibration import calibrate
@@ -56,13 +57,12 @@ from .fleet.pool_index import PoolIndexFollower
 from .fleet.registry import WorkerRegistry
 from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
-from .fleet.workers import Worker, WorkerClient
 from .metrics import ConductorCollector, RouterMetrics
 from .run.answer import collect, stream
-from .run.chat_bridge import ChatBridge
 from .run.choices import Choice, choice_seed, sum_usage
-from .run.generation import Generation, RunOptions, Timings
+from .run.generation import Generation, GenerationOptions, Timings
 from .run.kv_protocol import protocol_for
+from .workers.client import Worker, WorkerClient
 
 log = logging.getLogger("pdserve.router")
 
@@ -400,7 +400,7 @@ class Router:
                                                req.sampling.get("spaces_between_special_tokens", True))
         # the data plane's hand-off; constrained output: D regenerates the first token so its grammar state
         # covers the whole output
-        options = RunOptions(**self.kv_protocol.options(constrained=req.constrained),
+        options = GenerationOptions(**self.kv_protocol.options(constrained=req.constrained),
                              migration_limit=self.config.migration_limit,
                              request_timeout_s=self.config.request_timeout_s,
                              handoff_timeout_s=self.config.handoff_timeout_s,
@@ -471,7 +471,7 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
     bridge = ChatBridge(router.models, router.admission, router.metrics, router.tools, router._choices,
                         config.mode, config.max_body_bytes)
     # /v1/messages and /v1/responses run as chat requests (run/chat_bridge.py)
-    messages.add_routes(app, bridge, router.tokenizer)
+    anthropic_messages.add_routes(app, bridge, router.tokenizer)
     responses.add_routes(app, bridge)
     add_tokenize_routes(app, router.tokenizer, router._prompt_ids, router.models, config.max_model_len,
                         config.max_body_bytes)

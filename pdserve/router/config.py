@@ -11,7 +11,6 @@ from urllib.parse import urlsplit
 from ..settings import ConfigError, check_fields, default, of, write_resolved
 from ..settings.lora import parse_lora_modules
 from ..settings.rules import check_host_port
-from .run.mooncake import parse_bootstrap_ports
 
 ELASTIC_ROLES = ("prefill", "decode", "elastic")  # a worker with no fixed role: it can prefill and decode, per request
 
@@ -290,3 +289,19 @@ class RouterConfig:
         if self.elastic:  # able to prefill and decode (so /ready and the role metrics see both), marked elastic
             return [(role, u) for u in self.elastic for role in ELASTIC_ROLES]
         return [("prefill", u) for u in self.prefill] + [("decode", u) for u in self.decode]
+
+
+def parse_bootstrap_ports(text: str) -> dict[str, int]:
+    """``URL=PORT,URL=PORT`` (``--mooncake-bootstrap``) -> {url without trailing slash: port}; "" -> {}.
+    Raises ValueError naming the bad entry."""
+    out: dict[str, int] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        url, sep, port = entry.rpartition("=")
+        if not sep or not url.startswith(("http://", "https://")) or not urlsplit(url).hostname:
+            raise ValueError(f"{entry!r}: give WORKER_URL=PORT, e.g. http://127.0.0.1:8001=8998")
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{entry!r}: the port must be 1-65535")
+        out[url.rstrip("/")] = int(port)
+    return out

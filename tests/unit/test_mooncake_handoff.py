@@ -12,10 +12,10 @@ import json
 import pytest
 from aiohttp import web
 
-from pdserve.router.config import RouterConfig, RouterConfigError
+from pdserve.router.config import RouterConfig, RouterConfigError, parse_bootstrap_ports
 from pdserve.router.errors import RouterError
 from pdserve.router.run.kv_protocol import MooncakeProtocol, protocol_for
-from pdserve.router.run.mooncake import ENGINE_ID_TTL_S, BootstrapBook, parse_bootstrap_ports
+from pdserve.router.run.mooncake import ENGINE_ID_TTL_S, BootstrapBook
 from tests.unit.test_router_app import Env, FakeWorker, ids, model_dir, run, tokenizer  # noqa: F401
 
 P_URL = "http://10.0.0.1:8001"

@@ -15,7 +15,6 @@ import pytest
 
 from pdserve.router.api.protocol import parse_completion
 from pdserve.router.errors import RouterError
-from pdserve.router.fleet.workers import Probe, Wait, WorkerError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.attempt import Attempt, AttemptContext
 from pdserve.router.run.failures import Migrate, Retry, classify
@@ -23,6 +22,7 @@ from pdserve.router.run.generation import Generation
 from pdserve.router.run.output import Output
 from pdserve.router.run.stops import StopStrings
 from pdserve.router.run.timings import Timings
+from pdserve.router.workers.client import Probe, Wait, WorkerError
 from tests.unit.test_router_ticket import PROMPT, make
 
 C0, C1 = "http://c0", "http://c1"

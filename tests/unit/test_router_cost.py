@@ -14,9 +14,9 @@ from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.api.response import ResponseBuilder, sse
 from pdserve.router.errors import RouterError
 from pdserve.router.fleet import ticket as ticket_mod
-from pdserve.router.fleet.workers import Wait, _sse_data
 from pdserve.router.run.delta import Delta
 from pdserve.router.run.generation import Timings
+from pdserve.router.workers.client import Wait, _sse_data
 
 TEXTS = ["", " hello", 'quote " and \\ back', "new\nline\ttab\r", "é 中文 🙂", "\x00\x1f\u2028\u2029", "</script>"]
 
@@ -108,12 +108,12 @@ def test_one_deadline_timer_per_request_cancels_a_silent_stream():
     scheduled once however many tokens came before."""
     from pdserve.router.api.protocol import parse_completion
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.run.generation import Generation, RunOptions
+    from pdserve.router.run.generation import Generation, GenerationOptions
     from tests.unit.test_router_ticket import PROMPT, FakeClient, make
 
     g = Generation(parse_completion({"prompt": PROMPT, "max_tokens": 30}), PROMPT, 30, make()[0],
                    FakeClient(), RouterMetrics(), Timings(arrive=__import__("time").perf_counter()),  # type: ignore[arg-type]
-                   "disaggregated", options=RunOptions(request_timeout_s=0.2))
+                   "disaggregated", options=GenerationOptions(request_timeout_s=0.2))
     closed: list[bool] = []
 
     async def worker() -> AsyncGenerator[Delta, None]:
@@ -162,7 +162,7 @@ def test_stream_idle_timeout_without_a_timer_per_chunk():
     import aiohttp
     from aiohttp import web
 
-    from pdserve.router.fleet.workers import WorkerClient, WorkerError
+    from pdserve.router.workers.client import WorkerClient, WorkerError
 
     event = b"data: " + json.dumps({"choices": [{"text": "x", "token_ids": [1]}]}).encode() + b"\n\n"
 

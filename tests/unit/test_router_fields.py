@@ -139,6 +139,6 @@ def test_tokenize_chat_fields_are_vllms():
     pytest.importorskip("vllm")
     from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
 
-    from pdserve.router.api.tokenize_api import CHAT_FIELDS
+    from pdserve.router.api.fields import TOKENIZE_CHAT_FIELDS
 
-    assert sorted(CHAT_FIELDS) == sorted(TokenizeChatRequest.model_fields)
+    assert sorted(TOKENIZE_CHAT_FIELDS) == sorted(TokenizeChatRequest.model_fields)

@@ -1,11 +1,11 @@
-"""pdserve.router.api.flags: boolean fields read as vLLM 0.32's pydantic models read them (checked against a
+"""pdserve.router.api.lax_values: boolean fields read as vLLM 0.32's pydantic models read them (checked against a
 vLLM worker: "stream": "yes", "echo": 1, "stream": 1.0 and "echo": "Yes" are served; "echo": 2 is a 400)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.api.flags import flag
+from pdserve.router.api.lax_values import flag
 from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.errors import RouterError
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.router.api.lora import ModelCatalog
+from pdserve.router.api.model_catalog import ModelCatalog
 from pdserve.router.app import ROUTER_KEY
 from pdserve.router.fleet.registry import WorkerRegistry
 from pdserve.router.fleet.shared_adapters import AdapterFile

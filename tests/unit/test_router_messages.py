@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from pdserve.router.api.chat_output import ChatPiece
 from pdserve.router.api.messages_request import to_chat
 from pdserve.router.api.messages_stream import MessageEvents, message_body, stop_reason
 from pdserve.router.errors import RouterError
-from pdserve.router.run.chat_bridge import ChatPiece
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 BODY = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "the cat sat"}],
@@ -215,7 +215,7 @@ def test_inline_system_messages_merge_only_for_a_system_first_template():
     assert merged == [{"role": "system", "content": "s1s2"}, {"role": "user", "content": "u1"},
                       {"role": "user", "content": "u2"}]
 
-    from pdserve.router.api.messages import MessagesEndpoint
+    from pdserve.router.endpoints.anthropic_messages import MessagesEndpoint
 
     class Strict:  # a template with Qwen's loop.first guard on system messages
         def render_chat(self, messages, add_generation_prompt=True, **kw):
@@ -238,7 +238,7 @@ def test_thinking_maps_to_a_budget_or_an_effort():
             to_chat({**BODY, "thinking": thinking})
         assert e.value.status == 400 and e.value.param == "thinking"
 
-    from pdserve.router.api.messages import MessagesEndpoint
+    from pdserve.router.endpoints.anthropic_messages import MessagesEndpoint
 
     class Plain:  # a template that never reads reasoning_effort: "none" renders as every effort, so "low"
         def render_chat(self, messages, add_generation_prompt=True, **kw):

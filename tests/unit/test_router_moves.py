@@ -16,8 +16,8 @@ from pdserve.conductor.moves import MoveConfig
 from pdserve.router.fleet.move import wait_moves
 from pdserve.router.fleet.placement import ConductorPlacement
 from pdserve.router.fleet.registry import WorkerRegistry
-from pdserve.router.fleet.workers import Wait
 from pdserve.router.run.generation import Generation
+from pdserve.router.workers.client import Wait
 from tests.unit.test_router_app import model_dir  # noqa: F401  (fixture)
 from tests.unit.test_router_ticket import PROMPT, Clock, FakeClient, generation
 

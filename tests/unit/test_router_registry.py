@@ -8,7 +8,7 @@ import pytest
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
 from pdserve.router.fleet.placement import ConductorPlacement
 from pdserve.router.fleet.registry import WorkerRegistry, role_of
-from pdserve.router.fleet.workers import Worker
+from pdserve.router.workers.client import Worker
 
 
 class Log:

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from pdserve.router.api.protocol import parse_completion
 from pdserve.router.api.response import ResponseBuilder
-from pdserve.router.fleet.workers import open_taps
 from pdserve.router.run import relay as relay_mod
 from pdserve.router.run.relay import parse_ids, plain_event
+from pdserve.router.workers.client import open_taps
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 TRICKY = {15: ' "q"\n', 16: " é\u2028\x01\\", 17: " \t</s>\x7f", 18: "", 19: " 😀/"}

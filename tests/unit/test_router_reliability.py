@@ -15,7 +15,7 @@ from aiohttp import web
 from pdserve.conductor import Conductor, ConductorConfig
 from pdserve.router.app import ROUTER_KEY
 from pdserve.router.fleet.registry import WorkerRegistry
-from pdserve.router.fleet.workers import Probe, Wait, WorkerError
+from pdserve.router.workers.client import Probe, Wait, WorkerError
 from tests.unit.test_conductor_policy import PROMPT as C_PROMPT
 from tests.unit.test_conductor_policy import Clock, cost, req
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
@@ -282,7 +282,7 @@ def test_worker_call_failures_are_classified_by_evidence():
     import aiohttp
 
     from pdserve.launch.procs import free_port
-    from pdserve.router.fleet.workers import WorkerClient
+    from pdserve.router.workers.client import WorkerClient
 
     async def silent(request: web.Request) -> web.Response:
         await asyncio.sleep(0.8)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from pdserve.router.api.chat_output import ChatPiece
 from pdserve.router.api.responses_request import to_chat
 from pdserve.router.api.responses_shape import ResponseEvents, ResponseShape, output_items
 from pdserve.router.errors import RouterError
-from pdserve.router.run.chat_bridge import ChatPiece
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 BODY = {"model": "tiny", "max_output_tokens": 4, "input": "the cat sat", "temperature": 0}

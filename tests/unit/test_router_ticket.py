@@ -15,9 +15,9 @@ from pdserve.router.api.protocol import parse_completion
 from pdserve.router.errors import RouterError
 from pdserve.router.fleet.placement import ConductorPlacement
 from pdserve.router.fleet.registry import WorkerRegistry
-from pdserve.router.fleet.workers import Wait, WorkerError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.generation import Generation, Timings
+from pdserve.router.workers.client import Wait, WorkerError
 
 from .fake_clock import Clock
 

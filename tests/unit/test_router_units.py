@@ -16,9 +16,9 @@ from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.errors import RouterError, from_worker
 from pdserve.router.fleet.placement import ConductorPlacement, make_placement
 from pdserve.router.fleet.registry import WorkerRegistry
-from pdserve.router.fleet.workers import Wait, WorkerClient, WorkerError, _sse_data
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.run.generation import StopStrings, Timings
+from pdserve.router.workers.client import Wait, WorkerClient, WorkerError, _sse_data
 
 
 @pytest.fixture

@@ -145,3 +145,10 @@ def counts(endpoint: str) -> dict[str, int]:
     for use, _ in FIELDS[endpoint].values():
         out[use] = out.get(use, 0) + 1
     return out
+
+
+# the fields of vLLM's TokenizeChatRequest: a chat body to /tokenize is read as a chat request of these alone (vLLM
+# ignores any other field there; tests/unit/test_router_fields.py compares them with the installed vLLM's)
+TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
+                        "add_special_tokens", "chat_template", "chat_template_kwargs", "media_io_kwargs",
+                        "mm_processor_kwargs", "tools")

@@ -1,7 +1,7 @@
 """An Anthropic Messages API request (``POST /v1/messages``) as the chat-completion body vLLM 0.32 turns it into.
 
 vLLM's ``AnthropicServingMessages`` converts the request to a ``ChatCompletionRequest`` and serves that; the
-router does the same conversion here and runs the chat body on its P -> D path (:mod:`..run.chat_bridge`):
+router does the same conversion here and runs the chat body on its P -> D path (:mod:`..endpoints.chat_bridge`):
 
 - ``system`` (a string or text blocks, joined; blocks starting ``x-anthropic-billing-header`` dropped) becomes
   the first system message; a system message inside ``messages`` stays where it is, unless the chat template
@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import RouterError, bad_request
 from .agent_fields import MESSAGES_NOT_NULL
 from .fields import refuse_nulls
-from .flags import flag, integral
+from .lax_values import flag, integral
 
 _ROLES = ("user", "assistant", "system")
 _BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",

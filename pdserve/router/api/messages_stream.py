@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ..errors import RouterError, upstream_failed
-from ..run.chat_bridge import ChatPiece
+from .chat_output import ChatPiece
 from .response import dumps
 
 

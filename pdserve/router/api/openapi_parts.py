@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .flags import FALSE_WORDS, TRUE_WORDS
+from .lax_values import FALSE_WORDS, TRUE_WORDS
 from .protocol import CACHE_SALT_MAX
 
 REF = "#/components/schemas/"
@@ -46,7 +46,7 @@ def words(choices: frozenset[str]) -> str:
 
 
 STR = {"type": "string"}
-# booleans as vLLM's pydantic models read them (api/flags.py): true/false, 0/1 and their words in any case
+# booleans as vLLM's pydantic models read them (api/lax_values.py): true/false, 0/1 and their words in any case
 BOOL = {"anyOf": [{"type": "boolean"}, {"enum": [0, 1]},
                   {"type": "string", "pattern": words(TRUE_WORDS | FALSE_WORDS)}]}
 TRUE = {"anyOf": [{"const": True}, {"const": 1}, {"type": "string", "pattern": words(TRUE_WORDS)}]}

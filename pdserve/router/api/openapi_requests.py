@@ -8,7 +8,7 @@ from typing import Any
 
 from . import openapi_rules as rules
 from .chat_request import REASONING_EFFORTS
-from .fields import NOT_NULL
+from .fields import NOT_NULL, TOKENIZE_CHAT_FIELDS
 from .openapi_parts import (
     BOOL,
     INT64,
@@ -26,7 +26,6 @@ from .openapi_parts import (
     with_nulls,
 )
 from .protocol import GUIDED, MAX_CHOICES, UNSUPPORTED_FIELDS
-from .tokenize_api import CHAT_FIELDS
 
 Fields = list[tuple[str, dict[str, Any], str]]  # (name, schema, description)
 
@@ -149,8 +148,9 @@ _BOTH_TRUE = {"required": ["add_generation_prompt", "continue_final_message"],
 def _tokenize() -> dict[str, Any]:
     """/tokenize: a chat when the body has "messages" (of vLLM's TokenizeChatRequest fields alone; "prompt" is not
     read then), else a prompt."""
-    fields = {name: {**schema, "description": desc} for name, schema, desc in COMMON + _CHAT if name in CHAT_FIELDS}
-    for name in set(CHAT_FIELDS) & set(UNSUPPORTED_FIELDS["chat"]):
+    fields = {name: {**schema, "description": desc} for name, schema, desc in COMMON + _CHAT
+              if name in TOKENIZE_CHAT_FIELDS}
+    for name in set(TOKENIZE_CHAT_FIELDS) & set(UNSUPPORTED_FIELDS["chat"]):
         fields[name] = OFF
     chat = {"required": ["messages"], "properties": with_nulls(fields, NOT_NULL["chat"], ("messages",)),
             "not": _BOTH_TRUE}

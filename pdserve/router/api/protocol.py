@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import bad_request
 from .chat_request import parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
-from .flags import as_flag, flag, integral
+from .lax_values import as_flag, flag, integral
 from .limits import load_json
 from .truncation import Truncation, parse_truncation
 

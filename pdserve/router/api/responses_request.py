@@ -4,7 +4,7 @@ vLLM renders a Responses request (not a gpt-oss "harmony" model) through the cha
 first as a system message, then ``input`` (a string: one user message; items: messages by role, an assistant's
 ``function_call`` items as its ``tool_calls``, ``function_call_output`` items as ``tool`` messages), and samples
 with the request's fields. The router builds that chat body here and runs it on its P -> D path
-(:mod:`..run.chat_bridge`):
+(:mod:`..endpoints.chat_bridge`):
 
 - ``max_output_tokens`` -> ``max_tokens``; ``text.format`` (json_schema / json_object) -> ``structured_outputs``;
   ``reasoning.effort`` -> ``reasoning_effort``; function ``tools`` and ``tool_choice`` -> the chat forms;
@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import RouterError, bad_request
 from .agent_fields import RESPONSES_NOT_NULL
 from .fields import refuse_nulls
-from .flags import flag, integral
+from .lax_values import flag, integral
 
 _STATEFUL = ("previous_response_id", "previous_input_messages", "background", "enable_response_messages")
 _REFUSED = ("prompt", "kv_transfer_params", "ec_transfer_params")

@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 from ..errors import RouterError
-from ..run.chat_bridge import ChatPiece
+from .chat_output import ChatPiece
 from .response import dumps
 
 _TOOL_ECHO_NULLS = ("allowed_callers", "async", "defer_loading")

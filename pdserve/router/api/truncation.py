@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import bad_request
-from .flags import integral
+from .lax_values import integral
 
 _INT64_MAX = 2 ** 63 - 1
 SIDES = ("left", "right")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from ..api.lora import LOAD_PATH, ModelCatalog, post_all
+from ..api.model_catalog import LOAD_PATH, ModelCatalog, post_all
 
 
 class AdapterSync:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from ...conductor import Conductor
-from .workers import Wait, Worker, WorkerClient, WorkerError
+from ..workers.client import Wait, Worker, WorkerClient, WorkerError
 
 log = logging.getLogger("pdserve.router.fleet.calibration")
 

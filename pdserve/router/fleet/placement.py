@@ -21,10 +21,10 @@ from ...conductor.decision import NoWorker
 from ...conductor.moves import MoveConfig
 from ...hashing import ROOT_KEY, block_hashes
 from ..errors import RouterError, unavailable
+from ..workers.client import Worker
 from .move import Movers, move_off
 from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket
-from .workers import Worker
 
 __all__ = ["ConductorPlacement", "Placement", "PlacementTicket", "make_placement", "role_of",
            "too_busy"]

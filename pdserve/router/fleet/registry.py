@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from ..config import ELASTIC_ROLES
-from .workers import Probe, Worker
+from ..workers.client import Probe, Worker
 
 log = logging.getLogger("pdserve.router")
 

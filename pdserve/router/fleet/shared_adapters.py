@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from ..api.lora import ModelCatalog
+from ..api.model_catalog import ModelCatalog
 from .shared_file import Section, SectionFollower, SharedFile
 
 log = logging.getLogger("pdserve.router.fleet.membership")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ...conductor import Conductor, Decision
 from ...conductor.policy import NoWorker
 from ..errors import unavailable
-from .workers import Worker
+from ..workers.client import Worker
 
 if TYPE_CHECKING:
     from .registry import WorkerRegistry

@@ -14,7 +14,7 @@ from aiohttp import web
 from ..api.protocol import GenerationRequest
 from ..api.response import SSE_DONE, ResponseBuilder, dumps, sse, usage_dict
 from ..errors import RouterError, upstream_failed
-from ..fleet.workers import WorkerError
+from ..workers.client import WorkerError
 from .choices import Choice, echo_prefix, merged, sum_usage
 from .delta import Delta
 

@@ -21,8 +21,8 @@ from ...settings import default
 from ..errors import deadline_exceeded
 from ..fleet.registry import WorkerRegistry
 from ..fleet.ticket import PlacementTicket
-from ..fleet.workers import Worker, WorkerClient, WorkerError, WorkerStream
 from ..metrics import RouterMetrics
+from ..workers.client import Worker, WorkerClient, WorkerError, WorkerStream
 from .deadline import within
 from .delta import Delta
 from .failures import Migrate, Outcome, Retry, classify

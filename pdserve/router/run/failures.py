@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Union
 
 from ..errors import RouterError, from_worker, upstream_failed
-from ..fleet.workers import WorkerError
+from ..workers.client import WorkerError
 
 RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
 MIGRATABLE = ("closed", "timeout")  # the worker accepted it and then went away (or went silent)

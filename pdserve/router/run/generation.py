@@ -33,8 +33,8 @@ from ..errors import RouterError, upstream_failed
 from ..fleet.move import MovableRun, Moved, wait_moves
 from ..fleet.placement import Placement
 from ..fleet.ticket import PlacementTicket
-from ..fleet.workers import WorkerClient
 from ..metrics import RouterMetrics
+from ..workers.client import WorkerClient
 from .attempt import Attempt, AttemptContext
 from .deadline import Deadline
 from .delta import Delta
@@ -44,7 +44,7 @@ from .stops import StopStrings
 from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
-__all__ = ["DEFAULT_MIGRATION_LIMIT", "Generation", "RunOptions", "Timings"]
+__all__ = ["DEFAULT_MIGRATION_LIMIT", "Generation", "GenerationOptions", "Timings"]
 
 DEFAULT_MIGRATION_LIMIT: int = default("migration_limit", "router")
 
@@ -52,7 +52,7 @@ log = logging.getLogger("pdserve.router")
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class GenerationOptions:
     """How a request's run speaks to its workers and how long it may take.
 
     first_from_prefill: True: P's first token goes to the client at once and D continues from prompt + [t1] (the
@@ -83,8 +83,8 @@ class Generation:
 
     def __init__(self, req: GenerationRequest, prompt_ids: list[int], max_tokens: int, placement: Placement,
                  client: WorkerClient, metrics: RouterMetrics, timings: Timings, mode: str,
-                 detokenizer: IncrementalDetokenizer | None = None, options: RunOptions | None = None) -> None:
-        o = options or RunOptions()
+                 detokenizer: IncrementalDetokenizer | None = None, options: GenerationOptions | None = None) -> None:
+        o = options or GenerationOptions()
         self.req = req
         self.prompt_ids = prompt_ids
         # the root of the prompt's block keys: its cache salt and LoRA adapter, so the request is placed by its

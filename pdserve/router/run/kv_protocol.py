@@ -37,8 +37,9 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, ClassVar
 
 from ...settings.table import MOONCAKE_BOOTSTRAP_PORT
+from ..config import parse_bootstrap_ports
 from ..errors import RouterError, upstream_failed
-from .mooncake import BootstrapBook, parse_bootstrap_ports
+from .mooncake import BootstrapBook
 
 KV_CONNECTORS = ("pdserve", "nixl", "mooncake")
 DEFAULT_KV_CONNECTOR = "pdserve"
@@ -62,7 +63,7 @@ class KVProtocol:
         raise NotImplementedError
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
-        """:class:`~pdserve.router.run.generation.RunOptions` fields that speak this protocol. ``constrained``
+        """:class:`~pdserve.router.run.generation.GenerationOptions` fields that speak this protocol. ``constrained``
         (structured outputs, constrained tools): D must generate the first token itself on any data plane."""
         return {"first_from_prefill": self.first_from_prefill and not constrained,
                 "prefill_kv_params": self.prefill_params(), "decode_kv_params": self.decode_params}

@@ -26,22 +26,6 @@ ENGINE_ID_TTL_S = 2.0  # how long a P's engine id is trusted before the bootstra
 QUERY_TIMEOUT_S = 2.0  # one GET /query on P's bootstrap server
 
 
-def parse_bootstrap_ports(text: str) -> dict[str, int]:
-    """``URL=PORT,URL=PORT`` (``--mooncake-bootstrap``) -> {url without trailing slash: port}; "" -> {}.
-    Raises ValueError naming the bad entry."""
-    out: dict[str, int] = {}
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        url, sep, port = entry.rpartition("=")
-        if not sep or not url.startswith(("http://", "https://")) or not urlsplit(url).hostname:
-            raise ValueError(f"{entry!r}: give WORKER_URL=PORT, e.g. http://127.0.0.1:8001=8998")
-        if not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"{entry!r}: the port must be 1-65535")
-        out[url.rstrip("/")] = int(port)
-    return out
-
-
 class BootstrapBook:
     """P's bootstrap address (its host, the port listed for it or ``default_port``) and its engine id (asked,
     cached :data:`ENGINE_ID_TTL_S`)."""

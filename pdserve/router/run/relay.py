@@ -27,7 +27,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from ..fleet.workers import WorkerStream
+from ..workers.client import WorkerStream
 from .interrupts import Interrupts
 from .timings import Timings
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..fleet.workers import Wait
+from ..workers.client import Wait
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``POST /v1/responses``: the OpenAI Responses API (stateless) through P and D, as vLLM 0.32 serves it.
 
-The request becomes a chat-completion body (:mod:`.responses_request`), which runs on the router's chat path
-(:mod:`..run.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`.responses_shape`), streamed or
+The request becomes a chat-completion body (:mod:`..api.responses_request`), which runs on the router's chat path
+(:mod:`.chat_bridge`); the answer is written in the Responses API's shapes (:mod:`..api.responses_shape`), streamed or
 not. Errors are OpenAI-shaped, as vLLM's /v1/responses answers them; a context-length error names
 ``max_output_tokens`` or ``input`` (the chat path says ``max_tokens`` or ``messages``).
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..api.limits import read_body
+from ..api.protocol import parse_json
+from ..api.response import dumps
+from ..api.responses_request import to_chat
+from ..api.responses_shape import ResponseEvents, ResponseShape, output_items, status_of, usage
 from ..errors import RouterError
-from ..run.chat_bridge import ChatBridge
-from .limits import read_body
-from .protocol import parse_json
-from .response import dumps
-from .responses_request import to_chat
-from .responses_shape import ResponseEvents, ResponseShape, output_items, status_of, usage
+from .chat_bridge import ChatBridge
 
 # the chat path's names for this endpoint's fields (a context-length error names the prompt or the output budget)
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}

@@ -123,7 +123,7 @@ class WorkerClient:
 
         Raises WorkerError on an error event, a stream that ends without [DONE], or silence longer than the idle
         timeout. Leaving the iteration early (``aclose``: break under ``aclosing``, exception, cancellation) closes
-        the connection. The stream's raw bytes can also be relayed (:mod:`.relay`).
+        the connection. The stream's raw bytes can also be relayed (:mod:`..run.relay`).
         """
         return WorkerStream(self, url, body, wait)
 

@@ -1,6 +1,6 @@
 """Runs a chat-completion request on the router's own chat path (P -> D) for another API's endpoint.
 
-The Anthropic Messages (:mod:`..api.messages`) and OpenAI Responses (:mod:`..api.responses`) endpoints translate their
+The Anthropic Messages (:mod:`.anthropic_messages`) and OpenAI Responses (:mod:`.responses`) endpoints translate their
 request into a chat-completion body, as vLLM's own servers do, and run it here: the same parsing
 (:func:`..api.protocol.parse_chat`), chat template, tools (:mod:`..api.tools`), admission, placement, P -> D hand-off,
 stop strings and metrics as ``/v1/chat/completions``. What comes back is the chat output in a neutral form: the
@@ -18,47 +18,24 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from ..admission import Admission
-from ..api.lora import ModelCatalog
+from ..api.chat_output import ChatPiece, ChatResult
+from ..api.model_catalog import ModelCatalog
 from ..api.protocol import GenerationRequest, parse_chat
 from ..api.tools import ToolCalls, ToolSupport
 from ..errors import RouterError, upstream_failed
-from ..fleet.workers import WorkerError
 from ..metrics import RouterMetrics
-from .choices import Choice, merged, sum_usage
-from .timings import Timings
+from ..run.choices import Choice, merged, sum_usage
+from ..run.timings import Timings
+from ..workers.client import WorkerError
 
 log = logging.getLogger("pdserve.router")
 
 ChoicesFn = Callable[[GenerationRequest, Timings], Awaitable[list[Choice]]]
-
-
-@dataclass
-class ChatPiece:
-    """One streamed chat delta: ``delta`` as a chat chunk's (may be empty), the finish on the last."""
-
-    delta: dict[str, Any]
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    tokens: int = 0
-    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content`` entries of these tokens, if asked
-
-
-@dataclass
-class ChatResult:
-    """The whole chat answer: the assistant message (``content``, ``tool_calls``) and how it ended."""
-
-    message: dict[str, Any]
-    finish_reason: str | None
-    stop_reason: Any
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[dict[str, Any]] | None = None  # chat's logprobs ``content``, if asked
 
 
 class EventWriter(Protocol):

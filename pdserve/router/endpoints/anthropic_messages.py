@@ -1,7 +1,7 @@
 """``POST /v1/messages``: the Anthropic Messages API through P and D, as vLLM 0.32 serves it.
 
-The request becomes a chat-completion body (:mod:`.messages_request`), which runs on the router's chat path
-(:mod:`..run.chat_bridge`); the answer is written in the Messages API's shapes (:mod:`.messages_stream`), streamed or
+The request becomes a chat-completion body (:mod:`..api.messages_request`), which runs on the router's chat path
+(:mod:`.chat_bridge`); the answer is written in the Messages API's shapes (:mod:`..api.messages_stream`), streamed or
 not. Every error is in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with the router's
 status (400 naming the field, 404 for an unknown model, 413, 429, 502, 504): before the first event as the HTTP
 answer, after it as an ``error`` event.
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..api.limits import read_body
+from ..api.messages_request import EFFORTS, to_chat
+from ..api.messages_stream import MessageEvents, error_body, message_body
+from ..api.protocol import parse_json
+from ..api.response import dumps
+from ..api.tokenizer import PromptTokenizer
 from ..errors import RouterError
-from ..run.chat_bridge import ChatBridge
-from .limits import read_body
-from .messages_request import EFFORTS, to_chat
-from .messages_stream import MessageEvents, error_body, message_body
-from .protocol import parse_json
-from .response import dumps
-from .tokenizer import PromptTokenizer
+from .chat_bridge import ChatBridge
 
 # vLLM's probe of a chat template: does it take a system message after the first turn?
 _PROBE = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},

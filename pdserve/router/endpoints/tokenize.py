@@ -15,20 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
+from ..api.fields import TOKENIZE_CHAT_FIELDS, refuse_nulls
+from ..api.lax_values import flag
+from ..api.limits import read_body
+from ..api.model_catalog import ModelCatalog
+from ..api.protocol import GenerationRequest, parse_chat, parse_json, token_id_list
+from ..api.tokenizer import PromptTokenizer
 from ..errors import bad_request
-from .fields import refuse_nulls
-from .flags import flag
-from .limits import read_body
-from .lora import ModelCatalog
-from .protocol import GenerationRequest, parse_chat, parse_json, token_id_list
-from .tokenizer import PromptTokenizer
 
 PromptIds = Callable[[GenerationRequest], Awaitable[list[int]]]
-# the fields of vLLM's TokenizeChatRequest: a chat body to /tokenize is read as a chat request of these alone (vLLM
-# ignores any other field there; tests/unit/test_router_tokenize.py compares them with the installed vLLM's)
-CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "return_token_strs", "continue_final_message",
-               "add_special_tokens", "chat_template", "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs",
-               "tools")
+
 
 
 @dataclass(frozen=True)
@@ -53,7 +49,7 @@ class TokenizeApi:
         body = self.check_model(parse_json(await read_body(request, self.max_body_bytes)))
         tok = self.tokenizer
         if "messages" in body:
-            ids = await self.prompt_ids(parse_chat({k: v for k, v in body.items() if k in CHAT_FIELDS}))
+            ids = await self.prompt_ids(parse_chat({k: v for k, v in body.items() if k in TOKENIZE_CHAT_FIELDS}))
         else:
             refuse_nulls(body, frozenset({"add_special_tokens"}))  # as vLLM's TokenizeCompletionRequest
             prompt = body.get("prompt")
