@@ -115,7 +115,7 @@ def test_document_lists_every_route_of_a_disaggregated_app(model_dir, tokenizer)
     config = RouterConfig(model_dir=str(model_dir), prefill=("http://127.0.0.1:9",), decode=("http://127.0.0.1:10",),
                           health_interval_s=0)
     app = create_app(config, tokenizer=tokenizer)
-    from pdserve.router.app import OPENAPI_KEY
+    from pdserve.router.endpoints.openapi import OPENAPI_KEY
 
     routes = _app_routes(app)
     paths = app[OPENAPI_KEY]["paths"]

@@ -1,5 +1,6 @@
-"""The served model and its LoRA adapters: which names ``model`` may take, GET /v1/models, and
-POST /v1/load_lora_adapter / /v1/unload_lora_adapter, which reach every worker.
+"""The served model and its LoRA adapters: which names ``model`` may take and what GET /v1/models lists
+(:mod:`..endpoints.models`); POST /v1/load_lora_adapter / /v1/unload_lora_adapter change the list
+(:mod:`..endpoints.lora_admin`).
 
 :class:`ModelCatalog` is the one owner of the adapter list. It starts from the configured ``--lora-modules`` (what
 every worker loads at start, and again after a restart) and follows the load and unload calls made through this
@@ -10,30 +11,15 @@ that comes back (restarted, with only the configured adapters) gets the others l
 requests (:mod:`..fleet.adapter_sync`). A request with ``model=<adapter>`` is sent to P and D
 with that model (both run the adapter), its block keys take the adapter into their domain
 (:func:`pdserve.hashing.domain_root`), and the answer's ``model`` is the adapter's name, as vLLM's is.
-
-A load goes to every registered worker at once. If any fails, the ones that loaded it unload it again, the router
-does not list it, and the answer names each worker that failed (a 4xx every worker agrees on is passed through as
-vLLM wrote it, e.g. a bad path; otherwise 502). An unload takes the adapter off the list whatever the workers say
-(a request for it would fail on a worker that lacks it) and names the workers that failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-
-from ..errors import RouterError, bad_request, not_found
-from .limits import read_body
-from .protocol import parse_json
-
-LOAD_PATH = "/v1/load_lora_adapter"
-UNLOAD_PATH = "/v1/unload_lora_adapter"
+from ..errors import bad_request, not_found
 
 
 class ModelCatalog:
@@ -101,131 +87,3 @@ class ModelCatalog:
         data += [{"id": name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": path,
                   "parent": self.base, "max_model_len": None} for name, path in self.adapters.items()]
         return {"object": "list", "data": data}
-
-
-@dataclass
-class WorkerAnswer:
-    url: str
-    status: int  # 0: no answer (connection refused, timeout)
-    text: str
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-    def payload(self) -> Any:
-        try:
-            return json.loads(self.text)
-        except ValueError:
-            return None
-
-    def describe(self) -> str:
-        body = self.payload()
-        error = body.get("error") if isinstance(body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        return f"{self.url}: " + (f"HTTP {self.status}: {message or self.text[:200]}" if self.status
-                                  else self.text)
-
-
-async def post_all(session: aiohttp.ClientSession, urls: Iterable[str], path: str, body: dict[str, Any],
-                   timeout_s: float) -> list[WorkerAnswer]:
-    """POST ``body`` to ``path`` of every worker at once; one answer each, never an exception."""
-    async def one(url: str) -> WorkerAnswer:
-        try:
-            async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                return WorkerAnswer(url, r.status, await r.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return WorkerAnswer(url, 0, f"no answer: {type(e).__name__} {e}".strip())
-    return list(await asyncio.gather(*(one(u) for u in urls)))
-
-
-def failure(action: str, name: str, failed: list[WorkerAnswer], of: int, note: str = "") -> RouterError:
-    """The error for a load or unload some workers refused: their 4xx when every failed worker answered the same
-    4xx (vLLM's own message), else 502; the message names each failed worker."""
-    statuses = {a.status for a in failed}
-    only = next(iter(statuses)) if len(statuses) == 1 else 0
-    status = only if 400 <= only < 500 else 502
-    message = (f"{action} of LoRA adapter '{name}' failed on {len(failed)} of {of} worker(s): "
-               + "; ".join(a.describe() for a in failed) + note)
-    return RouterError(status, message, "invalid_request_error" if status < 500 else "server_error",
-                       "lora_name", "lora_adapter_failed")
-
-
-def _name(body: Any, with_path: bool) -> tuple[str, str]:
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object", None)
-    name, path = body.get("lora_name"), body.get("lora_path")
-    if not isinstance(name, str) or not name:
-        raise bad_request("'lora_name' is required: a non-empty string", "lora_name")
-    if with_path and (not isinstance(path, str) or not path):
-        raise bad_request("'lora_path' is required: a non-empty string", "lora_path")
-    return name, path if isinstance(path, str) else ""
-
-
-class LoraAdmin:
-    """The two endpoints. ``workers``: every registered worker's URL now; ``session``: the router's HTTP session."""
-
-    def __init__(self, catalog: ModelCatalog, workers: Callable[[], list[str]],
-                 session: Callable[[], aiohttp.ClientSession | None], max_body_bytes: int,
-                 timeout_s: float = 120.0) -> None:
-        self.catalog = catalog
-        self.workers = workers
-        self.session = session
-        self.max_body_bytes = max_body_bytes
-        self.timeout_s = timeout_s
-
-    async def _body(self, request: web.Request) -> Any:
-        if not self.catalog.lora:
-            raise not_found("LoRA is off on this router's workers: start pdserve serve with --lora-modules or "
-                            "--enable-lora", None, "lora_disabled")
-        return parse_json(await read_body(request, self.max_body_bytes))
-
-    def _targets(self) -> tuple[aiohttp.ClientSession, list[str]]:
-        session, urls = self.session(), self.workers()
-        if session is None or not urls:
-            raise RouterError(503, "no worker to load the adapter on", "service_unavailable", None,
-                              "no_healthy_worker")
-        return session, urls
-
-    async def load(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        name, path = _name(body, True)
-        c = self.catalog
-        async with c.lock:
-            if name == c.base or (name in c.adapters and not body.get("load_inplace")):
-                raise bad_request(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                  "adapter in place, set 'load_inplace' to True.", "lora_name")
-            session, urls = self._targets()
-            answers = await post_all(session, urls, LOAD_PATH, body, self.timeout_s)
-            failed = [a for a in answers if not a.ok]
-            if not failed:
-                c.add(name, path)
-                return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-            loaded = [a.url for a in answers if a.ok]
-            note = ""
-            if loaded and name not in c.adapters:  # take it off the workers that loaded it: all or none
-                undone = await post_all(session, loaded, UNLOAD_PATH, {"lora_name": name}, self.timeout_s)
-                left = [a.url for a in undone if not a.ok]
-                note = f"; unloaded again from {len(loaded) - len(left)} worker(s)" + (
-                    f", still loaded on {', '.join(left)}" if left else "")
-            raise failure("load", name, failed, len(answers), note)
-
-    async def unload(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        name, _ = _name(body, False)
-        c = self.catalog
-        async with c.lock:
-            session, urls = self._targets()
-            answers = await post_all(session, urls, UNLOAD_PATH, body, self.timeout_s)
-            known = c.remove(name)
-            if all(a.status == 404 for a in answers) and not known:
-                raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name")
-            failed = [a for a in answers if not a.ok and a.status != 404]  # 404: that worker has it no more
-            if not failed:
-                return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-            raise failure("unload", name, failed, len(answers), " (the router no longer lists it)" if known else "")
-
-
-def add_routes(app: web.Application, admin: LoraAdmin) -> None:
-    app.router.add_post(LOAD_PATH, admin.load)
-    app.router.add_post(UNLOAD_PATH, admin.unload)

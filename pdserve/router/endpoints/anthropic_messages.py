@@ -19,6 +19,7 @@ from ..api.response import dumps
 from ..api.tokenizer import PromptTokenizer
 from ..errors import RouterError
 from .chat_bridge import ChatBridge
+from .context import RouterContext
 
 # vLLM's probe of a chat template: does it take a system message after the first turn?
 _PROBE = [{"role": "system", "content": "t"}, {"role": "user", "content": "t"},
@@ -62,24 +63,25 @@ class MessagesEndpoint:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         b = self.bridge
         try:
-            async with b.admitted("messages") as status:
+            async with b.admitted("messages") as visit:
                 body = parse_json(await read_body(request, b.max_body_bytes))
                 disabled = isinstance(body, dict) and isinstance(body.get("thinking"), dict) \
                     and body["thinking"].get("type") == "disabled"
                 chat = to_chat(body, self.merge_inline_system(), self.disabled_effort() if disabled else "none")
-                run = await b.start(chat)
+                run = await b.start(request, chat, visit)
                 if chat["stream"]:
-                    resp, status[0] = await b.stream(request, run, MessageEvents(run.request_id, b.answer_name(run),
-                                                                                 run.prompt_tokens))
+                    resp, visit.status = await b.stream(request, run, MessageEvents(
+                        run.request_id, b.answer_name(run), run.prompt_tokens))
+                    visit.done = True
                     return resp
                 r = await run.result()
-                b.count(run)
                 body = message_body(run.request_id, b.answer_name(run), r.message, r.finish_reason, r.stop_reason,
                                     r.prompt_tokens, r.completion_tokens)
+                visit.done = True
                 return web.Response(text=dumps(body), content_type="application/json")
         except RouterError as e:
             return web.json_response(error_body(e), status=e.status, headers=e.headers)
 
 
-def add_routes(app: web.Application, bridge: ChatBridge, tokenizer: PromptTokenizer) -> None:
-    app.router.add_post("/v1/messages", MessagesEndpoint(bridge, tokenizer).handle)
+def add_routes(app: web.Application, ctx: RouterContext) -> None:
+    app.router.add_post("/v1/messages", MessagesEndpoint(ChatBridge(ctx.intake), ctx.tokenizer).handle)

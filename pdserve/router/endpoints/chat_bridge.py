@@ -2,10 +2,11 @@
 
 The Anthropic Messages (:mod:`.anthropic_messages`) and OpenAI Responses (:mod:`.responses`) endpoints translate their
 request into a chat-completion body, as vLLM's own servers do, and run it here: the same parsing
-(:func:`..api.protocol.parse_chat`), chat template, tools (:mod:`..api.tools`), admission, placement, P -> D hand-off,
-stop strings and metrics as ``/v1/chat/completions``. What comes back is the chat output in a neutral form: the
-streamed chat deltas (:meth:`ChatRun.pieces`, ``{"content"}`` and/or ``{"tool_calls"}`` as a chat chunk's
-``delta``) or the whole message (:meth:`ChatRun.result`), which each endpoint writes in its own shape.
+(:func:`..api.protocol.parse_chat`), front door (:mod:`.intake`: admission, metrics, per-request checks, tools and
+choices), chat template, placement, P -> D hand-off and stop strings as ``/v1/chat/completions``. What comes back
+is the chat output in a neutral form: the streamed chat deltas (:meth:`ChatRun.pieces`, ``{"content"}`` and/or
+``{"tool_calls"}`` as a chat chunk's ``delta``) or the whole message (:meth:`ChatRun.result`), which each endpoint
+writes in its own shape.
 
 One choice per request (the two APIs have no ``n``); the chat request is always run unstreamed as far as the
 router's answer goes (no byte relay), since every event is rewritten.
@@ -13,30 +14,23 @@ router's answer goes (no byte relay), since every event is rewritten.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
 from aiohttp import web
 
-from ..admission import Admission
 from ..api.chat_output import ChatPiece, ChatResult
-from ..api.model_catalog import ModelCatalog
 from ..api.protocol import GenerationRequest, parse_chat
-from ..api.tools import ToolCalls, ToolSupport
+from ..api.tools import ToolCalls
 from ..errors import RouterError, upstream_failed
-from ..metrics import RouterMetrics
 from ..run.choices import Choice, merged, sum_usage
-from ..run.timings import Timings
 from ..workers.client import WorkerError
+from .intake import Intake, Visit
 
 log = logging.getLogger("pdserve.router")
-
-ChoicesFn = Callable[[GenerationRequest, Timings], Awaitable[list[Choice]]]
-
 
 class EventWriter(Protocol):
     """An endpoint's streamed shape: its first events, the events of each chat delta, the last ones and an
@@ -125,64 +119,30 @@ class ChatRun:
 
 
 class ChatBridge:
-    """What an endpoint needs of the router to run a chat body: the served model and its adapters, admission, metrics,
-    tools and the app's choice builder (tokenize, check lengths, one Generation per choice)."""
+    """What an endpoint needs of the router to run a chat body: the front door (:class:`~.intake.Intake`: admission,
+    metrics, the per-request checks, tools and the choice builder) and the served model's answer name."""
 
-    def __init__(self, models: ModelCatalog, admission: Admission, metrics: RouterMetrics, tools: ToolSupport,
-                 choices: ChoicesFn, mode: str, max_body_bytes: int) -> None:
-        self.models = models
-        self.admission = admission
-        self.metrics = metrics
-        self.tools = tools
-        self.choices = choices
-        self.mode = mode
-        self.max_body_bytes = max_body_bytes
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
 
-    def check_model(self, model: Any) -> str | None:
-        """The LoRA adapter ``model`` names (None: the base model); 404 for an unknown model."""
-        return self.models.adapter(model)
+    @property
+    def max_body_bytes(self) -> int:
+        return self.intake.config.max_body_bytes
 
     def answer_name(self, run: ChatRun) -> str:
         """The answer's ``model``: the adapter the request ran, else the served model."""
-        return self.models.answer_name(run.req.lora)
+        return self.intake.models.answer_name(run.req.lora)
 
-    @asynccontextmanager
-    async def admitted(self, endpoint: str) -> AsyncIterator[list[str]]:
-        """Hold one admission slot (429 past --max-inflight) and count the request by endpoint and status;
-        the handler puts the final status label in the yielded list."""
-        m = self.metrics
-        m.inflight.inc()
-        status = ["200"]
-        admitted = False
-        try:
-            admitted = self.admission.enter()
-            yield status
-        except RouterError as e:
-            status[0] = str(e.status)
-            raise
-        except asyncio.CancelledError:
-            status[0] = "client_disconnected"
-            raise
-        finally:
-            if admitted:
-                self.admission.leave()
-            m.inflight.dec()
-            m.requests.labels(endpoint, status[0]).inc()
+    def admitted(self, endpoint: str) -> AbstractAsyncContextManager[Visit]:
+        """The front door's admission slot and metrics (:meth:`.intake.Intake.admitted`)."""
+        return self.intake.admitted(endpoint)
 
-    async def start(self, chat_body: dict[str, Any]) -> ChatRun:
-        """Parse the chat body, tokenize and place: the run starts when its output is read."""
+    async def start(self, request: web.Request, chat_body: dict[str, Any], visit: Visit) -> ChatRun:
+        """Parse the chat body, check it, tokenize and place: the run starts when its output is read."""
         req = parse_chat({k: v for k, v in chat_body.items() if k != "stream"})
-        req.lora = self.check_model(req.model)
-        tool_req = self.tools.prepare(req, chat_body.get("messages")) if req.tools else None
-        t = Timings(arrive=time.perf_counter(), mode=self.mode)
-        choices = await self.choices(req, t)
+        choices = await self.intake.start(req, request, chat_body, visit)
         assert len(choices) == 1, "one choice per request"
-        return ChatRun(req, choices[0], tool_req.calls() if tool_req is not None else None)
-
-    def count(self, run: ChatRun) -> None:
-        """A finished run's tokens in the router's counters."""
-        self.metrics.prompt_tokens.inc(run.prompt_tokens)
-        self.metrics.completion_tokens.inc(run.completion_tokens)
+        return ChatRun(req, choices[0], choices[0].tools)
 
     async def stream(self, request: web.Request, run: ChatRun, writer: EventWriter
                      ) -> tuple[web.StreamResponse, str]:
@@ -205,7 +165,6 @@ class ChatBridge:
                     await resp.write(out)
                     out = b""
                     piece = await pieces.__anext__()
-                self.count(run)
                 await resp.write(out + writer.feed(piece) + writer.finish(piece, run.completion_tokens))
             except (RouterError, StopAsyncIteration) as e:
                 err = e if isinstance(e, RouterError) else upstream_failed("worker stream ended early")

@@ -17,6 +17,7 @@ from ..api.responses_request import to_chat
 from ..api.responses_shape import ResponseEvents, ResponseShape, output_items, status_of, usage
 from ..errors import RouterError
 from .chat_bridge import ChatBridge
+from .context import RouterContext
 
 # the chat path's names for this endpoint's fields (a context-length error names the prompt or the output budget)
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
@@ -31,23 +32,24 @@ class ResponsesEndpoint:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         b = self.bridge
         try:
-            async with b.admitted("responses") as status:
+            async with b.admitted("responses") as visit:
                 body = parse_json(await read_body(request, b.max_body_bytes))
                 chat = to_chat(body)
-                run = await b.start(chat)
+                run = await b.start(request, chat, visit)
                 shape = ResponseShape(body, b.answer_name(run), run.max_tokens)
                 if chat["stream"]:
-                    resp, status[0] = await b.stream(request, run, ResponseEvents(shape, run.prompt_tokens))
+                    resp, visit.status = await b.stream(request, run, ResponseEvents(shape, run.prompt_tokens))
+                    visit.done = True
                     return resp
                 r = await run.result()
-                b.count(run)
                 out = shape.response(output_items(r.message, bool(chat.get("tools")), r.logprobs),
                                      status_of(r.finish_reason), usage(r.prompt_tokens, r.completion_tokens))
+                visit.done = True
                 return web.Response(text=dumps(out), content_type="application/json")
         except RouterError as e:
             e.param = _PARAMS.get(e.param or "", e.param)
             return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
 
 
-def add_routes(app: web.Application, bridge: ChatBridge) -> None:
-    app.router.add_post("/v1/responses", ResponsesEndpoint(bridge).handle)
+def add_routes(app: web.Application, ctx: RouterContext) -> None:
+    app.router.add_post("/v1/responses", ResponsesEndpoint(ChatBridge(ctx.intake)).handle)

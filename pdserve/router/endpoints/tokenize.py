@@ -22,6 +22,7 @@ from ..api.model_catalog import ModelCatalog
 from ..api.protocol import GenerationRequest, parse_chat, parse_json, token_id_list
 from ..api.tokenizer import PromptTokenizer
 from ..errors import bad_request
+from .context import RouterContext
 
 PromptIds = Callable[[GenerationRequest], Awaitable[list[int]]]
 
@@ -67,9 +68,9 @@ class TokenizeApi:
         return web.json_response({"prompt": self.tokenizer.decode(ids)})
 
 
-def add_routes(app: web.Application, tokenizer: PromptTokenizer, prompt_ids: PromptIds, models: ModelCatalog,
-               max_model_len: int, max_body_bytes: int) -> None:
-    """POST /tokenize and /detokenize on ``app`` (:class:`TokenizeApi` says what each argument is for)."""
-    api = TokenizeApi(tokenizer, prompt_ids, models, max_model_len, max_body_bytes)
+def add_routes(app: web.Application, ctx: RouterContext) -> None:
+    """POST /tokenize and /detokenize on ``app``: a chat is rendered and tokenized as the front door does."""
+    api = TokenizeApi(ctx.tokenizer, ctx.intake.prompt_ids, ctx.models, ctx.config.max_model_len,
+                      ctx.config.max_body_bytes)
     app.router.add_post("/tokenize", api.tokenize)
     app.router.add_post("/detokenize", api.detokenize)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from ..api.model_catalog import LOAD_PATH, ModelCatalog, post_all
+from ..api.model_catalog import ModelCatalog
+from ..workers.broadcast import LOAD_PATH, post_all
 
 
 class AdapterSync:

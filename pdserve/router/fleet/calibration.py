@@ -73,3 +73,17 @@ async def calibrate(client: WorkerClient, conductor: Conductor, workers: Sequenc
     describe = getattr(cost, "describe", None)
     log.info("calibrated cost model: %s", describe() if describe else out)
     return out
+
+
+class Calibration:
+    """The start-up calibration (``--calibrate``): run once, its measurements kept for GET /v1/pdserve/workers."""
+
+    def __init__(self) -> None:
+        self.result: dict | None = None
+
+    async def run(self, client: WorkerClient, conductor: Conductor, workers: Sequence[Worker], vocab_size: int,
+                  max_model_len: int) -> None:
+        try:
+            self.result = await calibrate(client, conductor, workers, vocab_size, max_model_len)
+        except Exception:
+            log.exception("start-up calibration failed; the cost model keeps its defaults")

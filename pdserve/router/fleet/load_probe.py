@@ -2,16 +2,20 @@
 
 vLLM v1 exports ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``
 (0..1) and ``vllm:cache_config_info{block_size=..., num_gpu_blocks=...}`` (KV capacity), plus prefix-cache
-counters. Only what is present is used.
+counters. Only what is present is used. :class:`LoadFollower` reads every worker's into the conductor.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
+from ...conductor import Conductor
 from ...prom import label_values, parse
+from .registry import WorkerRegistry
 
 
 @dataclass
@@ -50,3 +54,28 @@ async def read_worker_load(session: aiohttp.ClientSession, url: str, timeout_s: 
             return parse_vllm_metrics(await resp.text())
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
+
+
+class LoadFollower:
+    """Reads every worker's /metrics (queue, running, KV usage and capacity) into the conductor every
+    ``interval_s`` until cancelled."""
+
+    def __init__(self, registry: WorkerRegistry, conductor: Conductor,
+                 session: Callable[[], aiohttp.ClientSession | None], timeout_s: float, interval_s: float) -> None:
+        self.registry = registry
+        self.conductor = conductor
+        self.session = session
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+
+    async def run(self) -> None:
+        session = self.session()
+        assert session is not None, "router not started"
+        while True:
+            workers = list(self.registry)
+            reports = await asyncio.gather(*(read_worker_load(session, w.url, self.timeout_s) for w in workers))
+            for w, r in zip(workers, reports):
+                if r is not None:
+                    self.conductor.report_load(w.url, r.waiting, r.running, r.kv_usage, r.kv_capacity_tokens)
+            self.conductor.expire_reports()
+            await asyncio.sleep(self.interval_s)

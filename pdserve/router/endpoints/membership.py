@@ -24,9 +24,10 @@ from aiohttp import web
 from ..api.limits import load_json
 from ..config import RouterConfig, RouterConfigError, check_endpoint, check_url
 from ..errors import RouterError, bad_request, not_found
-from .kv_events import Publisher
-from .placement import Placement
-from .registry import WorkerRegistry
+from ..fleet.kv_events import Publisher
+from ..fleet.placement import Placement
+from ..fleet.registry import WorkerRegistry
+from .context import RouterContext
 
 PATH = "/v1/pdserve/workers"
 
@@ -163,3 +164,9 @@ class Membership:
         app.router.add_get(PATH, self.list_workers)
         app.router.add_post(PATH, self.add_worker)
         app.router.add_delete(PATH, self.remove_worker)
+
+
+def add_routes(app: web.Application, ctx: RouterContext) -> None:
+    changed = ctx.shared.changed if ctx.shared is not None else None
+    Membership(ctx.config, ctx.registry, ctx.placement, lambda: ctx.calibration.result, ctx.kv.publishers,
+               changed).add_routes(app)

@@ -1,0 +1,45 @@
+"""POST /v1/completions and /v1/chat/completions: a body through the front door (:mod:`.intake`), its choices'
+deltas answered as one JSON response or as SSE (:mod:`..run.answer`)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..api.protocol import parse_chat, parse_completion, parse_json
+from ..api.response import ResponseBuilder
+from ..api.tokenizer import PromptTokenizer
+from ..errors import RouterError
+from ..run.answer import collect, stream
+from .context import RouterContext
+from .intake import Intake
+
+
+class GenerateEndpoint:
+    """One of the two endpoints: ``kind`` is "completions" or "chat" (the metrics' endpoint label too)."""
+
+    def __init__(self, intake: Intake, tokenizer: PromptTokenizer, kind: str) -> None:
+        self.intake = intake
+        self.tokenizer = tokenizer
+        self.kind = kind
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        door = self.intake
+        try:
+            async with door.admitted(self.kind) as visit:
+                body = parse_json(await door.read_body(request))
+                req = parse_chat(body) if self.kind == "chat" else parse_completion(body)
+                choices = await door.start(req, request, body, visit)
+                builder = ResponseBuilder(req, door.models.answer_name(req.lora))
+                if req.stream:
+                    resp, visit.status = await stream(request, req, choices, builder, self.tokenizer.decode_one)
+                else:
+                    resp = await collect(req, choices, builder, self.tokenizer.decode_one)
+                visit.done = True
+                return resp
+        except RouterError as e:
+            return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
+
+
+def add_routes(app: web.Application, ctx: RouterContext) -> None:
+    app.router.add_post("/v1/completions", GenerateEndpoint(ctx.intake, ctx.tokenizer, "completions").handle)
+    app.router.add_post("/v1/chat/completions", GenerateEndpoint(ctx.intake, ctx.tokenizer, "chat").handle)
