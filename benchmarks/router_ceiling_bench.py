@@ -4,6 +4,7 @@ P -> D and colocated streams, with 1 and 2 router processes, against a baseline 
     python benchmarks/router_ceiling_bench.py [--streams 16 64 256] [--colocated-streams 256] [--routers 1 2]
                                               [--tokens 400] [--token-ms 5] [--stream-interval 1] [--window-s 8]
                                               [--repeat 3] [--baseline-root DIR] [--quick]
+                                              [--worker-json vllm spaced]
 
 The workers are fakes (each its own process) that answer like vLLM 0.32 and cost next to nothing: a raw asyncio
 HTTP/1.1 server whose prefill answers one token and ``kv_transfer_params``, and whose streams are vLLM's compact
@@ -42,12 +43,16 @@ VOCAB = ["[UNK]", "</s>"] + [f"w{i}" for i in range(2, 200)]
 
 # ----------------------------------------------------------------------------- the fake worker (own process)
 
+_JSON = {"vllm": (",", ":"), "spaced": (", ", ": ")}  # --worker-json: vLLM's compact bytes, or ordinary spacing
+_separators = _JSON["vllm"]
+
+
 def _event(ts: list[int], prompt: list[int] | None, finish: str | None) -> bytes:
-    """One streamed completion event carrying tokens ``ts``, byte for byte in vLLM 0.32's shape."""
+    """One streamed completion event carrying tokens ``ts``, in vLLM 0.32's shape (its bytes, or re-spaced)."""
     c = {"index": 0, "text": "".join(f" w{t}" for t in ts), "logprobs": None, "finish_reason": finish,
          "stop_reason": None, "prompt_token_ids": prompt, "token_ids": ts}
     ev = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": "m", "choices": [c]}
-    return b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(ev, separators=_separators).encode() + b"\n\n"
 
 
 def _chunk(data: bytes) -> bytes:
@@ -144,7 +149,10 @@ class _WorkerProtocol(asyncio.Protocol):
         self.ticker.streams.append([self.tr, events, 0])
 
 
-def fake_worker(port: int, token_ms: float, tokens: int, interval: int) -> None:
+def fake_worker(port: int, token_ms: float, tokens: int, interval: int, style: str) -> None:
+    global _separators
+    _separators = _JSON[style]
+
     async def main() -> None:
         ticker = _Ticker(token_ms / 1000.0)
         server = await asyncio.get_running_loop().create_server(lambda: _WorkerProtocol(ticker, tokens, interval),
@@ -346,51 +354,59 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (each case once per round, per router tree)")
     ap.add_argument("--baseline-root", default="", help="a source tree with another pdserve to compare against")
     ap.add_argument("--quick", action="store_true", help="one round, 2 s warm-up, 4 s windows")
+    ap.add_argument("--worker-json", nargs="+", choices=sorted(_JSON), default=["vllm"],
+                    help="the fake workers' event JSON: vllm (its compact bytes) and/or spaced (', ' and ': '); "
+                         "with both, each tree's spaced rows give the ratio spaced / vllm")
     ap.add_argument("--fake-worker", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.fake_worker:
-        fake_worker(a.fake_worker, a.token_ms, a.tokens, a.stream_interval)
+        fake_worker(a.fake_worker, a.token_ms, a.tokens, a.stream_interval, a.worker_json[0])
         return 0
     if a.quick:
         a.repeat, a.warmup_s, a.window_s = 1, 2.0, 4.0
     trees = [("this", ROOT)] + ([("baseline", Path(a.baseline_root).resolve())] if a.baseline_root else [])
-    wports = {"prefill": _free_port(), "decode": _free_port(), "colocated": _free_port()}
-    fakes = {role: subprocess.Popen([sys.executable, __file__, "--fake-worker", str(p), "--token-ms",
-                                     str(a.token_ms), "--tokens", str(a.tokens), "--stream-interval",
-                                     str(a.stream_interval)], start_new_session=True)
-             for role, p in wports.items()}
-    routers: dict[tuple[str, str, int], list[tuple[subprocess.Popen, int]]] = {}
-    rows: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    styles = list(dict.fromkeys(a.worker_json))
+    wports = {(style, role): _free_port() for style in styles for role in ("prefill", "decode", "colocated")}
+    fakes = {key: subprocess.Popen([sys.executable, __file__, "--fake-worker", str(p), "--token-ms",
+                                    str(a.token_ms), "--tokens", str(a.tokens), "--stream-interval",
+                                    str(a.stream_interval), "--worker-json", key[0]], start_new_session=True)
+             for key, p in wports.items()}
+    routers: dict[tuple[str, str, int, str], list[tuple[subprocess.Popen, int]]] = {}
+    rows: dict[tuple[str, str, int, int, str], list[dict[str, Any]]] = {}
     out_dir = Path(tempfile.mkdtemp(prefix="router-ceiling-"))
     try:
-        for role, p in wports.items():
-            _wait_http(p, "/health", 30, fakes[role])
+        for key, p in wports.items():
+            _wait_http(p, "/health", 30, fakes[key])
         model = _write_model(out_dir / "model")
-        modes = {"pd": {"prefill": [f"http://127.0.0.1:{wports['prefill']}"],
-                        "decode": [f"http://127.0.0.1:{wports['decode']}"]},
-                 "colocated": {"colocated": [f"http://127.0.0.1:{wports['colocated']}"]}}
+
+        def workers(mode: str, style: str) -> dict[str, list[str]]:
+            roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
+            return {r: [f"http://127.0.0.1:{wports[(style, r)]}"] for r in roles}
+
         cases = [("pd", s) for s in a.streams] + [("colocated", s) for s in a.colocated_streams]
         for mode in sorted({m for m, _ in cases}):
             for name, root in trees:
                 for n in a.routers:
-                    routers[(name, mode, n)] = [_start_router(root, model, modes[mode], out_dir / f"{name}.log")
-                                                for _ in range(n)]
+                    for style in styles:
+                        routers[(name, mode, n, style)] = [
+                            _start_router(root, model, workers(mode, style), out_dir / f"{name}.log")
+                            for _ in range(n)]
         for procs in routers.values():
             for proc, port in procs:
                 _wait_http(port, "/ready", 180, proc)
         for rnd in range(a.repeat):
             for mode, streams in cases:
                 for n in a.routers:
-                    order = trees if rnd % 2 == 0 else trees[::-1]
-                    for name, _ in order:
-                        procs = routers[(name, mode, n)]
+                    order = [(name, style) for name, _ in trees for style in styles]
+                    for name, style in (order if rnd % 2 == 0 else order[::-1]):
+                        procs = routers[(name, mode, n, style)]
                         pids = [p.pid for p, _ in procs]
                         row = asyncio.run(_drive([port for _, port in procs], streams, a.tokens, a.warmup_s,
                                                  a.window_s, lambda pids=pids: sum(_cpu_s(p) for p in pids)))
                         row["offered_tokens_per_s"] = streams * 1000.0 / a.token_ms
-                        rows.setdefault((name, mode, n, streams), []).append(row)
+                        rows.setdefault((name, mode, n, streams, style), []).append(row)
                         failed = f", {row['failed']} failed" if row["failed"] else ""
-                        print(f"  round {rnd + 1}: {name:8} {mode:9} routers={n} streams={streams:4}: "
+                        print(f"  round {rnd + 1}: {name:8} {mode:9} {style:6} routers={n} streams={streams:4}: "
                               f"{row['tokens_per_s']:9.0f} tok/s, {row['tokens_per_cpu_s']:9.0f} tok/router-CPU-s"
                               f"{failed}", flush=True)
     finally:
@@ -401,25 +417,31 @@ def main() -> int:
             _stop(f)
 
     table = []
-    for (name, mode, n, streams), rs in sorted(rows.items(), key=lambda kv: (kv[0][1] != "pd", kv[0][1],
-                                                                            kv[0][3], kv[0][2], kv[0][0])):
+    for (name, mode, n, streams, style), rs in sorted(rows.items(), key=lambda kv: (
+            kv[0][1] != "pd", kv[0][1], kv[0][3], kv[0][2], kv[0][4] != "vllm", kv[0][0])):
         tpc, tps = _median(rs, "tokens_per_cpu_s"), _median(rs, "tokens_per_s")
-        entry = {"tree": name, "mode": mode, "routers": n, "streams": streams, "tokens_per_s": round(tps or 0),
+        entry = {"tree": name, "mode": mode, "worker_json": style, "routers": n, "streams": streams,
+                 "tokens_per_s": round(tps or 0),
                  "offered_tokens_per_s": round(streams * 1000.0 / a.token_ms),
                  "tokens_per_router_cpu_s": round(tpc or 0),
                  "router_cpu_ms_per_token": round(1000 / tpc, 4) if tpc else None,
                  "rounds": len(rs), "failed": sum(r["failed"] for r in rs)}
-        base = rows.get(("baseline", mode, n, streams))
+        base = rows.get(("baseline", mode, n, streams, style))
         if name == "this" and base:
             btpc, btps = _median(base, "tokens_per_cpu_s"), _median(base, "tokens_per_s")
             entry["vs_baseline_tokens_per_cpu_s"] = round(tpc / btpc, 3) if tpc and btpc else None
             entry["vs_baseline_tokens_per_s"] = round(tps / btps, 3) if tps and btps else None
-        one = rows.get((name, mode, 1, streams))
+        compact = rows.get((name, mode, n, streams, "vllm"))
+        if style != "vllm" and compact:
+            ctpc = _median(compact, "tokens_per_cpu_s")
+            entry["vs_vllm_json_tokens_per_cpu_s"] = round(tpc / ctpc, 3) if tpc and ctpc else None
+        one = rows.get((name, mode, 1, streams, style))
         if n > 1 and one:
             entry["vs_one_router_tokens_per_s"] = round(tps / _median(one, "tokens_per_s"), 3) if tps else None
         table.append(entry)
-    cols = ["tree", "mode", "routers", "streams", "offered_tokens_per_s", "tokens_per_s", "tokens_per_router_cpu_s",
-            "router_cpu_ms_per_token", "vs_baseline_tokens_per_cpu_s", "vs_one_router_tokens_per_s", "failed"]
+    cols = ["tree", "mode", "worker_json", "routers", "streams", "offered_tokens_per_s", "tokens_per_s",
+            "tokens_per_router_cpu_s", "router_cpu_ms_per_token", "vs_baseline_tokens_per_cpu_s",
+            "vs_vllm_json_tokens_per_cpu_s", "vs_one_router_tokens_per_s", "failed"]
     print(f"\nrouter ceiling: fake vLLM-shaped workers, {a.tokens} tokens a request, a token every "
           f"{a.token_ms:g} ms, {a.stream_interval} token(s) an event; medians of {a.repeat} round(s), "
           f"{a.window_s:g} s windows; {os.cpu_count()} CPUs")
@@ -427,14 +449,19 @@ def main() -> int:
     for e in table:
         print(" | ".join(f"{e.get(c, '')!s:>12}" for c in cols))
     head = next((e for e in table if e["tree"] == "this" and e["mode"] == "pd" and e["routers"] == 1
-                 and e["streams"] == max(a.streams)), None) if a.streams else None
+                 and e["streams"] == max(a.streams) and e["worker_json"] == styles[0]), None) if a.streams else None
+    spaced = next((e for e in table if e["tree"] == "this" and e["mode"] == "pd" and e["routers"] == 1
+                   and e["streams"] == max(a.streams) and e["worker_json"] == "spaced"), None) if a.streams else None
     print(json.dumps({"bench": "router_ceiling", "tokens": a.tokens, "token_ms": a.token_ms,
                       "stream_interval": a.stream_interval, "window_s": a.window_s,
                       "repeat": a.repeat, "cpus": os.cpu_count(), "baseline_root": a.baseline_root or None,
                       "rows": table,
                       "ratio": head.get("vs_baseline_tokens_per_cpu_s") if head else None,
                       "ratio_means": f"tokens per router CPU-second, this / baseline, P -> D, 1 router, "
-                                     f"{max(a.streams) if a.streams else 0} streams"}))
+                                     f"{max(a.streams) if a.streams else 0} streams, {styles[0]} JSON",
+                      "spaced_ratio": spaced.get("vs_vllm_json_tokens_per_cpu_s") if spaced else None,
+                      "spaced_ratio_means": "tokens per router CPU-second, this tree, re-spaced JSON / vLLM's bytes, "
+                                            "same case"}))
     return 0
 
 

@@ -16,8 +16,9 @@ from aiohttp import web
 from pdserve.router.api.protocol import parse_completion
 from pdserve.router.api.response import ResponseBuilder
 from pdserve.router.run import relay as relay_mod
-from pdserve.router.run.relay import parse_ids, plain_event
-from pdserve.router.workers.client import open_taps
+from pdserve.router.run.relay import plain_event
+from pdserve.router.workers import reader_tap
+from pdserve.router.workers.reader_tap import open_taps
 from tests.unit.test_router_app import Env, FakeWorker, model_dir, run, tokenizer  # noqa: F401  (fixtures)
 
 TRICKY = {15: ' "q"\n', 16: " é\u2028\x01\\", 17: " \t</s>\x7f", 18: "", 19: " 😀/"}
@@ -78,7 +79,10 @@ class VllmShapedWorker(FakeWorker):
                     await asyncio.sleep(5)
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                await resp.write(vllm_chunk(0, piece, finish, stop_reason, prompt if n == 0 else None, [t]))
+                event = vllm_chunk(0, piece, finish, stop_reason, prompt if n == 0 else None, [t])
+                if getattr(self, "spaced", False):  # ordinary JSON spacing, keys reversed, non-ASCII escaped
+                    event = _respaced(event[:-2], True) + b"\n\n"
+                await resp.write(event)
                 n += 1
             usage = {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "worker-model",
                      "choices": [], "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n,
@@ -91,7 +95,18 @@ class VllmShapedWorker(FakeWorker):
         return resp
 
 
+def _respaced(event: bytes, reverse: bool) -> bytes:
+    """The same event as ordinary JSON spacing writes it (``", "``, ``": "``), its keys reversed if asked, and its
+    text's non-ASCII escaped (``\\uXXXX``): what another engine or vLLM release may send."""
+    obj = json.loads(event[len(b"data: "):])
+    if reverse:
+        obj = dict(reversed(obj.items()))
+        obj["choices"] = [dict(reversed(c.items())) for c in obj.get("choices", [])]
+    return b"data: " + json.dumps(obj).encode()
+
+
 def test_plain_event_is_the_builders_text_chunk_byte_for_byte():
+    """vLLM's bytes, re-spaced JSON and reversed keys all give the builder's chunk, byte for byte."""
     for chat in (False, True):
         for rti in (False, True):
             body: dict[str, Any] = {"prompt": "a", "stream": True, "return_token_ids": rti}
@@ -103,14 +118,15 @@ def test_plain_event_is_the_builders_text_chunk_byte_for_byte():
                 head, tail = b.relay_parts(index)
                 for text in [*TRICKY.values(), "plain", '","logprobs":null,"finish_reason":null']:
                     for ids in ([7], [7, 8, 9], []):
-                        got = plain_event(vllm_chunk(0, text, None, None, None, ids)[:-2])
-                        assert got is not None, text
-                        raw_text, raw_ids = got
-                        assert json.loads(raw_text) == text and json.loads(raw_ids) == ids
-                        spliced = head + raw_text + tail + (raw_ids if rti else b"") + b"}]}\n\n"
-                        assert spliced == b.text_chunk(text, ids, index)
-                        into: list[int] = []
-                        assert parse_ids(raw_ids, into) == len(ids) and into == ids
+                        event = vllm_chunk(0, text, None, None, None, ids)[:-2]
+                        for form in (event, _respaced(event, False), _respaced(event, True)):
+                            got = plain_event(form)
+                            assert got is not None, (text, form)
+                            raw_text, got_ids = got
+                            assert json.loads(raw_text) == text and got_ids == ids
+                            spliced = head + raw_text + tail + (json.dumps(ids).replace(" ", "").encode() if rti
+                                                                else b"") + b"}]}\n\n"
+                            assert spliced == b.text_chunk(text, ids, index)
 
 
 def test_events_that_are_not_plain_go_the_full_path():
@@ -127,9 +143,16 @@ def test_events_that_are_not_plain_go_the_full_path():
         vllm_chunk(0, "x", None, None, None, [7]).replace(b'"logprobs":null', b'"logprobs":{"tokens":["x"]}'),
         vllm_chunk(0, "x", None, None, None, [7]).replace(b"]}]}", b']}],"kv_transfer_params":{}}'),
         vllm_chunk(0, "x", None, None, None, [7]).replace(b"[7]", b"[7,,8]"),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b"[7]", b"[-7]"),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b'"text":"x"', b'"text":7'),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b'"index":0', b'"index":0,"extra":1'),
+        vllm_chunk(0, "x", None, None, None, [7]).replace(b'"choices":[{', b'"choices":[{"index":0,"text":"y",'
+                                                          b'"token_ids":[1]},{'),  # two choices
     ]
     for ev in not_plain:
         assert plain_event(ev[:-2]) is None, ev
+        if ev.startswith(b"data: {") and b",," not in ev:  # valid JSON: not plain whatever its spacing and order
+            assert plain_event(_respaced(ev[:-2], True)) is None, ev
 
 
 def _normalized(chunks: list[str]) -> list[str]:
@@ -177,9 +200,17 @@ def _count_inline(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypatch, endpoint):
+@pytest.mark.parametrize("endpoint,worker_json,tap", [
+    ("/v1/completions", "vllm", True), ("/v1/chat/completions", "vllm", True),
+    ("/v1/completions", "spaced", True),  # another engine's spacing and key order: relayed all the same
+    ("/v1/completions", "vllm", False),  # the inline tap off (reader_tap's check failed): relayed from the task
+])
+def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypatch, endpoint, worker_json, tap):
     w = VllmShapedWorker("C", texts=TRICKY, delay_s=0.002)
+    w.spaced = worker_json == "spaced"
+    if not tap:
+        monkeypatch.setattr(reader_tap, "_checked", True)
+        monkeypatch.setattr(reader_tap, "available", False)
     body: dict[str, Any] = {"max_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
                             "return_token_ids": True}
     if endpoint == "/v1/completions":
@@ -203,7 +234,10 @@ def test_relayed_stream_equals_the_per_token_path(model_dir, tokenizer, monkeypa
     assert sum(stretches) == timings["relayed_tokens"] == 14  # all but the first event and the finish
     assert json.loads(relayed[-1])["usage"]["completion_tokens"] == 16
     assert _normalized(relayed) == _normalized(full)
-    assert inline.count(1) >= 5  # most reads relayed from the socket callback
+    if tap:
+        assert inline.count(1) >= 5  # most reads relayed from the socket callback
+    else:
+        assert inline == []
     assert not open_taps()
     text = "".join((json.loads(c)["choices"] or [{}])[0].get("text") or
                    ((json.loads(c)["choices"] or [{}])[0].get("delta") or {}).get("content") or "" for c in relayed)
@@ -354,3 +388,23 @@ def test_pd_stream_whose_text_never_agrees_keeps_the_routers_text(model_dir, tok
     text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
     assert text == " b c" + "".join(f" w{i}" for i in range(15, 29))  # the tokenizer's text, not the fake's
     assert stretches == []
+
+
+def test_the_tap_check_turns_the_inline_path_off_with_a_log_line(monkeypatch, caplog):
+    """reader_tap.check: passes on the installed aiohttp; on an aiohttp it does not know (here: a 4.x version
+    string) it leaves the tap off and says so once, and no stream may be tapped."""
+    async def main() -> tuple[bool, bool, bool]:
+        monkeypatch.setattr(reader_tap, "_checked", False)
+        ok = reader_tap.check()
+        monkeypatch.setattr(reader_tap, "_checked", False)
+        monkeypatch.setattr(reader_tap.aiohttp, "__version__", "4.0.0")
+        off = reader_tap.check()
+        reader = aiohttp.StreamReader(reader_tap._Protocol(), 1 << 16, loop=asyncio.get_running_loop())
+        return ok, off, reader_tap.can_tap(reader)
+
+    with caplog.at_level("WARNING", logger="pdserve.router"):
+        ok, off, can = run(main())
+    assert ok and not off and not can
+    assert [r.getMessage() for r in caplog.records if "inline tap is off" in r.getMessage()] == [
+        "the relay's inline tap is off (aiohttp 4.0.0 is not a 3.x release); relays read from their task instead "
+        "(slower)"]

@@ -11,9 +11,12 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
+
+from . import reader_tap
+from .reader_tap import StreamTap
 
 
 class WorkerError(Exception):
@@ -221,24 +224,19 @@ class WorkerStream:
         return self._dog
 
     def can_tap(self) -> bool:
-        """True when :meth:`tap` may take this stream's reads (its head is in, aiohttp's own reader class)."""
-        reader = self.reader
-        return reader is not None and self._dog is not None and type(reader) in (aiohttp.StreamReader, _TappedReader)
+        """True when :meth:`tap` may take this stream's reads (its head is in; :mod:`.reader_tap`'s check passed)."""
+        return self._dog is not None and reader_tap.can_tap(self.reader)
 
     def tap(self, tap: StreamTap) -> None:
         """Hand every read from now on to ``tap`` in the socket callback, until :meth:`untap`, the stream's end or
-        failure (``tap.ended``). The reader becomes a :class:`_TappedReader` the first time (same slots, no state of
-        its own)."""
+        failure (``tap.ended``): :func:`.reader_tap.tap`."""
         reader = self.reader
         assert reader is not None and self.can_tap()
-        if type(reader) is aiohttp.StreamReader:
-            reader.__class__ = _TappedReader
-        _TAPS[id(reader)] = tap
+        reader_tap.tap(reader, tap)
 
     def untap(self) -> bool:
         """Stop handing reads to the tap; False when it had ended already (the stream's end or failure)."""
-        reader = self.reader
-        return reader is not None and _TAPS.pop(id(reader), None) is not None
+        return reader_tap.untap(self.reader)
 
     def fill_nowait(self) -> bool | None:
         """Move what the reader holds already onto ``buf`` without waiting: True when something came, None when
@@ -305,55 +303,6 @@ class WorkerStream:
             self._dog.stop()
         if self._resp is not None:
             self._resp.close()  # no-op after release
-
-
-class StreamTap(Protocol):
-    """Takes a stream's reads in the socket callback (:meth:`WorkerStream.tap`)."""
-
-    def feed(self, data: bytes) -> bytes:
-        """The worker's next bytes; returns those the reader keeps (b"": none, the tap took them all)."""
-        ...
-
-    def ended(self) -> bytes:
-        """The stream ended or failed while tapped; returns the bytes the reader gets before the end."""
-        ...
-
-
-_TAPS: dict[int, StreamTap] = {}  # id(reader) -> the tap taking its reads
-
-
-def open_taps() -> int:
-    """How many streams have a tap now (0 once every relay has handed back)."""
-    return len(_TAPS)
-
-
-class _TappedReader(aiohttp.StreamReader):
-    """aiohttp's body reader whose reads go to the stream's tap while it has one (:data:`_TAPS`); without one, or
-    for what the tap gives back, it is aiohttp's reader."""
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        tap = _TAPS.get(id(self))
-        if tap is None or not data:
-            return super().feed_data(data, size)
-        rest = tap.feed(data)
-        return super().feed_data(rest, size) if rest else False
-
-    def _end_tap(self) -> None:
-        tap = _TAPS.pop(id(self), None)
-        if tap is not None:
-            rest = tap.ended()
-            if rest:
-                super().feed_data(rest)
-
-    def feed_eof(self) -> None:
-        self._end_tap()
-        super().feed_eof()
-
-    def set_exception(self, *args: Any, **kw: Any) -> None:
-        self._end_tap()
-        super().set_exception(*args, **kw)
 
 
 class _Watchdog:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from . import reader_tap
 from .client import WorkerClient
 
 
@@ -19,6 +20,8 @@ class WorkerSession:
         self.client: WorkerClient | None = None
 
     def open(self) -> None:
+        """Open the session (inside the event loop); decides once whether the relay's inline tap is used."""
+        reader_tap.check()
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.client = WorkerClient(self.session, self.connect_timeout_s, self.idle_timeout_s)
