@@ -21,6 +21,7 @@ from typing import Any
 
 from .launch.config import ConfigError, LauncherConfig, parse_cpu_list
 from .launch.procs import LaunchError
+from .settings.errors import config_fault
 from .settings.flags import add_flags, non_negative_int
 
 
@@ -149,8 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as e:
-        print(f"pdserve: config error: {e}", file=sys.stderr)
-        return 2
+        return config_fault("pdserve", e)
 
     if args.dry_run:  # the plan only: no model conversion, no socket (ports numbered from the base port)
         model_dir = config.model_dir.resolve() if config.model else config.model_dir
@@ -195,8 +195,7 @@ def serve(args: argparse.Namespace) -> int:
             code = 1
         except ConfigError as e:
             stopping["sig"] = signal.SIGTERM
-            print(f"pdserve: config error: {e}", file=sys.stderr)
-            code = 2
+            code = config_fault("pdserve", e)
     finally:
         stopping["sig"] = stopping["sig"] or signal.SIGTERM  # later signals no longer interrupt cleanup
         cluster.stop()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..launch.config import ConfigError
+from ..settings.errors import config_fault
 from .metrics import SLO, phase_summary, summarize
 from .traces import TraceError
 
@@ -235,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(summary, default=str))
             return 0
         return cmd_trace(args)
-    except (ConfigError, TraceError) as exc:
+    except ConfigError as exc:
+        return config_fault("pdserve bench", exc)
+    except TraceError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
 

@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from ..settings.errors import ConfigError, config_fault
+from ..settings.spec import write_resolved
+
 log = logging.getLogger("pdserve.kube.discovery")
 
 WORKERS_PATH = "/v1/pdserve/workers"
@@ -60,7 +63,7 @@ __all__ = [
 ]
 
 
-class DiscoveryConfigError(ValueError):
+class DiscoveryConfigError(ConfigError):
     """A discovery setting is wrong; the message says which and how to fix it."""
 
 
@@ -110,7 +113,7 @@ class DiscoveryConfig:
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
             raise DiscoveryConfigError(f"--router {self.router!r}: give the router's base URL like "
                                        "http://127.0.0.1:8000 (no path)")
-        object.__setattr__(self, "router", self.router.rstrip("/"))
+        write_resolved(self, {"router": self.router.rstrip("/")})
         if not self.pools:
             raise DiscoveryConfigError("nothing to follow: give --prefill-dns and/or --decode-dns NAME:PORT (or "
                                        "--elastic-dns NAME:PORT for an elastic router)")
@@ -386,9 +389,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[DiscoveryConfig, ar
 def main(argv: list[str] | None = None) -> int:
     try:
         config, args = config_from_args(argv)
-    except DiscoveryConfigError as exc:
-        print(f"pdserve discovery: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return config_fault("pdserve discovery", exc)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     socket.setdefaulttimeout(config.timeout_s)
     rec = Reconciler(config, HttpRouterApi(config.router, config.timeout_s))

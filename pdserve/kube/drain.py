@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..prom import parse, types
+from ..settings.errors import ConfigError, config_fault
+from ..settings.spec import write_resolved
 from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
 
 log = logging.getLogger("pdserve.kube.drain")
@@ -44,7 +46,7 @@ __all__ = ["DrainConfig", "DrainConfigError", "DrainResult", "busy_counts", "der
            "parse_prometheus", "router_targets"]
 
 
-class DrainConfigError(ValueError):
+class DrainConfigError(ConfigError):
     """A drain setting is wrong; the message says which and how to fix it."""
 
 
@@ -79,12 +81,11 @@ class DrainConfig:
     def __post_init__(self) -> None:
         if not self.routers:
             raise DrainConfigError("give at least one --router URL (the routers to deregister from)")
-        object.__setattr__(self, "routers", tuple(_check_url("--router", u) for u in self.routers))
-        object.__setattr__(self, "self_url", _check_url("--self", self.self_url))
+        self_url = _check_url("--self", self.self_url)
+        write_resolved(self, {"routers": tuple(_check_url("--router", u) for u in self.routers), "self_url": self_url,
+                              "metrics_url": self.metrics_url or self_url + "/metrics"})
         if urlsplit(self.self_url).path.strip("/"):
             raise DrainConfigError(f"--self {self.self_url!r}: give the worker's base URL (no path)")
-        if not self.metrics_url:
-            object.__setattr__(self, "metrics_url", self.self_url + "/metrics")
         for name in ("timeout_s", "poll_s", "http_timeout_s"):
             if not getattr(self, name) > 0:
                 raise DrainConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
@@ -257,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = DrainConfig(routers=tuple(a.router), self_url=a.self_url, metrics_url=a.metrics_url,
                              timeout_s=a.timeout, hold_s=a.hold, poll_s=a.poll, quiet_polls=a.quiet_polls)
-    except DrainConfigError as exc:
-        print(f"pdserve drain: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return config_fault("pdserve drain", exc)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = drain(config)
     print(result.to_json(), flush=True)

@@ -25,8 +25,9 @@ from ..settings import (
     setting,
     write_resolved,
 )
-from ..settings.connector import SECRET_ENV, ConnectorConfig
+from ..settings.connector import ConnectorConfig
 from ..settings.lora import check_max_lora_rank, parse_lora_modules
+from ..settings.secret import SECRET_ENV
 from .config_devices import (
     check_gpus_and_data_plane,
     check_tp,

@@ -18,9 +18,10 @@ from typing import Any
 
 from pdserve.conductor.cost_model import CostModel
 
+from ..settings.errors import ConfigError, config_fault
 from .cost import HardwareCostModel, Parallelism, min_parallel
 from .hardware import Accelerator, HardwareError, Link, accelerator, link, load_catalogue
-from .kvsize import ModelConfigError, ModelSpec, format_bytes, load_model
+from .kvsize import ModelSpec, format_bytes, load_model
 from .results import Targets
 from .search import candidates, elastic_summary, evaluate, parse_clusters, rank, reason, sweep
 from .simulator import SimSettings, config_kind
@@ -261,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = run(args)
-    except (PlanError, ModelConfigError, HardwareError, ValueError, OSError, RuntimeError) as exc:
+    except ConfigError as exc:
+        return config_fault("pdserve plan", exc)
+    except (PlanError, HardwareError, ValueError, OSError, RuntimeError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..settings.errors import ConfigError
+
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                                  "fp8": 1, "float8": 1, "int8": 1, "fp4": 0.5, "int4": 0.5}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A config.json (or preset) this calculator cannot read, with what to fix."""
 
 

@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 
+from ..settings.errors import ConfigError, config_fault
 from ..settings.flags import add_flags, values_from_args
-from .config import RouterConfig, RouterConfigError
+from .config import RouterConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,9 +46,8 @@ def config_from_args(argv: list[str] | None = None) -> RouterConfig:
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
-    except RouterConfigError as e:
-        print(f"pdserve router: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:
+        return config_fault("pdserve router", e)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import serve
 

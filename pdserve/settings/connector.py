@@ -14,14 +14,13 @@ from typing import Any
 
 from .errors import ConfigError
 from .rules import check_host_port
+from .secret import MIN_SECRET_LEN, SECRET_ENV, shared_secret
 from .spec import Setting
 from .table import BACKENDS, LEASE_MAX_S, LEASE_MIN_S, setting
 
 __all__ = ["BACKENDS", "LEASE_MAX_S", "LEASE_MIN_S", "MIN_SECRET_LEN", "SECRET_ENV", "ConfigError",
            "ConnectorConfig"]
 
-SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
-MIN_SECRET_LEN = 16
 _PREFIX = "kv_connector_extra_config."
 
 
@@ -118,11 +117,7 @@ class ConnectorConfig:
         if unknown:
             raise ConfigError(f"kv_connector_extra_config has unknown keys {unknown}; "
                               f"PdserveConnector understands {list(cls.KEYS)}")
-        secret = extra.get("secret") or env.get(SECRET_ENV, "")
-        if not isinstance(secret, str) or len(secret) < MIN_SECRET_LEN:
-            raise ConfigError(
-                f"PdserveConnector needs a transfer secret of at least {MIN_SECRET_LEN} characters, the "
-                f"same on every worker: set kv_connector_extra_config.secret or env {SECRET_ENV}")
+        secret = shared_secret(extra.get("secret"), "PdserveConnector", "set kv_connector_extra_config.secret", env)
         host, advertise = _value(extra, "transfer_host"), _value(extra, "advertise_host")
         if host in ("0.0.0.0", "::") and not advertise:
             raise ConfigError(f"transfer_host={host!r} listens on every interface: also set advertise_host "

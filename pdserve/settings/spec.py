@@ -166,6 +166,7 @@ def check_fields(obj: Any, settings: tuple[Setting, ...], error: type[Exception]
 def write_resolved(config: Any, values: Mapping[str, Any]) -> None:
     """Write a frozen config's derived values (what was given, normalised: a default that depends on another
     field, a list as a tuple, a secret from the environment) from its ``__post_init__``. The one place a frozen
-    config of the launcher, the router or the pool changes after construction."""
+    config (the launcher's, the router's, the pool's, the Kubernetes sidecars') changes after construction, and
+    the one ``object.__setattr__`` of pdserve: a frozen dataclass has no other way to write its own field."""
     for name, value in values.items():
         object.__setattr__(config, name, value)

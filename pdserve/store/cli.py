@@ -14,7 +14,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from .config import MasterConfig, NodeConfig, StoreConfigError, parse_address, parse_size
+from ..settings.errors import ConfigError, config_fault
+from .config import MasterConfig, NodeConfig, parse_address, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"role": "node", "node_id": node.node_id, "port": node.port,
                           "transfer_port": node.engine.segment().port}), flush=True)
         return _run_until_signal(node.close)
-    except StoreConfigError as exc:
-        print(f"pdserve store: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return config_fault("pdserve store", exc)
     except OSError as exc:
         print(f"pdserve store: {exc}", file=sys.stderr)
         return 1

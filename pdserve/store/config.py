@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass
 
 from ..settings import ConfigError, write_resolved
-from ..settings.connector import MIN_SECRET_LEN, SECRET_ENV  # the pool shares the transfer engine's secret
+from ..settings.secret import shared_secret  # the pool shares the transfer engine's secret
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
@@ -35,11 +35,10 @@ def parse_size(value: int | str, name: str = "size") -> int:
 
 
 def _secret(secret: str) -> str:
-    secret = secret or os.environ.get(SECRET_ENV, "")
-    if len(secret) < MIN_SECRET_LEN:
-        raise StoreConfigError(f"the KV pool needs a shared secret of at least {MIN_SECRET_LEN} characters "
-                               f"(the transfer engine's): pass --secret or set {SECRET_ENV} on every process")
-    return secret
+    try:
+        return shared_secret(secret, "the KV pool", "pass --secret")
+    except ConfigError as e:
+        raise StoreConfigError(str(e)) from None
 
 
 def _port(name: str, port: int) -> None:

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..settings.errors import ConfigError
+from ..settings.secret import SECRET_ENV, shared_secret
+from ..settings.table import BACKENDS
 from .errors import TransferError
 
-BACKENDS = ("auto", "tcp", "local", "mooncake", "nixl")
-SECRET_ENV = "PDSERVE_TRANSFER_SECRET"
-MIN_SECRET_LEN = 16
+__all__ = ["BACKENDS", "SECRET_ENV", "TransferConfig", "TransferConfigError"]
+
+
+class TransferConfigError(TransferError, ConfigError):
+    """A transfer-engine setting is wrong (``code`` "config"); a :class:`ConfigError` like every config fault."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("config", message)
 
 
 def _default_secret() -> str:
@@ -36,7 +44,7 @@ class TransferConfig:
     read when the last byte lands is one small piece (:meth:`~pdserve.transfer.tcp.TcpBackend.run`).
     """
 
-    secret: str = ""
+    secret: str = field(default_factory=_default_secret)  # not given: $PDSERVE_TRANSFER_SECRET
     host: str = "127.0.0.1"
     advertise_host: str = ""  # address peers should dial when host is a wildcard like 0.0.0.0
     port: int = 0
@@ -53,27 +61,23 @@ class TransferConfig:
     max_iov: int = 512
 
     def __post_init__(self) -> None:
-        if not self.secret:
-            object.__setattr__(self, "secret", _default_secret())
         self.validate()
 
     def validate(self) -> None:
-        if len(self.secret) < MIN_SECRET_LEN:
-            raise TransferError(
-                "config",
-                f"transfer secret must be at least {MIN_SECRET_LEN} characters: pass "
-                f"TransferConfig(secret=...) or set {SECRET_ENV} to the same value on every worker",
-            )
+        try:
+            shared_secret(self.secret, "the transfer engine", "pass TransferConfig(secret=...)", env={})
+        except ConfigError as e:
+            raise TransferConfigError(str(e)) from None
         if self.backend not in BACKENDS:
-            raise TransferError("config", f"backend {self.backend!r} unknown; choose one of {BACKENDS}")
+            raise TransferConfigError(f"backend {self.backend!r} unknown; choose one of {BACKENDS}")
         if not 0 <= self.port <= 65535:
-            raise TransferError("config", f"port {self.port} out of range 0-65535 (0 picks a free port)")
+            raise TransferConfigError(f"port {self.port} out of range 0-65535 (0 picks a free port)")
         if not 1 <= self.streams <= 64:
-            raise TransferError("config", f"streams={self.streams}: use 1 to 64 parallel connections per peer")
+            raise TransferConfigError(f"streams={self.streams}: use 1 to 64 parallel connections per peer")
         for name in ("slice_bytes", "local_slice_bytes", "staging_chunk_bytes", "piece_bytes", "tail_slice_bytes"):
             if getattr(self, name) < 4096:
-                raise TransferError("config", f"{name}={getattr(self, name)}: use at least 4096 bytes")
+                raise TransferConfigError(f"{name}={getattr(self, name)}: use at least 4096 bytes")
         if not 1 <= self.max_iov <= 1024:
-            raise TransferError("config", f"max_iov={self.max_iov}: use 1 to 1024 (the kernel's IOV_MAX)")
+            raise TransferConfigError(f"max_iov={self.max_iov}: use 1 to 1024 (the kernel's IOV_MAX)")
         if self.connect_timeout_s <= 0 or self.default_deadline_s <= 0:
-            raise TransferError("config", "connect_timeout_s and default_deadline_s must be positive seconds")
+            raise TransferConfigError("connect_timeout_s and default_deadline_s must be positive seconds")

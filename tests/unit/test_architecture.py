@@ -15,15 +15,16 @@ PKG = ROOT / "pdserve"
 
 # package -> (pdserve packages/modules it may import, third-party top-level modules it must not import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
-    "transfer": (set(), {"vllm", "aiohttp", "zmq", "transformers"}),
+    # the transfer engine takes the shared secret's rule and the backends' names from the bottom layer
+    "transfer": ({"settings"}, {"vllm", "aiohttp", "zmq", "transformers"}),
     # the table of settings is the bottom layer: it imports no other pdserve package
     "settings": (set(), {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "conductor": ({"hashing", "settings"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "store": ({"settings", "transfer"}, {"vllm", "aiohttp", "transformers"}),
     "router": ({"conductor", "hashing", "http_probe", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
-    "plan": ({"conductor", "hashing", "bench", "prom", "transfer", "dtype"}, {"vllm"}),
-    "bench": ({"launch", "prom", "hashing"}, {"vllm", "torch"}),
+    "plan": ({"conductor", "hashing", "bench", "prom", "transfer", "dtype", "settings"}, {"vllm"}),
+    "bench": ({"launch", "prom", "hashing", "settings"}, {"vllm", "torch"}),
 }
 # The one exception to "the router never imports vLLM": vLLM's own tool-call parsers (issue 15), imported inside
 # functions only, on the first tool request (docs/architecture.md section 7).
