@@ -3,7 +3,7 @@ the model converter (:mod:`pdserve.launch.models`) and the planner's measurement
 
 bf16 where the CPU computes it natively (AVX512-BF16, or AMX: ``avx512_bf16``, ``amx_bf16``, ``amx_tile`` in
 ``/proc/cpuinfo``'s flags), else fp32: without those instructions torch and vLLM emulate bf16 matmuls, and an AVX2
-EPYC ran a 2-core vLLM worker 3.1x slower in bf16 than in fp32 (issue 16; ``benchmarks/dtype_bench.py`` measures
+EPYC ran a 2-core vLLM worker 3.1x slower in bf16 than in fp32 (``benchmarks/dtype_bench.py`` measures
 this machine). An explicit ``--dtype`` always wins. Imports nothing of pdserve and no torch.
 """
 

@@ -1,8 +1,8 @@
-"""The figures a configuration matrix reports beyond :func:`pdserve.bench.metrics.summarize` (issue 16, "Measure"):
-the hand-off percentiles of the requests that were split P -> D, the machine's load average during a run, and
+"""The figures a configuration matrix reports beyond :func:`pdserve.bench.metrics.summarize`: the hand-off percentiles
+of the requests that were split P -> D, the machine's load average during a run, and
 the goal ratios of an elastic configuration against the fixed ones measured in the same run.
 
-Goals (issue 16), elastic against the best colocated configuration (highest goodput) on the mixed workload:
+Goals: elastic against the best colocated configuration (highest goodput) on the mixed workload:
 TPOT p99 <= 0.5x, TTFT p50 <= 1.5x, goodput >= 1.2x; and on every workload, elastic's goodput >= 0.95x the
 better of the "fixed" references (by default colocated2 and 1p1d).
 """

@@ -1,4 +1,4 @@
-"""Elastic roles: every worker may prefill, decode, or both, chosen per request (issue 16, item 1).
+"""Elastic roles: every worker may prefill, decode, or both, chosen per request.
 
 Workers of role ``elastic`` run pdserve's connector as ``kv_both`` and have no fixed role. For each request the
 conductor (policy ``conductor``) weighs three kinds of option over the live workers below their in-flight limit

@@ -1,4 +1,4 @@
-"""Moving running decodes off a worker that starts a long prefill (issue 16, item 1, last part).
+"""Moving running decodes off a worker that starts a long prefill.
 
 When the conductor places a prefill on an elastic worker w (colocated, chunked, or the P of a split) and w has
 decodes running, each of them would be stalled by that prefill: for its predicted seconds in one step, or, chunked

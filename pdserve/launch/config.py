@@ -125,7 +125,7 @@ class WorkerConfig:
     # tcp://*:PORT; every router replica subscribes), topic = url; "" none
     kv_events_endpoint: str = ""
     kv_events_replay: str = ""
-    # GPU workers and vLLM's NixlConnector (issue 13): gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
+    # GPU workers and vLLM's NixlConnector: gpus -> CUDA_VISIBLE_DEVICES (empty: a CPU worker);
     # gpu_memory_utilization -> --gpu-memory-utilization (None: vLLM's default); kv_connector: the data plane
     # the connector flag loads ("pdserve" or "nixl"); tensor parallelism is ``tp`` below (one GPU per rank);
     # nixl_side_channel_port: VLLM_NIXL_SIDE_CHANNEL_PORT, where NixlConnector's handshake listener binds;
@@ -283,7 +283,7 @@ class LauncherConfig:
     pool_disk_dir: str = _d("pool_disk_dir")
     pool_port: int = _d("pool_port")
     pool_backend: str = _d("pool_backend")  # "pdserve" | "mooncake" (Mooncake Store through vLLM's MultiConnector)
-    # GPU hosts and the data plane (issue 13; see docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
+    # GPU hosts and the data plane (docs/gpu.md). kv_connector: "pdserve" (pdserve's connector,
     # default), "nixl" (vLLM's NixlConnector) or "mooncake" (vLLM's MooncakeConnector, over mooncake_protocol); with
     # either of vLLM's the router speaks its hand-off and there is no KV pool. gpus: device ids for
     # CUDA_VISIBLE_DEVICES (empty: the CPU plan; `pdserve serve` fills it from discovery unless --gpus none).
@@ -307,7 +307,7 @@ class LauncherConfig:
     crash_loop_restarts: int = _d("crash_loop_restarts")
     crash_loop_window_s: float = _d("crash_loop_window_s")
     metrics_port: int = _d("metrics_port")
-    # elastic roles (issue 16): N workers, all kv_both with pdserve's connector, none with a fixed role; the
+    # elastic roles: N workers, all kv_both with pdserve's connector, none with a fixed role; the
     # router's conductor places each request colocated on one or split P -> D over two (0: off)
     elastic: int = _d("elastic")
 

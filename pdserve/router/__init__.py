@@ -3,10 +3,11 @@
     python -m pdserve.router --model-dir DIR --prefill http://127.0.0.1:P --decode http://127.0.0.1:D
     python -m pdserve.router --model-dir DIR --colocated http://127.0.0.1:W1 http://127.0.0.1:W2   # baseline
 
-Modules: config (RouterConfig), protocol (OpenAI schemas), tokenizer (chat template), registry (the workers:
-membership, roles, health), placement (the conductor's seam) and ticket (one request's placement lifecycle),
-workers (HTTP clients), handoff (P -> D), membership (the /v1/pdserve/workers API), metrics (Prometheus), app
-(aiohttp server).
+Layers, each importing only those below it (docs/architecture.md, "Router modules by concept";
+tests/unit/test_router_layers.py): the base (config: RouterConfig; errors; metrics; admission), api/ (request
+parsing and answer shapes), workers/ (one worker's HTTP client and streams), fleet/ (registry, health, placement,
+KV event feeds), run/ (one request's run: attempts, P -> D, relay, answer), endpoints/ (every handler, through the
+one front door, endpoints/intake.py), app (wiring and lifecycle).
 """
 
 from .config import RouterConfig, RouterConfigError

@@ -187,7 +187,7 @@ class RouterConfig:
     probe_window_s: float = _d("probe_window_s")
     tool_call_parser: str = _d("tool_call_parser")  # vLLM's --tool-call-parser name (e.g. hermes)
     kv_events: tuple[str, ...] = ()  # URL=ENDPOINT[,REPLAY]: each worker's KV event publisher (the router subscribes)
-    elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split (issue 16)
+    elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
     lora_modules: str = _d("lora_modules")  # NAME=PATH,...: the adapters every worker loads (model=NAME)

@@ -1,4 +1,4 @@
-"""The one table of pdserve's settings and what is made from it (issue 23, item 3).
+"""The one table of pdserve's settings and what is made from it.
 
 Each setting is declared once in :mod:`.table` (name, type, unit, default, range or choices, help, and which
 processes get it: launcher, router, conductor, worker, pool). From it come the configs' defaults and checks

@@ -74,7 +74,7 @@ class ConnectorConfig:
         scheduled, its KV read before the step's forward and its first token computed in that same step)
         when this rank's read is at most this many bytes; larger reads stay asynchronous (the request
         waits in WAITING_FOR_REMOTE_KVS, so a long transfer never stalls the running decodes). 0 = always
-        asynchronous (the behaviour before issue 16).
+        asynchronous (every read as a load of its own).
     sync_load_deadline_s: longest a synchronous read may hold D's step; past it the read fails and vLLM
         recomputes the prompt, as for any failed read.
     kv_checksum: checksum every KV block that crosses a process (P's leased blocks, pool objects) and verify it

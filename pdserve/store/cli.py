@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--replicas", type=int, default=1, help="copies per object, on distinct nodes")
     m.add_argument("--high-watermark", type=float, default=0.90)
     m.add_argument("--low-watermark", type=float, default=0.75)
-    m.add_argument("--lease-s", type=float, default=5.0)
+    m.add_argument("--get-lease-s", "--lease-s", dest="get_lease_s", type=float, default=5.0,
+                   help="how long a get keeps its objects from eviction (--lease-s: the old name)")
     m.add_argument("--node-timeout-s", type=float, default=3.0)
     m.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     m.add_argument("--secret", default="", help="shared secret (default: $PDSERVE_TRANSFER_SECRET)")
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             mcfg = MasterConfig(secret=args.secret, host=args.host, port=args.port, replicas=args.replicas,
                                 high_watermark=args.high_watermark, low_watermark=args.low_watermark,
-                                lease_s=args.lease_s, node_timeout_s=args.node_timeout_s,
+                                get_lease_s=args.get_lease_s, node_timeout_s=args.node_timeout_s,
                                 metrics_port=args.metrics_port)
             master = Master(mcfg)
             print(json.dumps({"role": "master", "host": mcfg.host, "port": master.port,

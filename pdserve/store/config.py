@@ -67,7 +67,8 @@ class MasterConfig:
     high_watermark / low_watermark: when a node's tier is fuller than ``high`` (fraction of its capacity), its
     least recently used unleased objects leave it until it is at ``low``: host-memory objects spill to that
     node's SSD tier (when it has room), SSD objects are deleted.
-    lease_s: how long a get keeps its objects from eviction/removal (clients release earlier when done).
+    get_lease_s: how long a get keeps its objects from eviction/removal (clients release earlier when done); not
+        the connector's ``lease_s`` (how long P holds a finished prefill's blocks for D).
     node_timeout_s: a node silent this long is dropped with its objects.
     put_timeout_s: space allocated by a put that never completes is reclaimed after this long.
     metrics_port: Prometheus text on http://host:metrics_port/metrics (0 = off).
@@ -79,7 +80,7 @@ class MasterConfig:
     replicas: int = 1
     high_watermark: float = 0.90
     low_watermark: float = 0.75
-    lease_s: float = 5.0
+    get_lease_s: float = 5.0
     node_timeout_s: float = 3.0
     put_timeout_s: float = 30.0
     maintenance_s: float = 0.1
@@ -95,7 +96,7 @@ class MasterConfig:
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:
             raise StoreConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need "
                                    "0 < low < high <= 1 (e.g. low 0.75, high 0.9)")
-        for name in ("lease_s", "node_timeout_s", "put_timeout_s", "maintenance_s"):
+        for name in ("get_lease_s", "node_timeout_s", "put_timeout_s", "maintenance_s"):
             _positive(name, getattr(self, name))
         if self.events_kept < 1000:
             raise StoreConfigError(f"events_kept={self.events_kept}: keep at least 1000 events")
@@ -163,7 +164,7 @@ class ClientConfig:
     master_port: int
     secret: str = ""
     timeout_s: float = 5.0
-    transfer_deadline_s: float = 4.0  # keep under the master's lease_s: reads must end while leased
+    transfer_deadline_s: float = 4.0  # keep under the master's get_lease_s: reads end while leased
 
     def __post_init__(self) -> None:
         write_resolved(self, {"secret": _secret(self.secret)})

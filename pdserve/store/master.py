@@ -46,7 +46,7 @@ def _keys(args: dict[str, Any]) -> list[int]:
 class Master:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        self.catalog = Catalog(config.replicas, config.high_watermark, config.low_watermark, config.lease_s,
+        self.catalog = Catalog(config.replicas, config.high_watermark, config.low_watermark, config.get_lease_s,
                                config.node_timeout_s, config.put_timeout_s, config.events_kept)
         self._links: dict[tuple[str, int], RpcClient] = {}
         self._links_lock = threading.Lock()
@@ -65,7 +65,7 @@ class Master:
         if config.metrics_port:
             self.http = _metrics_server(self, config.host, config.metrics_port)
         log.info("pool master on %s:%d (replicas %d, watermarks %.2f/%.2f, lease %.1fs)", config.host, self.port,
-                 config.replicas, config.low_watermark, config.high_watermark, config.lease_s)
+                 config.replicas, config.low_watermark, config.high_watermark, config.get_lease_s)
 
     # ---- node calls
     def _link(self, node_id: str) -> RpcClient | None:
@@ -138,7 +138,7 @@ class Master:
             for node_id, nbytes in room.items():
                 self._run_spills(self.catalog.make_room(node_id, nbytes))
             if waiting:
-                self.catalog.wait_promotions([keys[i] for i in waiting], self.config.lease_s)
+                self.catalog.wait_promotions([keys[i] for i in waiting], self.config.get_lease_s)
             todo = waiting
         nodes = {n for r in out if r for n, _ in r["r"]}
         return {"loc": out, "nodes": self.catalog.segments(nodes)}

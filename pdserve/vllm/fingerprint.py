@@ -5,7 +5,7 @@ Fields (all strings): ``model`` (the model's name: its path's last part or hub i
 ``config.json`` and the names and sizes of its weight files; a hub model: its config and revision), ``dtype``
 (the model's), ``kv_dtype`` (the cache's), ``block_size``, ``kv_layout`` (the tensor-parallel-independent KV layout
 signature; the shard a rank holds is checked by the layout and head plans, so ``tp`` is informative and not
-compared), ``vllm`` and ``pdserve`` versions, and ``domain``: the key domain of issue 25 (cache salt, LoRA adapter):
+compared), ``vllm`` and ``pdserve`` versions, and ``domain``: the request's key domain (cache salt, LoRA adapter):
 "" in the worker's own fingerprint; a hand-off carries its request's (``scheduler.request_fingerprint``, the hex
 of :func:`pdserve.hashing.domain_root`, "" without a salt or an adapter), and it is compared like every other
 field, so D never takes KV that P computed under another salt or adapter.

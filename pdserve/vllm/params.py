@@ -3,7 +3,7 @@
 Nothing here imports vLLM or torch: the connector (``pdserve.vllm.connector``) wires these pieces
 into vLLM's scheduler and worker hooks, and unit tests drive them directly.
 
-Request path (see /tmp/pd/CONTRACT.md):
+Request path (docs/architecture.md, section 3):
 
 * prefill worker P gets ``{"do_remote_decode": true}``; when the request ends, P keeps the prompt's
   KV blocks and answers :class:`RemoteParams` (``do_remote_prefill`` + where the blocks are);

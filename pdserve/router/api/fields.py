@@ -1,4 +1,4 @@
-"""What the router does with each field of vLLM's request models, one line per field (issue 25, item 1).
+"""What the router does with each field of vLLM's request models, one line per field.
 
 No field is dropped: each one is read by the router with vLLM's meaning (``router``), reaches the workers that
 sample or compute KV unchanged (``forwarded``), reaches them with D regenerating the first token because its

@@ -1,4 +1,4 @@
-"""``truncate_prompt_tokens`` and ``truncation_side``, served as one vLLM 0.32 worker serves them (issue 25).
+"""``truncate_prompt_tokens`` and ``truncation_side``, served as one vLLM 0.32 worker serves them.
 
 The router tokenizes every prompt, so it truncates before placement: P, D and the conductor see the truncated
 prompt, and ``usage.prompt_tokens`` counts it. vLLM's rules (``vllm/renderers/params.py``, ``TokenizeParams``):

@@ -1,4 +1,4 @@
-"""Voluntary moves of running decodes (issue 16, item 1): the router's side of :mod:`pdserve.conductor.moves`.
+"""Voluntary moves of running decodes: the router's side of :mod:`pdserve.conductor.moves`.
 
 After each elastic placement :meth:`~pdserve.router.fleet.placement.ConductorPlacement.choose` asks the conductor which
 decodes running on the prefilling worker should move (:func:`move_off`). For each, the request's
