@@ -1,6 +1,6 @@
 """How coupled one request's run is (issue 23's measure): its files, the import edges and circles between them, the
 public names they import from each other, and the private names they read across modules (the same checker as
-tests/unit/test_private_names.py).
+tests/unit/test_private_names.py: scripts/private_names.py).
 
     .venv/bin/python scripts/run_coupling.py                    # this tree: pdserve/router/run/ and fleet/move.py
     .venv/bin/python scripts/run_coupling.py --root DIR --before  # a tree from before the split (e.g. `git archive
@@ -18,8 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from tests.unit.test_import_cycles import components, import_graph, modules  # noqa: E402
-from tests.unit.test_private_names import _private, _resolve, violations  # noqa: E402
+from scripts.import_graph import components, import_graph, modules  # noqa: E402
+from scripts.private_names import _private, _resolve, violations  # noqa: E402
 
 # the run of one request before the router's split (76468ae^): Generation, its mixins, its subclass and helpers
 BEFORE = ("handoff", "expiry", "move", "choices", "relay", "delta", "stops", "failures", "deadline", "timings",
