@@ -11,7 +11,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from ..settings import ConfigError, write_resolved
+from ..settings import ConfigError, Setting, check_fields, write_resolved
 from ..settings.secret import shared_secret  # the pool shares the transfer engine's secret
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
@@ -41,14 +41,24 @@ def _secret(secret: str) -> str:
         raise StoreConfigError(str(e)) from None
 
 
-def _port(name: str, port: int) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise StoreConfigError(f"{name}={port!r}: use a TCP port 1-65535, or 0 for a free one")
+# Each value's rule, as the table of settings states one (:class:`~pdserve.settings.spec.Setting`, checked by
+# check_fields); the rules across values stay in each config's __post_init__.
+def _port(name: str) -> Setting:
+    return Setting(name, int, 0, "", ("pool",), minimum=0, maximum=65535,
+                   advice="use a TCP port 1-65535, or 0 for a free one")
 
 
-def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise StoreConfigError(f"{name}={value!r}: must be a positive number")
+def _positive(name: str) -> Setting:
+    return Setting(name, float, 1.0, "", ("pool",), unit="s", minimum=0, above=True, advice="must be a positive number")
+
+
+_MASTER = (_port("port"), _port("metrics_port"),
+           Setting("replicas", int, 1, "", ("pool",), minimum=1, maximum=16, advice="use 1 to 16 copies per object"),
+           _positive("get_lease_s"), _positive("node_timeout_s"), _positive("put_timeout_s"),
+           _positive("maintenance_s"),
+           Setting("events_kept", int, 100_000, "", ("pool",), minimum=1000, advice="keep at least 1000 events"))
+_NODE = (_port("master_port"), _port("port"), _port("transfer_port"), _positive("heartbeat_s"))
+_CLIENT = (_port("master_port"), _positive("timeout_s"), _positive("transfer_deadline_s"))
 
 
 def parse_address(text: str, name: str = "master") -> tuple[str, int]:
@@ -89,17 +99,10 @@ class MasterConfig:
 
     def __post_init__(self) -> None:
         write_resolved(self, {"secret": _secret(self.secret)})
-        _port("port", self.port)
-        _port("metrics_port", self.metrics_port)
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
-            raise StoreConfigError(f"replicas={self.replicas!r}: use 1 to 16 copies per object")
+        check_fields(self, _MASTER, StoreConfigError)
         if not 0 < self.low_watermark < self.high_watermark <= 1.0:
             raise StoreConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need "
                                    "0 < low < high <= 1 (e.g. low 0.75, high 0.9)")
-        for name in ("get_lease_s", "node_timeout_s", "put_timeout_s", "maintenance_s"):
-            _positive(name, getattr(self, name))
-        if self.events_kept < 1000:
-            raise StoreConfigError(f"events_kept={self.events_kept}: keep at least 1000 events")
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,7 @@ class NodeConfig:
         write_resolved(self, {"secret": _secret(self.secret), "mem_bytes": parse_size(self.mem_bytes, "mem_bytes"),
                               "disk_bytes": parse_size(self.disk_bytes, "disk_bytes"),
                               "node_id": self.node_id or f"{socket.gethostname()}-{os.getpid()}"})
-        _port("master_port", self.master_port)
-        _port("port", self.port)
-        _port("transfer_port", self.transfer_port)
+        check_fields(self, _NODE, StoreConfigError)
         if self.master_port == 0:
             raise StoreConfigError("master_port=0: give the master's port (--master HOST:PORT)")
         if int(self.mem_bytes) < 1 << 20:
@@ -147,7 +148,6 @@ class NodeConfig:
             parent = d if os.path.isdir(d) else os.path.dirname(d)
             if not os.access(parent, os.W_OK):
                 raise StoreConfigError(f"disk_dir={self.disk_dir!r}: {parent} is not writable")
-        _positive("heartbeat_s", self.heartbeat_s)
         if self.host in ("0.0.0.0", "::") and not self.advertise_host:
             raise StoreConfigError(f"host={self.host!r} listens on every interface: also set advertise_host to "
                                    "the address the master and workers should dial")
@@ -168,8 +168,6 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         write_resolved(self, {"secret": _secret(self.secret)})
-        _port("master_port", self.master_port)
+        check_fields(self, _CLIENT, StoreConfigError)
         if self.master_port == 0:
             raise StoreConfigError("master_port=0: give the pool master's port (HOST:PORT)")
-        _positive("timeout_s", self.timeout_s)
-        _positive("transfer_deadline_s", self.transfer_deadline_s)
