@@ -40,7 +40,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from ..settings.errors import ConfigError, config_fault
-from ..settings.spec import write_resolved
+from ..settings.spec import Setting, check_fields, write_resolved
 
 log = logging.getLogger("pdserve.kube.discovery")
 
@@ -88,6 +88,16 @@ class PoolTarget:
         return cls(role, host.strip("[]"), int(port))
 
 
+# each value's rule, as the table of settings states one (checked by check_fields, named by its flag)
+_SETTINGS = (
+    Setting("interval_s", float, 5.0, "", (), minimum=0, above=True, flag="--interval",
+            advice="must be > 0 seconds"),
+    Setting("absent_rounds", int, 2, "", (), minimum=1, advice="use 1 or more rounds"),
+    Setting("tombstone_s", float, 300.0, "", (), minimum=0, flag="--tombstone", advice="must be >= 0 seconds"),
+    Setting("timeout_s", float, 3.0, "", (), minimum=0, above=True, flag="--timeout", advice="must be > 0 seconds"),
+)
+
+
 @dataclass(frozen=True)
 class DiscoveryConfig:
     """Settings of the discovery process.
@@ -123,12 +133,7 @@ class DiscoveryConfig:
         if "elastic" in roles and len(roles) > 1:
             raise DiscoveryConfigError("--elastic-dns with --prefill-dns/--decode-dns: an elastic router's workers "
                                        "have no fixed role; follow its one pool with --elastic-dns alone")
-        if not self.interval_s > 0:
-            raise DiscoveryConfigError(f"--interval {self.interval_s}: must be > 0 seconds")
-        if not isinstance(self.absent_rounds, int) or self.absent_rounds < 1:
-            raise DiscoveryConfigError(f"--absent-rounds {self.absent_rounds}: use 1 or more rounds")
-        if self.tombstone_s < 0 or not self.timeout_s > 0:
-            raise DiscoveryConfigError("--tombstone must be >= 0 and --timeout > 0 seconds")
+        check_fields(self, _SETTINGS, DiscoveryConfigError, flags=True)
 
 
 # ------------------------------------------------------------------------------------------- DNS

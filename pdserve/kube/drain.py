@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from ..prom import parse, types
 from ..settings.errors import ConfigError, config_fault
-from ..settings.spec import write_resolved
+from ..settings.spec import Setting, check_fields, write_resolved
 from .discovery import TOKEN_ENV, WORKERS_PATH, worker_url
 
 log = logging.getLogger("pdserve.kube.drain")
@@ -55,6 +55,17 @@ def _check_url(flag: str, url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise DrainConfigError(f"{flag} {url!r}: give a base URL like http://10.0.0.5:8000")
     return url.rstrip("/")
+
+
+# each value's rule, as the table of settings states one (checked by check_fields, named by its flag)
+_SETTINGS = (
+    Setting("timeout_s", float, 120.0, "", (), minimum=0, above=True, flag="--timeout", advice="must be > 0 seconds"),
+    Setting("hold_s", float, 0.0, "", (), minimum=0, flag="--hold", advice="must be >= 0 seconds"),
+    Setting("poll_s", float, 1.0, "", (), minimum=0, above=True, flag="--poll", advice="must be > 0 seconds"),
+    Setting("quiet_polls", int, 2, "", (), minimum=1, advice="use 1 or more"),
+    Setting("http_timeout_s", float, 3.0, "", (), minimum=0, above=True, flag="http_timeout_s",
+            advice="must be > 0 seconds"),
+)
 
 
 @dataclass(frozen=True)
@@ -86,13 +97,7 @@ class DrainConfig:
                               "metrics_url": self.metrics_url or self_url + "/metrics"})
         if urlsplit(self.self_url).path.strip("/"):
             raise DrainConfigError(f"--self {self.self_url!r}: give the worker's base URL (no path)")
-        for name in ("timeout_s", "poll_s", "http_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise DrainConfigError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
-        if self.hold_s < 0:
-            raise DrainConfigError(f"--hold {self.hold_s}: must be >= 0 seconds")
-        if self.quiet_polls < 1:
-            raise DrainConfigError(f"--quiet-polls {self.quiet_polls}: use 1 or more")
+        check_fields(self, _SETTINGS, DrainConfigError, flags=True)
 
 
 @dataclass
