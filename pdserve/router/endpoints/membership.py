@@ -5,7 +5,7 @@ POST ``{"url", "role"}`` adds a worker (or a role to it; role ``elastic`` in an 
 a colocated one, else ``prefill`` or ``decode``), with ``"kv_events"`` (and ``"kv_replay"``): the ZMQ endpoints
 where its vLLM publishes KV events (the conductor subscribes); DELETE ``{"url"}`` (or ``?url=``) removes one: it
 gets no new requests from that moment, its in-flight requests finish. With a shared membership file every router
-replica of the host follows the change (:mod:`.shared_membership`). Used by the Kubernetes discovery sidecar
+replica of the host follows the change (:mod:`..fleet.shared_membership`). Used by the Kubernetes discovery sidecar
 and by drain hooks.
 Guarded: a bearer token (``RouterConfig.admin_token`` / $PDSERVE_ADMIN_TOKEN) or, when none is set, clients on
 this host only.
