@@ -20,7 +20,7 @@ from pdserve.conductor.cost_model import CostModel
 
 from ..settings.errors import ConfigError, config_fault
 from .cost import HardwareCostModel, Parallelism, min_parallel
-from .hardware import Accelerator, HardwareError, Link, accelerator, link, load_catalogue
+from .hardware import Accelerator, Link, accelerator, link, load_catalogue
 from .kvsize import ModelSpec, format_bytes, load_model
 from .results import Targets
 from .search import candidates, elastic_summary, evaluate, parse_clusters, rank, reason, sweep
@@ -28,7 +28,7 @@ from .simulator import SimSettings, config_kind
 from .traffic import LengthMix, Request, load_trace, poisson
 
 
-class PlanError(Exception):
+class PlanError(ConfigError):
     """A bad combination of options; the message says what to give instead."""
 
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         out = run(args)
     except ConfigError as exc:
         return config_fault("pdserve plan", exc)
-    except (PlanError, HardwareError, ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -8,10 +8,12 @@ from typing import Any
 
 import yaml
 
+from ..settings.errors import ConfigError
+
 _CATALOGUE = Path(__file__).with_name("data") / "hardware.yaml"
 
 
-class HardwareError(ValueError):
+class HardwareError(ConfigError):
     """Unknown accelerator or link, or a catalogue entry with a bad field."""
 
 

@@ -16,6 +16,7 @@ from pdserve.conductor.config import ConductorConfig
 from pdserve.conductor.cost_model import CostModel
 from pdserve.conductor.policy import Conductor, NoWorker, PlacementRequest
 
+from ..settings.errors import ConfigError
 from .results import Targets, summarize
 from .traffic import Request
 from .worker import Job, SimWorker
@@ -40,15 +41,15 @@ class Cluster:
                   "elastic": self.elastic, "devices_per_worker": self.devices_per_worker}
         bad = [f"{k}={v!r}" for k, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
         if bad or self.devices_per_worker < 1:
-            raise ValueError(f"worker counts must be whole numbers >= 0 and devices_per_worker >= 1, got "
+            raise ConfigError(f"worker counts must be whole numbers >= 0 and devices_per_worker >= 1, got "
                              f"{', '.join(bad) or f'devices_per_worker={self.devices_per_worker}'}")
         shapes = [name for name, on in (("colocated", self.colocated), ("elastic", self.elastic),
                                         ("prefill + decode", self.prefill or self.decode)) if on]
         if len(shapes) > 1:
-            raise ValueError(f"a cluster is one shape: colocated workers, elastic workers, or prefill + decode "
+            raise ConfigError(f"a cluster is one shape: colocated workers, elastic workers, or prefill + decode "
                              f"workers; got {' and '.join(shapes)} (e.g. colocated:4, elastic:4 or 2P2D)")
         if not shapes or (shapes == ["prefill + decode"] and not (self.prefill and self.decode)):
-            raise ValueError("give colocated >= 1, elastic >= 1, or prefill >= 1 and decode >= 1 "
+            raise ConfigError("give colocated >= 1, elastic >= 1, or prefill >= 1 and decode >= 1 "
                              f"(got prefill={self.prefill}, decode={self.decode})")
 
     @property
@@ -100,7 +101,7 @@ class SimSettings:
 class Simulation:
     def __init__(self, cluster: Cluster, cost: CostModel, settings: SimSettings) -> None:
         if cluster.elastic and settings.policy != "conductor":
-            raise ValueError(f"{cluster.label}: elastic workers get their role per request from the conductor "
+            raise ConfigError(f"{cluster.label}: elastic workers get their role per request from the conductor "
                              f"policy; with policy {settings.policy!r} they would be colocated workers "
                              "(use --policy conductor, or simulate colocated:N)")
         self.cluster, self.cost, self.settings = cluster, cost, settings
