@@ -146,3 +146,17 @@ def test_a_migrated_attempt_that_is_refused_ends_the_stream(model_dir, tokenizer
             _, metrics = await env.get("/metrics")
             assert 'pdserve_router_migrations_total{role="decode"} 1.0' in metrics
     run(main())
+
+
+@pytest.mark.parametrize("body", [{"prompt": "a", "max_tokens": 4, "min_tokens": 5},
+                                  {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 4,
+                                   "min_tokens": 5}])
+def test_min_tokens_over_max_tokens_is_refused_as_vllm_does(body):
+    """P and D each get a share of both fields, which alone never breaks vLLM's rule: the router checks it."""
+    from pdserve.router.api.protocol import parse_chat, parse_completion
+
+    with pytest.raises(RouterError) as e:
+        (parse_chat if "messages" in body else parse_completion)(body)
+    assert e.value.status == 400 and e.value.type == "BadRequestError"
+    assert e.value.message == "min_tokens must be less than or equal to max_tokens=4, got 5."
+    (parse_chat if "messages" in body else parse_completion)({**body, "min_tokens": 4})
