@@ -58,7 +58,7 @@ from .fleet.registry import WorkerRegistry
 from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
 from .metrics import ConductorCollector, RouterMetrics
-from .run.answer import collect, stream
+from .run.answer import collect, refused_in_stream, stream
 from .run.choices import Choice, choice_seed, sum_usage
 from .run.generation import Generation, GenerationOptions, Timings
 from .run.kv_protocol import protocol_for
@@ -309,6 +309,7 @@ class Router:
         done = False
         admitted = False
         choices: list[Choice] = []
+        req: GenerationRequest | None = None
         try:
             admitted = self.admission.enter()  # 429 past --max-inflight, before the body is read
             body = parse_json(await read_body(request, self.config.max_body_bytes))
@@ -332,6 +333,9 @@ class Router:
             return resp
         except RouterError as e:
             status = str(e.status)
+            if e.event and req is not None and req.stream:  # refused as vLLM refuses it in its stream
+                status = "stream_error"
+                return await refused_in_stream(request, req, e)
             return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
         except asyncio.CancelledError:
             status = "client_disconnected"

@@ -27,7 +27,9 @@ class RouterError(Exception):
         self.code = code
 
     def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """OpenAI's error object; without a code of its own, ``code`` is the HTTP status, as vLLM's."""
+        code = self.status if self.code is None else self.code
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RouterError:

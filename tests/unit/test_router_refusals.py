@@ -160,3 +160,20 @@ def test_min_tokens_over_max_tokens_is_refused_as_vllm_does(body):
     assert e.value.status == 400 and e.value.type == "BadRequestError"
     assert e.value.message == "min_tokens must be less than or equal to max_tokens=4, got 5."
     (parse_chat if "messages" in body else parse_completion)({**body, "min_tokens": 4})
+
+
+def test_an_id_out_of_the_vocabulary_is_refused_in_the_stream_as_vllm_does(model_dir, tokenizer):  # noqa: F811
+    """vLLM checks token ids in its engine, inside the stream: streamed, 200 + the error event (code 400); not
+    streamed, the 400. Negative logit_bias keys are ids out of the vocabulary too. No worker is asked."""
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            for extra in ({"logit_bias": {"99999999": 1}}, {"logit_bias": {"-1": 1}}, {"prompt": [99999999]},
+                          {"allowed_token_ids": [99999999]}, {"stop_token_ids": [99999999]}):
+                st, out = await env.post("/v1/completions", {**BODY, **extra})
+                assert st == 400 and out["error"]["type"] == "BadRequestError" and out["error"]["code"] == 400
+                st, chunks = await env.stream("/v1/completions", {**BODY, **extra, "stream": True})
+                assert st == 200 and [json.loads(c) for c in chunks] == [out], extra
+            assert p.requests == [] and d.requests == []
+    run(main())

@@ -228,7 +228,9 @@ def _strings(v: list[Any], name: str) -> list[str]:
 
 
 def _bias(v: dict[Any, Any], name: str) -> dict[str, float]:
-    if not all(isinstance(k, str) and k.isascii() and k.isdigit() and _is_num(b) for k, b in v.items()):
+    # a negative id reads as vLLM reads it, an id out of the vocabulary (app: check_ids)
+    if not all(isinstance(k, str) and k.isascii() and k.removeprefix("-").isdigit() and _is_num(b)
+               for k, b in v.items()):
         raise bad_request(f"'{name}' maps token ids (as strings) to numbers", name)
     return v
 
