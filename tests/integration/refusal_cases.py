@@ -95,3 +95,20 @@ def table(rows: list[tuple[str, Answer, Answer]]) -> str:
         same = (mine.status, mine.kind) == (ref.status, ref.kind)
         lines.append(f"| {name} | {mine.status} {mine.kind} | {ref.status} {ref.kind} | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
+
+
+# refused by D alone: P's call leaves structured_outputs out (D produces every token under the grammar), so this
+# refusal reaches the client through D's answer, whatever connector carried P's KV
+D_REFUSES: tuple[str, str, dict[str, Any]] = CASES[0]
+
+
+def d_refusal_differences(router_url: str, worker_url: str, worker_urls: list[str], model: str) -> list[str]:
+    """D's refusal through the router vs one worker's answer, streamed and not: what differs (empty: nothing)."""
+    name, path, body = D_REFUSES
+    out = []
+    for stream in (False, True):
+        b = {**body, "model": model, "stream": stream}
+        mine, ref = post(router_url + path, b), post(worker_url + path, b)
+        if (mine.status, mine.kind, mine.message) != (ref.status, ref.kind, ref.message) or leaks(mine, worker_urls):
+            out.append(f"{name}{' (streamed)' if stream else ''}: pdserve {mine} != vLLM {ref}")
+    return out
