@@ -14,6 +14,14 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _TEXT = {"prompt": "hello there", "max_tokens": 4, "temperature": 0}
 _CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
 
+# differences found and not fixed yet, by row name: each must still differ (a fixed one fails the test until its
+# line goes)
+OPEN = {
+    "logprobs over max_logprobs (streamed)": "P's unstreamed call gets vLLM's 400; vLLM checks it in its engine, so "
+                                             "one streamed worker answers 200 + the error event; the router does not "
+                                             "know the workers' --max-logprobs to check it itself",
+}
+
 # (name, path, body without "model"): each one vLLM 0.32 refuses
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("structured_outputs json_object false", COMPLETIONS, {**_TEXT, "structured_outputs": {"json_object": False}}),
@@ -48,6 +56,7 @@ class Answer:
     status: int
     kind: str  # the error's type ("ok" when none); a stream's error event: "event <code> <type>"
     message: str
+    param: str | None = None
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120) -> Answer:
@@ -62,7 +71,7 @@ def post(url: str, body: dict[str, Any], timeout: float = 120) -> Answer:
         err = next((e["error"] for e in events if "error" in e), None)
         if err is None:
             return Answer(status, "ok", "")
-        return Answer(status, f"event {err.get('code')} {err.get('type')}", str(err.get("message")))
+        return Answer(status, f"event {err.get('code')} {err.get('type')}", str(err.get("message")), err.get("param"))
     try:
         answer = json.loads(raw)
     except ValueError:
@@ -70,7 +79,7 @@ def post(url: str, body: dict[str, Any], timeout: float = 120) -> Answer:
     err = answer.get("error") if isinstance(answer, dict) else None
     if not isinstance(err, dict):
         return Answer(status, "ok", "")
-    return Answer(status, str(err.get("type")), str(err.get("message")))
+    return Answer(status, str(err.get("type")), str(err.get("message")), err.get("param"))
 
 
 def compare(router_url: str, worker_url: str, model: str) -> list[tuple[str, Answer, Answer]]:
@@ -93,7 +102,8 @@ def table(rows: list[tuple[str, Answer, Answer]]) -> str:
     lines = ["| body | pdserve | one vLLM worker | equal |", "|---|---|---|---|"]
     for name, mine, ref in rows:
         same = (mine.status, mine.kind) == (ref.status, ref.kind)
-        lines.append(f"| {name} | {mine.status} {mine.kind} | {ref.status} {ref.kind} | {'yes' if same else 'NO'} |")
+        lines.append(f"| {name} | {mine.status} {mine.kind} ({mine.param}) | {ref.status} {ref.kind} ({ref.param}) "
+                     f"| {'yes' if same else 'open' if name in OPEN else 'NO'} |")
     return "\n".join(lines)
 
 
