@@ -44,6 +44,7 @@ os.environ.setdefault("PDSERVE_WARM_START", "1")
 SHARED_STACKS: dict[str, tuple[str, ...]] = {
     "pd_cluster": ("tests/integration/test_bench_report.py", "tests/integration/test_pd_router.py",
                    "tests/integration/test_router_vllm.py", "tests/conformance/test_conformance.py",
+                   "tests/integration/test_router_refusals_vllm.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
     "pd_faults": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py",
                   "tests/integration/test_router_faults.py"),  # stops and kills workers: last

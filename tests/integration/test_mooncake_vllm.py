@@ -178,6 +178,16 @@ def test_master_killed_requests_recompute(cluster):
     assert st == 200 and out["choices"][0]["text"] == ref["choices"][0]["text"]
 
 
+def test_ds_refusal_is_the_clients(cluster):
+    """D refuses the body (issue 42): the client gets one vLLM worker's answer, streamed and not (status, type,
+    message, the event), not a 502, and nothing is retried; both workers still serve."""
+    from .refusal_cases import d_refusal_differences
+
+    p_url = cluster.worker_urls("prefill")[0]
+    assert d_refusal_differences(cluster.router_url, p_url, cluster.worker_urls(), "rl") == []
+    st, out = _post(cluster.router_url + "/v1/completions", _body(_prompt(20)))
+    assert st == 200, out
+
 def test_p_killed_d_serves_alone_exactly(cluster):
     """P dies: the router finds it refused, takes it out and D serves whole requests (degraded, not an outage)."""
     prefill = next(c for c in cluster.workers if c.name == "prefill0")

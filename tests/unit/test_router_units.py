@@ -111,7 +111,7 @@ def test_parse_chat():
 def test_worker_errors_map_to_openai_shape():
     e = from_worker(400, {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}})
     assert e.status == 400 and e.to_dict() == {"error": {"message": "too long", "type": "BadRequestError",
-                                                         "param": None, "code": None}}
+                                                         "param": None, "code": 400}}
     e = from_worker(500, None)
     assert e.status == 502 and e.type == "server_error"
 

@@ -21,7 +21,9 @@ ANTHROPIC_ERROR: dict[str, Any] = {"type": "object", "required": ["type", "error
 
 ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": STR, "type": STR, "param": nullable(STR), "code": nullable(STR)}}}}
+        "message": STR, "type": STR, "param": nullable(STR),
+        # the router's own codes are names; a worker's refusal keeps vLLM's code, its HTTP status
+        "code": {"type": ["string", "integer", "null"]}}}}}
 
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
 _SSE_EVENT = {"type": "object", "properties": {"data": STR, "event": STR}}  # one server-sent event
@@ -33,7 +35,8 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
     text = {400: "invalid request", 403: "not allowed from this client", 404: "unknown model or worker",
-            413: "body over --max-body-bytes", 429: "predicted to miss the SLO", 502: "a worker failed",
+            413: "body over --max-body-bytes", 422: "refused by the worker (vLLM's 422)",
+            429: "predicted to miss the SLO", 502: "a worker failed",
             503: "no healthy worker", 504: "the request's deadline passed"}
     return {str(s): {"description": text[s], "content": _json(ref(schema))} for s in statuses}
 
@@ -45,7 +48,7 @@ def _generation(summary: str, schema: str, error: str = "Error") -> dict[str, An
                                                           "stream: true",
                                            "content": {**_json(_ANY_OBJECT),
                                                        "text/event-stream": {"schema": _SSE_EVENT}}},
-                                   **_errors(400, 404, 413, 429, 502, 503, schema=error)}}}
+                                   **_errors(400, 404, 413, 422, 429, 502, 503, 504, schema=error)}}}
 
 
 def _get(summary: str, op: str, content_type: str = "application/json", *statuses: int) -> dict[str, Any]:

@@ -228,7 +228,9 @@ def _strings(v: list[Any], name: str) -> list[str]:
 
 
 def _bias(v: dict[Any, Any], name: str) -> dict[str, float]:
-    if not all(isinstance(k, str) and k.isascii() and k.isdigit() and _is_num(b) for k, b in v.items()):
+    # a negative id reads as vLLM reads it, an id out of the vocabulary (app: check_ids)
+    if not all(isinstance(k, str) and k.isascii() and k.removeprefix("-").isdigit() and _is_num(b)
+               for k, b in v.items()):
         raise bad_request(f"'{name}' maps token ids (as strings) to numbers", name)
     return v
 
@@ -370,6 +372,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     req.add_special_tokens = flag(body, "add_special_tokens", True)
     # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too
     req.max_tokens = _opt_int(body, "max_tokens", 1) or 16
+    _min_tokens_fit(req)
     return req
 
 
@@ -411,7 +414,16 @@ def parse_chat(body: Any) -> GenerationRequest:
     else:
         req.max_tokens_field = "max_completion_tokens"  # named when it is over the room left, as vLLM does
     req.max_tokens = None if mt is None else _opt_int({"max_tokens": mt}, "max_tokens", 1)  # vLLM names max_tokens
+    _min_tokens_fit(req)
     return req
+
+
+def _min_tokens_fit(req: GenerationRequest) -> None:
+    """vLLM's check of ``min_tokens`` against ``max_tokens`` (SamplingParams), with its message: P and D each get a
+    share of both, which alone would never break it."""
+    least = req.sampling.get("min_tokens")
+    if req.max_tokens is not None and isinstance(least, int) and least > req.max_tokens:
+        raise bad_request(f"min_tokens must be less than or equal to max_tokens={req.max_tokens}, got {least}.")
 
 
 def parse_json(raw: bytes) -> Any:

@@ -80,9 +80,17 @@ class PromptTokenizer:
         return IncrementalDetokenizer(backend, prompt_ids, skip_special_tokens, spaces_between_special_tokens)
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> None:
-        bad = next((t for t in ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} in '{param}' is out of vocabulary (size {self.vocab_size})", param)
+        """400 naming ``param`` for a token id outside the vocabulary. vLLM checks ids in its engine, inside a
+        streamed answer: a streamed request gets it as vLLM's error event (``RouterError.event``)."""
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is None:
+            return
+        if param == "prompt":  # vLLM's own message, naming no parameter
+            e = bad_request(f"Token id {bad} is out of vocabulary")
+        else:
+            e = bad_request(f"token id {bad} in '{param}' is out of vocabulary (size {self.vocab_size})", param)
+        e.event = True
+        raise e
 
 
 class IncrementalDetokenizer:

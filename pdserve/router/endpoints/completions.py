@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..api.protocol import parse_chat, parse_completion, parse_json
+from ..api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from ..api.response import ResponseBuilder
 from ..api.tokenizer import PromptTokenizer
 from ..errors import RouterError
-from ..run.answer import collect, stream
+from ..run.answer import collect, refused_in_stream, stream
 from .context import RouterContext
 from .intake import Intake
 
@@ -24,11 +24,18 @@ class GenerateEndpoint:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         door = self.intake
+        req: GenerationRequest | None = None
         try:
             async with door.admitted(self.kind) as visit:
-                body = parse_json(await door.read_body(request))
-                req = parse_chat(body) if self.kind == "chat" else parse_completion(body)
-                choices = await door.start(req, request, body, visit)
+                try:
+                    body = parse_json(await door.read_body(request))
+                    req = parse_chat(body) if self.kind == "chat" else parse_completion(body)
+                    choices = await door.start(req, request, body, visit)
+                except RouterError as e:
+                    if not (e.event and req is not None and req.stream):
+                        raise
+                    visit.status = "stream_error"  # refused as vLLM refuses it: inside its stream
+                    return await refused_in_stream(request, req, e)
                 builder = ResponseBuilder(req, door.models.answer_name(req.lora))
                 if req.stream:
                     resp, visit.status = await stream(request, req, choices, builder, self.tokenizer.decode_one)

@@ -81,9 +81,11 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
             raise upstream_failed("worker produced no output") from None
         except WorkerError as e:
             raise upstream_failed(str(e)) from None
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": req.request_id})
-        await resp.prepare(request)
+        except RouterError as e:
+            if not e.event:
+                raise
+            return await refused_in_stream(request, req, e), "stream_error"
+        resp = await _open(request, req)
         live = len(choices)
         try:
             item: tuple[Choice, Delta] | None = first
@@ -168,3 +170,23 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
         except ConnectionError:  # the client left after the last event, before the stream's end: nothing lost
             return resp, "client_disconnected"
         return resp, "200"
+
+
+async def _open(request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Request-Id": req.request_id})
+    await resp.prepare(request)
+    return resp
+
+
+async def refused_in_stream(request: web.Request, req: GenerationRequest, e: RouterError) -> web.StreamResponse:
+    """A worker refused the request inside its stream before any output (``RouterError.event``): the client's
+    stream is the same refusal, as one vLLM worker streams it (200, the error event, [DONE])."""
+    log.info("request %s refused by its worker: %s %s", req.request_id, e.status, e.message)
+    resp = await _open(request, req)
+    try:
+        await resp.write(sse(e.to_dict()) + SSE_DONE)
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+    return resp

@@ -1,12 +1,17 @@
 """How a failed worker call reads for one request (:func:`classify`, the one rule every attempt uses: prefill,
 decode, a whole request, ``n > 1``, ``prompt_logprobs``, tools, moves): retried elsewhere (the worker never accepted
-it), migrated (it accepted it and then went away, went silent or answered a server error) or the client's error."""
+it), migrated (it accepted it and then went away, went silent or answered a server error) or the client's error.
+
+A worker's refusal (a 4xx answer, or a 4xx error event in its stream: :func:`refusal`) is the request's own fault:
+another worker would refuse it too, so it is never retried or migrated, on any attempt of the run. The client gets
+it as vLLM wrote it (status, type, message, ``param``, ``code``; no worker address), before any output as its
+answer, after output as the stream's error event, as one vLLM worker ends a stream it refuses."""
 
 from __future__ import annotations
 
 from typing import Union
 
-from ..errors import RouterError, from_worker, upstream_failed
+from ..errors import RouterError, from_worker, refusal_status, upstream_failed
 from ..workers.client import WorkerError
 
 RETRYABLE = ("connect",)  # the worker never accepted the request: safe to try another one
@@ -43,15 +48,32 @@ def classify(e: WorkerError, role: str, started: bool, mid_request: bool) -> Out
 
     - never accepted (``connect``, before any answer): :class:`Retry` elsewhere; ``dead`` only on evidence of death
       (a refused connection), so a worker that was merely slow is not taken out;
+    - refused (a 4xx, answered or as an error event, :func:`refusal`): the worker's refusal, as it wrote it;
     - accepted and then gone, silent, a 5xx or an error event that is not a 4xx: :class:`Migrate` what is left;
-    - anything else (a 4xx: the request itself): the client's error, the worker's own status before any output."""
+    - anything else (a malformed answer): 502 before any output, else a mid-request failure."""
     if e.kind in RETRYABLE and not started:
         return Retry(e.url, e.dead, str(e))
+    refused = refusal(e)
+    if refused is not None:
+        return refused
     if migratable(e):
         return Migrate(e.url, role, str(e))
     if not mid_request:
         return as_router_error(e)
     return upstream_failed(f"{role} worker {e.url} failed mid-request: {e}")
+
+
+def refusal(e: WorkerError) -> RouterError | None:
+    """The worker's refusal of the request itself (a 4xx answer, or a vLLM error event whose ``code`` is a 4xx) as
+    the client's error, in the worker's own status, type, message, ``param`` and ``code``; None for any other
+    failure."""
+    if e.kind == "http" and e.status is not None and 400 <= e.status < 500:
+        return from_worker(e.status, e.payload)
+    if e.kind == "stream_error":
+        status = refusal_status(e.payload)
+        if status is not None:
+            return from_worker(status, e.payload, event=True)
+    return None
 
 
 def migratable(e: WorkerError) -> bool:
@@ -62,14 +84,15 @@ def migratable(e: WorkerError) -> bool:
     if e.kind == "http":
         return e.status is not None and e.status >= 500
     if e.kind == "stream_error":
-        err = e.payload.get("error") if isinstance(e.payload, dict) else None
-        code = err.get("code") if isinstance(err, dict) else None
-        return not (isinstance(code, int) and 400 <= code < 500)
+        return refusal_status(e.payload) is None
     return False
 
 
 def as_router_error(e: WorkerError) -> RouterError:
-    """The client's error for a worker failure before anything was sent: the worker's own HTTP status, else 502."""
+    """The client's error for a worker failure before anything was sent: a refusal as the worker wrote it, else 502."""
+    refused = refusal(e)
+    if refused is not None:
+        return refused
     if e.kind == "http" and e.status is not None:
         return from_worker(e.status, e.payload)
     return upstream_failed(str(e))
