@@ -21,6 +21,9 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "conductor": ({"hashing", "settings"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "store": ({"settings", "transfer"}, {"vllm", "aiohttp", "transformers"}),
     "router": ({"conductor", "hashing", "http_probe", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
+    # the KV indexer service: the conductor's index and translators, the router's KV event feed and pool follower
+    # (they stay in router/fleet/ while that package is restructured), the pool's RPC client through them
+    "indexer": ({"conductor", "hashing", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer", "dtype"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
