@@ -69,21 +69,14 @@ class Placeholders:
         self.expired += n
         return n
 
-    def prefix_lengths(self, keys: Sequence[int], now: float) -> dict[str, int]:
-        """worker -> leading ``keys`` it is expected to hold (live entries only)."""
-        self.expire(now)
-        out: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, k in enumerate(keys):
-            hs = self.by_key.get(k, set())
-            nxt = hs if alive is None else alive & hs
-            for w in (alive or set()) - nxt:
-                out[w] = i
-            alive = nxt
-            if not alive:
-                return out
-        for w in alive or ():
-            out[w] = len(keys)
+    def holds(self, worker: str, key: int) -> bool:
+        return worker in self.by_key.get(key, ())
+
+    def workers_at(self, keys: Sequence[int]) -> set[str]:
+        """The workers expected to hold any of ``keys``."""
+        out: set[str] = set()
+        for k in keys:
+            out |= self.by_key.get(k, set())
         return out
 
     def _drop(self, worker: str, key: int) -> None:

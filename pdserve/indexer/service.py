@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..conductor.tiers import POOL, holder_of
-from ..router.fleet.kv_events import KVEventFeed, Publisher
+from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
+from ..router.fleet.kv_replay import replay
 from ..router.fleet.pool_index import PoolIndexFollower
 from . import snapshot
 from .table import TieredIndex
@@ -47,8 +48,10 @@ class SnapshotStats:
 
 
 class IndexerService:
-    def __init__(self, config: IndexerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: IndexerConfig, clock: Callable[[], float] = time.monotonic,
+                 replayer: Replayer = replay) -> None:
         self.config = config
+        self.replayer = replayer
         self.table = TieredIndex(clock, config.placeholder_ttl_s)
         self.feed: KVEventFeed | None = None
         self.pool: PoolIndexFollower | None = None
@@ -58,7 +61,7 @@ class IndexerService:
 
     async def start(self) -> None:
         """Restore the last snapshot (when there is one), resume every stream in it, follow the rest."""
-        self.feed = KVEventFeed(self.table, self.config.block_size)
+        self.feed = KVEventFeed(self.table, self.config.block_size, replayer=self.replayer)
         doc = snapshot.read(self.config.snapshot_path) if self.config.snapshot_path else None
         resumed: set[str] = set()
         if doc is not None:

@@ -45,9 +45,8 @@ def pack_hashes(hashes: list[Hashable]) -> dict[str, Any]:
             pass
     elif isinstance(first, bytes):
         width = len(first)
-        data = b"".join(hashes)  # type: ignore[arg-type]
-        if len(data) == width * len(hashes):
-            return {"kind": "bytes", "width": width, "data": data}
+        if all(type(h) is bytes and len(h) == width for h in hashes):
+            return {"kind": "bytes", "width": width, "data": b"".join(hashes)}  # type: ignore[arg-type]
     return {"kind": "list", "data": list(hashes)}
 
 

@@ -63,8 +63,8 @@ class TieredIndex:
     def lookup(self, keys: Sequence[int], owners: Iterable[str] | None = None,
                tiers: Iterable[str] | None = None) -> dict[str, dict[str, int]]:
         """owner -> {tier: leading ``keys`` held in that tier, ..., ``longest``: leading keys held in any of its
-        tiers together, ``placeholder``: leading keys expected from a fresh placement}; owners holding none are
-        absent. ``owners`` / ``tiers`` narrow the answer."""
+        tiers together, ``placeholder``: leading keys held or expected from a fresh placement, when that is
+        more}; owners holding none are absent. ``owners`` / ``tiers`` narrow the answer."""
         want_o = set(owners) if owners is not None else None
         want_t = set(tiers) if tiers is not None else None
         out: dict[str, dict[str, int]] = {}
@@ -73,11 +73,19 @@ class TieredIndex:
             if (want_o is None or owner in want_o) and (want_t is None or tier in want_t):
                 out.setdefault(owner, {})[tier] = n
         for owner, per in out.items():
-            per[LONGEST] = self._longest(owner, keys, max(per.values())) if len(per) > 1 else max(per.values())
-        if want_t is None or PLACEHOLDER in want_t:
-            for w, n in self.placeholders.prefix_lengths(keys, self.clock()).items():
-                if want_o is None or w in want_o:
-                    out.setdefault(w, {LONGEST: 0})[PLACEHOLDER] = n
+            per[LONGEST] = self._longest(owner, keys, max(per.values()))
+        if (want_t is None or PLACEHOLDER in want_t) and self.placeholders.entries:
+            self.placeholders.expire(self.clock())
+            for w in self.placeholders.workers_at(keys):
+                if want_o is not None and w not in want_o:
+                    continue
+                per = out.get(w, {LONGEST: 0})
+                i = per[LONGEST]
+                while i < len(keys) and self.placeholders.holds(w, keys[i]):
+                    i += 1
+                if i > per[LONGEST]:
+                    per[PLACEHOLDER] = i
+                    out[w] = per
         return out
 
     def _longest(self, owner: str, keys: Sequence[int], start: int) -> int:
