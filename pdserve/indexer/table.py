@@ -23,11 +23,14 @@ class TieredIndex:
         self.index = PrefixIndex()
         self.placeholders = Placeholders(placeholder_ttl_s)
         self.clock = clock
+        self.holders_of: dict[str, set[str]] = {}  # owner -> its holder names, one per tier it ever stored in
+        self.names: dict[str, tuple[str, str]] = {}  # holder -> (owner, tier), memoised for lookups
 
     # ---- updates (IndexLike) ----
     def blocks_stored(self, holder: str, keys: list[int]) -> None:
         self.index.stored(holder, keys)
         owner, tier = split_holder(holder)
+        self.holders_of.setdefault(owner, set()).add(holder)
         if tier == DEVICE:
             self.placeholders.confirm(owner, keys)
 
@@ -68,12 +71,26 @@ class TieredIndex:
         want_o = set(owners) if owners is not None else None
         want_t = set(tiers) if tiers is not None else None
         out: dict[str, dict[str, int]] = {}
+        names = self.names
         for h, n in self.index.prefix_lengths(keys).items():
-            owner, tier = split_holder(h)
+            name = names.get(h)
+            if name is None:
+                name = names[h] = split_holder(h)
+            owner, tier = name
             if (want_o is None or owner in want_o) and (want_t is None or tier in want_t):
-                out.setdefault(owner, {})[tier] = n
+                per = out.get(owner)
+                if per is None:
+                    out[owner] = {tier: n}
+                else:
+                    per[tier] = n
+        end = len(keys)
         for owner, per in out.items():
-            per[LONGEST] = self._longest(owner, keys, max(per.values()))
+            m = max(per.values())
+            if m < end:
+                mine = self.holders_of.get(owner, ())
+                if len(mine) > 1 and not self.index.holders_at(keys[m]).isdisjoint(mine):
+                    m = self._longest(mine, keys, m + 1)
+            per[LONGEST] = m
         if (want_t is None or PLACEHOLDER in want_t) and self.placeholders.entries:
             self.placeholders.expire(self.clock())
             for w in self.placeholders.workers_at(keys):
@@ -88,9 +105,10 @@ class TieredIndex:
                     out[w] = per
         return out
 
-    def _longest(self, owner: str, keys: Sequence[int], start: int) -> int:
-        """Leading keys held by any tier of ``owner``, given the first ``start`` are."""
+    def _longest(self, mine: set[str], keys: Sequence[int], start: int) -> int:
+        """Leading keys held by any of one owner's holders ``mine``, given the first ``start`` are."""
         i = start
-        while i < len(keys) and any(split_holder(h)[0] == owner for h in self.index.holders_at(keys[i])):
+        at = self.index.holders_at
+        while i < len(keys) and not at(keys[i]).isdisjoint(mine):
             i += 1
         return i
