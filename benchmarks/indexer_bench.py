@@ -123,7 +123,8 @@ async def run(a: argparse.Namespace) -> dict:
             "restore_ms": round(statistics.median(x[0] for x in restores) * 1e3, 1),
             "restore_rebuild_ms": round(statistics.median(x[1] for x in restores) * 1e3, 1),
             "restored_equal": same, "lookups": len(lat), "lookups_per_s": round(len(lat) / wall),
-            "lookup_p50_us": round(lat[len(lat) // 2] * 1e6, 1), "lookup_p99_us": round(lat[int(len(lat) * .99)] * 1e6, 1),
+            "lookup_p50_us": round(lat[len(lat) // 2] * 1e6, 1),
+            "lookup_p99_us": round(lat[int(len(lat) * .99)] * 1e6, 1),
             "load": os.getloadavg()[0]}
 
 

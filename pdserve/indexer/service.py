@@ -38,7 +38,7 @@ class IndexerConfig:
 
 @dataclass
 class SnapshotStats:
-    blocks: int = 0
+    blocks: int = 0  # (holder, block) entries in the last snapshot
     bytes: int = 0
     capture_s: float = 0.0
     write_s: float = 0.0
@@ -140,7 +140,7 @@ class IndexerService:
             size = await asyncio.to_thread(snapshot.write, self.config.snapshot_path, doc)
             t2 = time.perf_counter()
             self.stats.capture_s, self.stats.write_s, self.stats.bytes = t1 - t0, t2 - t1, size
-            self.stats.blocks = len(self.table.index)
+            self.stats.blocks = self.table.entries()
             self.stats.taken += 1
             return self.stats
 

@@ -55,6 +55,10 @@ class TieredIndex:
         return self.placeholders.add(worker, keys, self.clock())
 
     # ---- reads ----
+    def entries(self) -> int:
+        """(holder, block) entries: a block held in two tiers or by two workers counts twice."""
+        return sum(self.index.blocks_of(h) for h in self.index.holders())
+
     def blocks(self) -> dict[str, dict[str, int]]:
         """owner -> tier -> blocks held."""
         out: dict[str, dict[str, int]] = {}
