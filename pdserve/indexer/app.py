@@ -17,6 +17,7 @@ from aiohttp import web
 
 from ..hashing import block_hashes, domain_root
 from ..router.fleet.kv_events import Publisher
+from . import snapshot
 from .service import IndexerService
 from .table import LONGEST
 
@@ -153,6 +154,12 @@ async def take_snapshot(request: web.Request) -> web.Response:
     return web.json_response(vars(await svc.snapshot_now()))
 
 
+async def snapshot_now(request: web.Request) -> web.Response:
+    """The table as of now, in the snapshot file's format (msgpack): a router seeds its index from it."""
+    svc = request.app[SERVICE]
+    return web.Response(body=snapshot.encode(svc.capture()), content_type="application/msgpack")
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -179,6 +186,7 @@ def create_app(service: IndexerService) -> web.Application:
     app.router.add_post("/expect", expect)
     app.router.add_get("/global_view", global_view)
     app.router.add_post("/snapshot", take_snapshot)
+    app.router.add_get("/snapshot", snapshot_now)
     app.router.add_get("/health", health)
 
     async def on_startup(app: web.Application) -> None:

@@ -98,11 +98,26 @@ def document(streams: list[dict[str, Any]], pool: dict[str, Any] | None) -> dict
     return {"version": VERSION, "taken_at": time.time(), "streams": streams, "pool": pool}
 
 
+def encode(doc: dict[str, Any]) -> bytes:
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode(data: bytes, where: str = "snapshot") -> dict[str, Any]:
+    """A snapshot document from its bytes; ValueError when they are not one of this version."""
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise ValueError(f"{where}: not an indexer snapshot ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("streams"), list):
+        raise ValueError(f"{where}: not an indexer snapshot of version {VERSION}")
+    return doc
+
+
 def write(path: str | Path, doc: dict[str, Any]) -> int:
     """Write ``doc`` atomically (temporary file, fsync, rename); returns its size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = msgpack.packb(doc, use_bin_type=True)
+    data = encode(doc)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -118,10 +133,4 @@ def read(path: str | Path) -> dict[str, Any] | None:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return None
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several types on garbage
-        raise ValueError(f"{path}: not an indexer snapshot ({e})") from None
-    if not isinstance(doc, dict) or doc.get("version") != VERSION:
-        raise ValueError(f"{path}: not an indexer snapshot of version {VERSION}")
-    return doc
+    return decode(data, str(path))

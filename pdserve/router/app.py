@@ -47,6 +47,7 @@ from .config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from .errors import RouterError, bad_request
 from .fleet.adapter_sync import AdapterSync
 from .fleet.calibration import calibrate
+from .fleet.index_seed import seed_from_indexer
 from .fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from .fleet.load_probe import read_worker_load
 from .fleet.membership import Membership
@@ -153,6 +154,10 @@ class Router:
             self.events = KVEventFeed(cp.conductor, self.config.block_size, self.config.kv_events_bind)
             if self.events.endpoint:
                 log.info("KV event sink on %s", self.events.endpoint)
+            if self.config.indexer:  # before following: the seeded workers resume from the indexer's batch
+                await seed_from_indexer(self.session, self.config.indexer, self.events, cp.conductor,
+                                        {w.url: self.publishers[w.url] for w in self.registry
+                                         if w.url in self.publishers})
             for w in self.registry:
                 self.worker_added(w)
             if self.config.pool_master and self.config.policy == "conductor":

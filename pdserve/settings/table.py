@@ -192,6 +192,9 @@ SETTINGS: tuple[Setting, ...] = (
             "admin server (its metrics port): the router's conductor counts blocks pooled in the store as loadable "
             "(the launcher sets it with --policy conductor)", (R,), metavar="HOST:PORT", group="placement",
             argv="set"),
+    Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
+            "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
+            "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),

@@ -20,7 +20,8 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "settings": (set(), {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "conductor": ({"hashing", "settings"}, {"vllm", "aiohttp", "torch", "zmq", "transformers"}),
     "store": ({"settings", "transfer"}, {"vllm", "aiohttp", "transformers"}),
-    "router": ({"conductor", "hashing", "http_probe", "prom", "settings", "store", "transfer"}, {"vllm", "torch"}),
+    "router": ({"conductor", "hashing", "http_probe", "indexer", "prom", "settings", "store", "transfer"},
+               {"vllm", "torch"}),
     # the KV indexer service: the conductor's index and translators, the router's KV event feed and pool follower
     # (they stay in router/fleet/ while that package is restructured), the pool's RPC client through them
     "indexer": ({"conductor", "hashing", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),

@@ -161,3 +161,45 @@ def test_snapshot_file_round_trips_hash_kinds(tmp_path):
         assert "not an indexer snapshot" in str(e)
     else:
         raise AssertionError("a garbage file was read as a snapshot")
+
+
+def test_a_router_seeded_from_the_indexer_knows_what_the_replay_buffer_forgot(tmp_path):
+    """A router that starts late (the worker's buffer holds only batches 200..) seeds its index from the indexer's
+    GET /snapshot and resumes from there: it then holds what the indexer holds, where the replay alone could not."""
+    import aiohttp
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdserve.indexer.app import create_app
+    from pdserve.indexer.table import TieredIndex
+    from pdserve.router.fleet.index_seed import seed_from_indexer
+    from pdserve.router.fleet.kv_events import KVEventFeed
+
+    async def main() -> None:
+        payloads = stream(300, 4)
+        svc = IndexerService(IndexerConfig(block_size=BS), replayer=Worker(payloads[:1]).replay)
+        client = TestClient(TestServer(create_app(svc)))
+        await client.start_server()  # starts the service
+        try:
+            svc.register(URL, PUB)
+            await asyncio.sleep(0.01)
+            assert svc.feed is not None
+            for seq in range(1, 300):
+                svc.feed.handle([URL.encode(), seq.to_bytes(8, "big"), payloads[seq]])
+            worker = Worker(payloads, first=200)
+            table = TieredIndex(lambda: 0.0)
+            feed = KVEventFeed(table, BS, replayer=worker.replay)
+            async with aiohttp.ClientSession() as session:
+                n = await seed_from_indexer(session, str(client.make_url("")), feed, table, {URL: PUB})
+                assert n == svc.table.entries() > 0
+                assert await seed_from_indexer(session, "http://127.0.0.1:1", feed, table, {URL: PUB}) == 0
+            feed.follow(URL, PUB)  # what the router does next for every registered worker: a no-op here
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert worker.asked == [299] and feed.clears == 0
+            ix = table.index
+            assert {h: set(ix.keys_of(h)) for h in ix.holders() if ix.keys_of(h)} == view(svc)
+            await feed.close()
+        finally:
+            await client.close()
+
+    asyncio.run(main())
