@@ -22,6 +22,7 @@ GROUP_TITLES = {
     "lora": "LoRA adapters (multi-LoRA through P and D)",
     "supervision": "supervision (restarts, timeouts)",
     "indexer": "the KV indexer service (docs/indexer.md)",
+    "picker": "the endpoint picker (docs/picker.md)",
 }
 
 

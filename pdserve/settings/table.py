@@ -32,6 +32,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 L, R, C, W, P = "launcher", "router", "conductor", "worker", "pool"
 IX = "indexer"  # pdserve indexer (docs/indexer.md)
+PK = "picker"  # pdserve picker (docs/picker.md)
 
 _PORT = "use a TCP port 1-65535, or 0 to pick a free one"
 _SECONDS = "use a positive number of seconds"
@@ -291,6 +292,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("placeholder_ttl_s", float, 10.0, "life of a placeholder entry (a placement not yet confirmed by its "
             "worker's KV event)", (IX,), unit="s", minimum=0, above=True, metavar="S", group="indexer",
             advice=_SECONDS),
+    # ---------------------------------------------------------------- the endpoint picker (pdserve picker)
+    Setting("picker_host", str, "0.0.0.0", "the picker's gRPC (Envoy ext-proc) address (bind)", (PK,), minimum=1,
+            group="picker", advice="a host name or IP address"),
+    Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
+            "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

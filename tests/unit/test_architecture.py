@@ -25,6 +25,8 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     # the KV indexer service: the conductor's index and translators, the router's KV event feed and pool follower
     # (they stay in router/fleet/ while that package is restructured), the pool's RPC client through them
     "indexer": ({"conductor", "hashing", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),
+    # the endpoint picker: the router's placement without its HTTP front
+    "picker": ({"conductor", "hashing", "indexer", "router", "settings"}, {"vllm", "torch", "aiohttp.web"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "config", "models", "prom", "transfer", "dtype"}, {"vllm"}),
     "bench": ({"config", "launcher", "launch", "prom", "hashing", "models"}, {"vllm", "torch"}),
