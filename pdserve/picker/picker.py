@@ -62,6 +62,7 @@ class Picker:
         self._tasks: list[asyncio.Task[None]] = []
         self.decision_seconds: deque[float] = deque(maxlen=100_000)
         self.decisions = 0
+        self.cached_tokens = 0  # prompt tokens the chosen workers held (or loaded), over every decision
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession()
@@ -118,6 +119,7 @@ class Picker:
         ticket = self.placement.choose(ids, max_tokens=max_tokens)
         self.decision_seconds.append(time.perf_counter() - t0)
         self.decisions += 1
+        self.cached_tokens += ticket.decision.cached_tokens
         return ticket
 
     async def close(self) -> None:
