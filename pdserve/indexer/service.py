@@ -62,7 +62,12 @@ class IndexerService:
     async def start(self) -> None:
         """Restore the last snapshot (when there is one), resume every stream in it, follow the rest."""
         self.feed = KVEventFeed(self.table, self.config.block_size, replayer=self.replayer)
-        doc = snapshot.read(self.config.snapshot_path) if self.config.snapshot_path else None
+        doc = None
+        if self.config.snapshot_path:
+            try:
+                doc = snapshot.read(self.config.snapshot_path)
+            except ValueError as e:  # a damaged file must not keep the indexer down: start from the workers
+                log.error("%s; starting from the workers' replay buffers", e)
         resumed: set[str] = set()
         if doc is not None:
             resumed = self._restore(doc)

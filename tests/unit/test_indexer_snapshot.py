@@ -203,3 +203,15 @@ def test_a_router_seeded_from_the_indexer_knows_what_the_replay_buffer_forgot(tm
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_damaged_snapshot_starts_from_the_workers(tmp_path):
+    async def main() -> None:
+        (tmp_path / "snap").write_bytes(b"\x00not a snapshot")
+        payloads = stream(30, 5)
+        svc = _service(tmp_path, Worker(payloads[:1]))
+        await _run(svc, payloads, 1, 30)
+        assert svc.feed is not None and svc.feed.streams[URL].translator.last_seq == 29
+        await svc.close(final_snapshot=False)
+
+    asyncio.run(main())
