@@ -52,17 +52,24 @@ def fill(svc: IndexerService, workers: int, total: int, rng: random.Random) -> l
     names = list(trs)
     h = 0
     system = [rng.randrange(32000) for _ in range(8 * BS)]
-    while h < total:
+    held: dict[str, set[int]] = {w: set() for w in names}  # distinct keys per worker (the system prompt's blocks repeat)
+    entries = 0
+    while entries < total:
         keys = conversation(system, per_conv, rng)
         convs.append(keys)
         for w in rng.sample(names, copies):
-            tr = trs[w]
+            tr, mine = trs[w], held[w]
             depth = rng.randrange(8, len(keys) + 1)
             for k in keys[:depth]:
+                if k in mine:
+                    continue
+                mine.add(k)
                 h += 1
                 tr.keys[h] = k
+                entries += 1
                 if rng.random() < 0.1:
                     tr.tiers.setdefault(HOST, {})[h] = k
+                    entries += 1
     for w, tr in trs.items():
         tr.last_seq, tr.last_digest = 1000, batch_digest(LAST)
         for tier, m in tr.tiers.items():
