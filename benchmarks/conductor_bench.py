@@ -71,9 +71,10 @@ def fleet(n_workers: int, policy: str, shortlist: int, index: PrefixIndex | None
     return c
 
 
-def indexed(n_workers: int, n_blocks: int, seed: int) -> tuple[PrefixIndex, list[list[int]]]:
+def indexed(n_workers: int, n_blocks: int, seed: int, tiers: bool = False) -> tuple[PrefixIndex, list[list[int]]]:
     """Conversations of 64-block (8K-token) prompts, each cached on 1-3 workers, until n_blocks keys are
-    indexed."""
+    indexed. ``tiers``: each copy also in its worker's host offload (a longer prefix) one time in three, and a
+    fifth of the conversations in the pool's memory and disk (issue 39's tier-aware placement)."""
     import numpy as np
 
     rng = random.Random(seed)
@@ -86,7 +87,13 @@ def indexed(n_workers: int, n_blocks: int, seed: int) -> tuple[PrefixIndex, list
         keys = block_hashes(toks, BS)
         convs.append(toks)
         for _ in range(rng.randint(1, 3)):
-            index.stored(rng.choice(ids), keys[:rng.randint(8, 64)])
+            w, depth = rng.choice(ids), rng.randint(8, 64)
+            index.stored(w, keys[:depth])
+            if tiers and rng.random() < 1 / 3:
+                index.stored(f"{w}#host", keys[:rng.randint(depth, 64)])
+        if tiers and rng.random() < 0.2:
+            index.stored("pool", keys[:rng.randint(8, 32)])
+            index.stored("pool#pool_disk", keys[:rng.randint(16, 64)])
     return index, convs
 
 
@@ -101,11 +108,11 @@ def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], variant
     runs = []
     for pol, k in variants:
         now = [0.0]
-        runs.append((pol, k, fleet(n_workers, pol, k, index, lambda now=now: now[0]), now, [], [], []))
+        runs.append((pol, k, fleet(n_workers, pol, k, index, lambda now=now: now[0]), now, [], [], [], {}))
     for i in range(n_requests):
         base = rng.choice(convs)
         prompt = base[:rng.randint(16, 64) * BS] + [rng.randrange(32000) for _ in range(rng.randint(1, 2000))]
-        for pol, _, c, now, place_s, choose_s, picks in runs:
+        for pol, _, c, now, place_s, choose_s, picks, tiers in runs:
             now[0] = i * 0.1
             t0 = time.perf_counter()
             keys = block_hashes(prompt, BS) if pol == "conductor" else ()
@@ -115,6 +122,7 @@ def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], variant
             place_s.append(t2 - t1)
             choose_s.append(t2 - t0)
             picks.append((d.kind, d.prefill, d.decode))
+            tiers[d.fetch_tier or "none"] = tiers.get(d.fetch_tier or "none", 0) + 1
             # keep a realistic amount of work in flight: finish requests after a while
             now[0] += 6e-5 * (len(prompt) - d.cached_tokens)
             c.prefill_done(d.request_id)
@@ -124,14 +132,14 @@ def decision(n_workers: int, index: PrefixIndex, convs: list[list[int]], variant
              "requests": n_requests,
              "place_p50_us": round(pct(place_s, 50) * 1e6, 1), "place_p99_us": round(pct(place_s, 99) * 1e6, 1),
              "choose_p50_us": round(pct(choose_s, 50) * 1e6, 1),
-             "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1), "picks": picks}
-            for pol, k, _, _, place_s, choose_s, picks in runs]
+             "choose_p99_us": round(pct(choose_s, 99) * 1e6, 1), "fetch_tiers": tiers, "picks": picks}
+            for pol, k, _, _, place_s, choose_s, picks, tiers in runs]
 
 
 def run_decision(args) -> dict:
     rows = []
     for n in args.workers:
-        index, convs = indexed(n, args.blocks, 0)
+        index, convs = indexed(n, args.blocks, 0, args.tiers)
         variants = [("round_robin", 0)] + [("conductor", k) for k in args.shortlist]
         got = decision(n, index, convs, variants, args.requests)
         full = next((r["picks"] for r in got if r["shortlist"] == "all" and r["policy"] == "conductor"), None)
@@ -146,7 +154,7 @@ def run_decision(args) -> dict:
         print(f"{r['workers']:>7} {r['policy']:>12} {r['shortlist']:>9} {r['indexed_blocks']:>7} "
               f"{r['place_p50_us']:>10} {r['place_p99_us']:>10} {r['choose_p50_us']:>15} {r['choose_p99_us']:>15} "
               f"{r.get('same_decisions_as_all', '-'):>11}")
-    out: dict = {"bench": "conductor_decision", "rows": rows}
+    out: dict = {"bench": "conductor_decision", "tiers": args.tiers, "rows": rows}
     for n in args.workers:
         by = {r["shortlist"]: r for r in rows if r["workers"] == n and r["policy"] == "conductor"}
         if "all" in by and len(by) > 1:
@@ -421,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--blocks", type=int, default=100_000)
     d.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     d.add_argument("--requests", type=int, default=2000)
+    d.add_argument("--tiers", action="store_true", help="index host-offload and pool memory/disk tiers too")
     d.add_argument("--shortlist", type=int, nargs="+", default=[SHORTLIST, 0],
                    help="least-loaded candidates per role; 0: every worker (the full scan, the baseline)")
     s = sub.add_parser("sim")

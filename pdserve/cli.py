@@ -229,6 +229,8 @@ SUBCOMMANDS = {
     "bench": ("pdserve.bench.cli", "run a workload against an OpenAI-compatible URL, or compare configurations"),
     "plan": ("pdserve.plan.cli", "size KV, simulate and recommend colocated, elastic or xPyD for a model and traffic"),
     "store": ("pdserve.store.cli", "run a KV pool master or store node"),
+    "indexer": ("pdserve.indexer.__main__", "run the KV indexer service shared by router replicas (docs/indexer.md)"),
+    "picker": ("pdserve.picker.__main__", "run the conductor as a Gateway API Inference Extension endpoint picker"),
 }
 
 

@@ -33,7 +33,9 @@ class ConductorConfig:
         many tokens. None: learned, i.e. local while computing the prompt on D costs less than the hand-off and
         the KV transfer would, and D's running decodes can absorb the stall (``local_stall_s``).
     local_stall_s: the longest prefill a decode worker may run locally while it has running decodes.
-    fetchable: holders whose blocks a prefill worker can load instead of computing (the KV pool's tiers).
+    fetchable: holders whose blocks any prefill worker can load instead of computing (the KV pool's memory and
+        disk tiers; a worker's own host and disk offload and any worker's remote-store puts are added per worker,
+        :meth:`~.view.FleetView.prefill_options`).
     min_fetch_blocks: fetch a pooled prefix only when it is at least this many blocks longer than P's own.
     load_staleness_s: worker-reported load older than this is ignored (our own accounting is used).
     kv_reserve: fraction of each worker's KV kept free when checking that a request fits.
@@ -59,7 +61,7 @@ class ConductorConfig:
     tpot_slo_s: float | None = _d("tpot_slo_s")
     local_prefill_tokens: int | None = _d("local_prefill_tokens")
     local_stall_s: float = _d("local_stall_s")
-    fetchable: tuple[str, ...] = ("pool",)
+    fetchable: tuple[str, ...] = ("pool", "pool#pool_disk")
     min_fetch_blocks: int = _d("min_fetch_blocks")
     load_staleness_s: float = _d("load_staleness_s")
     kv_reserve: float = _d("kv_reserve")

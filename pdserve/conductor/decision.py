@@ -40,6 +40,7 @@ class Decision:
     reason: str = ""
     cached_tokens: int = 0  # prompt tokens the chosen prefill worker will not compute
     fetch_tokens: int = 0  # of those, tokens loaded from a fetchable holder (the pool)
+    fetch_tier: str = ""  # the tier they load from (pdserve.conductor.tiers), "" when none
     code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
     placement: str = ""  # elastic pools: "colocated", "chunked" (into a decoding worker) or "split" (P -> D)
 
@@ -47,13 +48,15 @@ class Decision:
 @dataclass
 class PrefillOption:
     """How one request's prefill would run on ``worker``: predicted TTFT there, prompt tokens it would not compute
-    (``cached``, of which ``fetched`` loaded from the pool) and those it would (``new``)."""
+    (``cached``, of which ``fetched`` loaded from tier ``source``: its own host or disk offload, the pool, a store)
+    and those it would (``new``)."""
 
     worker: WorkerLoad
     ttft_s: float
     cached: int
     fetched: int
     new: int
+    source: str = ""
 
 
 @dataclass

@@ -244,6 +244,7 @@ def _colocated(c: FleetView, req: PlacementRequest, s: Prefill, now: float) -> _
         how = f"stalls {n} running decode(s) by {s.stall_s * 1e3:.0f} ms"
     d = Decision("local", req.request_id, None, w.worker_id, ttft_s=s.ttft_s,
                  tpot_s=c.tpot_s(w, now, now + s.ttft_s, req), cached_tokens=o.cached, fetch_tokens=o.fetched,
+                 fetch_tier=o.source,
                  reason=f"elastic {kind} on {w.worker_id}: {o.new} uncached prompt tokens "
                         f"({'long' if long else 'short'}), {how}", placement=kind)
     return _Candidate(1 if long else 0, s.cost_s, (w.worker_id,), d, c.fits(w, req, now), s)
@@ -261,7 +262,7 @@ def _split(c: FleetView, req: PlacementRequest, s: Prefill, decode: list[WorkerL
     d_id = min(tpots, key=lambda wid: (tpots[wid], wid))
     chunks = f" in {s.steps} chunked steps" if s.chunked else ""
     dec = Decision("disaggregated", req.request_id, p.worker_id, d_id, ttft_s=s.ttft_s, tpot_s=tpots[d_id],
-                   cached_tokens=o.cached, fetch_tokens=o.fetched,
+                   cached_tokens=o.cached, fetch_tokens=o.fetched, fetch_tier=o.source,
                    reason=f"elastic split: prefill {o.new} uncached tokens ({'long' if long else 'short'}) on "
                           f"{p.worker_id}{chunks} ({p.running_decodes()} running decode(s)), decode on {d_id}"
                           + ("" if fitting else "; no decode worker has KV room"), placement="split")

@@ -12,6 +12,11 @@ keyed in its own domain, exactly as the router keys that request's prompt. Block
 (multimodal inputs, prompt embeddings) are skipped.
 A gap or restart in the publisher's sequence numbers makes the translator report a clear: the worker's index
 entries are dropped and rebuilt from later events (an under-estimate of its cache, never an over-estimate).
+
+Each event's ``medium`` names its tier (:mod:`.tiers`: the device, vLLM's host or disk offload, the Mooncake
+Store); the translator keeps one vLLM hash -> key map per tier, so a block dropped from the host offload stays
+on the device, and every op carries its tier. :meth:`IndexUpdate.apply_to` gives a tier's blocks to the holder
+:func:`~pdserve.conductor.tiers.holder_of` names (the worker itself for the device).
 """
 
 from __future__ import annotations
@@ -23,28 +28,32 @@ from typing import Any, Protocol
 import msgpack
 
 from ..hashing import block_key, domain_root
+from .tiers import DEVICE, holder_of, tier_of_medium
 
 
 @dataclass
 class IndexUpdate:
-    """``ops``: ("stored" | "removed" | "cleared", keys) in event order (apply them in this order);
-    ``stored`` / ``removed`` / ``cleared`` summarise them."""
+    """``ops``: ("stored" | "removed" | "cleared", keys, tier) in event order (apply them in this order; a clear's
+    tier is "" for every tier); ``stored`` / ``removed`` / ``cleared`` summarise them."""
 
     cleared: bool = False
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     skipped: int = 0  # blocks that could not be keyed (unknown parent, other block size, extra keys)
-    ops: list[tuple[str, list[int]]] = field(default_factory=list)
+    ops: list[tuple[str, list[int], str]] = field(default_factory=list)
     learned: list[tuple[Hashable, int]] = field(default_factory=list)  # (vLLM block hash, our key) of stored blocks
+    cleared_tiers: tuple[str, ...] = ()  # the tiers an AllBlocksCleared emptied
 
-    def apply_to(self, holder: str, index: IndexLike) -> None:
-        for op, keys in self.ops:
+    def apply_to(self, worker: str, index: IndexLike) -> None:
+        """Apply the ops to ``index``, each tier's blocks under its holder (:func:`holder_of`)."""
+        for op, keys, tier in self.ops:
             if op == "stored":
-                index.blocks_stored(holder, keys)
+                index.blocks_stored(holder_of(worker, tier), keys)
             elif op == "removed":
-                index.blocks_removed(holder, keys)
+                index.blocks_removed(holder_of(worker, tier), keys)
             else:
-                index.all_cleared(holder)
+                for t in self.cleared_tiers:
+                    index.all_cleared(holder_of(worker, t))
 
 
 class IndexLike(Protocol):
@@ -75,16 +84,36 @@ class EventTranslator:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.keys: dict[Hashable, int] = {}  # vLLM block hash -> our key
+        self.keys: dict[Hashable, int] = {}  # vLLM block hash -> our key, of the device's blocks
+        self.tiers: dict[str, dict[Hashable, int]] = {DEVICE: self.keys}  # the same, per tier
         self.last_seq: int | None = None
+        self.last_digest = b""  # the feed's digest of batch last_seq (a snapshot's resume check)
 
     def sequence(self, seq: int) -> bool:
         """Record a batch's sequence number; True when batches were lost or the publisher restarted."""
         lost = self.last_seq is not None and seq != self.last_seq + 1
         self.last_seq = seq
         if lost:
-            self.keys.clear()
+            self._forget()
         return lost
+
+    def held_tiers(self) -> tuple[str, ...]:
+        """The tiers this worker has published blocks in (the device always)."""
+        return tuple(self.tiers)
+
+    def _forget(self) -> None:
+        for m in self.tiers.values():
+            m.clear()
+
+    def _parent(self, h: Hashable) -> int | None:
+        """Our key of a parent block, on whichever tier it was stored (the device first)."""
+        found = self.keys.get(h)
+        if found is None:
+            for m in self.tiers.values():
+                found = m.get(h)
+                if found is not None:
+                    break
+        return found
 
     def apply(self, events: list[dict[str, Any]]) -> IndexUpdate:
         up = IndexUpdate()
@@ -93,17 +122,21 @@ class EventTranslator:
             if kind == "BlockStored":
                 self._stored(ev, up)
             elif kind == "BlockRemoved":
-                gone = [k for k in (self.keys.pop(_h(h), None) for h in ev.get("block_hashes") or [])
-                        if k is not None]
+                tier = tier_of_medium(ev.get("medium"))
+                m = self.tiers.get(tier) if tier is not None else None
+                if tier is None or m is None:
+                    continue
+                gone = [k for k in (m.pop(_h(h), None) for h in ev.get("block_hashes") or []) if k is not None]
                 up.removed.extend(gone)
                 if gone:
-                    up.ops.append(("removed", gone))
+                    up.ops.append(("removed", gone, tier))
             elif kind == "AllBlocksCleared":
-                self.keys.clear()
+                up.cleared_tiers = self.held_tiers()
+                self._forget()
                 up.cleared = True
                 up.stored.clear()
                 up.removed.clear()
-                up.ops = [("cleared", [])]
+                up.ops = [("cleared", [], "")]
         return up
 
     def _stored(self, ev: dict[str, Any], up: IndexUpdate) -> None:
@@ -112,26 +145,28 @@ class EventTranslator:
         bs = ev.get("block_size")
         parent_h = ev.get("parent_block_hash")
         salt = _domain_salt(ev, len(hashes), parent_h is None)
-        if bs != self.block_size or len(tokens) != len(hashes) * self.block_size or salt is False:
+        tier = tier_of_medium(ev.get("medium"))
+        if bs != self.block_size or len(tokens) != len(hashes) * self.block_size or salt is False or tier is None:
             up.skipped += len(hashes)
             return
         if parent_h is None:
             lora = ev.get("lora_name")
             parent = domain_root(salt if isinstance(salt, str) else None, lora if isinstance(lora, str) else None)
         else:
-            found = self.keys.get(_h(parent_h))
+            found = self._parent(_h(parent_h))
             if found is None:
                 up.skipped += len(hashes)
                 return
             parent = found
+        mine = self.tiers.setdefault(tier, {})
         new = []
         for i, h in enumerate(hashes):
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
-            self.keys[_h(h)] = parent
+            mine[_h(h)] = parent
             new.append(parent)
             up.learned.append((_h(h), parent))
         up.stored.extend(new)
-        up.ops.append(("stored", new))
+        up.ops.append(("stored", new, tier))
 
 
 def _domain_salt(ev: dict[str, Any], blocks: int, first: bool) -> str | bool:

@@ -26,6 +26,14 @@ class PrefixIndex:
     def blocks_of(self, holder: str) -> int:
         return len(self._keys.get(holder, ()))
 
+    def keys_of(self, holder: str) -> set[int]:
+        """The keys ``holder`` holds (the index's own set: do not change it)."""
+        return self._keys.get(holder, set())
+
+    def holders_at(self, key: int) -> set[str]:
+        """The holders of ``key`` (the index's own set: do not change it)."""
+        return self._holders.get(key, set())
+
     def holds(self, holder: str, key: int) -> bool:
         return holder in self._holders.get(key, ())
 

@@ -35,7 +35,7 @@ from .cost_model import CostModel
 from .decision import Decision, NoWorker, Placed, PlacementRequest, PrefillOption
 from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
 from .shortlist import SHORTLIST, LoadOrder, decode_key, prefill_key
-from .view import FleetView
+from .view import STORE_SUFFIX, FleetView
 
 
 class Conductor(FleetView):
@@ -73,14 +73,14 @@ class Conductor(FleetView):
         """Stop placing on it and forget its cache; requests already there finish (their ``finished`` call
         still works)."""
         self.workers.pop(worker_id, None)
-        self.index.cleared(worker_id)
+        self.forget_cache(worker_id)
         self._rekey(worker_id)
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
         w = self.workers.get(worker_id)
         if w is not None:
             if w.healthy and not healthy:
-                self.index.cleared(worker_id)  # a restarted worker comes back with an empty cache
+                self.forget_cache(worker_id)  # a restarted worker comes back with an empty cache
             w.healthy = healthy
             self._rekey(worker_id)
 
@@ -126,12 +126,15 @@ class Conductor(FleetView):
     # ---- index events ----
     def blocks_stored(self, holder: str, keys: Iterable[int]) -> None:
         self.index.stored(holder, keys)
+        if holder.endswith(STORE_SUFFIX):
+            self.store_holders.add(holder)
 
     def blocks_removed(self, holder: str, keys: Iterable[int]) -> None:
         self.index.removed(holder, keys)
 
     def all_cleared(self, holder: str) -> None:
         self.index.cleared(holder)
+        self.store_holders.discard(holder)
 
     # ---- the decision ----
     def place(self, req: PlacementRequest, exclude: frozenset[str] = frozenset()) -> Decision:
@@ -302,7 +305,7 @@ class Conductor(FleetView):
         d = self.workers[min(tpots, key=lambda wid: (tpots[wid], wid))]
         tpot = tpots[d.worker_id]
         disagg = Decision("disaggregated", req.request_id, best.worker.worker_id, d.worker_id, ttft_s=best.ttft_s,
-                          tpot_s=tpot, cached_tokens=best.cached, fetch_tokens=best.fetched,
+                          tpot_s=tpot, cached_tokens=best.cached, fetch_tokens=best.fetched, fetch_tier=best.source,
                           reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
         local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
@@ -386,6 +389,7 @@ class Conductor(FleetView):
                     new = job.new_tokens if cached_tokens is None \
                         else job.new_tokens + job.cached_tokens - cached_tokens
                     observe(new, job.cached_tokens if cached_tokens is None else cached_tokens, now - began)
+                self._observe_load(pl.decision, job.new_tokens, job.cached_tokens, now - began)
             w.last_prefill_end = max(w.last_prefill_end, now)
             self._rekey(w.worker_id)
         dw = self.workers.get(pl.decode_worker or "")
@@ -393,6 +397,12 @@ class Conductor(FleetView):
             job_d = dw.decodes[request_id]
             job_d.started_at = now
             job_d.last_progress_at = now
+
+    def _observe_load(self, d: Decision, new: int, cached: int, seconds: float) -> None:
+        """A prefill that loaded KV from a tier: what it took beyond the predicted compute is that load's time."""
+        if d.fetch_tokens > 0 and d.fetch_tier:
+            load = seconds - self.cost.prefill_s(new, cached)
+            self.tier_costs.observe(d.fetch_tier, d.fetch_tokens * self.cost.kv_bytes_per_token, load)
 
     def replace_decode(self, request_id: str, exclude: frozenset[str] = frozenset()) -> str:
         """Move a placed request's decode to another worker (its D failed before answering): the prefill side

@@ -20,6 +20,10 @@ from .cost_model import CostModel
 from .decision import Decision, PlacementRequest, PrefillOption
 from .index import PrefixIndex
 from .load import WorkerLoad
+from .tier_costs import TierCosts
+from .tiers import DISK, HOST, SEP, STORE, TIERS, holder_of, split_holder
+
+STORE_SUFFIX = SEP + STORE  # a worker's puts into a remote store: "W#store"
 
 
 class FleetView:
@@ -31,6 +35,15 @@ class FleetView:
         self.clock = clock
         self.index = PrefixIndex()
         self.workers: dict[str, WorkerLoad] = {}
+        self.tier_costs = TierCosts(cost.transfer_s)
+        self.store_holders: set[str] = set()  # holders of a remote store's blocks (any prefill worker loads them)
+
+    def forget_cache(self, worker_id: str) -> None:
+        """Drop every tier ``worker_id`` holds (it left, or restarted with an empty cache)."""
+        for tier in TIERS:
+            h = holder_of(worker_id, tier)
+            self.index.cleared(h)
+            self.store_holders.discard(h)
 
     def own_cached(self, req: PlacementRequest, w: WorkerLoad, prefix: dict[str, int] | None = None) -> int:
         """Prompt tokens w holds already (its own prefix; at most all but the last prompt token, which vLLM
@@ -41,26 +54,45 @@ class FleetView:
 
     def prefill_options(self, req: PlacementRequest, prefill: list[WorkerLoad], prefix: dict[str, int],
                         now: float) -> list[PrefillOption]:
-        """For each worker of ``prefill``, how ``req``'s prefill would run there: its own prefix, or the pool's
-        when loading the extra blocks is predicted faster than computing them; TTFT = queue + fetch + prefill."""
+        """For each worker of ``prefill``, how ``req``'s prefill would run there, from the cheapest start: its own
+        device prefix, or a longer one loaded from a tier (its own host or disk offload, the pool, a store) when
+        the load (:class:`~.tier_costs.TierCosts`, at the tier's bandwidth) plus computing the rest is predicted
+        faster; TTFT = queue + load + prefill."""
         bs = self.config.block_size
         limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
-        pooled = max((prefix.get(h, 0) for h in self.config.fetchable), default=0) * bs
-        pooled = min(pooled, limit)
+        shared = self._shared_sources(prefix)
         out = []
         for p in prefill:
             own = min(prefix.get(p.worker_id, 0) * bs, limit)
-            cached, fetched, fetch_s = own, 0, 0.0
-            if pooled - own >= self.config.min_fetch_blocks * bs:
-                f_s = self.cost.transfer_s((pooled - own) * self.cost.kv_bytes_per_token)
-                saved = self.cost.prefill_s(req.prompt_tokens - own, own) - self.cost.prefill_s(
-                    req.prompt_tokens - pooled, pooled)
-                if f_s < saved:
-                    cached, fetched, fetch_s = pooled, pooled - own, f_s
-            new = req.prompt_tokens - cached
-            ttft = p.queue_s(now) + fetch_s + self.cost.prefill_s(new, cached)
-            out.append(PrefillOption(p, ttft, cached, fetched, new))
+            cached, fetched, fetch_s, source = own, 0, 0.0, ""
+            best = self.cost.prefill_s(req.prompt_tokens - own, own)
+            sources = shared + [(t, prefix[h]) for t in (HOST, DISK) if (h := holder_of(p.worker_id, t)) in prefix]
+            for tier, blocks in sources:
+                have = min(blocks * bs, limit)
+                if have - own < self.config.min_fetch_blocks * bs:
+                    continue
+                f_s = self.tier_costs.load_s(tier, (have - own) * self.cost.kv_bytes_per_token)
+                total = f_s + self.cost.prefill_s(req.prompt_tokens - have, have)
+                if total < best:
+                    best, cached, fetched, fetch_s, source = total, have, have - own, f_s, tier
+            out.append(PrefillOption(p, p.queue_s(now) + fetch_s + self.cost.prefill_s(
+                req.prompt_tokens - cached, cached), cached, fetched, req.prompt_tokens - cached, source))
         return out
+
+    def _shared_sources(self, prefix: dict[str, int]) -> list[tuple[str, int]]:
+        """(tier, leading blocks) of the holders every prefill worker can load from: the ``fetchable`` ones (the
+        pool's tiers) and any worker's puts into a remote store; the longest per tier."""
+        best: dict[str, int] = {}
+        for h in self.config.fetchable:
+            n = prefix.get(h, 0)
+            if n:
+                tier = split_holder(h)[1]
+                best[tier] = max(best.get(tier, 0), n)
+        for h in self.store_holders:
+            n = prefix.get(h, 0)
+            if n > best.get(STORE, 0):
+                best[STORE] = n
+        return list(best.items())
 
     def tpot_s(self, d: WorkerLoad, now: float, at: float, req: PlacementRequest) -> float:
         """The decode step ``req`` would see on d from time ``at``: d's decodes predicted to still run then, plus

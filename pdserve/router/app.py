@@ -127,7 +127,7 @@ class Router:
                 self._run(shared.follow())
         cp = self.conducted
         if cp is not None and c.policy != "round_robin":
-            self.kv.start(cp, self.registry)
+            await self.kv.start(cp, self.registry, self.workers.get_session())
             self._run(LoadFollower(self.registry, cp.conductor, self.workers.get_session, c.health_timeout_s,
                                    c.load_interval_s).run())
             if c.calibrate and c.policy == "conductor":

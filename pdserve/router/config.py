@@ -173,6 +173,7 @@ class RouterConfig:
     mode_hint: str = _d("mode_hint")  # "colocated" | "disaggregated" | "elastic": start with no workers (they join)
     pool_master: str = _d("pool_master")  # HOST:PORT of the KV pool master: the conductor learns pooled prefixes
     pool_secret: str = ""  # its shared secret ($PDSERVE_TRANSFER_SECRET)
+    indexer: str = _d("indexer")  # URL of a pdserve indexer to seed the prefix index from (docs/indexer.md)
     mooncake_store: str = _d("mooncake_store")  # HOST:PORT of Mooncake Store's admin: pooled prefixes, same way
     max_body_bytes: int = _d("max_body_bytes")
     kv_connector: str = _d("kv_connector")
@@ -210,6 +211,9 @@ class RouterConfig:
         check_host_port(self.pool_master, "--pool-master", "HOST:PORT of the KV pool master", RouterConfigError, " ")
         check_host_port(self.mooncake_store, "--mooncake-store", "HOST:PORT of the Mooncake Store master's HTTP "
                         "admin server", RouterConfigError, " ")
+        if self.indexer and not self.indexer.startswith(("http://", "https://")):
+            raise RouterConfigError(f"--indexer {self.indexer!r}: give the indexer's URL, such as "
+                                    "http://127.0.0.1:8100")
         if self.pool_master and not self.pool_secret:
             raise RouterConfigError("--pool-master needs the pool's shared secret in $PDSERVE_TRANSFER_SECRET")
         try:

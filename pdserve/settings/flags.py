@@ -21,6 +21,8 @@ GROUP_TITLES = {
     "pool": "the KV pool (docs/store.md)",
     "lora": "LoRA adapters (multi-LoRA through P and D)",
     "supervision": "supervision (restarts, timeouts)",
+    "indexer": "the KV indexer service (docs/indexer.md)",
+    "picker": "the endpoint picker (docs/picker.md)",
 }
 
 

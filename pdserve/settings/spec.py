@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-PROCESSES = ("launcher", "router", "conductor", "worker", "pool")
+PROCESSES = ("launcher", "router", "conductor", "worker", "pool", "indexer", "picker")
 ARGV_RULES = ("", "always", "set", "changed")  # how the launcher writes a setting into the router's argv
 UNIT_WORDS = {"s": "seconds", "ms": "ms"}
 

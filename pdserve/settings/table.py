@@ -31,6 +31,8 @@ MAX_BODY_BYTES = 1 << 30
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 L, R, C, W, P = "launcher", "router", "conductor", "worker", "pool"
+IX = "indexer"  # pdserve indexer (docs/indexer.md)
+PK = "picker"  # pdserve picker (docs/picker.md)
 
 _PORT = "use a TCP port 1-65535, or 0 to pick a free one"
 _SECONDS = "use a positive number of seconds"
@@ -176,7 +178,7 @@ SETTINGS: tuple[Setting, ...] = (
             optional=True, group="placement", targets=(Target("conductor", "local_prefill_tokens"),),
             advice="use an integer >= 0 (0 never runs a request decode-local), or leave it unset to let the "
             "conductor learn the threshold"),
-    Setting("block_size", int, 128, "workers' KV block size in tokens (block keys must match it)", (R, C),
+    Setting("block_size", int, 128, "workers' KV block size in tokens (block keys must match it)", (R, C, IX),
             unit="tokens", minimum=1, group="placement", targets=(Target("conductor", "block_size"),),
             advice="the workers' KV block size in tokens (vLLM on CPU uses 128)"),
     Setting("calibrate", bool, True, "time a few prefills and decodes per worker at start-up to seed the cost "
@@ -185,12 +187,15 @@ SETTINGS: tuple[Setting, ...] = (
             above=True, group="placement", advice="must be > 0 seconds"),
     Setting("pool_master", str, "", "HOST:PORT of the KV pool master (secret in $PDSERVE_TRANSFER_SECRET): the "
             "router's conductor counts pooled prefixes as loadable; a worker's connector saves finished blocks to "
-            "the pool and loads pooled prefixes (the launcher sets both when it starts the pool)", (R, W),
+            "the pool and loads pooled prefixes (the launcher sets both when it starts the pool)", (R, W, IX),
             metavar="HOST:PORT", group="placement", argv="set"),
     Setting("mooncake_store", str, "", "--pool-backend mooncake: HOST:PORT of the Mooncake Store master's HTTP "
             "admin server (its metrics port): the router's conductor counts blocks pooled in the store as loadable "
             "(the launcher sets it with --policy conductor)", (R,), metavar="HOST:PORT", group="placement",
             argv="set"),
+    Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
+            "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
+            "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -273,6 +278,25 @@ SETTINGS: tuple[Setting, ...] = (
             "and loads vLLM's MooncakeStoreConnector next to the P -> D connector through vLLM's MultiConnector; "
             "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
             group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
+    # ---------------------------------------------------------------- the KV indexer service (pdserve indexer)
+    Setting("indexer_host", str, "127.0.0.1", "the indexer's HTTP address (bind)", (IX,), minimum=1,
+            group="indexer",
+            advice="a host name or IP address"),
+    Setting("indexer_port", int, 8100, "the indexer's HTTP port (0 = a free port)", (IX,), minimum=0,
+            maximum=65535, advice=_PORT, group="indexer"),
+    Setting("indexer_snapshot", str, "", "file the indexer snapshots its table and each stream's resume point to, "
+            "and restores from at start (empty: no snapshots)", (IX,), metavar="PATH", group="indexer"),
+    Setting("indexer_snapshot_interval_s", float, 10.0, "seconds between snapshots (0: only on shutdown and POST "
+            "/snapshot)", (IX,), unit="s", minimum=0, metavar="S", group="indexer",
+            advice="use a number of seconds >= 0"),
+    Setting("placeholder_ttl_s", float, 10.0, "life of a placeholder entry (a placement not yet confirmed by its "
+            "worker's KV event)", (IX,), unit="s", minimum=0, above=True, metavar="S", group="indexer",
+            advice=_SECONDS),
+    # ---------------------------------------------------------------- the endpoint picker (pdserve picker)
+    Setting("picker_host", str, "0.0.0.0", "the picker's gRPC (Envoy ext-proc) address (bind)", (PK,), minimum=1,
+            group="picker", advice="a host name or IP address"),
+    Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
+            "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

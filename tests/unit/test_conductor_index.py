@@ -36,7 +36,7 @@ def test_prefix_lengths_empty_and_unknown():
 
 def _stored(hashes, parent, tokens, bs):
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": bs, "lora_id": None, "medium": "CPU", "lora_name": None}
+            "block_size": bs, "lora_id": None, "medium": "GPU", "lora_name": None}
 
 
 def test_translator_rekeys_vllm_events_with_our_hash():
@@ -85,7 +85,7 @@ def test_translator_ops_keep_event_order():
     tr = EventTranslator(bs)
     up = tr.apply([_stored([b"h0", b"h1"], None, toks, bs),
                    {"type": "BlockRemoved", "block_hashes": [b"h1"], "medium": None}])
-    assert up.ops == [("stored", ours), ("removed", [ours[1]])]
+    assert up.ops == [("stored", ours, "device"), ("removed", [ours[1]], "device")]
     c = Conductor(ConductorConfig(block_size=bs), OnlineCostModel(1))
     up.apply_to("w", c)
     assert c.index.prefix_lengths(ours) == {"w": 1}  # stored then removed: block 1 is gone

@@ -144,7 +144,7 @@ def test_prefix_routing_from_real_kv_events(model_dir, tokenizer):
                        local_prefill_tokens=0, kv_events_bind=f"tcp://127.0.0.1:{port}") as env:
             topic = ps[1].url.encode()
             event = {"type": "BlockStored", "block_hashes": [b"v0", b"v1", b"v2"], "parent_block_hash": None,
-                     "token_ids": ids[:12], "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
+                     "token_ids": ids[:12], "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
             for seq in range(200):  # ZMQ's slow joiner: publish until the router's subscriber has it
                 pub.send_multipart([topic, seq.to_bytes(8, "big"), msgpack.packb([0.0, [event], None])])
                 _, body = await _get(env)

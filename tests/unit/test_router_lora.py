@@ -213,7 +213,7 @@ def test_conductor_routes_by_adapter_and_prefix(model_dir, tokenizer):
         async with Env(model_dir, tokenizer, ps, [d], policy="conductor", calibrate=False, block_size=4,
                        local_prefill_tokens=0, kv_events_bind=f"tcp://127.0.0.1:{port}", lora_modules=ADAPTERS) as env:
             base = {"type": "BlockStored", "block_hashes": [b"v0", b"v1", b"v2"], "parent_block_hash": None,
-                    "token_ids": ids[:12], "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
+                    "token_ids": ids[:12], "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
             lora = dict(base, block_hashes=[b"l0", b"l1", b"l2"], lora_id=1, lora_name="ad",
                         extra_keys=[["ad"], ["ad"], ["ad"]])
             for seq in range(200):  # ZMQ's slow joiner: publish until the router's subscriber has both

@@ -21,6 +21,7 @@ Frames are (topic, 8-byte big-endian sequence number, msgpack batch); see :mod:`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from ...conductor.events import EventTranslator, IndexLike, decode_batch
+from ...conductor.tiers import holder_of
 from .kv_replay import replay
 
 log = logging.getLogger("pdserve.router.fleet.kv_events")
@@ -64,6 +66,12 @@ class _Stream:
     publisher: Publisher | None = None
     catching_up: asyncio.Task | None = None
     held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches that arrived during a catch-up
+    verify: tuple[int, bytes] | None = None  # resuming from a snapshot: (its last batch, that batch's digest)
+
+
+def batch_digest(payload: bytes) -> bytes:
+    """8 bytes that tell one batch's payload from another's (a snapshot's check that it resumes the same stream)."""
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 class KVEventFeed:
@@ -107,6 +115,26 @@ class KVEventFeed:
                  publisher.replay or "none")
         if publisher.replay:
             self._catch_up(worker, st, 0)
+
+    def resume(self, worker: str, publisher: Publisher, translator: EventTranslator, digest: bytes) -> None:
+        """Follow ``worker`` from a snapshot: ``translator`` as of its batch ``translator.last_seq`` (whose payload
+        had ``digest``). The catch-up asks the replay endpoint from that batch: when the worker still holds it,
+        unchanged, the stream goes on from the next batch, none lost or applied twice; when it does not (its buffer
+        moved on, or the worker restarted and numbers its batches anew), the worker's entries are dropped and
+        re-learned from sequence 0 (the clear-on-gap rule)."""
+        worker = worker.rstrip("/")
+        st = self._stream(worker)
+        if st.publisher is not None:
+            self._disconnect(st.publisher)
+        st.translator, st.publisher = translator, publisher
+        self.sock.connect(publisher.endpoint)
+        last = translator.last_seq
+        if publisher.replay and last is not None:
+            st.verify = (last, digest)
+            self._catch_up(worker, st, last)
+        elif last is not None:  # no replay: nothing can prove the stream is the same one
+            self._clear(worker, translator)
+            st.translator = EventTranslator(self.block_size)
 
     def forget(self, worker: str) -> None:
         st = self.streams.pop(worker.rstrip("/"), None)
@@ -174,7 +202,8 @@ class KVEventFeed:
         if st.translator.sequence(seq):
             log.info("KV events from %s: gap or restart; clearing its index entries", worker)
             self.clears += 1
-            self.index.all_cleared(worker)
+            self._clear(worker, st.translator)
+        st.translator.last_digest = batch_digest(payload)
         up = st.translator.apply(events)
         self.batches[worker] = self.batches.get(worker, 0) + 1
         self.skipped_blocks += up.skipped
@@ -182,6 +211,11 @@ class KVEventFeed:
         if up.learned:
             for learn in self.learners:
                 learn(up.learned)
+
+    def _clear(self, worker: str, translator: EventTranslator) -> None:
+        """Drop ``worker``'s entries in every tier it published."""
+        for tier in translator.held_tiers():
+            self.index.all_cleared(holder_of(worker, tier))
 
     # ---- catching up through the worker's replay endpoint ----
     def _catch_up(self, worker: str, st: _Stream, start: int) -> None:
@@ -199,12 +233,24 @@ class KVEventFeed:
               held: list[tuple[int, bytes]]) -> None:
         """Apply what replay returned from ``start`` and then the live batches held meanwhile, each sequence number
         once and in order. Starting over (``start`` 0: a replica joining, a publisher restarted) or a replay
-        that does not begin at ``start`` (the worker's buffer moved on) drops the worker's entries first."""
+        that does not begin at ``start`` (the worker's buffer moved on) drops the worker's entries first. A
+        resumed stream (:meth:`resume`) whose replay does not begin with the snapshot's own last batch starts
+        over from 0."""
+        if st.verify is not None:
+            want, st.verify = st.verify, None
+            if not replayed or (replayed[0][0], batch_digest(replayed[0][1])) != want:
+                log.info("KV events of %s: the snapshot's batch %d is gone or changed; re-learning", worker, want[0])
+                self.clears += 1
+                self._clear(worker, st.translator)
+                st.translator = EventTranslator(self.block_size)
+                st.held = held + st.held
+                self._catch_up(worker, st, 0)
+                return
         first = replayed[0][0] if replayed else (held[0][0] if held else start)
         if start == 0 or first != start:
-            if st.translator.last_seq is not None or st.translator.keys:
+            if st.translator.last_seq is not None or any(st.translator.tiers.values()):
                 self.clears += 1
-                self.index.all_cleared(worker)
+                self._clear(worker, st.translator)
             st.translator = EventTranslator(self.block_size)
         self.replayed += len(replayed)
         for seq, payload in sorted(replayed + held, key=lambda b: b[0]):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
+
 from ..config import RouterConfig, check_kv_publisher
 from ..workers.client import Worker
+from .index_seed import seed_from_indexer
 from .kv_events import KVEventFeed, Publisher, default_publisher
 from .mooncake_store import MooncakeStoreFollower
 from .placement import ConductorPlacement
@@ -45,12 +48,17 @@ class KVFeeds:
             self.events.forget(url)
 
     # ---- lifecycle ----
-    def start(self, cp: ConductorPlacement, registry: WorkerRegistry) -> None:
-        """Open the feed, follow every registered worker, and start following the pool's contents."""
+    async def start(self, cp: ConductorPlacement, registry: WorkerRegistry,
+                    session: aiohttp.ClientSession | None) -> None:
+        """Open the feed, seed it from the KV indexer (``--indexer``), follow every registered worker, and start
+        following the pool's contents."""
         c = self.config
         self.events = KVEventFeed(cp.conductor, c.block_size, c.kv_events_bind)
         if self.events.endpoint:
             log.info("KV event sink on %s", self.events.endpoint)
+        if c.indexer and session is not None:  # before following: the seeded workers resume from the indexer's batch
+            await seed_from_indexer(session, c.indexer, self.events, cp.conductor,
+                                    {w.url: self.publishers[w.url] for w in registry if w.url in self.publishers})
         for w in registry:
             self.worker_added(w)
         if c.pool_master and c.policy == "conductor":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ...conductor import Conductor
+from ...conductor.events import IndexLike
 from .follower import Follower
 
 HOLDER = "pool"
@@ -20,7 +20,7 @@ HOLDER = "pool"
 class PoolIndexFollower(Follower):
     source = "KV pool master"
 
-    def __init__(self, master: str, secret: str, conductor: Conductor, interval_s: float = 1.0) -> None:
+    def __init__(self, master: str, secret: str, conductor: IndexLike, interval_s: float = 1.0) -> None:
         from ...store.rpc import RpcClient  # the router only reads pool metadata, never KV bytes
 
         host, _, port = master.rpartition(":")

@@ -1,0 +1,79 @@
+"""The picker's gRPC service: Envoy's ``envoy.service.ext_proc.v3.ExternalProcessor``, one ``Process`` stream per
+HTTP request the gateway forwards (the stubs of the ``xds-protos`` package: Envoy's published definitions)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from ..router.errors import RouterError
+from ..router.fleet.ticket import PlacementTicket
+from . import protocol
+from .picker import Picker, host_port
+
+log = logging.getLogger("pdserve.picker")
+
+MAX_BODY = 64 << 20  # a buffered request body larger than this is refused
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (Envoy's name)
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        body = bytearray()
+        ticket: PlacementTicket | None = None
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    if req.request_headers.end_of_stream:  # no body (a GET): nothing to place by
+                        yield protocol.refused(400, "the picker places requests with an OpenAI JSON body",
+                                               "invalid_body")
+                        return
+                    yield protocol.carry_on(kind)
+                elif kind == "request_body":
+                    body += req.request_body.body
+                    if len(body) > MAX_BODY:
+                        yield protocol.refused(413, f"request body over {MAX_BODY} bytes", "body_too_large")
+                        return
+                    if not req.request_body.end_of_stream:
+                        yield protocol.carry_on(kind)  # BUFFERED_PARTIAL: the rest follows
+                        continue
+                    try:
+                        ticket = self.picker.pick(bytes(body))
+                    except RouterError as e:
+                        retry = e.headers.get("Retry-After")
+                        yield protocol.refused(e.status, e.message, e.code or "", int(retry) if retry else None)
+                        return
+                    prefill = host_port(ticket.prefill.url) if ticket.prefill is not None else ""
+                    yield protocol.picked(host_port(ticket.decode.url), prefill)
+                elif kind == "response_headers":
+                    if ticket is not None:
+                        ticket.prefill_done()  # the destination answers: the prompt is computed
+                    yield protocol.carry_on(kind)
+                elif kind == "response_body":
+                    yield protocol.carry_on(kind)
+                    if req.response_body.end_of_stream and ticket is not None:
+                        ticket.close()
+                elif kind in ("request_trailers", "response_trailers"):
+                    yield protocol.carry_on(kind)
+        finally:
+            if ticket is not None:
+                ticket.close()  # the stream ended (the request is over, or the gateway gave up): release it
+
+
+async def serve(picker: Picker, host: str, port: int) -> grpc.aio.Server:
+    """Start the gRPC server on ``host:port`` (0: a free port, read back from ``server.port``)."""
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    server.port = bound  # type: ignore[attr-defined]
+    log.info("endpoint picker (Envoy ext-proc) on %s:%d", host, bound)
+    return server

@@ -1,0 +1,119 @@
+"""The endpoint picker over gRPC, driven by a client built from Envoy's published ext-proc definitions (the
+``xds-protos`` stubs), sending what a gateway sends in BUFFERED body mode: headers, then the body. It answers
+with the chosen endpoint as the header and the ``envoy.lb`` metadata (decode worker as the destination, the
+prefill worker in ``x-prefiller-host-port``), follows the prefix index, releases the placement when the stream
+ends, and answers what it cannot place with an immediate OpenAI-style error (400, 429 + retry-after, 503)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from pdserve.hashing import block_hashes
+from pdserve.picker import protocol
+from pdserve.picker.picker import Picker
+from pdserve.picker.server import serve
+from pdserve.router.config import RouterConfig
+from tests.unit.test_router_app import model_dir, tokenizer  # noqa: F401  (fixtures)
+
+P0, P1, D0 = "http://127.0.0.1:18001", "http://127.0.0.1:18002", "http://127.0.0.1:18003"
+BS = 4
+
+
+def _headers(end: bool = False) -> pb.ProcessingRequest:
+    hs = [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json")]
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
+        end_of_stream=end))
+
+
+def _body(raw: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+async def _exchange(stub: Any, *msgs: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def gen():
+        for m in msgs:
+            yield m
+
+    return [r async for r in stub.Process(gen())]
+
+
+def _set(resp: pb.ProcessingResponse) -> dict[str, str]:
+    common = resp.request_body.response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def _picker(model_dir, tokenizer, **kw) -> Picker:  # noqa: F811
+    cfg = RouterConfig(model_dir=str(model_dir), prefill=(P0, P1), decode=(D0,), block_size=BS,
+                       local_prefill_tokens=0, calibrate=False, policy="conductor", **kw)
+    return Picker(cfg, tokenizer)
+
+
+def test_picks_the_prefix_holder_and_releases_it(model_dir, tokenizer):  # noqa: F811
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                prompt = list(range(5, 25))  # 5 blocks of 4
+                picker.conductor.blocks_stored(P1, block_hashes(prompt, BS)[:4])
+                body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 3}).encode()
+                out = await _exchange(stub, _headers(), _body(body))
+                assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+                assert _set(out[1]) == {protocol.DESTINATION: "127.0.0.1:18003", protocol.PREFILLER: "127.0.0.1:18002"}
+                meta = out[1].dynamic_metadata.fields[protocol.METADATA_NAMESPACE].struct_value
+                assert meta.fields[protocol.DESTINATION].string_value == "127.0.0.1:18003"
+                assert out[1].request_body.response.clear_route_cache
+                # text prompts are tokenized with the model's tokenizer; chat through its template
+                for req in ({"prompt": "hello world", "max_tokens": 2},
+                            {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}):
+                    out = await _exchange(stub, _headers(), _body(json.dumps(req).encode()))
+                    assert _set(out[1])[protocol.DESTINATION] == "127.0.0.1:18003"
+            await asyncio.sleep(0.05)
+            assert picker.decisions == 3
+            c = picker.conductor
+            assert all(not w.prefills and not w.decodes for w in c.workers.values())  # every stream released
+        finally:
+            await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
+
+
+def test_refusals_are_immediate_openai_errors(model_dir, tokenizer):  # noqa: F811
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer, ttft_slo_ms=1e-6)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                cases = [(b"{not json", 400), (b'{"prompt": 5}', 400), (b'{"prompt": [1, 2], "max_tokens": 0}', 400),
+                         (json.dumps({"prompt": list(range(5, 40))}).encode(), 429)]
+                for raw, status in cases:
+                    out = await _exchange(stub, _headers(), _body(raw))
+                    imm = out[-1].immediate_response
+                    assert imm.status.code == status, (raw, imm)
+                    assert "message" in json.loads(imm.body)["error"]
+                    hs = {h.header.key for h in imm.headers.set_headers}
+                    assert ("retry-after" in hs) == (status == 429)
+                out = await _exchange(stub, _headers(end=True))  # a request without a body
+                assert out[-1].immediate_response.status.code == 400
+                for w in (P0, P1, D0):
+                    picker.registry.set_health(w, False, "down")
+                out = await _exchange(stub, _headers(), _body(b'{"prompt": [1, 2, 3]}'))
+                assert out[-1].immediate_response.status.code == 503
+        finally:
+            await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
