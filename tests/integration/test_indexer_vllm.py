@@ -51,7 +51,7 @@ class Indexer:
     """``python -m pdserve.indexer`` as its own process (own session, killed in ``stop``)."""
 
     def __init__(self, entries: list[str], snap: Path, log: Path) -> None:
-        from pdserve.ports import free_port
+        from pdserve.launch.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -215,7 +215,7 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
     P's one-token prefill, then D with P's kv_transfer_params, as llm-d's decode sidecar does), token for token
     what the router answers."""
     from pdserve.launch.commands import kv_publisher_entry
-    from pdserve.ports import free_port
+    from pdserve.launch.ports import free_port
 
     entries = [kv_publisher_entry(w) for w in cluster.plan.workers if w.kv_events_endpoint]
     ix = Indexer(entries, tmp_path / "index.snap", tmp_path / "indexer.log")
