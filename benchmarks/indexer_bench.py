@@ -52,7 +52,7 @@ def fill(svc: IndexerService, workers: int, total: int, rng: random.Random) -> l
     names = list(trs)
     h = 0
     system = [rng.randrange(32000) for _ in range(8 * BS)]
-    held: dict[str, set[int]] = {w: set() for w in names}  # distinct keys per worker (the system prompt's blocks repeat)
+    held: dict[str, set[int]] = {w: set() for w in names}  # distinct keys per worker (the system prompt repeats)
     entries = 0
     while entries < total:
         keys = conversation(system, per_conv, rng)

@@ -76,8 +76,8 @@ class IndexerService:
                 self.feed.follow(worker, pub)
         if self.config.pool_master:
             self.pool = PoolIndexFollower(self.config.pool_master, self.config.pool_secret, self.table)
-            if doc is not None and doc.get("pool"):
-                self.pool.epoch, self.pool.since = doc["pool"]["epoch"], int(doc["pool"]["since"])
+            if doc is not None:
+                self.resume_pool(self.pool, doc)
         if self.config.snapshot_path and self.config.snapshot_interval_s > 0:
             self._task = asyncio.create_task(self._every())
 
@@ -107,6 +107,13 @@ class IndexerService:
         log.info("restored %d blocks of %d streams from %s in %.3f s", n, len(resumed), self.config.snapshot_path,
                  self.stats.restore_s)
         return resumed
+
+    def resume_pool(self, follower: PoolIndexFollower, doc: dict[str, Any]) -> None:
+        """The pool's log read on from the snapshot's position (its keys are in the table already): the master's
+        next events when its epoch is the same, else its resync."""
+        pool = doc.get("pool")
+        if pool:
+            follower.epoch, follower.since = pool["epoch"], int(pool["since"])
 
     # ---- membership (Mooncake's /register, /unregister) ----
     def register(self, worker: str, publisher: Publisher) -> None:

@@ -29,6 +29,7 @@ from ..router.fleet.load_probe import read_worker_load
 from ..router.fleet.placement import make_placement
 from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
+from ..router.fleet.workers import WorkerClient
 from ..settings.targets import handed_on
 
 log = logging.getLogger("pdserve.picker")
@@ -74,6 +75,20 @@ class Picker:
             for url, pub in mine.items():
                 self.events.follow(url, pub)
         self._tasks.append(asyncio.create_task(self._load_loop()))
+        if self.config.health_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def _health_loop(self) -> None:
+        """Every worker's /health, as the router probes it: a worker refusing connections leaves the picker's
+        candidates at once, a slow one after ``probe_failures`` failures, and comes back when it answers."""
+        assert self.session is not None
+        client = WorkerClient(self.session, self.config.connect_timeout_s, self.config.upstream_idle_timeout_s)
+        while True:
+            workers = list(self.registry)
+            probes = await asyncio.gather(*(client.check(w.url, self.config.health_timeout_s) for w in workers))
+            for w, probe in zip(workers, probes):
+                self.registry.report_probe(w.url, probe)
+            await asyncio.sleep(self.config.health_interval_s)
 
     async def _load_loop(self) -> None:
         assert self.session is not None

@@ -215,3 +215,45 @@ def test_a_damaged_snapshot_starts_from_the_workers(tmp_path):
         await svc.close(final_snapshot=False)
 
     asyncio.run(main())
+
+
+def test_the_pool_log_resumes_from_the_snapshot_position(tmp_path):
+    """The pool master's event log: a snapshot keeps its epoch, position and the pooled keys; a restart resumes
+    the log from there under the same epoch (each event once), and resyncs when the master restarted."""
+    from pdserve.conductor.tiers import POOL
+    from pdserve.router.fleet.pool_index import PoolIndexFollower
+    from tests.unit.test_router_pool_index import FakeMaster
+
+    def follower(master: FakeMaster, svc: IndexerService) -> PoolIndexFollower:
+        f = PoolIndexFollower.__new__(PoolIndexFollower)
+        f.rpc, f.conductor, f.epoch, f.since = master, svc.table, None, 0
+        f.applied, f.resyncs, f.reachable = 0, 0, False
+        return f
+
+    async def main() -> None:
+        m = FakeMaster()
+        for k in (1, 2, 3):
+            m.do("stored", k)
+        a = IndexerService(IndexerConfig(block_size=BS))
+        await a.start()
+        a.pool = follower(m, a)
+        a.pool.poll_once()  # first contact: resync
+        m.do("removed", 2)
+        a.pool.poll_once()
+        doc = a.capture()
+        assert doc["pool"]["epoch"] == "e1" and sorted(snapshot.pool_keys(doc["pool"])) == [1, 3]
+        a.pool = None  # a scripted follower: no polling task to stop
+        await a.close(final_snapshot=False)
+        m.do("stored", 4)  # while the indexer is down
+        m.do("removed", 1)
+        b = IndexerService(IndexerConfig(block_size=BS))  # what start() does with a snapshot, minus the RPC client
+        b.table.blocks_stored(POOL, snapshot.pool_keys(doc["pool"]))
+        f = follower(m, b)
+        b.resume_pool(f, doc)
+        f.poll_once()
+        assert f.resyncs == 0 and sorted(b.table.index.keys_of(POOL)) == [3, 4]
+        m.epoch = "e2"  # the master restarted: the next poll resyncs from its keys
+        f.poll_once()
+        assert f.resyncs == 1 and sorted(b.table.index.keys_of(POOL)) == sorted(m.keys)
+
+    asyncio.run(main())

@@ -51,6 +51,7 @@ def _set(resp: pb.ProcessingResponse) -> dict[str, str]:
 
 
 def _picker(model_dir, tokenizer, **kw) -> Picker:  # noqa: F811
+    kw.setdefault("health_interval_s", 0)  # nobody listens on the fake workers' ports: no probes but where asked
     cfg = RouterConfig(model_dir=str(model_dir), prefill=(P0, P1), decode=(D0,), block_size=BS,
                        local_prefill_tokens=0, calibrate=False, policy="conductor", **kw)
     return Picker(cfg, tokenizer)
@@ -114,6 +115,30 @@ def test_refusals_are_immediate_openai_errors(model_dir, tokenizer):  # noqa: F8
                 assert out[-1].immediate_response.status.code == 503
         finally:
             await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_refuses_connections_is_no_longer_picked(model_dir, tokenizer):  # noqa: F811
+    """The picker probes /health as the router does: nobody listens on the fake workers' ports, so each is out
+    after its first probe and the gateway gets 503 instead of a dead endpoint."""
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer, health_interval_s=0.05)
+        await picker.start()
+        try:
+            for _ in range(100):
+                if not any(w.healthy for w in picker.registry):
+                    break
+                await asyncio.sleep(0.05)
+            assert not any(w.healthy for w in picker.registry)
+            try:
+                picker.pick(b'{"prompt": [1, 2, 3]}')
+            except Exception as e:
+                assert getattr(e, "status", None) == 503
+            else:
+                raise AssertionError("a dead worker was picked")
+        finally:
             await picker.close()
 
     asyncio.run(main())
