@@ -505,7 +505,7 @@ def test_error_statuses_and_shapes(model_dir, tokenizer):
                 ({"prompt": "a", "n": 0}, 400, "n"),
                 ({"prompt": "a", "stop": 3}, 400, "stop"),
                 ({"prompt": [1, -2]}, 400, "prompt"),
-                ({"prompt": [5, 5000]}, 400, "prompt"),
+                ({"prompt": [5, 5000]}, 400, None),  # out of the vocabulary: vLLM's engine names no param
                 ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
                 ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
                 ({"prompt": "a", "logprobs": -1}, 400, "logprobs"),
