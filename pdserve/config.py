@@ -29,6 +29,7 @@ from .config_services import check_pool, check_supervision
 from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
 from .settings.connector import SECRET_ENV, ConnectorConfig
 from .settings.lora import check_max_lora_rank, parse_lora_modules
+from .settings.speculative import parse_speculative_config
 
 __all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
            "parse_cpu_list"]
@@ -101,6 +102,7 @@ class WorkerConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    speculative_config: str = ""  # vLLM's --speculative-config JSON ("" none); the launcher sets it per role
     # LoRA (--enable-lora, --lora-modules, --max-lora-rank, --max-loras; VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     enable_lora: bool = _d("enable_lora")
     lora_modules: str = _d("lora_modules")
@@ -190,6 +192,7 @@ def _check_common(cfg: Any, prefix: str = "") -> None:
     """Checks shared by the launcher and worker configs (same field names) beyond the table's."""
     parse_lora_modules(cfg.lora_modules, cfg.served_model_name or "")
     check_max_lora_rank(cfg.max_lora_rank)
+    parse_speculative_config(cfg.speculative_config)
     if not isinstance(cfg.connector_extra, Mapping):
         raise ConfigError(f"{prefix}connector_extra must be a mapping, got {cfg.connector_extra!r}")
     if "secret" in cfg.connector_extra:
@@ -247,6 +250,7 @@ class LauncherConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    speculative_config: str = _d("speculative_config")  # vLLM's JSON; settings/speculative.py: which roles get it
     enable_lora: bool = _d("enable_lora")  # on whenever lora_modules names an adapter
     lora_modules: str = _d("lora_modules")
     max_lora_rank: int = _d("max_lora_rank")

@@ -102,6 +102,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--stream-interval", str(worker.stream_interval)]
     if worker.dtype:
         argv += ["--dtype", worker.dtype]
+    if worker.speculative_config:
+        argv += ["--speculative-config", worker.speculative_config]
     if worker.connector:
         argv += ["--kv-transfer-config", _json(kv_transfer_config(worker))]
     if worker.kv_events_endpoint:

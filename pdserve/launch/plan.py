@@ -25,6 +25,7 @@ from ..config_devices import worker_tp
 from ..config_gpus import GpuSlot, assign_gpus
 from ..dtype import DtypeChoice, choose_dtype
 from ..procs import assign_cores, available_cores
+from ..settings.speculative import speculative_roles
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
 
@@ -283,6 +284,8 @@ def plan_workers(
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, stream_interval=config.stream_interval,
             dtype=worker_dtype(config.dtype).dtype,
+            speculative_config=config.speculative_config if role in speculative_roles(config.speculative_config)
+            else "",
             served_model_name=name, enable_lora=config.enable_lora, lora_modules=config.lora_modules,
             max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
