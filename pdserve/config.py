@@ -25,6 +25,7 @@ from .config_devices import (
     parse_cpu_list,
     tensor_parallel,
 )
+from .config_experts import check_experts
 from .config_services import check_pool, check_supervision
 from .settings import DTYPES, ConfigError, check_fields, check_slo_needs_conductor, default, of, setting, write_resolved
 from .settings.connector import SECRET_ENV, ConnectorConfig
@@ -103,6 +104,8 @@ class WorkerConfig:
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
     speculative_config: str = ""  # vLLM's --speculative-config JSON ("" none); the launcher sets it per role
+    expert_parallel: bool = False  # vLLM's --enable-expert-parallel
+    dp: int = 1  # vLLM's --data-parallel-size (data-parallel attention ranks; GPU workers)
     # LoRA (--enable-lora, --lora-modules, --max-lora-rank, --max-loras; VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     enable_lora: bool = _d("enable_lora")
     lora_modules: str = _d("lora_modules")
@@ -293,6 +296,11 @@ class LauncherConfig:
     # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
     prefill_tp: int = _d("prefill_tp")
     decode_tp: int = _d("decode_tp")
+    # MoE at scale (config_experts.py): expert parallelism and data-parallel attention per pool
+    prefill_ep: bool = _d("prefill_ep")
+    decode_ep: bool = _d("decode_ep")
+    prefill_dp: int = _d("prefill_dp")
+    decode_dp: int = _d("decode_dp")
     # supervision (pdserve/launch/supervisor.py): restarts with backoff, crash-loop give-up, launcher /metrics
     restart: bool = _d("restart")
     restart_backoff_s: float = _d("restart_backoff_s")
@@ -337,6 +345,7 @@ class LauncherConfig:
         if self.model:
             _check_model_dir(self.model)
         check_tp(self)
+        check_experts(self)
         check_pool(self)
         check_supervision(self)
 
