@@ -3,10 +3,10 @@ TPOT against the same 1P1D stack without it, and exactness against one worker wi
 
     PYTHONPATH=$PWD python benchmarks/spec_decode_bench.py [--requests 8] [--rounds 2] [--output 64] [--model DIR]
 
-Three stacks through the launcher on the same two cores, all up at once and loaded in turns (round by round), so
-a busy shared machine weighs on each alike: ``spec`` (1P1D, ``--speculative-config`` ngram, which the launcher
-gives D only), ``plain`` (1P1D without it) and ``one`` (one colocated worker with the same ngram config, the
-reference). The model is SmolLM2-135M-Instruct in fp32 (a real model: a random one's output rarely repeats the
+Three stacks through the launcher on the same two cores, one after the other (three at once do not fit a 24 GiB
+machine shared with other work): ``spec`` (1P1D, ``--speculative-config`` ngram, which the launcher gives D
+only), ``plain`` (1P1D without it) and ``one`` (one colocated worker with the same ngram config, the reference).
+The model is SmolLM2-135M-Instruct in fp32 (a real model: a random one's output rarely repeats the
 prompt, so ngram drafts would not be accepted); prompts ask it to copy a passage it has begun to copy, where
 prompt-lookup drafting pays. Per stack: TPOT per request (first streamed token -> last, over the tokens after the
 first; median), and for ``spec`` D's acceptance from its ``/metrics`` (vLLM's ``spec_decode`` counters: accepted
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,23 +107,22 @@ def main() -> int:
     shapes = {"spec": dict(prefill=1, decode=1, speculative_config=spec), "plain": dict(prefill=1, decode=1),
               "one": dict(colocated=1, speculative_config=spec)}
     texts = prompts(args.requests)
-    tpots: dict[str, list[float]] = {k: [] for k in shapes}
-    with ExitStack() as stack:
-        stacks = {}
-        for name, shape in shapes.items():
-            cfg = LauncherConfig(model=str(model), port=0, dtype="float32", max_model_len=2048,
-                                 served_model_name="m", run_dir=str(work / name), worker_timeout_s=900,
-                                 pool=False if "colocated" not in shape else None, **shape)
-            stacks[name] = stack.enter_context(Cluster(cfg))
-        urls = {k: c.router_url for k, c in stacks.items()}
-        decode = next(w.url for w in stacks["spec"].workers if w.name.startswith("decode"))
-        ids = {k: [complete(u, p, args.output) for p in texts] for k, u in urls.items()}
-        before = spec_counters(decode)
-        for _ in range(args.rounds):
-            for name, url in urls.items():
-                tpots[name] += [tpot_ms(url, p, args.output) for p in texts]
-        after = spec_counters(decode)
-    d = {k: after[k] - before[k] for k in after}
+    tpots: dict[str, list[float]] = {}
+    ids: dict[str, list[list[int]]] = {}
+    d: dict[str, float] = {}
+    for name, shape in shapes.items():  # one stack at a time: three at once do not fit a 24 GiB shared machine
+        cfg = LauncherConfig(model=str(model), port=0, dtype="float32", max_model_len=2048, served_model_name="m",
+                             run_dir=str(work / name), worker_timeout_s=900,
+                             pool=False if "colocated" not in shape else None, **shape)
+        with Cluster(cfg) as c:
+            url = c.router_url
+            ids[name] = [complete(url, p, args.output) for p in texts]
+            decode = [w.url for w in c.workers if w.name.startswith("decode")]
+            before = spec_counters(decode[0]) if decode else {}
+            tpots[name] = [tpot_ms(url, p, args.output) for _ in range(args.rounds) for p in texts]
+            if name == "spec":
+                after = spec_counters(decode[0])
+                d = {k: after[k] - before[k] for k in after}
     accept = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
     per_step = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
     med = {k: statistics.median(v) for k, v in tpots.items()}
