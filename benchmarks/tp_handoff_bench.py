@@ -139,6 +139,7 @@ def main() -> int:
         print(f"{label:6} {r['bytes']:>10} {r['read_ms']:>9.1f} {r['read_ms'] / base['read_ms']:>7.2f} "
               f"{r['handoff_ms']:>12.1f} {r['handoff_ms'] / base['handoff_ms']:>7.2f}  {ranks}")
     same = all(r["token"] == base["token"] for r in rows.values())
+    print("D's token per pair: " + ", ".join(f"{label} {r['token']}" for label, r in rows.items()))
     out: dict = {"tokens": args.tokens, "reps": args.reps, "mla": args.mla, "same_token_as_1to1": same}
     for label, r in rows.items():
         key = label.replace("->", "to")
