@@ -1,6 +1,6 @@
 """A small random DeepSeek-V3-shaped model (MLA + MoE) for tests and benchmarks.
 
-    python -m pdserve.models_mla OUT_DIR [--layers 3] [--mtp]
+    python -m pdserve.models_mla OUT_DIR [--layers 3] [--dtype float32] [--seed 0]
 
 ``DeepseekV3ForCausalLM`` built with ``transformers``' ``DeepseekV3Config``: multi-head latent attention (one
 576-wide latent per token and layer: ``kv_lora_rank`` 512 + rope 64, the only width vLLM's CPU MLA kernel
