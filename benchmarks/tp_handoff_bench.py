@@ -1,13 +1,15 @@
 """KV hand-off between tensor-parallel P and D workers: bytes and read time per D rank, and the hand-off, for
 TP 2->2, 2->1 and 1->2 against TP 1->1 on the same prompt, in the same run.
 
-    PYTHONPATH=. python benchmarks/tp_handoff_bench.py [--tokens 1900] [--reps 3] [--model DIR]
+    PYTHONPATH=. python benchmarks/tp_handoff_bench.py [--tokens 1900] [--reps 3] [--model DIR] [--mla]
 
 Starts four vLLM CPU servers with the pdserve connector (a, b: TP=1; p2, d2: TP=2, one core per rank) on a
 small random fp32 Llama (2 layers, 2 KV heads of 64), then for each pair: P computes the prompt (max_tokens=1,
 do_remote_decode), D gets prompt + t1 with P's kv_transfer_params and max_tokens=1. Reported per pair (median
 over reps): D's read bytes in all, the slowest rank's read ms, each rank's bytes and ms, and the hand-off = D's
 request time (read + one decode step), with ratios against 1->1. D's greedy token is checked against 1->1's.
+``--mla``: a tiny random DeepSeek-V3 instead (MLA: one latent per token and layer, which every TP rank holds
+whole; vLLM's CPU MLA backend, ``--attention-backend CPU_MLA``, block size 16).
 Prints a table, then one JSON line.
 """
 
@@ -32,7 +34,7 @@ SECRET = "tp-handoff-bench-secret"
 
 
 class Server:
-    def __init__(self, name: str, model: Path, tp: int, log_dir: Path, core: int) -> None:
+    def __init__(self, name: str, model: Path, tp: int, log_dir: Path, core: int, args: tuple[str, ...] = ()) -> None:
         self.name, self.tp = name, tp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,7 +50,7 @@ class Server:
                "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                "--max-model-len", "2048", "--max-num-seqs", "4", "--dtype", "float32",
                "--kv-cache-memory-bytes", str(48 << 20), "--tensor-parallel-size", str(tp),
-               "--kv-transfer-config", json.dumps(kv)]
+               "--kv-transfer-config", json.dumps(kv), *args]
         self.child = spawn(f"vllm-{name}", cmd, env=env, log_path=self.log_path, cwd=ROOT)
 
     def wait_ready(self, deadline: float) -> None:
@@ -76,10 +78,10 @@ class Server:
 
 
 def handoff(p: Server, d: Server, prompt: list[int]) -> dict:
-    pr, _ = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    salt = f"s{time.monotonic_ns()}"  # no prefix-cache hit on either side; P and D in one key domain
+    pr, _ = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, cache_salt=salt)
     t1 = pr["choices"][0]["token_ids"]
-    dr, secs = d.complete(prompt + t1, 1, kv_transfer_params=pr["kv_transfer_params"],
-                          cache_salt=f"s{time.monotonic_ns()}")
+    dr, secs = d.complete(prompt + t1, 1, kv_transfer_params=pr["kv_transfer_params"], cache_salt=salt)
     stats = (dr.get("kv_transfer_params") or {}).get("pdserve") or {}
     if not stats.get("ok"):
         raise RuntimeError(f"{p.name}->{d.name}: read failed: {stats}")
@@ -93,16 +95,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1900)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="", help="model folder (default: a random 2-layer Llama built here)")
+    ap.add_argument("--mla", action="store_true", help="a tiny random DeepSeek-V3 (MLA + MoE) instead")
     ap.add_argument("--start-timeout", type=float, default=1200)
     args = ap.parse_args()
     from pdserve.launch.models import build_random_llama
+    from pdserve.launch.models_mla import build_random_deepseek_v3
 
     work = Path(tempfile.mkdtemp(prefix="tp-bench-"))
-    model = Path(args.model) if args.model else build_random_llama(work / "model")
+    build = build_random_deepseek_v3 if args.mla else build_random_llama
+    model = Path(args.model) if args.model else build(work / "model")
+    extra = ("--attention-backend", "CPU_MLA") if args.mla else ()
     servers = {}
     try:
         for i, (name, tp) in enumerate((("a", 1), ("b", 1), ("p2", 2), ("d2", 2))):
-            servers[name] = Server(name, model, tp, work, core=i)
+            servers[name] = Server(name, model, tp, work, core=i, args=extra)
         deadline = time.monotonic() + args.start_timeout
         for s in servers.values():
             s.wait_ready(deadline)
@@ -133,7 +139,8 @@ def main() -> int:
         print(f"{label:6} {r['bytes']:>10} {r['read_ms']:>9.1f} {r['read_ms'] / base['read_ms']:>7.2f} "
               f"{r['handoff_ms']:>12.1f} {r['handoff_ms'] / base['handoff_ms']:>7.2f}  {ranks}")
     same = all(r["token"] == base["token"] for r in rows.values())
-    out: dict = {"tokens": args.tokens, "reps": args.reps, "same_token_as_1to1": same}
+    print("D's token per pair: " + ", ".join(f"{label} {r['token']}" for label, r in rows.items()))
+    out: dict = {"tokens": args.tokens, "reps": args.reps, "mla": args.mla, "same_token_as_1to1": same}
     for label, r in rows.items():
         key = label.replace("->", "to")
         out[f"{key}_bytes"] = r["bytes"]

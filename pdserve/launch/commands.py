@@ -102,12 +102,18 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--stream-interval", str(worker.stream_interval)]
     if worker.dtype:
         argv += ["--dtype", worker.dtype]
+    if worker.speculative_config:
+        argv += ["--speculative-config", worker.speculative_config]
     if worker.connector:
         argv += ["--kv-transfer-config", _json(kv_transfer_config(worker))]
     if worker.kv_events_endpoint:
         argv += ["--kv-events-config", _json(kv_events_config(worker))]
     if worker.tp > 1:
         argv += ["--tensor-parallel-size", str(worker.tp)]
+    if worker.dp > 1:
+        argv += ["--data-parallel-size", str(worker.dp)]
+    if worker.expert_parallel:
+        argv += ["--enable-expert-parallel"]
     if worker.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
     return argv + lora_argv(worker) + list(worker.extra_args)

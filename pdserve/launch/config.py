@@ -28,6 +28,7 @@ from ..settings import (
 from ..settings.connector import ConnectorConfig
 from ..settings.lora import check_max_lora_rank, parse_lora_modules
 from ..settings.secret import SECRET_ENV
+from ..settings.speculative import parse_speculative_config
 from .config_devices import (
     check_gpus_and_data_plane,
     check_tp,
@@ -38,6 +39,7 @@ from .config_devices import (
     parse_cpu_list,
     tensor_parallel,
 )
+from .config_experts import check_experts
 from .config_services import check_pool, check_supervision
 
 __all__ = ["DTYPES", "ROLES", "ConfigError", "LauncherConfig", "WorkerConfig", "default_model_dir",
@@ -111,6 +113,9 @@ class WorkerConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    speculative_config: str = ""  # vLLM's --speculative-config JSON ("" none); the launcher sets it per role
+    expert_parallel: bool = False  # vLLM's --enable-expert-parallel
+    dp: int = 1  # vLLM's --data-parallel-size (data-parallel attention ranks; GPU workers)
     # LoRA (--enable-lora, --lora-modules, --max-lora-rank, --max-loras; VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     enable_lora: bool = _d("enable_lora")
     lora_modules: str = _d("lora_modules")
@@ -200,6 +205,7 @@ def _check_common(cfg: Any, prefix: str = "") -> None:
     """Checks shared by the launcher and worker configs (same field names) beyond the table's."""
     parse_lora_modules(cfg.lora_modules, cfg.served_model_name or "")
     check_max_lora_rank(cfg.max_lora_rank)
+    parse_speculative_config(cfg.speculative_config)
     if not isinstance(cfg.connector_extra, Mapping):
         raise ConfigError(f"{prefix}connector_extra must be a mapping, got {cfg.connector_extra!r}")
     if "secret" in cfg.connector_extra:
@@ -257,6 +263,7 @@ class LauncherConfig:
     stream_interval: int = _d("stream_interval")
     dtype: str | None = _d("dtype")
     served_model_name: str | None = _d("served_model_name")
+    speculative_config: str = _d("speculative_config")  # vLLM's JSON; settings/speculative.py: which roles get it
     enable_lora: bool = _d("enable_lora")  # on whenever lora_modules names an adapter
     lora_modules: str = _d("lora_modules")
     max_lora_rank: int = _d("max_lora_rank")
@@ -299,6 +306,11 @@ class LauncherConfig:
     # cores_per_worker cores (a worker tp x cores_per_worker); the KV pool is then off (it needs TP=1)
     prefill_tp: int = _d("prefill_tp")
     decode_tp: int = _d("decode_tp")
+    # MoE at scale (config_experts.py): expert parallelism and data-parallel attention per pool
+    prefill_ep: bool = _d("prefill_ep")
+    decode_ep: bool = _d("decode_ep")
+    prefill_dp: int = _d("prefill_dp")
+    decode_dp: int = _d("decode_dp")
     # supervision (pdserve/launch/supervisor.py): restarts with backoff, crash-loop give-up, launcher /metrics
     restart: bool = _d("restart")
     restart_backoff_s: float = _d("restart_backoff_s")
@@ -343,6 +355,7 @@ class LauncherConfig:
         if self.model:
             _check_model_dir(self.model)
         check_tp(self)
+        check_experts(self)
         check_pool(self)
         check_supervision(self)
 

@@ -65,13 +65,13 @@ def check_gpus_and_data_plane(cfg: LaunchShape) -> None:
         raise ConfigError(f"gpus={cfg.gpus!r}: give GPU ids such as ('0', '1') or GPU UUIDs")
     if len(set(cfg.gpus)) != len(cfg.gpus):
         raise ConfigError(f"gpus={cfg.gpus!r} lists a GPU twice")
-    if cfg.gpus and max(cfg.prefill_tp, cfg.decode_tp) > 1 and cfg.gpus_per_worker != max(cfg.prefill_tp,
-                                                                                        cfg.decode_tp):
+    ranks = max(cfg.prefill_tp * cfg.prefill_dp, cfg.decode_tp * cfg.decode_dp)
+    if cfg.gpus and ranks > 1 and cfg.gpus_per_worker != ranks:
         raise ConfigError(
-            f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp} on GPUs with gpus_per_worker="
-            f"{cfg.gpus_per_worker}: on a GPU host every worker gets gpus_per_worker GPUs and runs that many "
-            "tensor-parallel ranks; pass --gpus-per-worker N alone (the chart's prefill/decode.tensorParallelSize "
-            "sizes the pools apart)")
+            f"prefill_tp={cfg.prefill_tp}, decode_tp={cfg.decode_tp} (x dp {cfg.prefill_dp}, {cfg.decode_dp}) on "
+            f"GPUs with gpus_per_worker={cfg.gpus_per_worker}: on a GPU host every worker gets gpus_per_worker GPUs "
+            "and runs that many ranks (TP x DP); pass --gpus-per-worker N alone (the chart's "
+            "prefill/decode.tensorParallelSize and dataParallelSize size the pools apart)")
     if cfg.gpus:
         assign_gpus(cfg.num_workers, cfg.gpus, cfg.gpus_per_worker, cfg.share_gpu, cfg.gpu_memory_utilization)
 

@@ -199,6 +199,32 @@ def _tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+def build_random(out_dir: str | os.PathLike[str], stamp: dict[str, Any],
+                 tokenizer_dir: str | os.PathLike[str] | None, write: Callable[[Path, Any], None]) -> Path:
+    """A random model folder for ``stamp`` (another family's builder, e.g. :mod:`pdserve.launch.models_mla`):
+    ``write(folder, tokenizer)`` writes its weights and config; this adds the SmolLM2 tokenizer and the stamp,
+    returns the folder as is when its stamp matches, and builds it once per run under ``PDSERVE_MODEL_CACHE``."""
+    out = Path(out_dir)
+    if _stamp_matches(out, stamp):
+        return out
+
+    def build(dest: Path) -> Path:
+        tokenizer = _tokenizer_source(tokenizer_dir)
+        tmp = _tmp_dir(dest, ".random-")
+        try:
+            write(tmp, tokenizer)
+            _save_tokenizer(tokenizer, tmp)
+            return _finish(tmp, dest, stamp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    cache = os.environ.get(CACHE_ENV)
+    if cache:
+        return _copy_of_cached(Path(cache), out, {**stamp, "tokenizer_dir": str(tokenizer_dir or "")}, stamp, build)
+    return build(out)
+
+
 def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden: int = 256, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 512, dtype: str = "float32", seed: int = 0,
                        init_std: float = 0.2, lm_head_std: float = 2.0, max_position_embeddings: int = 8192,

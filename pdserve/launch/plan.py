@@ -21,9 +21,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..dtype import DtypeChoice, choose_dtype
+from ..settings.speculative import speculative_roles
 from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
 from .config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
 from .config_devices import worker_tp
+from .config_experts import worker_dp, worker_ep
 from .config_gpus import GpuSlot, assign_gpus
 from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
 from .procs import assign_cores, available_cores
@@ -283,6 +285,8 @@ def plan_workers(
             kv_cache_gib=config.kv_cache_gib, max_model_len=config.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, stream_interval=config.stream_interval,
             dtype=worker_dtype(config.dtype).dtype,
+            speculative_config=config.speculative_config if role in speculative_roles(config.speculative_config)
+            else "", expert_parallel=worker_ep(config, role), dp=worker_dp(config, role),
             served_model_name=name, enable_lora=config.enable_lora, lora_modules=config.lora_modules,
             max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
@@ -307,7 +311,7 @@ def _on_gpus_and_plane(worker: WorkerConfig, config: LauncherConfig, slot: GpuSl
     """A worker with its GPU slot and data plane; a CPU worker on pdserve's connector is returned as it was."""
     if not slot.devices and config.kv_connector == "pdserve":
         return worker
-    tp = config.gpus_per_worker if slot.devices else worker.tp  # on GPUs: one rank per GPU of the worker
+    tp = config.gpus_per_worker // worker.dp if slot.devices else worker.tp  # on GPUs: a GPU per rank (TP x DP)
     # the CPU dtype rule (pdserve.dtype) is for CPU workers: a GPU worker keeps vLLM's default unless --dtype
     dtype = worker.dtype if not slot.devices or config.dtype else None
     side = side_port if worker.connector else 0

@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpus", type=int, default=8, help="device budget (cores for --hardware this)")
     m.add_argument("--tp", type=int, default=None, help="devices per worker (default: the fewest that fit)")
     m.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16 or fp8")
+    m.add_argument("--dp", type=int, default=1, help="data-parallel attention ranks per worker (vLLM's "
+                   "--data-parallel-size): devices per worker = --tp x --dp; a MoE model's experts span all of them "
+                   "(expert parallelism): --tp 1 --dp 16 is a wide-EP worker")
+    m.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: every device of a MoE "
+                   "worker, --tp x --dp; 1 for a dense model)")
     m.add_argument("--decode-tp", type=int, default=None,
                    help="decode workers' tensor-parallel degree when it differs from --tp (models the P -> D "
                         "transfer fan-out: each D rank reads its KV heads from the P ranks holding them)")
@@ -108,9 +113,11 @@ def _hardware(args: argparse.Namespace) -> tuple[Accelerator, Link, float, dict[
 
 def _cost(args: argparse.Namespace, spec: ModelSpec, acc: Accelerator, net: Link, handoff_s: float
           ) -> tuple[CostModel, Parallelism, int]:
-    par = Parallelism(args.tp, args.tp if spec.is_moe else 1) if args.tp else min_parallel(spec, acc, net,
-                                                                                            args.kv_dtype)
-    decode_par = Parallelism(args.decode_tp, args.decode_tp if spec.is_moe else 1) if args.decode_tp else None
+    if (args.dp > 1 or args.ep) and not args.tp:
+        raise PlanError("--dp and --ep need --tp (1 for a wide-EP worker of data-parallel attention ranks)")
+    par = Parallelism.of(args.tp, args.dp, spec.is_moe, args.ep) if args.tp else min_parallel(spec, acc, net,
+                                                                                               args.kv_dtype)
+    decode_par = Parallelism.of(args.decode_tp, 1, spec.is_moe) if args.decode_tp else None
     if decode_par is not None and not args.tp:
         raise PlanError("--decode-tp needs --tp (the prefill workers' degree) to model the transfer fan-out")
     hw = HardwareCostModel(spec, acc, net, par, args.kv_dtype, handoff_s, decode_parallel=decode_par)
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acc, net, handoff_s, measured = _hardware(args)
     cost, par, capacity = _cost(args, spec, acc, net, handoff_s)
     out: dict[str, Any] = {"hardware": acc.name, "network": net.name, "devices_per_worker": par.devices,
+                           "parallelism": {"tp": par.tp, "dp": par.dp, "ep": par.ep},
                            "kv_capacity_tokens_per_worker": capacity}
     if measured:
         out["measured"] = measured

@@ -5,8 +5,11 @@
 - decode step: (weights read + KV bytes of the batch) / (devices x bandwidth x MBU), never faster than its
   FLOPs; MoE reads only the experts the batch touches (E x (1 - (1 - k/E)^batch) of them).
 - transfer: bytes / (link rate x efficiency x the instance's share of the NICs) + a per-batch overhead.
-- ``tp``: tensor-parallel degree (dense weights and KV split over it); ``ep``: expert-parallel degree
-  (routed experts split over it). An instance has max(tp, ep) devices.
+- ``tp``: tensor-parallel degree (dense weights and KV heads split over it); ``dp``: data-parallel attention
+  ranks (each a TP group of its own, with its own requests and KV: vLLM's --data-parallel-size); ``ep``:
+  expert-parallel degree (routed experts split over it; vLLM's --enable-expert-parallel makes it tp x dp). An
+  instance has max(tp x dp, ep) devices. MLA's latent is one KV head, which every TP rank holds whole: TP adds
+  no KV room for it, DP does (a wide-EP decode pool: dp = ep = devices, tp = 1).
 - transfer fan-out (``decode_parallel`` with another TP than P's, :class:`Fanout`): every D rank reads its
   heads' slices from the P ranks holding them, all rank pairs at once; the time is set by the busiest rank
   (the side with fewer ranks moves more bytes each, over one device's share of the NICs) plus one per-batch
@@ -26,14 +29,20 @@ class Parallelism:
     tp: int = 1
     ep: int = 1
     efficiency: float = 0.9  # fraction of linear scaling kept when an instance spans several devices
+    dp: int = 1  # data-parallel attention ranks (TP groups) of one instance
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.ep < 1:
-            raise ValueError(f"tp and ep must be >= 1, got tp={self.tp} ep={self.ep}")
+        if self.tp < 1 or self.ep < 1 or self.dp < 1:
+            raise ValueError(f"tp, dp and ep must be >= 1, got tp={self.tp} dp={self.dp} ep={self.ep}")
 
     @property
     def devices(self) -> int:
-        return max(self.tp, self.ep)
+        return max(self.tp * self.dp, self.ep)
+
+    @classmethod
+    def of(cls, tp: int, dp: int, moe: bool, ep: int | None = None) -> Parallelism:
+        """TP x DP ranks; a MoE model's experts over all of them unless ``ep`` says otherwise."""
+        return cls(tp=tp, dp=dp, ep=ep if ep else (tp * dp if moe else 1))
 
     @property
     def scale(self) -> float:
@@ -62,7 +71,7 @@ class HardwareCostModel:
     # ---- capacity ----
     def weight_bytes_per_device(self) -> float:
         p = self.parallel
-        return self._dense_bytes / p.tp + self._expert_bytes / p.devices
+        return self._dense_bytes / p.tp + self._expert_bytes / p.ep
 
     def fits(self) -> bool:
         """Weights leave room for KV (at least 10% of usable memory) on every device."""
@@ -72,7 +81,14 @@ class HardwareCostModel:
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV an instance holds once its weights are loaded (0 when they do not fit)."""
         free = (self.acc.memory_bytes * self.memory_utilization - self.weight_bytes_per_device())
-        return max(0, int(free * self.parallel.devices / self.kv_bytes_per_token))
+        return max(0, int(free * self.kv_shards() / self.kv_bytes_per_token))
+
+    def kv_shards(self) -> int:
+        """Devices whose KV memory adds up: each DP rank holds its own requests; TP splits KV heads, except
+        MLA's one latent, which every TP rank holds whole."""
+        p = self.parallel
+        latent = bool(self.model.groups) and all(g.kind == "mla" for g in self.model.groups)
+        return p.dp * (1 if latent else p.tp)
 
     # ---- CostModel protocol ----
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -80,15 +96,17 @@ class HardwareCostModel:
             return 0.0
         m = self.model
         flops = 2.0 * m.active_params * new_tokens + m.attention_flops(new_tokens, cached_tokens)
-        read = (self.weight_bytes_per_device() * self.parallel.devices + self.kv_bytes(cached_tokens)) / self._bw
-        return max(flops / self._flops, read) + self.acc.step_overhead_s
+        # one request runs on one DP rank: its TP group's share of the instance
+        share = 1.0 / self.parallel.dp
+        read = (self._dense_bytes + self._expert_bytes + self.kv_bytes(cached_tokens)) / (self._bw * share)
+        return max(flops / (self._flops * share), read) + self.acc.step_overhead_s
 
     def _weights_read(self, batch: int) -> float:
         m = self.model
         if not m.is_moe:
-            return self._dense_bytes
+            return self._dense_bytes * self.parallel.dp
         touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** batch
-        return self._dense_bytes + self._expert_bytes * touched
+        return self._dense_bytes * self.parallel.dp + self._expert_bytes * touched  # each DP rank reads dense
 
     def decode_step_s(self, batch: int, total_context_tokens: int) -> float:
         if batch <= 0:

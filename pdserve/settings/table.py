@@ -103,6 +103,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode_tp", int, 1, "tensor-parallel ranks per decode worker; may differ from --prefill-tp", (L,),
             minimum=1, metavar="N", group="gpus",
             advice="use a whole number of tensor-parallel ranks >= 1 (vLLM's --tensor-parallel-size)"),
+    Setting("speculative_config", str, "", "vLLM's --speculative-config JSON for the workers that decode (decode, "
+            "colocated, elastic), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+            "\"prompt_lookup_max\": 4}'; a drafter with layers (eagle, mtp, a draft model) goes to prefill workers "
+            "too, which compute its KV for the hand-off", (L, W), metavar="JSON", group="workers"),
+    Setting("prefill_ep", bool, False, "prefill workers run their routed experts expert-parallel over their "
+            "TP x DP ranks (vLLM's --enable-expert-parallel)", (L,), group="gpus"),
+    Setting("decode_ep", bool, False, "decode workers run their routed experts expert-parallel over their TP x DP "
+            "ranks (vLLM's --enable-expert-parallel): with --decode-dp, a wide-EP decode pool", (L,), group="gpus"),
+    Setting("prefill_dp", int, 1, "data-parallel attention ranks per prefill worker (vLLM's --data-parallel-size; "
+            "GPU workers: --gpus-per-worker = TP x DP)", (L,), minimum=1, metavar="N", group="gpus",
+            advice="use a whole number of data-parallel ranks >= 1 (vLLM's --data-parallel-size)"),
+    Setting("decode_dp", int, 1, "data-parallel attention ranks per decode worker (vLLM's --data-parallel-size; "
+            "GPU workers: --gpus-per-worker = TP x DP)", (L,), minimum=1, metavar="N", group="gpus",
+            advice="use a whole number of data-parallel ranks >= 1 (vLLM's --data-parallel-size)"),
     # ---------------------------------------------------------------- LoRA adapters (every worker loads them)
     Setting("lora_modules", str, "", "LoRA adapters every worker loads, as NAME=PATH,NAME=PATH (vLLM's "
             "--lora-modules; turns --enable-lora on); clients pick one with model=NAME, /v1/models lists them",

@@ -108,7 +108,8 @@ class PdserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             _recompute_on_failure(vllm_config, self.config)
             self.scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, pool_client(self.config),
-                                           tp=par.tensor_parallel_size)
+                                           tp=par.tensor_parallel_size,
+                                           prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         else:
             self.worker = WorkerSide(vllm_config, self.config)
 

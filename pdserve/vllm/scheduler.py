@@ -100,9 +100,16 @@ class SchedulerSide:
     """One per vLLM engine, in the scheduler process. ``pool``: the KV pool master client (None = no pool)."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, pool: PoolLookup | None = None,
-                 tp: int = 1) -> None:
+                 tp: int = 1, prefix_caching: bool = True) -> None:
         self.config = config
         self.block_size = block_size
+        # the engine's own prefix caching (vLLM's cache_config): off, it never computes a prompt on top of KV it
+        # holds, so neither may the connector make it: no pool, and P's KV only for the step after P's prompt
+        self.prefix_caching = prefix_caching
+        if pool is not None and not prefix_caching:
+            log.warning("scheduler: this engine has prefix caching off (vLLM turns it off where it cannot compute "
+                        "a prompt on top of cached KV, e.g. MLA on CPU); the KV pool is not used by this worker")
+            pool = None
         self.tp = tp  # tensor-parallel ranks of this engine: a read is done when every rank has reported it
         self.handshake: PdserveHandshake | None = None  # rank 0's
         self.ranks: list[PdserveHandshake] = []  # every rank's, by rank
@@ -232,6 +239,12 @@ class SchedulerSide:
         if remote.prompt_hash and remote.prompt_hash != prompt_hash(request.prompt_token_ids or [], m):
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
+            return 0
+        if not self.prefix_caching and not (n == m == request.num_prompt_tokens - 1):
+            log.warning("request %s: this engine has prefix caching off, so it computes a prompt in one pass; P's "
+                        "KV of %d of its %d prompt tokens would have it compute %d tokens on top of loaded KV: "
+                        "computing locally", request.request_id, m, request.num_prompt_tokens,
+                        request.num_prompt_tokens - n)
             return 0
         refused = self._refuse_fingerprint(remote, request)
         if refused:

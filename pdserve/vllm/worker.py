@@ -87,14 +87,21 @@ class WorkerSide:
             pass
         self.rank = rank
         self.tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        # data-parallel attention: each DP rank of a worker is an engine of its own; a fixed transfer port is
+        # offset past the TP ranks of the DP ranks before it (the chart opens TP x DP ports)
+        dp_local = int(getattr(vllm_config.parallel_config, "data_parallel_rank_local", 0) or 0)
         try:
-            self.kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+            # MLA caches one latent per token, which every TP rank holds whole: one KV head, replicated (vLLM's
+            # get_total_num_kv_heads answers the config's num_key_value_heads, its per-rank count 1)
+            model = vllm_config.model_config
+            self.kv_heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
         except Exception:
             self.kv_heads = 0  # unknown: only the same TP degree on P and D can hand off
         self.rank_layers: list[RankLayer] = []
         self.unit = ""
+        port = config.port_for_rank(dp_local * self.tp + rank)
         tconf = TransferConfig(secret=config.secret, host=config.transfer_host,
-                               advertise_host=config.advertise_host, port=config.port_for_rank(rank),
+                               advertise_host=config.advertise_host, port=port,
                                backend=config.backend, streams=config.streams,
                                default_deadline_s=config.transfer_deadline_s)
         self.engine = TransferEngine(tconf)

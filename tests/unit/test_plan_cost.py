@@ -64,3 +64,20 @@ def test_catalogue_has_the_required_entries():
     cat = load_catalogue()
     assert {"H100", "H200", "A100", "L40S", "B200"} <= set(cat.accelerators)
     assert {"efa-p5", "efa-p5en", "efa-p6", "roce-400g", "tcp-100g"} <= set(cat.links)
+
+
+def test_wide_ep_data_parallel_attention_holds_mla_kv_per_rank():
+    """MLA's latent is one KV head: every TP rank holds it whole, so TP adds no KV room and DP does; a wide-EP
+    worker (tp 1, dp = ep = 8) holds its experts spread like TP 8's and its dense weights whole on every rank."""
+    m, acc, net = load_model("deepseek-v3"), accelerator("H200"), link("efa-p5en")
+    tp8 = HardwareCostModel(m, acc, net, Parallelism.of(8, 1, m.is_moe))
+    dp8 = HardwareCostModel(m, acc, net, Parallelism.of(1, 8, m.is_moe))
+    assert tp8.parallel.devices == dp8.parallel.devices == 8 and dp8.parallel.ep == 8
+    assert tp8.kv_shards() == 1 and dp8.kv_shards() == 8
+    assert dp8.weight_bytes_per_device() > tp8.weight_bytes_per_device()  # dense weights on every DP rank
+    assert dp8.kv_capacity_tokens() > 4 * tp8.kv_capacity_tokens()
+    # decode reads the dense weights once per DP rank; a prefill runs on one DP rank's share of the devices
+    assert dp8.decode_step_s(1, 1000) > tp8.decode_step_s(1, 1000)
+    assert dp8.prefill_s(8000) > tp8.prefill_s(8000)
+    gqa = HardwareCostModel(load_model("llama-3-70b"), acc, net, Parallelism.of(4, 1, False))
+    assert gqa.kv_shards() == 4 and gqa.parallel.ep == 1

@@ -87,10 +87,10 @@ def clock(monkeypatch):
     return fake
 
 
-def side(pool: Pool | None = None, **extra: Any) -> SchedulerSide:
+def side(pool: Pool | None = None, prefix_caching: bool = True, **extra: Any) -> SchedulerSide:
     if pool is not None:
         extra.setdefault("pool_master", "127.0.0.1:7600")
-    s = SchedulerSide(ConnectorConfig.from_extra({"secret": SECRET, **extra}), BS, pool)
+    s = SchedulerSide(ConnectorConfig.from_extra({"secret": SECRET, **extra}), BS, pool, prefix_caching=prefix_caching)
     s.set_handshake({0: HS})
     return s
 
@@ -207,6 +207,25 @@ def test_d_matches_the_tokens_its_prefix_cache_lacks(clock):
     assert s.get_num_new_matched_tokens(req, 4) == (6, True)
     assert s.get_num_new_matched_tokens(Req("d2", prompt(11), remote_params()), 0) == (10, True)
     assert s.get_num_new_matched_tokens(Req("d3", prompt(11), remote_params()), 12) == (0, False)
+
+
+@pytest.mark.parametrize("d_prompt, p_tokens, matched", [(11, 10, 10), (10, 10, 0), (12, 10, 0), (13, 10, 0)])
+def test_d_without_prefix_caching_takes_p_s_kv_only_for_the_step_after_p_s_prompt(clock, d_prompt, p_tokens, matched):
+    """An engine with prefix caching off (vLLM: MLA on CPU) computes a prompt in one pass and each later token in a
+    step of its own; P's KV may stand in for P's prompt only when what is left is that next step (D's prompt is P's
+    plus P's first token), never a prompt token or a suffix computed on top of loaded KV."""
+    s = side(prefix_caching=False)
+    params = remote_params(p_tokens, remote_prompt_hash=prompt_hash(prompt(d_prompt), min(p_tokens, d_prompt)))
+    assert s.get_num_new_matched_tokens(Req("d1", prompt(d_prompt), params), 0) == (matched, matched > 0)
+
+
+def test_no_pool_for_an_engine_without_prefix_caching(clock):
+    pool = Pool(pooled=3)
+    s = side(pool, prefix_caching=False)
+    assert s.get_num_new_matched_tokens(Req("n1", prompt(13)), 0) == (0, False) and pool.asked == []
+    req = Req("f1", prompt(9), None, Status.FINISHED_STOPPED, num_computed_tokens=10, output_token_ids=[1, 2])
+    assert s.request_finished(req, [40, 41, 42]) == (False, None)  # nothing pooled that no such engine may load
+    assert s.build_connector_meta(None).pool == []
 
 
 @pytest.mark.parametrize("over, now", [({"remote_prompt_hash": "other"}, NOW), ({"remote_kv_layout": "bf16/x"}, NOW),

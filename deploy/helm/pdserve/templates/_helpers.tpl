@@ -239,5 +239,20 @@ Mooncake Store: include "pdserve.withMooncakeStore" (list $root $cfg) -> JSON */
 {{- if and $.Values.store.enabled (gt (int (default 1 $p.tensorParallelSize)) 1) -}}
 {{- fail (printf "%s.tensorParallelSize=%v with store.enabled: the KV pool stores one shard per block and supports tensorParallelSize 1 only" $role $p.tensorParallelSize) -}}
 {{- end -}}
+{{- $dp := int (default 1 $p.dataParallelSize) -}}
+{{- if gt $dp 1 -}}
+{{- if eq (int $p.gpus) 0 -}}
+{{- fail (printf "%s.dataParallelSize=%d on CPU pods (gpus: 0): data-parallel attention runs an engine per DP rank on GPUs of its own; it was not run on CPU" $role $dp) -}}
+{{- end -}}
+{{- if $.Values.store.enabled -}}
+{{- fail (printf "%s.dataParallelSize=%d with store.enabled: the KV pool serves single-engine workers only" $role $dp) -}}
+{{- end -}}
+{{- if include "pdserve.conductor" $ -}}
+{{- fail (printf "%s.dataParallelSize=%d with the conductor: vLLM spreads a pod's requests over its DP ranks itself, so the conductor's prefix index cannot know which rank holds a prefix; use router.policy least_loaded or round_robin" $role $dp) -}}
+{{- end -}}
+{{- end -}}
+{{- if regexMatch "(--data-parallel-size|-dp)[= ]+0*([2-9]|[1-9][0-9]+)( |$)" (join " " $p.extraArgs) -}}
+{{- fail (printf "%s.extraArgs sets data parallelism > 1: set %s.dataParallelSize instead, so the pod requests GPUs and transfer ports for every rank" $role $role) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
