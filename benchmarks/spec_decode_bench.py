@@ -96,9 +96,9 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct converted to fp32)")
     args = ap.parse_args()
-    from pdserve.config import LauncherConfig, default_model_dir
-    from pdserve.launcher import Cluster
-    from pdserve.models import convert_smollm2
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig, default_model_dir
+    from pdserve.launch.models import convert_smollm2
 
     model = Path(args.model) if args.model else convert_smollm2(default_model_dir().parent / "smollm2-fp32",
                                                                dtype="float32")

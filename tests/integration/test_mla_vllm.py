@@ -57,8 +57,8 @@ def complete(url: str, prompt: list[int]) -> list[int]:
 
 def serve(model: Path, run_dir: Path, **mode) -> list[list[int]]:
     """Every prompt's greedy tokens through a launch of ``mode``, in order."""
-    from pdserve.config import LauncherConfig
-    from pdserve.launcher import Cluster
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
 
     cfg = LauncherConfig(model=str(model), port=0, dtype="float32", max_model_len=2048, served_model_name="m",
                          run_dir=str(run_dir), worker_timeout_s=400, worker_args=WORKER_ARGS, **mode)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import cli
-from pdserve.config import ConfigError
-from pdserve.launcher import plan_workers, worker_command
+from pdserve.launch import plan_workers, worker_command
+from pdserve.launch.config import ConfigError
 
 
 def _cfg(argv):

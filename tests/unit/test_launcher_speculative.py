@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pdserve import cli
-from pdserve.config import ConfigError, LauncherConfig
-from pdserve.launcher import plan_workers, worker_command
+from pdserve.launch import plan_workers, worker_command
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.settings.speculative import parse_speculative_config, speculative_roles
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
