@@ -5,8 +5,9 @@
   error event's code and type) one plain vLLM worker gives, streamed and not, and no worker address or repr;
 - schemathesis (router_fuzz.py) on the router's /openapi.json with the checks not_a_server_error and
   status_code_conformance and no hooks finds nothing. The test command's tier: the examples and coverage phases,
-  seed 42, within FUZZ_BUDGET_S (50 s; the cases each operation got within it are printed). ``PDSERVE_FUZZ_FULL=1``:
-  the fuzzing phase too, 100 examples an operation, within PDSERVE_FUZZ_BUDGET_S (default 1200 s).
+  seed 42, one run within FUZZ_BUDGET_S (50 s: it reaches the operations it reaches in the document's order; the
+  cases each got are printed). ``PDSERVE_FUZZ_FULL=1``: the fuzzing phase too, 100 examples, one run per operation,
+  each within its share of PDSERVE_FUZZ_BUDGET_S (default 1200 s).
 
 Shares pd_cluster (tests/conftest.py: SHARED_STACKS)."""
 
@@ -47,7 +48,7 @@ def test_refusals_are_one_workers(pd_cluster, capsys):
 
 def test_schemathesis_finds_no_server_error(pd_cluster, tmp_path, capsys):
     phases = "examples,coverage,fuzzing" if FULL else "examples,coverage"
-    run = schemathesis(pd_cluster.router_url, tmp_path, phases, 100 if FULL else 10, FUZZ_BUDGET_S)
+    run = schemathesis(pd_cluster.router_url, tmp_path, phases, 100 if FULL else 10, FUZZ_BUDGET_S, split=FULL)
     with capsys.disabled():
         print(f"\nschemathesis ({phases}, seed 42, budget {FUZZ_BUDGET_S} s) against 1P1D\n" + fuzz_table(run))
     assert run.cases > 0 and run.server_errors == 0, run.output[-12000:]
