@@ -55,7 +55,7 @@ def picked(destination: str, prefiller: str = "", on_headers: bool = False) -> p
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
 
 
-def refused(status: int, message: str, code: str, retry_after_s: int | None = None) -> pb.ProcessingResponse:
+def refused(status: int, message: str, code: str | int, retry_after_s: int | None = None) -> pb.ProcessingResponse:
     """An immediate response to the client: OpenAI's error object with ``status``."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status == 400 else
                                  "server_error", "param": None, "code": code}}).encode()
