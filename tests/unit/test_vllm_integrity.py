@@ -129,10 +129,15 @@ def test_arrival_hasher_equals_the_block_sums_whatever_frames_land_in_whatever_o
     foreign.frame([("l0", 0, "l0", 0, 256), ("other", 0, "other", 0, 64)] + pieces)
     assert foreign.result() == sums.sums(blocks)
     before = sums.sums(blocks)
-    flipped = ArrivalHasher(sums, blocks, flip=True)  # test fault: corrupted as it lands
+    flipped = ArrivalHasher(sums, blocks, [(0, 0, 0, 0xFF)])  # test fault: corrupted as it lands
     flipped.frame(pieces)
     got = flipped.result()
     assert got[0] != before[0] and got[1:] == before[1:] and got == sums.sums(blocks)
+    before = got
+    scattered = ArrivalHasher(sums, blocks, [(1, 3, 5, 0x10), (2, 1, 127, 0x01)])  # other blocks, layers, offsets
+    scattered.frame(pieces)
+    got = scattered.result()
+    assert got[0] == before[0] and got[1] != before[1] and got[2] != before[2] and got == sums.sums(blocks)
 
 
 def test_check_read_uses_what_landed_when_p_used_xxh3u():
@@ -149,7 +154,7 @@ def test_check_read_uses_what_landed_when_p_used_xxh3u():
     verifier.verify(sums, 9, reply, [1, 2], [7, 8], tap, "request r", stats)
     assert stats == {"verified": 2, "streamed": True}
     with pytest.raises(TransferError, match="differ"):
-        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], True), "r", stats)
+        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], [(0, 0, 0, 0xFF)]), "r", stats)
     assert stats["checksum_failed"]
     dev = BlockSums(sums.layers, {n: torch.from_numpy(m) for n, m in sums.memory.items()})
     assert dev.alg == WSUM and verifier.tap(dev, [1, 2]) is None  # device memory: hashed after the read
