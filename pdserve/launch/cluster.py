@@ -51,6 +51,7 @@ from ..procs import (
     stop_children,
     wait_healthy,
 )
+from .checksum_note import checksum_note
 from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
 from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
@@ -225,6 +226,7 @@ class Cluster:
             if plan.pool is not None and plan.pool.store_config:  # Mooncake Store: the workers' MOONCAKE_CONFIG_PATH
                 Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
+            self.log(checksum_note(cfg))
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
             for spec in plan.processes:  # pool, workers, then the router (it loads its tokenizer meanwhile)
