@@ -159,6 +159,9 @@ def test_random_flips_in_resharded_reads(sides, p_tp, d_tp):
         if not _caught(results[rank]):
             missed.append((fault, results[rank]))
         assert all(r["ok"] and r["verified"] == READ for j, r in enumerate(results) if j != rank), results
+        _seal(ps, req + "-clean", remote_blocks)
+        clean = [_read(d, _remote(ps, req + "-clean", remote_blocks), local) for d in ds]
+        assert all(r["ok"] and r["verified"] == READ for r in clean), clean  # no false alarm
     assert not missed, missed
 
 
