@@ -115,6 +115,45 @@ def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
     return out, time.monotonic() - t0
 
 
+def field_table(verdicts: list[Verdict]) -> str:
+    """Per endpoint, over every value tried of each field (streamed and not): fields whose every case was
+    identical, fields with a known difference (the kinds seen), open, refused by name, different."""
+    lines = ["| vLLM request fields | total | identical (every value) | known difference | open | refused by name "
+             "| different |", "|---|---|---|---|---|---|---|"]
+    for endpoint, path in ENDPOINTS.items():
+        kinds: dict[str, set[str]] = {}
+        for v in verdicts:
+            if v.case.endpoint == endpoint and not v.case.tag:
+                kinds.setdefault(v.case.field, set()).add(v.kind)
+        count = {k: sorted(f for f, ks in kinds.items() if _field_kind(ks) == k)
+                 for k in ("identical", "known", "open", "refused", "different")}
+        known = ", ".join(f"`{f}`: {'/'.join(sorted(kinds[f] - {'identical'}))}" for f in count["known"])
+        served = len(kinds) - len(count["refused"])
+        lines.append(f"| {path} | {len(kinds)} | {len(count['identical'])} of {served} served | "
+                     f"{len(count['known'])}{f' ({known})' if known else ''} | {len(count['open'])} | "
+                     f"{len(count['refused'])} | {len(count['different'])} |")
+    return "\n".join(lines)
+
+
+def _field_kind(kinds: set[str]) -> str:
+    """One field's class from the verdicts of all its cases."""
+    if "different" in kinds:
+        return "different"
+    if "open" in kinds:
+        return "open"
+    if kinds <= {"identical"}:
+        return "identical"
+    if "refused" in kinds and kinds <= {"refused", "identical"}:
+        return "refused"
+    return "known"
+
+
+def report(verdicts: list[Verdict]) -> list[dict[str, Any]]:
+    """Every verdict as JSON (``$PDSERVE_CONFORMANCE_REPORT``): for tables and before/after counts."""
+    return [{"key": v.key, "endpoint": v.case.endpoint, "field": v.case.field, "value": repr(v.case.value)[:80],
+             "stream": v.stream, "kind": v.kind, "detail": v.detail} for v in verdicts]
+
+
 def table(verdicts: list[Verdict]) -> str:
     """Per endpoint: fields, and how many cases were identical / each known difference / different."""
     kinds = ["identical", *KNOWN, "open", "different"]
