@@ -39,6 +39,7 @@ from .api.openapi import openapi_document
 from .api.prompt import prompt_chars, prompt_ids
 from .api.protocol import GenerationRequest, parse_chat, parse_completion, parse_json
 from .api.response import ResponseBuilder
+from .api.stream_refusal import refusal
 from .api.tokenize_api import add_routes as add_tokenize_routes
 from .api.tokenizer import PromptTokenizer
 from .api.tools import ToolSupport
@@ -309,10 +310,12 @@ class Router:
         done = False
         admitted = False
         choices: list[Choice] = []
+        streamed = False
         try:
             admitted = self.admission.enter()  # 429 past --max-inflight, before the body is read
             body = parse_json(await read_body(request, self.config.max_body_bytes))
             req = parse_chat(body) if endpoint == "chat" else parse_completion(body)
+            streamed = req.stream
             if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
                 req.timings = True
             req.lora = self.models.adapter(req.model)  # 404 for an unknown model; P and D run the adapter
@@ -332,7 +335,7 @@ class Router:
             return resp
         except RouterError as e:
             status = str(e.status)
-            return web.json_response(e.to_dict(), status=e.status, headers=e.headers)
+            return refusal(e, streamed)  # a JSON error, or vLLM's in-stream refusal of a streamed request
         except asyncio.CancelledError:
             status = "client_disconnected"
             raise

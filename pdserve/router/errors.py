@@ -6,10 +6,13 @@ from typing import Any
 
 
 class RouterError(Exception):
-    """An error the client sees. ``status`` is the HTTP status; the rest fills OpenAI's error object."""
+    """An error the client sees. ``status`` is the HTTP status; the rest fills OpenAI's error object.
+    ``in_stream``: vLLM refuses it from inside its stream (its engine's checks), so a streamed request gets 200 and
+    an error event, as from one vLLM worker (api/stream_refusal.py)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 in_stream: bool = False) -> None:
         super().__init__(message)
         self.headers = headers or {}
         self.status = status
@@ -17,6 +20,7 @@ class RouterError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.in_stream = in_stream
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -62,7 +66,7 @@ def from_worker(status: int, payload: Any) -> RouterError:
         param, code = payload.get("param"), payload.get("code")
     else:
         message, etype, param, code = f"worker answered HTTP {status}: {str(payload)[:500]}", "server_error", None, None
-    if 400 <= status < 500:
+    if 400 <= status < 500:  # what the router let through, the worker's engine refused: inside a vLLM stream
         return RouterError(status, message, etype, param if isinstance(param, str) else None,
-                           code if isinstance(code, str) else None)
+                           code if isinstance(code, str) else None, in_stream=status == 400)
     return RouterError(502, f"worker failed (HTTP {status}): {message}", "server_error", None, "worker_failed")
