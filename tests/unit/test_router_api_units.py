@@ -130,7 +130,7 @@ def test_parse_new_fields():
     ({"prompt": "a", "n": 16385, "temperature": 1}, None), ({"prompt": "a", "n": 2, "temperature": 0}, None),
     ({"prompt": "a", "n": 0}, None), ({"prompt": "a", "top_k": -2}, None), ({"prompt": "a", "min_p": 2}, None),
     ({"prompt": "a", "presence_penalty": 3}, None), ({"prompt": "a", "min_tokens": -1}, None),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "logprob_token_ids": [5]}, "logprob_token_ids"),
     ({"prompt": "a", "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "guided_json": {}}, "guided_json"),
     ({"prompt": "a", "structured_outputs": {"json": {}, "regex": "x"}}, "structured_outputs"),

@@ -508,7 +508,7 @@ def test_error_statuses_and_shapes(model_dir, tokenizer):
                 ({"prompt": [5, 5000]}, 400, "prompt"),
                 ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
                 ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
-                ({"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+                ({"prompt": "a", "logprobs": -2}, 400, "logprobs"),
                 ([1, 2], 400, None),
             ]
             for body, status, param in cases:

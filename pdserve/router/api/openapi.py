@@ -21,7 +21,9 @@ ANTHROPIC_ERROR: dict[str, Any] = {"type": "object", "required": ["type", "error
 
 ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": STR, "type": STR, "param": nullable(STR), "code": nullable(STR)}}}}
+        "message": STR, "type": STR, "param": nullable(STR),
+        # an error event of a streamed refusal carries vLLM's status as its code (api/stream_refusal.py)
+        "code": {"anyOf": [STR, {"type": "integer"}, {"type": "null"}]}}}}}
 
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
 _SSE_EVENT = {"type": "object", "properties": {"data": STR, "event": STR}}  # one server-sent event

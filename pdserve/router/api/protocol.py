@@ -186,6 +186,9 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         if name in body and body[name] is not None:
             s[name] = flag(body, name)
     _forward(body, req, s)
+    if s.get("logprob_token_ids") and req.logprobs is None:  # as vLLM's request model refuses it (before a stream)
+        raise bad_request("when using `logprob_token_ids`, `logprobs` must be set"
+                          + (" to true." if req.kind == "chat" else "."), "logprob_token_ids")
     if req.logprobs is not None:
         s["logprobs"] = req.logprobs
     prompt_logprobs = req.prompt_logprobs
@@ -299,7 +302,7 @@ def _parse_logprobs(body: dict, req: GenerationRequest) -> None:
         elif _opt_int(body, "top_logprobs", -1) not in (None, 0):
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
-        req.logprobs = _opt_int(body, "logprobs", 0)
+        req.logprobs = _opt_int(body, "logprobs", -1)  # -1 goes on: the workers' engines refuse it (in-stream)
         req.echo = flag(body, "echo")
     req.prompt_logprobs = _opt_int(body, "prompt_logprobs", -1)
 

@@ -123,8 +123,6 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                     if delta is None:
                         delta = {}  # nothing to show yet (e.g. inside a tool call's name)
                 ids = held.pop(c.index, []) + d.token_ids if held else d.token_ids
-                if is_first and req.score_only:
-                    ids = c.prompt_ids  # vLLM streams a scored prompt's ids in place of its hidden token
                 chunk = builder.chunk(text, ids, finish, d.stop_reason,
                                       prompt_ids=c.prompt_ids if is_first else None, index=c.index,
                                       logprobs=logprobs_part(req, c, d, is_first, decode_one), delta=delta)
