@@ -1,12 +1,13 @@
 """Issue 41's measure for seeded sampling: the share of seeded requests whose tokens through P and D equal one vLLM
 worker's, per sampling parameter, one request at a time (docs/seeded-sampling.md).
 
-    python benchmarks/seeded_sampling.py [--seeds 8] [--tokens 16] [--temperature 20]
+    python benchmarks/seeded_sampling.py [--seeds 8] [--tokens 16] [--temperature 1]
 
 Starts a 1P1D launch of a small random Llama (fp32) and sends each case, with ``seed`` set and ``ignore_eos``, to
 the router and to the decode worker's own endpoint (one worker), one request at a time; the baseline in the same
-run is the one worker asked twice (vLLM's own reproducibility). The random model's logits are sharp (std ~30, so
-greedy decoding is decisive), so the cases sample at ``--temperature`` 20 by default, where the choice is random.
+run is the one worker asked twice (vLLM's own reproducibility). The default model is a random Llama with a small
+output head (``lm_head_std`` 0.05: logits of std ~1, where sampling at temperature 1 is really random; the tests'
+models have std ~30, where any temperature vLLM allows (<= 2) samples the greedy token).
 Prints per parameter: cases, first token equal, every token equal, the mean equal prefix, and the baseline's
 every-token share; then a JSON line.
 """
@@ -51,13 +52,13 @@ def main() -> None:
     ap.add_argument("--model", default="", help="model folder (default: a small random Llama, built once)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=20.0)
+    ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args()
     model = args.model
     if not model:
         from pdserve.models import build_random_llama
 
-        model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama")))
+        model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama-flat"), lm_head_std=0.05))
     cfg = LauncherConfig(model=model, prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="m", worker_timeout_s=600, pool=False)
     rows: dict[str, dict[str, float]] = {}

@@ -156,6 +156,11 @@ def test_parse_completion_takes_what_vllm_takes():
     scored = parse_completion({"prompt": "a", "echo": True, "max_tokens": 0, "logprobs": 1})
     assert scored.score_only and scored.max_tokens == 1 and scored.sampling["prompt_logprobs"] == 1
     assert not parse_completion({"prompt": "a", "echo": True, "max_tokens": 3}).score_only
+    # seeded random sampling: D samples every token (one random stream, as one worker); greedy keeps P's token
+    assert parse_completion({"prompt": "a", "seed": 1, "temperature": 0.5}).constrained
+    assert parse_completion({"prompt": "a", "seed": 1}).constrained  # vLLM's default temperature samples
+    assert not parse_completion({"prompt": "a", "seed": 1, "temperature": 0}).constrained
+    assert not parse_completion({"prompt": "a", "temperature": 0.5}).constrained
 
 
 def test_streamed_prompt_logprobs_0_is_served_as_vllm_serves_it():

@@ -20,7 +20,7 @@ from .chat_request import parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
 from .flags import as_flag, flag, integral
 from .limits import load_json
-from .sampling_refusals import check_n, out_of_range
+from .sampling_refusals import GREEDY_EPS, check_n, out_of_range
 from .truncation import Truncation, parse_truncation
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
@@ -198,6 +198,11 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         s["prompt_logprobs"] = prompt_logprobs
     _parse_structured(body, req, s)
     check_n(req.n, s.get("temperature"))
+    if "seed" in s and not (s.get("temperature", 1.0) < GREEDY_EPS):
+        # seeded random sampling: D samples every token, so all come from the one random stream vLLM seeds per
+        # request, as on one worker (P's token would be draw 1 of P's stream and D's next draw 1 of its own;
+        # docs/seeded-sampling.md)
+        req.constrained = True
     req.sampling = s
     req.return_token_ids = flag(body, "return_token_ids")
     req.timings = flag(body, "pdserve_timings")
