@@ -104,7 +104,9 @@ _COMPLETION: Fields = [
     ("max_tokens", nullable({"type": "integer", "minimum": 1}), "default 16 (null too, as vLLM 0.32)"),
     ("add_special_tokens", BOOL, "add the tokenizer's special tokens (default true)"),
     ("echo", BOOL, "put the prompt (and its logprobs) before the output"),
-    ("logprobs", nullable({"type": "integer", "minimum": 0}), "logprobs of each output token and N alternatives"),
+    ("logprobs", nullable({"type": "integer", "minimum": -1}),
+     "logprobs of each output token and N alternatives (-1: the whole vocabulary, past a worker's --max-logprobs "
+     "refused by it, as vLLM)"),
 ]
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": STR}}
