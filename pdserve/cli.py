@@ -159,6 +159,9 @@ def serve(args: argparse.Namespace) -> int:
         from .launch.plan import worker_dtype
 
         print(describe_devices(config, plan))
+        from .launch.checksum_note import checksum_note
+
+        print(checksum_note(config))
         if not config.gpus:  # GPU workers keep vLLM's own dtype default unless --dtype
             print(worker_dtype(config.dtype).describe())
         print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "

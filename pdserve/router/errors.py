@@ -74,7 +74,7 @@ def from_worker(status: int, payload: Any, event: bool = False) -> RouterError:
         param, code = payload.get("param"), payload.get("code")
     else:
         message, etype, param, code = f"worker answered HTTP {status}: {str(payload)[:500]}", "server_error", None, None
-    if 400 <= status < 500:
+    if 400 <= status < 500:  # what the router let through, the worker's engine refused: inside a vLLM stream
         return RouterError(status, message, etype, param if isinstance(param, str) else None,
                            code if isinstance(code, (str, int)) and not isinstance(code, bool) else None,
                            event=event)

@@ -32,6 +32,7 @@ import numpy as np
 
 from pdserve.transfer import TransferError
 from pdserve.transfer.checksum import MASK64, WSUM, XXH3, XXH3U, sum_u64, to_u64, wsum_rows, xxh3_spans, xxh3_unit
+from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.params import LayerGeometry
 
@@ -129,15 +130,17 @@ class BlockSums:
         assert total is not None
         return [to_u64(v) for v in total.tolist()]
 
-    def flip_byte(self, block: int, at: int = 0) -> None:
-        """Test faults only: flip one byte of ``block`` (its first layer's first run, ``at`` bytes in)."""
-        g = self.layers[0]
-        off = block * g.block_stride + g.block_runs[0][0] + at
-        mem = self.memory[g.name]
+    def flip_byte(self, block: int, at: int = 0, unit: int = 0, mask: int = 0xFF) -> None:
+        """Test faults only: XOR one byte of ``block`` with ``mask``, ``at`` bytes into its unit ``unit`` (default:
+        its first layer's first run)."""
+        name, off, n = self.units(block)[unit]
+        if not 0 <= at < n:
+            raise ValueError(f"byte {at} is outside unit {unit} of {n} bytes")
+        mem = self.memory[name]
         if _is_host(mem):
-            mem[off] ^= 0xFF
+            mem[off + at] ^= mask
         else:
-            mem[off:off + 1].bitwise_xor_(0xFF)
+            mem[off + at:off + at + 1].bitwise_xor_(mask)
 
 
 def mismatched(expected: dict[int, int], local: Sequence[int], remote: Sequence[int], got: Sequence[int]) -> list[int]:
@@ -177,13 +180,16 @@ class ArrivalHasher:
     by whichever lane completed it. :meth:`result`, after the read succeeded, hashes what no frame reported (data
     paths without the hook) and returns one sum per block.
 
-    ``flip`` (test fault): the first block's first unit gets a byte flipped as it lands, before it is hashed
-    (corruption in transit)."""
+    ``flips`` (test fault, :mod:`pdserve.vllm.flips`): bytes XORed in the units they name as those land, before
+    they are hashed (corruption in transit)."""
 
     alg = XXH3U
 
-    def __init__(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> None:
-        self.sums, self.blocks, self.flip = sums, list(blocks), flip
+    def __init__(self, sums: BlockSums, blocks: Sequence[int], flips: Sequence[Flip] = ()) -> None:
+        self.sums, self.blocks = sums, list(blocks)
+        self._flips: dict[tuple[int, int], list[Flip]] = {}
+        for f in flips:
+            self._flips.setdefault((f[0], f[1]), []).append(f)
         self._slot = {b: i for i, b in enumerate(self.blocks)}
         self._top = max(self.blocks, default=-1)
         # region -> (block stride, its runs as (offset, bytes, unit index in the block), its memory)
@@ -242,9 +248,11 @@ class ArrivalHasher:
     def _hash(self, units: list[_Unit]) -> None:
         if not units:
             return
-        if self.flip and any(slot == 0 and k == 0 for slot, k, *_ in units):
-            self.sums.flip_byte(self.blocks[0])
-            log.warning("pdserve_test_fault=flip: flipped a byte of received block %d as it landed", self.blocks[0])
+        for slot, k, *_ in units if self._flips else ():  # each unit is hashed once: its flips are popped once
+            for _, _, at, mask in self._flips.pop((slot, k), ()):
+                self.sums.flip_byte(self.blocks[slot], at, k, mask)
+                log.warning("pdserve_test_fault=flip: flipped byte %d of unit %d of received block %d as it landed",
+                            at, k, self.blocks[slot])
         values = [xxh3_unit(view[lo:hi], k) for _, k, lo, hi, view in units]
         with self._lock:
             acc = self._acc  # summed mod 2**64 in result()
@@ -265,13 +273,13 @@ class ReadVerifier:
     def __init__(self, min_bytes: int = STREAM_MIN_BYTES) -> None:
         self.min_bytes = min_bytes
 
-    def tap(self, sums: BlockSums, blocks: Sequence[int], flip: bool = False) -> ArrivalHasher | None:
+    def tap(self, sums: BlockSums, blocks: Sequence[int], flips: Sequence[Flip] = ()) -> ArrivalHasher | None:
         """A hasher for a read into ``blocks`` (None where they are hashed after the read: device memory, or a
-        read smaller than ``min_bytes``)."""
+        read smaller than ``min_bytes``); ``flips``: the test fault's, applied as their units land."""
         nbytes = len(blocks) * sum(g.block_bytes for g in sums.layers)
         if sums.alg != XXH3U or not blocks or nbytes < self.min_bytes:
             return None
-        return ArrivalHasher(sums, blocks, flip)
+        return ArrivalHasher(sums, blocks, flips)
 
     @staticmethod
     def verify(sums: BlockSums, fingerprint: int, reply: Any, local: Sequence[int], remote: Sequence[int],
@@ -296,9 +304,11 @@ def sealer(sums: BlockSums, fault: str = "", ready: Any = None) -> Callable[[Seq
 
             torch.cuda.current_stream().wait_event(ready)
         out = sums.sums(blocks)
-        if fault == "late" and blocks:
-            sums.flip_byte(blocks[0])
-            log.warning("pdserve_test_fault=late: wrote into leased block %d after sealing it", blocks[0])
+        if fault.partition("~")[0] == "late" and blocks:
+            for slot, k, at, mask in placements(fault, [n for _, _, n in sums.units(blocks[0])], len(blocks)):
+                sums.flip_byte(blocks[slot], at, k, mask)
+                log.warning("pdserve_test_fault=%s: wrote into byte %d of unit %d of leased block %d after sealing "
+                            "it", fault, at, k, blocks[slot])
         return out
     return seal
 

@@ -35,18 +35,23 @@ from pdserve.vllm.fingerprint import parse as parse_fingerprint
 # (D must recompute); "flip" flips a byte of the first received block before the check (corruption in transit);
 # "late" (given to P) flips a byte of P's first leased block after P sealed it, before D reads (a late write).
 LOAD_MODES = ("", "auto", "async")  # kv_transfer_params.pdserve_load: auto = by sync_load_max_bytes
-# "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R ("flip@R": D rank R)
+# "zero@R" / "fail@R": only the shard read from P's tensor-parallel rank R ("flip@R": D rank R); "flip~SEED" /
+# "late~SEED": bytes changed at random places of several units (pdserve.vllm.flips)
 TEST_FAULTS = ("zero", "fail", "flip", "late")
 
 
 def fault_hits(fault: str, kind: str, peer_rank: int) -> bool:
-    """Whether test fault ``fault`` (``kind`` or ``kind@R``) applies to the read from P's rank ``peer_rank``."""
-    return fault == kind or fault == f"{kind}@{peer_rank}"
+    """Whether test fault ``fault`` (``kind``, ``kind~SEED`` or either ``@R``) applies to the read from P's rank
+    ``peer_rank``."""
+    name, at, rank = fault.partition("@")
+    return name.partition("~")[0] == kind and (not at or rank == str(peer_rank))
 
 
 def known_test_fault(fault: str) -> bool:
-    kind, at, rank = fault.partition("@")
-    return kind in TEST_FAULTS and (not at or rank.isdigit())
+    name, at, rank = fault.partition("@")
+    kind, tilde, seed = name.partition("~")
+    return (kind in TEST_FAULTS and (not tilde or (kind in ("flip", "late") and seed.isdigit()))
+            and (not at or rank.isdigit()))
 
 
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pdserve.vllm.layout import KVLayout, LayoutError, head_runs, reshard
 from pdserve.vllm.params import BlockPlan
 
-NOTE_SEP = "|"  # notification = request id [| sender rank / readers] [#blocks=b1,b2,...]; a bare id: one reader
-BLOCKS_SEP = "#blocks="
+NOTE_SEP = "|"  # notification = request id [| sender rank / readers] [#blocks=b1,...] [#heads=h1,...]; a bare id:
+BLOCKS_SEP = "#blocks="  # one reader
+HEADS_SEP = "#heads="
 
 
 class ShardError(ValueError):
@@ -107,11 +108,22 @@ def to_notify(table: Mapping[int, Sequence[int]], d_rank: int) -> dict[int, int]
     return {p: len(ds) for p, ds in table.items() if d_rank in ds}
 
 
-def notify_message(req_id: str, sender: int, readers: int, blocks: Sequence[int] = ()) -> str:
+def notify_message(req_id: str, sender: int, readers: int, blocks: Sequence[int] = (),
+                   heads: Sequence[int] = ()) -> str:
     """The notification one D rank sends with (or instead of) its read of P's request ``req_id``; ``blocks``: P's
-    block ids it read, which P checksums itself when its worker has not heard of the lease yet."""
+    block ids it read, which P checksums itself when its worker has not heard of the lease yet; ``heads``: the P-local
+    KV heads it read of them (a read that reshards heads: P answers per-head checksums, pdserve.vllm.head_sums)."""
     head = req_id if readers <= 1 else f"{req_id}{NOTE_SEP}{sender}/{readers}"
-    return head + (BLOCKS_SEP + ",".join(str(b) for b in blocks) if blocks else "")
+    tail = BLOCKS_SEP + ",".join(str(b) for b in blocks) if blocks else ""
+    return head + tail + (HEADS_SEP + ",".join(str(h) for h in heads) if heads else "")
+
+
+def split_heads(msg: str) -> tuple[str, tuple[int, ...]]:
+    """(the notification without its ``#heads=`` part, the heads it names: none for a whole-block read)."""
+    head, sep, tail = msg.rpartition(HEADS_SEP)
+    if sep and tail and all(x.isdigit() for x in tail.split(",")):
+        return head, tuple(int(x) for x in tail.split(","))
+    return msg, ()
 
 
 def parse_notify(msg: str) -> tuple[str, int, int, tuple[int, ...]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.vllm.fingerprint import digest, worker_fingerprint
+from pdserve.vllm.flips import Flip, placements
+from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
@@ -62,6 +65,7 @@ from pdserve.vllm.shards import (
     rank_heads,
     release_notifiers,
     slice_entries,
+    split_heads,
     to_notify,
     unit_signature,
 )
@@ -328,15 +332,21 @@ class WorkerSide:
         fault = remote.test_fault if self.config.allow_test_faults else ""
         handles: dict[int, Any] = {}
         failed: list[Exception] = []
-        verify = self.config.kv_checksum and remote.tp == self.tp  # a resharded read is not verified (P seals blocks)
+        verify = self.config.kv_checksum
+        # a read that reshards heads is checked per head slice against each P rank's answer (pdserve.vllm.head_sums)
+        slices = () if remote.tp == self.tp else plan_slices(self.kv_heads, remote.tp, self.tp, self.rank,
+                                                             remote.kv_heads)
+        flips = self._flips(fault, job.plan.local)
         # what hashes the blocks of our own P rank's batch as they land
-        tap = self.verifier.tap(self.sums, job.plan.local, fault_hits(fault, "flip", self.rank)) if verify else None
+        tap = self.verifier.tap(self.sums, job.plan.local, flips) if verify and not slices else None
         named = job.plan.remote if verify else ()  # P's blocks read, for P to checksum if it lacks the lease yet
         for p in sorted(set(batches) | set(counts)):
             if fault_hits(fault, "fail", p):
                 failed.append(TransferError("test", f"pdserve_test_fault={fault} (P rank {p})"))
                 continue
-            note = notify_message(remote.request_id, self.rank, counts.get(p, 1), named) if p in counts else None
+            heads = [s.peer_head for s in slices if s.peer_rank == p] if verify else []
+            note = notify_message(remote.request_id, self.rank, counts.get(p, 1), named, heads) if p in counts \
+                else None
             handles[p] = self.engine.submit(self._peer(remote, p), batches.get(p, []), "read", notify=note,
                                             deadline_s=deadline_s, on_frame=tap.frame if tap and p == self.rank
                                             else None)
@@ -352,21 +362,31 @@ class WorkerSide:
             total += handle.total_bytes
         if failed:
             raise failed[0]
-        if fault_hits(fault, "flip", self.rank) and job.plan.local and tap is None:  # (a tap flips as it lands)
-            self.sums.flip_byte(job.plan.local[0])
-            log.warning("request %s: pdserve_test_fault=%s: flipped a byte of received block %d", remote.request_id,
-                        fault, job.plan.local[0])
-        if verify:
+        for slot, k, at, mask in flips if tap is None else ():  # (a tap flips as the units land)
+            self.sums.flip_byte(job.plan.local[slot], at, k, mask)
+            log.warning("request %s: pdserve_test_fault=%s: flipped byte %d of unit %d of received block %d",
+                        remote.request_id, fault, at, k, job.plan.local[slot])
+        where = (f"request {job.req_id} (P {remote.host}:{remote.port} request {remote.request_id} -> D rank "
+                 f"{self.rank})")
+        if verify and slices:
+            verify_slices({p: h.reply for p, h in handles.items()}, self.fp_digest, slices, self.rank_layers,
+                          self._memory, job.plan.local, job.plan.remote, where, stats)
+        elif verify:
             handle = handles.get(self.rank)
             self.verifier.verify(self.sums, self.fp_digest, handle.reply if handle else None, job.plan.local,
-                                 job.plan.remote, tap, f"request {job.req_id} (P {remote.host}:{remote.port} "
-                                 f"request {remote.request_id} -> D rank {self.rank})", stats)
+                                 job.plan.remote, tap, where, stats)
         for p, entries in batches.items():
             if fault_hits(fault, "zero", p):
                 zero_ranges(self._memory, entries)
                 log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",
                             remote.request_id, fault, len(entries), p)
         return total, sorted(batches)
+
+    def _flips(self, fault: str, blocks: Sequence[int]) -> list[Flip]:
+        """Test fault ``flip`` (``flip~SEED``) on this rank: the bytes to corrupt in the read into ``blocks``."""
+        if not fault_hits(fault, "flip", self.rank) or not blocks:
+            return []
+        return placements(fault, [n for _, _, n in self.sums.units(blocks[0])], len(blocks))
 
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
@@ -429,11 +449,13 @@ class WorkerSide:
         """D's READ notification: counts toward the lease's end; after a read (the batch moved bytes) it is answered
         with the lease's checksums (kv_checksum on)."""
         msg = note.message
-        req_id, sender, readers, read = parse_notify(msg.decode() if isinstance(msg, bytes) else str(msg))
+        text, heads = split_heads(msg.decode() if isinstance(msg, bytes) else str(msg))
+        req_id, sender, readers, read = parse_notify(text)
         self._ledger.notify(req_id, sender=sender, readers=readers)
         if not self.config.kv_checksum or not getattr(note, "nbytes", 0):
             return None
-        return self._seals.reply(req_id, self.sums.alg, self.fp_digest, read, self.sums.sums)
+        reply = self._seals.reply(req_id, self.sums.alg, self.fp_digest, read, self.sums.sums)
+        return head_reply(reply, self.sums, self.rank_layers, read, heads) if heads else reply
 
     def results(self) -> KVConnectorTransferResults:
         recving: set[str] = set()

@@ -187,12 +187,18 @@ def vllm_models() -> dict[str, Any]:
 
 
 def edge_cases() -> list[Case]:
-    """Cases that need a body of their own: a prompt that leaves 8 tokens of room and asks for more."""
+    """Cases that need a body of their own: a prompt that leaves 8 tokens of room and asks for more, ..."""
     long = {"prompt": [1500 + i % 500 for i in range(MAX_MODEL_LEN - 8)]}
     return [Case("completions", "max_tokens", 100, long, "room-8"),
             Case("completions", "truncate_prompt_tokens", -1, {"prompt": [1500] * (MAX_MODEL_LEN + 50)},
                  "over-context"),
-            Case("completions", "prompt_logprobs", -1, {"prompt": "a b"}, "whole-vocab")]
+            Case("completions", "prompt_logprobs", -1, {"prompt": "a b"}, "whole-vocab"),
+            # issue 41: prompt scoring (echo, max_tokens 0), with and without logprobs; n at vLLM's bound
+            Case("completions", "max_tokens", 0, {"echo": True, "logprobs": 2}, "score"),
+            Case("completions", "max_tokens", 0, {"echo": True}, "score-plain"),
+            Case("completions", "n", 16385, {"temperature": 1.0}, "past-vllm-bound"),
+            Case("chat", "n", 16385, {"temperature": 1.0}, "past-vllm-bound"),
+            Case("completions", "n", 2, {"prompt": ["a b", "c d"], "temperature": 0.0}, "greedy-prompts")]
 
 
 # the quick tier's fields: those the router itself reads, rewrites or refuses (pdserve.router.api.fields); the ones

@@ -2,21 +2,22 @@
 text, token ids, logprobs (values within 1e-3: P and D run fp32) and finish reason, the usage, and for an error
 its status and the parameter it names; streamed answers are assembled per choice first.
 
-Known differences, each documented in :data:`KNOWN` and checked by its own rule rather than skipped:
+Known differences, each documented in :data:`KNOWN` and checked by its own rule (its exact condition) rather than
+skipped; each is one PD cannot (yet) remove:
 
 - ``refused``: a field api/fields.py refuses gets the router's 400 naming it (vLLM serves it).
-- ``param_prefix``: vLLM names a pydantic validation error's parameter ``body.<field>``; the router ``<field>``.
-- ``max_tokens_clamp``: ``max_tokens`` over the room the prompt leaves: vLLM 0.32 serves it clamped, the router
-  answers 400 ``context_length_exceeded`` naming ``max_tokens`` (without truncate_prompt_tokens).
-- ``router_limit``: values past a limit the router documents (``n`` x prompts over 128).
-- ``refused_before_stream``: a streamed request both refuse: vLLM answers 200 and then an error event (status
-  400), the router a 400 before streaming (it validates first, or passes on P's 400).
-- ``greedy_n``: ``n`` > 1 with greedy sampling: vLLM 0.32 refuses it, the router serves it (every choice the same
-  greedy answer; the exactness tests use it); checked: the choices are identical.
-- ``param_named``: both refuse with a 400; the router's error names the field (``param``), vLLM's says null.
-- ``seeded_sampling``: random sampling (temperature > 0) with a seed: P's first token is the worker's, but D's
-  generator starts over at the second token, so the rest differs; checked: the first token is the worker's and
-  the router's answer repeats itself.
+- ``param_prefix``: vLLM names a pydantic validation error's parameter ``body.<field>``; the router ``<field>``;
+  checked: the worker's parameter is ``body.`` + the router's and everything else is identical.
+- ``max_tokens_clamp``: ``max_tokens`` within ``max_model_len`` but over the room the prompt leaves: vLLM 0.32
+  serves it clamped, the router answers 400 ``context_length_exceeded`` naming ``max_tokens`` (without
+  truncate_prompt_tokens); checked: the router's error names the field with that code, and vLLM generated exactly
+  the room left (max_model_len - prompt tokens).
+
+Issue 41 removed the rules that absorbed differences the router now does not make: ``router_limit`` (``n`` is
+vLLM's VLLM_MAX_N_SEQUENCES), ``refused_before_stream`` (a streamed request vLLM refuses from inside its stream gets
+200 and the error event), ``greedy_n`` (greedy ``n`` > 1 is refused as vLLM refuses it), ``param_named`` (vLLM's
+unnamed SamplingParams refusals are unnamed) and ``seeded_sampling`` (no case needed it: seeded cases must be
+identical).
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ KNOWN = {
     "refused": "the router refuses the field by name with a 400 (vLLM serves it)",
     "param_prefix": "vLLM's pydantic errors name body.<field>, the router <field>",
     "max_tokens_clamp": "max_tokens over the room left: vLLM clamps it, the router answers 400 naming max_tokens",
-    "router_limit": "past a limit the router documents (n x prompts <= 128): 400 naming the field",
-    "refused_before_stream": "streamed: vLLM answers 200 then an error event, the router a 400 before streaming",
-    "greedy_n": "n > 1 with greedy sampling: vLLM refuses it, the router serves identical choices",
-    "param_named": "both answer 400; the router's error names the field, vLLM's param is null",
-    "seeded_sampling": "temperature > 0: D's seeded generator starts over at the second token",
 }
 TOL = 1e-3
 

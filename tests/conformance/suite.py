@@ -11,14 +11,14 @@ from typing import Any
 
 from pdserve.router.api.fields import FIELDS
 
-from .cases import ENDPOINTS, Case
+from .cases import ENDPOINTS, MAX_MODEL_LEN, Case
 from .compare import KNOWN, differences, normalized_param, post, summary
 
 # fields whose streamed answers the quick tier checks too (the rest: the full tier)
 STREAMED = {"stream", "stream_options", "stream_interval", "logprobs", "top_logprobs", "n", "stop",
             "include_stop_str_in_output", "return_token_ids", "prompt", "messages", "truncate_prompt_tokens",
             "min_tokens", "bad_words", "tools", "tool_choice", "echo", "response_format", "max_tokens"}
-# values that make sampling random: the case is seeded (compare.KNOWN "seeded_sampling")
+# values that make sampling random: the case is seeded, and must be identical to one worker's
 SEEDED = 7
 
 
@@ -65,32 +65,28 @@ def judge(router_url: str, worker_url: str, case: Case, stream: bool) -> Verdict
     diffs = differences(mine, ref)
     if not diffs:
         return Verdict(case, stream, "param_prefix" if prefixed else "identical")
-    if _random(body) and mine["status"] == ref["status"] == 200:
-        return _seeded(router_url + path, body, mine, ref, case, stream, diffs)
-    if mine["status"] == 400 and mine.get("param") in ("max_tokens", "max_completion_tokens") \
-            and ref["status"] == 200 and "truncate_prompt_tokens" not in body:
-        room = ref["usage"]["completion_tokens"] if ref.get("usage") else None
-        return Verdict(case, stream, "max_tokens_clamp", f"vLLM served {room} tokens")
-    if mine["status"] == 400 and mine.get("param") == case.field and case.field == "n" and ref["status"] == 200:
-        return Verdict(case, stream, "router_limit")
-    if case.field == "n" and mine["status"] == 200 and ref["status"] == 400 and not _random(body) \
-            and len({tuple(c["token_ids"]) for c in mine["choices"]}) == 1:
-        return Verdict(case, stream, "greedy_n")
-    if mine["status"] == 400 and ref["status"] == 200 and ref.get("stream_error") == 400:
-        return Verdict(case, stream, "refused_before_stream", f"vLLM: {ref}")
-    if mine["status"] == 400 and ref.get("param") is None and mine.get("param") == case.field \
-            and 400 in (ref["status"], ref.get("stream_error")):
-        return Verdict(case, stream, "param_named")
+    if _clamped(mine, ref, body):
+        return Verdict(case, stream, "max_tokens_clamp", f"vLLM served {_served(ref)} tokens")
     return Verdict(case, stream, "different", "; ".join(diffs)[:600])
 
 
-def _seeded(url: str, body: dict, mine: dict, ref: dict, case: Case, stream: bool, diffs: list[str]) -> Verdict:
-    """compare.KNOWN "seeded_sampling": each choice's first token is the worker's; the router repeats itself."""
-    again = summary(*post(url, body), case.endpoint == "chat", bool(body.get("stream")))
-    firsts = all(m["token_ids"][:1] == r["token_ids"][:1] for m, r in zip(mine["choices"], ref["choices"]))
-    if firsts and not differences(again, mine):
-        return Verdict(case, stream, "seeded_sampling")
-    return Verdict(case, stream, "different", "; ".join(diffs)[:600])
+def _served(ref: dict) -> int:
+    return sum(len(c["token_ids"]) for c in ref.get("choices") or [])
+
+
+def _clamped(mine: dict, ref: dict, body: dict) -> bool:
+    """compare.KNOWN "max_tokens_clamp", exactly: the router's 400 names the budget field with
+    context_length_exceeded's status, the budget is within max_model_len, and vLLM generated the room left."""
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    budget = body.get(field)
+    if mine["status"] != 400 or mine.get("param") != field or ref["status"] != 200 or "stream_error" in ref:
+        return False
+    if "truncate_prompt_tokens" in body or not isinstance(budget, int) or budget > MAX_MODEL_LEN:
+        return False
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        return False  # a token-id prompt: its length is known here without a tokenizer
+    return len(ref["choices"]) == 1 and _served(ref) == MAX_MODEL_LEN - len(prompt) < budget
 
 
 def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
@@ -113,6 +109,45 @@ def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,
     with ThreadPoolExecutor(clients) as pool:
         out = list(pool.map(one, runs))
     return out, time.monotonic() - t0
+
+
+def field_table(verdicts: list[Verdict]) -> str:
+    """Per endpoint, over every value tried of each field (streamed and not): fields whose every case was
+    identical, fields with a known difference (the kinds seen), open, refused by name, different."""
+    lines = ["| vLLM request fields | total | identical (every value) | known difference | open | refused by name "
+             "| different |", "|---|---|---|---|---|---|---|"]
+    for endpoint, path in ENDPOINTS.items():
+        kinds: dict[str, set[str]] = {}
+        for v in verdicts:
+            if v.case.endpoint == endpoint and not v.case.tag:
+                kinds.setdefault(v.case.field, set()).add(v.kind)
+        count = {k: sorted(f for f, ks in kinds.items() if _field_kind(ks) == k)
+                 for k in ("identical", "known", "open", "refused", "different")}
+        known = ", ".join(f"`{f}`: {'/'.join(sorted(kinds[f] - {'identical'}))}" for f in count["known"])
+        served = len(kinds) - len(count["refused"])
+        lines.append(f"| {path} | {len(kinds)} | {len(count['identical'])} of {served} served | "
+                     f"{len(count['known'])}{f' ({known})' if known else ''} | {len(count['open'])} | "
+                     f"{len(count['refused'])} | {len(count['different'])} |")
+    return "\n".join(lines)
+
+
+def _field_kind(kinds: set[str]) -> str:
+    """One field's class from the verdicts of all its cases."""
+    if "different" in kinds:
+        return "different"
+    if "open" in kinds:
+        return "open"
+    if kinds <= {"identical"}:
+        return "identical"
+    if "refused" in kinds and kinds <= {"refused", "identical"}:
+        return "refused"
+    return "known"
+
+
+def report(verdicts: list[Verdict]) -> list[dict[str, Any]]:
+    """Every verdict as JSON (``$PDSERVE_CONFORMANCE_REPORT``): for tables and before/after counts."""
+    return [{"key": v.key, "endpoint": v.case.endpoint, "field": v.case.field, "value": repr(v.case.value)[:80],
+             "stream": v.stream, "kind": v.kind, "detail": v.detail} for v in verdicts]
 
 
 def table(verdicts: list[Verdict]) -> str:

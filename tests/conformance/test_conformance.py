@@ -11,12 +11,13 @@ or refuses (cases.QUICK_USES), unstreamed, streamed too for the fields in suite.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
 
 from .cases import NO_CASES, cases, edge_cases, quick, vllm_models
-from .suite import OPEN, run, table
+from .suite import OPEN, field_table, report, run, table
 
 pytestmark = [
     pytest.mark.integration,
@@ -46,7 +47,10 @@ def test_router_answers_as_one_worker(pd_cluster, capsys):
     verdicts, seconds = run(router, worker, _all_cases(), stream_all=FULL)
     with capsys.disabled():
         print(f"\nconformance ({'full' if FULL else 'quick'} tier): {len(verdicts)} cases in {seconds:.1f} s\n"
-              + table(verdicts))
+              + table(verdicts) + "\n\n" + field_table(verdicts))
+    if os.environ.get("PDSERVE_CONFORMANCE_REPORT"):
+        with open(os.environ["PDSERVE_CONFORMANCE_REPORT"], "w") as f:
+            json.dump(report(verdicts), f, indent=1)
     different = [f"{v.key}: {v.detail}" for v in verdicts if v.kind == "different"]
     assert different == [], "\n".join(different)
     fixed = [v.key for v in verdicts if v.key in OPEN and v.kind != "open"]

@@ -5,7 +5,8 @@ allowed): prefill0 and decode0 of the shared 1P2D launch (conftest.py: ``pd_pair
 fault, checks that it was detected (the read's stats, the log, ``vllm:pdserve_kv_checksum_failures_total`` by path,
 or the refusal naming the field) and that greedy output still equals one worker's own:
 
-* a byte flipped in transit (``flip``: D flips a byte of a received block before its check);
+* a byte flipped in transit (``flip``: D flips a byte of a received block before its check; ``flip~SEED``: bytes at
+  random offsets of several units, any layer);
 * a late write into P's leased block after P sealed it, before D reads (``late``, given to P);
 * D given a P of another model or dtype (P's fingerprint in kv_transfer_params altered: the same check a real P of
   another model meets, without starting a third vLLM server);
@@ -21,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from .corruption_tally import record
+from .corruption_tally import injected
 from .test_pd_exactness import Worker, _prompt, _salt, _tokens, _wait_usage_zero
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]  # pd_pair: P and D of the shared pd_faults launch (tests/conftest.py: SHARED_STACKS)
@@ -87,9 +88,9 @@ def test_byte_flipped_in_transit_is_recomputed(stack, length):
     """700 tokens (1.5 MiB: D hashes after the read) and 1100 (2.25 MiB: D hashes each frame as it lands)."""
     p, d = stack
     before = _failures(d, "p2p")
+    case = injected("p2p", f"flip in transit ({length} tokens)")
     reference, tokens, stats = _case(stack, seed=2, d_fault="flip", length=length)
-    record("p2p", f"flip in transit ({length} tokens)", not stats["ok"] and "differ from P's checksums" in
-           stats["error"], tokens == reference)
+    case.done(not stats["ok"] and "differ from P's checksums" in stats["error"], tokens == reference)
     assert not stats["ok"] and "differ from P's checksums" in stats["error"], stats
     assert stats["streamed"] == (length == STREAMED), stats
     assert tokens == reference, "a corrupt block reached the answer"
@@ -98,12 +99,23 @@ def test_byte_flipped_in_transit_is_recomputed(stack, length):
     assert _wait_usage_zero(p, 10.0) <= 1e-9  # P still freed its blocks
 
 
+@pytest.mark.parametrize("length, seed", [(PROMPT, 41), (STREAMED, 42)])
+def test_bytes_flipped_at_random_places_are_recomputed(stack, length, seed):
+    """Issue 41: ``flip~SEED`` XORs one to four bytes at random offsets of random units (any block, layer, K or V
+    run) as the read lands (1100 tokens) or after it (700), before D hashes them; each is caught."""
+    case = injected("p2p", f"flip~{seed} at random places ({length} tokens)")
+    reference, tokens, stats = _case(stack, seed=seed, d_fault=f"flip~{seed}", length=length)
+    case.done(not stats["ok"] and "differ from P's checksums" in stats.get("error", ""), tokens == reference)
+    assert not stats["ok"] and "differ from P's checksums" in stats["error"], stats
+    assert tokens == reference, "a corrupt block reached the answer"
+
+
 def test_late_write_into_p_block_is_recomputed(stack):
     p, d = stack
     before = _failures(d, "p2p")
+    case = injected("late_write", "write into P's block after its seal")
     reference, tokens, stats = _case(stack, seed=3, p_fault="late")
-    record("late_write", "write into P's block after its seal", not stats["ok"] and "differ from P's checksums"
-           in stats.get("error", ""), tokens == reference)
+    case.done(not stats["ok"] and "differ from P's checksums" in stats.get("error", ""), tokens == reference)
     assert not stats["ok"] and "differ from P's checksums" in stats["error"], stats
     assert "pdserve_test_fault=late" in p.log_text()
     assert tokens == reference
@@ -113,9 +125,10 @@ def test_late_write_into_p_block_is_recomputed(stack):
 @pytest.mark.parametrize("field, value", [("model_hash", "0123456789abcdef"), ("dtype", "bfloat16")])
 def test_p_of_another_model_or_dtype_is_refused_by_field(stack, field, value):
     p, _ = stack
+    case = injected("foreign_p", f"P of another {field}")
     reference, tokens, stats = _case(stack, seed=4 + len(field), fingerprint={field: value})
-    record("foreign_p", f"P of another {field}", not stats["ok"] and str(stats.get("refused", "")).startswith(
-        f"fingerprint mismatch: {field}"), tokens == reference)
+    case.done(not stats["ok"] and str(stats.get("refused", "")).startswith(f"fingerprint mismatch: {field}"),
+              tokens == reference)
     assert not stats["ok"] and stats["refused"].startswith(f"fingerprint mismatch: {field}: P='{value}'"), stats
     assert tokens == reference
     assert _wait_usage_zero(p, 10.0) <= 1e-9  # D told P to free the blocks it refused

@@ -25,6 +25,8 @@ pytestmark = [
 ]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 openai = pytest.importorskip("openai")
 
+NEAR_GREEDY = 1e-5  # vLLM's least temperature that samples (n > 1 allowed): the greedy answer in practice
+
 
 @pytest.fixture(scope="module")
 def cluster(pd_cluster):
@@ -242,9 +244,11 @@ def test_chat_logprobs_equal_one_worker(cluster, client):
 
 
 def test_n_and_prompt_lists_equal_one_worker(cluster, client):
-    # greedy: every choice is one worker's n=1 output (vLLM itself refuses n > 1 with greedy sampling)
+    # near-greedy (temperature 1e-5, vLLM's least random sampling: the router refuses greedy n > 1 as vLLM does):
+    # every choice is one worker's greedy n=1 output
     body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
     ref = _api_alone(cluster, "/v1/completions", {**body, "ignore_eos": True})
+    body["temperature"] = NEAR_GREEDY
     out = client.completions.create(model="rl", **body, n=3, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == [ref["choices"][0]["text"]] * 3
@@ -254,6 +258,7 @@ def test_n_and_prompt_lists_equal_one_worker(cluster, client):
     # a list of prompts with n=2: choices in order prompt by prompt, usage summed (prompts counted once)
     body = {"prompt": ["Once upon a time", "In a hole in the ground"], "max_tokens": 5, "temperature": 0}
     ref = _api_alone(cluster, "/v1/completions", {**body, "ignore_eos": True})
+    body["temperature"] = NEAR_GREEDY
     out = client.completions.create(model="rl", **body, n=2, extra_body={"ignore_eos": True})
     assert [c.text for c in out.choices] == [c["text"] for c in ref["choices"] for _ in range(2)]
     assert out.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
@@ -267,6 +272,7 @@ def test_n_and_prompt_lists_equal_one_worker(cluster, client):
     # chat n=2, streamed: each choice carries its index
     chat = {"messages": USER, "max_tokens": 5, "temperature": 0}
     ref = _api_alone(cluster, "/v1/chat/completions", {**chat, "ignore_eos": True})
+    chat["temperature"] = NEAR_GREEDY
     got: dict[int, str] = {}
     for chunk in client.chat.completions.create(model="rl", stream=True, n=2, **chat,
                                                 extra_body={"ignore_eos": True}):
@@ -437,7 +443,7 @@ def test_client_leaving_n_stream_frees_blocks(cluster, client):
     p_url, d_url = cluster.worker_urls("prefill")[0], cluster.worker_urls("decode")[0]
     _wait_for_empty_caches(cluster)
     stream = client.completions.create(model="rl", prompt="Tell me a very long story " * 30, max_tokens=1500, n=2,
-                                       temperature=0, stream=True, logprobs=1, extra_body={"ignore_eos": True})
+                                       temperature=NEAR_GREEDY, stream=True, logprobs=1, extra_body={"ignore_eos": True})
     seen: dict[int, int] = {}
     for chunk in stream:  # leave once both choices are decoding on D (see the report on P-answered-D-not-asked)
         for c in chunk.choices:

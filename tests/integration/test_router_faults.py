@@ -83,7 +83,8 @@ def test_stopped_prefill_worker_is_waited_for_not_ejected(cluster):
     reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
     out: dict = {}
 
-    scored = {**body, "n": 2, "prompt_logprobs": 1}  # n=2 with prompt_logprobs: every choice waits on P too
+    # n=2 with prompt_logprobs: every choice waits on P too (temperature 1e-5: vLLM refuses greedy n > 1)
+    scored = {**body, "n": 2, "prompt_logprobs": 1, "temperature": 1e-5}
 
     def client() -> None:
         out["answer"] = _post(cluster.router_url + "/v1/completions", body)

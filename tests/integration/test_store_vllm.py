@@ -33,7 +33,7 @@ from pdserve.transfer import TransferConfig, TransferEngine
 from pdserve.transfer.checksum import xxh3_spans
 from pdserve.vllm.pool import MAGIC, SEAL_BYTES
 
-from .corruption_tally import record
+from .corruption_tally import injected
 from .test_pd_exactness import ROOT, START_TIMEOUT_S, Server, _prompt, _salt, _tokens  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -179,12 +179,12 @@ def test_prefix_loaded_from_pool_equals_computed(model_dir, pool, tmp_path) -> N
         objects = _read_objects(port, keys, size)
         bad = objects[3].copy()
         bad[1000] ^= 0x10
+        case = injected("pool", "byte flipped in a pool object")
         _replace_objects(port, client, keys[3:4], [bad])
         server.reset_prefix_cache()
         flipped = _tokens(server.complete(prompt, GEN))
         assert _wait_metric(server, "vllm:pdserve_kv_pool_loaded_tokens_total", 10 * BLOCK) == 10 * BLOCK
-        record("pool", "byte flipped in a pool object",
-               _wait_metric(server, "vllm:pdserve_kv_checksum_failures_total", 1) == 1, flipped == computed)
+        case.done(_wait_metric(server, "vllm:pdserve_kv_checksum_failures_total", 1) == 1, flipped == computed)
         assert _wait_metric(server, "vllm:pdserve_kv_checksum_failures_total", 1) == 1
         assert 'path="pool"' in _metrics_text(server) and "KV pool block 3" in server.log_text()
         assert flipped == computed, "a corrupt pool block reached the answer"

@@ -179,3 +179,25 @@ def test_uni_executor_workers_pin_their_openmp_threads_to_their_cores(monkeypatc
         assert "OMP_PLACES" not in other
     monkeypatch.setenv("OMP_PROC_BIND", "false")  # the launcher's own: the workers inherit it, and nothing is added
     assert "OMP_PLACES" not in env(cores=(0,))
+
+
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_kv_checksum_on_vllms_planes_is_said_not_dropped(tmp_path, connector, capsys):
+    """Issue 41: vLLM's data planes move KV unverified; the launch says so (start-up log and --dry-run) instead of
+    dropping --kv-checksum without a word; pdserve's own plane and pool say what they verify."""
+    from pdserve import cli
+    from pdserve.launch.checksum_note import checksum_note
+
+    note = checksum_note(_cfg(tmp_path, kv_connector=connector))
+    assert note.startswith("kv checksum: NOT applied: vLLM's") and "Mooncake Store" not in note
+    store = checksum_note(_cfg(tmp_path, kv_connector=connector, pool_backend="mooncake"))
+    assert "and Mooncake Store move KV blocks unverified" in store
+    assert checksum_note(_cfg(tmp_path, kv_connector=connector, kv_checksum=False)).startswith("kv checksum: off")
+    own = checksum_note(_cfg(tmp_path))
+    assert own.startswith("kv checksum: on: every P -> D read (any TP degrees) and every KV pool object")
+    assert "pool" not in checksum_note(_cfg(tmp_path, pool=False))
+    assert checksum_note(_cfg(tmp_path, connector_extra={"kv_checksum": False})).startswith("kv checksum: off")
+    model = tmp_path / "m"
+    assert cli.main(["serve", "--gpus", "none", "--model", str(model), "--port", "0", "--kv-connector", connector,
+                     "--dry-run"]) == 0
+    assert "kv checksum: NOT applied" in capsys.readouterr().out

@@ -127,20 +127,40 @@ def test_parse_new_fields():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "a", "n": 200}, "n"), ({"prompt": ["a"] * 100, "n": 2}, "prompt"),
+    ({"prompt": "a", "n": 16385, "temperature": 1}, None), ({"prompt": "a", "n": 2, "temperature": 0}, None),
+    ({"prompt": "a", "n": 0}, None), ({"prompt": "a", "top_k": -2}, None), ({"prompt": "a", "min_p": 2}, None),
+    ({"prompt": "a", "presence_penalty": 3}, None), ({"prompt": "a", "min_tokens": -1}, None),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ({"prompt": "a", "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "guided_json": {}}, "guided_json"),
     ({"prompt": "a", "structured_outputs": {"json": {}, "regex": "x"}}, "structured_outputs"),
     ({"prompt": "a", "structured_outputs": {}}, "structured_outputs"),
     ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format"),
     # as vLLM 0.32 (the conformance suite's full tier found the router serving them)
-    ({"prompt": "a", "stop": ""}, "stop"), ({"prompt": "a", "stop": ["x", ""]}, "stop"),
+    ({"prompt": "a", "stop": ""}, None), ({"prompt": "a", "stop": ["x", ""]}, None),
     ({"prompt": "a", "stream": True, "prompt_logprobs": 5}, "prompt_logprobs"),
 ])
 def test_parse_completion_refuses(body, param):
     with pytest.raises(RouterError) as e:
         parse_completion(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_parse_completion_takes_what_vllm_takes():
+    """Issue 41: n up to vLLM's VLLM_MAX_N_SEQUENCES with sampling (whatever the number of prompts), and echo with
+    max_tokens 0 (prompt scoring: one token generated and hidden)."""
+    r = parse_completion({"prompt": ["a"] * 100, "n": 2, "temperature": 0.5})
+    assert r.n == 2 and len(r.prompts) == 100
+    assert parse_completion({"prompt": "a", "n": 16384, "temperature": 1}).n == 16384
+    scored = parse_completion({"prompt": "a", "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert scored.score_only and scored.max_tokens == 1 and scored.sampling["prompt_logprobs"] == 1
+    assert not parse_completion({"prompt": "a", "echo": True, "max_tokens": 3}).score_only
+    # seeded random sampling: D samples every token (one random stream, as one worker); greedy keeps P's token
+    assert parse_completion({"prompt": "a", "seed": 1, "temperature": 0.5}).constrained
+    assert parse_completion({"prompt": "a", "seed": 1}).constrained  # vLLM's default temperature samples
+    assert not parse_completion({"prompt": "a", "seed": 1, "temperature": 0}).constrained
+    assert not parse_completion({"prompt": "a", "temperature": 0.5}).constrained
 
 
 def test_streamed_prompt_logprobs_0_is_served_as_vllm_serves_it():
@@ -156,7 +176,7 @@ def test_streamed_prompt_logprobs_0_is_served_as_vllm_serves_it():
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"stop": ""}, "stop"), ({"stream": True, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"stop": ""}, None), ({"stream": True, "prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_parse_chat_refuses(extra, param):
     with pytest.raises(RouterError) as e:

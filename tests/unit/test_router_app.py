@@ -502,13 +502,13 @@ def test_error_statuses_and_shapes(model_dir, tokenizer):
                 ({"max_tokens": 2}, 400, "prompt"),
                 ({"prompt": "a", "temperature": -1}, 400, "temperature"),
                 ({"prompt": "a", "top_p": 0}, 400, "top_p"),
-                ({"prompt": "a", "n": 0}, 400, "n"),
+                ({"prompt": "a", "n": 0}, 400, None),  # vLLM's SamplingParams names no parameter
                 ({"prompt": "a", "stop": 3}, 400, "stop"),
                 ({"prompt": [1, -2]}, 400, "prompt"),
                 ({"prompt": [5, 5000]}, 400, None),  # out of the vocabulary: vLLM's engine names no param
                 ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
                 ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
-                ({"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+                ({"prompt": "a", "logprobs": -2}, 400, "logprobs"),
                 ([1, 2], 400, None),
             ]
             for body, status, param in cases:
@@ -544,7 +544,10 @@ def test_worker_4xx_passed_through(model_dir, tokenizer):
             st, out = await env.post("/v1/completions", {"prompt": "a"})
             assert st == 400 and _is_openai_error(out) and "fake error from P" in out["error"]["message"]
             st, out = await env.stream("/v1/completions", {"prompt": "a", "stream": True})
-            assert st == 400  # before the first token: a real status, not a 200 stream
+            # a refusal from the worker's engine, streamed: 200 and vLLM's error event (issue 41), as one worker
+            assert st == 200 and len(out) == 1, out
+            err = json.loads(out[0])["error"]
+            assert err["code"] == 400 and err["type"] == "BadRequestError" and "fake error from P" in err["message"]
             p.status = d.status = 500  # a 5xx moves the request (P, then D alone); with none left: 502
             st, out = await env.post("/v1/completions", {"prompt": "a"})
             assert st == 502 and _is_openai_error(out) and "no other worker" in out["error"]["message"]

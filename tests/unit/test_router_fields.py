@@ -50,7 +50,8 @@ def test_forwarded_fields_reach_the_workers(endpoint):
     for name in names(endpoint, "forwarded") + names(endpoint, "regenerated"):
         if name not in _VALUES:
             continue  # read by the parser on their own (temperature, seed, ...: tests/unit/test_router_units.py)
-        req = _parse(endpoint, {name: _VALUES[name]})
+        needs = {"logprobs": 1 if endpoint == "completions" else True} if name == "logprob_token_ids" else {}
+        req = _parse(endpoint, {name: _VALUES[name], **needs})  # logprob_token_ids needs logprobs, as in vLLM
         assert req.sampling[name] == _VALUES[name], name
         assert req.constrained == (FIELDS[endpoint][name][0] == "regenerated"), name
 

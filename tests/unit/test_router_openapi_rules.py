@@ -31,7 +31,7 @@ def _kinds(tool_parser: bool) -> set[str]:
 
 
 def test_the_document_uses_only_the_kinds_checked_here():
-    assert _kinds(False) | _kinds(True) == {"less", "in", "json", "exclusive", "choices", "keys_below", "context"}
+    assert _kinds(False) | _kinds(True) == {"less", "in", "json", "exclusive", "keys_below", "context", "greedy_n"}
 
 
 def test_less_thinking_budget_under_max_tokens():
@@ -70,11 +70,15 @@ def test_exclusive_response_format_or_structured_outputs():
     assert not hooks.breaks({**body, "structured_outputs": None}, rule)
 
 
-def test_choices_prompts_times_n():
-    _refused(parse_completion, {"prompt": ["a", "b"], "n": 65}, "prompt")
-    assert parse_completion({"prompt": ["a", "b"], "n": 64}).n == 64
-    rule = {"rule": "choices", "prompts": "/prompt", "n": "/n", "limit": 128}
-    assert hooks.breaks({"prompt": ["a", "b"], "n": 65}, rule) and not hooks.breaks({"prompt": "a", "n": 128}, rule)
+def test_choices_are_vllms_bound_not_a_product_of_prompts():
+    """Issue 41: n up to vLLM's VLLM_MAX_N_SEQUENCES whatever the number of prompts (vLLM has no n x prompts
+    limit); greedy n > 1 refused as vLLM refuses it (unnamed)."""
+    assert parse_completion({"prompt": ["a", "b"], "n": 65, "temperature": 1}).n == 65
+    _refused(parse_completion, {"prompt": "a", "n": 16385, "temperature": 1}, None)
+    _refused(parse_completion, {"prompt": "a", "n": 2, "temperature": 0}, None)
+    rule = {"rule": "greedy_n", "n": "/n", "temperature": "/temperature", "eps": 1e-5}
+    assert hooks.breaks({"n": 2, "temperature": 0}, rule) and not hooks.breaks({"n": 2, "temperature": 0.5}, rule)
+    assert not hooks.breaks({"n": 2}, rule) and not hooks.breaks({"n": 1, "temperature": 0}, rule)
 
 
 def test_keys_below_and_context_are_the_apps(model_dir, tokenizer):  # noqa: F811

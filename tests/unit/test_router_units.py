@@ -88,7 +88,7 @@ def test_parse_completion_fields():
     ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1.5]}, "prompt"),
     ({"prompt": "a", "seed": "1"}, "seed"), ({"prompt": "a", "stream": "maybe"}, "stream"),
     ({"prompt": "a", "temperature": float("nan")}, "temperature"), ({"prompt": "a", "echo": 2}, "echo"),
-    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": "a", "stop": [1]}, "stop"),
+    ({"prompt": "a", "presence_penalty": 2.5}, None), ({"prompt": "a", "stop": [1]}, "stop"),  # vLLM: unnamed
 ])
 def test_parse_completion_rejects(body, param):
     with pytest.raises(RouterError) as e:

@@ -48,6 +48,41 @@ def test_wsum_rows_matches_the_definition_and_adds_up_over_pieces():
         wsum_rows(rows[:, :6])
 
 
+def _numpy_wsum(data: bytes) -> int:
+    """wsum32 by another arithmetic: numpy unsigned 64-bit products and sum, which wrap mod 2**64 by definition."""
+    words = np.frombuffer(data, dtype="<i4").astype(np.int64).astype(np.uint64)
+    weights = np.arange(len(words), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return int((words * weights).sum(dtype=np.uint64))
+
+
+def test_wsum_rows_wraps_like_the_exact_sum_mod_2_64():
+    """Rows whose int64 sum overflows (1 MiB of words near +-2**31): torch's wrapping int64 sum equals the exact
+    integer sum mod 2**64 (Python integers) and numpy's unsigned wrapping sum."""
+    rng = np.random.default_rng(5)
+    words = rng.choice(np.array([2**31 - 1, -2**31, -1, 2**31 - 7], dtype=np.int32), size=(2, 1 << 18))
+    rows = torch.from_numpy(words.view(np.uint8).reshape(2, -1).copy())
+    got = [to_u64(v) for v in wsum_rows(rows).tolist()]
+    for row, value in zip(words, got):
+        exact = sum(int(w) * (2 * j + 1) for j, w in enumerate(row.tolist())) % (1 << 64)
+        assert abs(sum(int(w) * (2 * j + 1) for j, w in enumerate(row.tolist()))) > 1 << 63  # it did overflow
+        assert value == exact == _numpy_wsum(row.tobytes())
+
+
+def test_block_sums_wsum_equals_the_definition_over_a_blocks_units():
+    """BlockSums' batched wsum32 over two layers of K and V planes (vLLM's FlashAttention layout [2, B, N, H, D] on
+    CPU tensors) equals wsum32 of the block's units laid end to end, computed byte by byte in numpy."""
+    caches = {f"l{i}": torch.randn((2, NB, BS, HEADS, D), dtype=torch.float16) for i in range(2)}
+    layers = [LayerGeometry(name, g.block_stride, g.block_bytes, g.runs) for name, c in caches.items()
+              for g in _layers_flash(c)]
+    flat = {name: c.view(-1).view(torch.uint8) for name, c in caches.items()}
+    sums = BlockSums(layers, flat)
+    assert sums.alg == WSUM
+    for block in (0, 3, NB - 1):
+        joined = b"".join(flat[name][off:off + n].numpy().tobytes() for name, off, n in sums.units(block))
+        assert sums.sums([block]) == [_numpy_wsum(joined)] == [_reference_wsum(joined)]
+
+
 def _layers_flash(cache: torch.Tensor) -> list[LayerGeometry]:
     """FlashAttention's [2, B, N, H, D]: a block is two runs, K's and V's planes apart."""
     elem = cache.element_size()
@@ -129,10 +164,15 @@ def test_arrival_hasher_equals_the_block_sums_whatever_frames_land_in_whatever_o
     foreign.frame([("l0", 0, "l0", 0, 256), ("other", 0, "other", 0, 64)] + pieces)
     assert foreign.result() == sums.sums(blocks)
     before = sums.sums(blocks)
-    flipped = ArrivalHasher(sums, blocks, flip=True)  # test fault: corrupted as it lands
+    flipped = ArrivalHasher(sums, blocks, [(0, 0, 0, 0xFF)])  # test fault: corrupted as it lands
     flipped.frame(pieces)
     got = flipped.result()
     assert got[0] != before[0] and got[1:] == before[1:] and got == sums.sums(blocks)
+    before = got
+    scattered = ArrivalHasher(sums, blocks, [(1, 3, 5, 0x10), (2, 1, 127, 0x01)])  # other blocks, layers, offsets
+    scattered.frame(pieces)
+    got = scattered.result()
+    assert got[0] == before[0] and got[1] != before[1] and got[2] != before[2] and got == sums.sums(blocks)
 
 
 def test_check_read_uses_what_landed_when_p_used_xxh3u():
@@ -149,7 +189,7 @@ def test_check_read_uses_what_landed_when_p_used_xxh3u():
     verifier.verify(sums, 9, reply, [1, 2], [7, 8], tap, "request r", stats)
     assert stats == {"verified": 2, "streamed": True}
     with pytest.raises(TransferError, match="differ"):
-        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], True), "r", stats)
+        verifier.verify(sums, 9, reply, [1, 2], [7, 8], verifier.tap(sums, [1, 2], [(0, 0, 0, 0xFF)]), "r", stats)
     assert stats["checksum_failed"]
     dev = BlockSums(sums.layers, {n: torch.from_numpy(m) for n, m in sums.memory.items()})
     assert dev.alg == WSUM and verifier.tap(dev, [1, 2]) is None  # device memory: hashed after the read

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.vllm.flips import fault_seed, placements
 from pdserve.vllm.layout import LayoutError, head_runs, layout_from_order, reshard
 from pdserve.vllm.messages import NOTIFIED, PdserveWorkerMeta, merge_reads
 from pdserve.vllm.params import BlockPlan, RemoteParams, fault_hits, known_test_fault
@@ -23,6 +24,7 @@ from pdserve.vllm.shards import (
     rank_heads,
     release_notifiers,
     slice_entries,
+    split_heads,
     to_notify,
     unit_signature,
 )
@@ -67,6 +69,13 @@ def test_notifiers_cover_every_p_rank_once_per_reader():
     assert peer_ranks(8, 4, 2, 1) == (2, 3) and peer_ranks(0, 3, 3, 2) == (2,)
     assert to_notify(notifiers(2, 1, 2), 1) == {0: 2}
     assert release_notifiers(2, 1) == {0: (0,), 1: (0,)} and release_notifiers(1, 2) == {0: (0,)}
+
+
+def test_notify_message_names_the_heads_of_a_resharded_read():
+    msg = notify_message("req|x", 1, 2, (7, 9), heads=(0, 3))
+    assert split_heads(msg) == (notify_message("req|x", 1, 2, (7, 9)), (0, 3))
+    assert parse_notify(split_heads(msg)[0]) == ("req|x", 1, 2, (7, 9))
+    assert split_heads("req#heads=x") == ("req#heads=x", ()) and split_heads("req-1") == ("req-1", ())
 
 
 def test_notify_message_round_trip_and_bare_ids():
@@ -126,6 +135,27 @@ def test_test_faults_per_rank():
     assert fault_hits("zero", "zero", 3) and fault_hits("zero@1", "zero", 1)
     assert not fault_hits("zero@1", "zero", 0) and not fault_hits("fail@1", "zero", 1)
     assert known_test_fault("fail@2") and not known_test_fault("fail@x") and not known_test_fault("boom")
+    assert fault_hits("flip~17", "flip", 0) and fault_hits("flip~17@1", "flip", 1)
+    assert not fault_hits("flip~17@1", "flip", 0) and not fault_hits("flip@", "flip", 0)
+    assert known_test_fault("flip~17@1") and known_test_fault("late~3")
+    assert not known_test_fault("zero~3") and not known_test_fault("flip~x")
+
+
+def test_random_flip_placements_are_seeded_and_spread():
+    """flip~SEED: one to four units anywhere in the read, a byte inside each, a non-zero mask; the same seed
+    gives the same places; over many seeds every block and every unit (every layer's runs) is hit."""
+    sizes = [256, 256, 64, 64]  # e.g. two layers of K and V runs
+    assert placements("flip", sizes, 3) == [(0, 0, 0, 0xFF)] and placements("flip~1", sizes, 0) == []
+    seen: set[tuple[int, int]] = set()
+    for seed in range(200):
+        flips = placements(f"flip~{seed}", sizes, 3)
+        assert flips == placements(f"flip~{seed}@2", sizes, 3) and 1 <= len(flips) <= 4
+        assert len({(s, k) for s, k, _, _ in flips}) == len(flips)
+        for slot, k, at, mask in flips:
+            assert 0 <= slot < 3 and 0 <= at < sizes[k] and 1 <= mask <= 255
+            seen.add((slot, k))
+    assert seen == {(s, k) for s in range(3) for k in range(4)}
+    assert fault_seed("late~9") == 9 and fault_seed("zero~9") is None and fault_seed("flip") is None
 
 
 # ---- layouts: resharding and head slices on real tensors ----

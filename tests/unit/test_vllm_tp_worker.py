@@ -1,6 +1,7 @@
 """The worker half with tensor-parallel ranks, in one process over real transfer engines: a TP=1 D reads each
 head from the P rank holding it, TP=2 D ranks read their head from a TP=1 P, every P rank frees its shard once
-all its readers notified, and a failed read from one rank still tells every P rank to free."""
+all its readers notified, a failed read from one rank still tells every P rank to free, and (issue 41) reads that
+reshard heads are verified per head slice against what each P rank sealed."""
 
 from __future__ import annotations
 
@@ -136,3 +137,63 @@ def test_same_tp_ranks_verify_their_shard_against_their_p_rank(sides):
         if r == 0:  # rank 0's shard arrived intact: P rank 0's block 3 is D rank 0's block 0
             assert torch.equal(d._tensors["layer.0"][0], ps[0]._tensors["layer.0"][3])
     assert all(_released(p, "req") for p in ps)
+
+
+def _seal(ps: list[WorkerSide], req: str, fault: str = "") -> None:
+    for p in ps:
+        p.start(PdserveMeta(send={req: time.time() + 30}, seal={req: (3, 4)}, faults={req: fault} if fault else {}))
+
+
+@pytest.mark.parametrize("fault", ["", "flip", "flip~7", "late", "late~3"])
+def test_resharded_read_is_verified_per_head_slice(sides, fault):
+    """Issue 41: a TP=1 D reading each head from a TP=2 P checks every head slice against what P rank r sealed
+    (P's answer: its sums of the blocks D read, recomputed and compared with its seal, then per head); a byte
+    flipped in transit (D) or written into P rank 1's block after its seal (P) fails the read before use."""
+    ps = [sides(2, r, True) for r in range(2)]
+    d = sides(1, 0, False)
+    _seal(ps[:1], "req")
+    _seal(ps[1:], "req", fault if fault.startswith("late") else "")
+    time.sleep(0.2)  # P rank 1 sealed (and, with late, then wrote into its block)
+    d._run(RecvJob("dreq", _remote(ps, "req", fault=fault if fault.startswith("flip") else ""),
+                   BlockPlan((0, 1), (3, 4))))
+    res = d.results()
+    stats = d.take_worker_meta().reads["dreq"]
+    if not fault:
+        assert res.finished_recving == {"dreq"} and not res.failed_recving and stats["verified"] == 2, stats
+        assert torch.all(d._tensors["layer.0"][0, 1] == 1000 + 3 + 1)
+    else:
+        assert res.failed_recving == {"dreq"} and stats["checksum_failed"], stats
+        assert "differ from P's checksums" in stats["error"], stats
+        assert ("changed after P sealed them" in stats["error"]) == fault.startswith("late"), stats
+        assert d.take_invalid_blocks() == {0, 1}
+    assert all(_released(p, "req") for p in ps)
+
+
+def test_d_tp2_ranks_verify_their_heads_of_a_tp1_p(sides):
+    """1 -> 2: each D rank names its head to the one P rank; a flip on D rank 1 fails rank 1 alone."""
+    p = sides(1, 0, True)
+    ds = [sides(2, r, False) for r in range(2)]
+    _seal([p], "req")
+    for r, d in enumerate(ds):
+        d._run(RecvJob("dreq", _remote([p], "req", fault="flip~11@1"), BlockPlan((0, 1), (3, 4))))
+        assert d.results().failed_recving == (set() if r == 0 else {"dreq"})
+        stats = d.take_worker_meta().reads["dreq"]
+        assert stats["ok"] == (r == 0) and (stats["verified"] == 2) == (r == 0), stats
+    assert _released(p, "req")
+
+
+def test_p_answers_head_sums_only_for_bytes_it_sealed(sides):
+    """P's side of a head-slice answer: head sums that add nothing D cannot recompute, refused once the block
+    changed after its seal."""
+    from pdserve.vllm.head_sums import head_reply, head_sums
+
+    p = sides(2, 0, True)
+    _seal([p], "req")
+    reply = p._seals.reply("req", p.sums.alg, p.fp_digest)
+    answer = head_reply(reply, p.sums, p.rank_layers, [3, 4], [0])
+    assert answer["h"] == [0] and answer["b"] == [3, 4]
+    assert answer["c"] == head_sums(p.rank_layers, p._memory, [0], [3, 4], p.sums.alg)
+    assert answer["c"][0] == p.sums.sums([3, 4])  # one head per rank: its slice is the whole block
+    p.sums.flip_byte(4, at=9)
+    assert head_reply(reply, p.sums, p.rank_layers, [3, 4], [0]) == {"fp": p.fp_digest, "changed": [4]}
+    assert head_reply({"fp": 1, "missing": "x"}, p.sums, p.rank_layers, [3], [0]) == {"fp": 1, "missing": "x"}

@@ -25,7 +25,8 @@ from .openapi_parts import (
     tool_rules,
     with_nulls,
 )
-from .protocol import GUIDED, MAX_CHOICES, UNSUPPORTED_FIELDS
+from .protocol import GUIDED, UNSUPPORTED_FIELDS
+from .sampling_refusals import GREEDY_EPS, max_n
 
 Fields = list[tuple[str, dict[str, Any], str]]  # (name, schema, description)
 
@@ -61,8 +62,8 @@ COMMON: Fields = [
      "scheduling priority (the workers must run priority scheduling for a value other than 0)"),
     ("return_tokens_as_token_ids", BOOL, "logprobs' tokens as token_id:N"),
     ("request_id", {"type": "string", "minLength": 1}, "the answer's id is cmpl-/chatcmpl- + this"),
-    ("n", {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
-     "choices per prompt (the prompt is prefilled once)"),
+    ("n", {"type": "integer", "minimum": 1, "maximum": max_n()},
+     "choices per prompt, up to vLLM's VLLM_MAX_N_SEQUENCES; more than 1 needs temperature > 0, as vLLM"),
     ("best_of", nullable({"type": "integer", "const": 1}), "only 1 (or equal to n)"),
     ("prompt_logprobs", nullable({"type": "integer", "minimum": -1}), "vLLM: logprobs of the prompt's tokens"),
     ("response_format", {"type": "object", "required": ["type"], "properties": {
@@ -96,13 +97,15 @@ COMMON: Fields = [
 
 _COMPLETION: Fields = [
     ("prompt", {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1},
-                          {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+                          {"type": "array", "minItems": 1,
                            "items": {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1}]}}]},
      "one prompt: text or token ids"),
     ("max_tokens", nullable({"type": "integer", "minimum": 1}), "default 16 (null too, as vLLM 0.32)"),
     ("add_special_tokens", BOOL, "add the tokenizer's special tokens (default true)"),
     ("echo", BOOL, "put the prompt (and its logprobs) before the output"),
-    ("logprobs", nullable({"type": "integer", "minimum": 0}), "logprobs of each output token and N alternatives"),
+    ("logprobs", nullable({"type": "integer", "minimum": -1}),
+     "logprobs of each output token and N alternatives (-1: the whole vocabulary, past a worker's --max-logprobs "
+     "refused by it, as vLLM)"),
 ]
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": STR}}
@@ -182,7 +185,7 @@ def _request_schema(fields: Fields, kind: str, required: str, *conditions: dict[
 def completion_schema(max_model_len: int, vocab_size: int) -> dict[str, Any]:
     return rules.with_rules(_request_schema(_COMPLETION, "completions", "prompt"),
                             rules.context("completion", max_model_len, ("/max_tokens",), 16),
-                            rules.bias_keys(vocab_size), rules.choices(MAX_CHOICES))
+                            rules.bias_keys(vocab_size), rules.greedy_n(GREEDY_EPS))
 
 
 def chat_schema(max_model_len: int, vocab_size: int, tool_parser: bool) -> dict[str, Any]:
@@ -191,6 +194,6 @@ def chat_schema(max_model_len: int, vocab_size: int, tool_parser: bool) -> dict[
                               {"properties": {"top_logprobs": {"enum": [None, 0]}}}]}
     schema = rules.with_rules(_request_schema(_CHAT, "chat", "messages", top_logprobs, {"not": _BOTH_TRUE}),
                               rules.named_tool("/tool_choice/function/name", "/tools/*/function/name"),
-                              rules.bias_keys(vocab_size),
+                              rules.bias_keys(vocab_size), rules.greedy_n(GREEDY_EPS),
                               rules.context("chat", max_model_len, ("/max_completion_tokens", "/max_tokens")))
     return tool_rules(schema, tool_parser, {"not": {"enum": ["none", None]}}, {"type": "array"}, {"const": "none"})

@@ -10,8 +10,8 @@ a 400 (P, Q, R: JSON pointers into the body; a "*" part stands for each item of 
   holds that value, the string at its key K2 is empty or a JSON text;
 - ``{"rule": "exclusive", "fields": [P, Q], "unless": {R: value}}``: P and Q do not both hold a value other than
   null, unless every pointer of "unless" holds its value;
-- ``{"rule": "choices", "prompts": P, "n": Q, "limit": N}``: the prompts at P (a list of prompts, else one) times
-  n at Q (1 when unset) is at most N (the router's limit on choices per request: 400 naming prompt);
+- ``{"rule": "greedy_n", "n": P, "temperature": Q, "eps": E}``: where P holds a number over 1 and Q a number, Q's
+  is at least E (vLLM 0.32: greedy sampling takes one choice; 400 naming no parameter);
 - ``{"rule": "keys_below", "field": P, "limit": N}``: each key of the object at P, a token id, is below N (the
   vocabulary's size);
 - ``{"rule": "context", "form": F, "max_model_len": L, "output": [P, ...], "default_output": D}``: the prompt fits
@@ -55,9 +55,9 @@ def bias_keys(vocab_size: int) -> dict[str, Any]:
             "description": "logit_bias keys are token ids of the vocabulary (400 naming logit_bias)"}
 
 
-def choices(limit: int) -> dict[str, Any]:
-    return {"rule": "choices", "prompts": "/prompt", "n": "/n", "limit": limit,
-            "description": f"prompts x n choices at most {limit} per request (400 naming prompt)"}
+def greedy_n(eps: float) -> dict[str, Any]:
+    return {"rule": "greedy_n", "n": "/n", "temperature": "/temperature", "eps": eps,
+            "description": f"n > 1 needs temperature >= {eps} (vLLM refuses greedy sampling with several choices)"}
 
 
 def less(field: str, than: str, when: dict[str, Any], description: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from .chat_request import parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
 from .lax_values import as_flag, flag, integral
 from .limits import load_json
+from .sampling_refusals import GREEDY_EPS, check_n, out_of_range
 from .truncation import Truncation, parse_truncation
 
 # Known-but-unsupported fields: refused (silently dropping them would change results).
@@ -28,7 +29,6 @@ UNSUPPORTED_FIELDS = {kind: names(kind, "refused") + EXTRA_REFUSED[kind] for kin
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
-MAX_CHOICES = 128  # n x prompts per request
 CACHE_SALT_MAX = 128  # vLLM 0.32 refuses a longer cache_salt, or one with these characters
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _INT64 = 2 ** 63
@@ -68,6 +68,7 @@ class GenerationRequest:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # top alternatives per output token (chat: top_logprobs); None: no logprobs
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    score_only: bool = False  # completions: echo with max_tokens 0: the prompt alone (its one generated token hidden)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked (echo alone sends logprobs to workers)
     prompts: list[str | list[int]] | None = None  # completions: several prompts (one request each, fanned out)
     constrained: bool = False  # structured outputs: D regenerates the first token (Generation first_from_prefill)
@@ -98,9 +99,9 @@ def _opt_number(body: dict, name: str, lo: float | None = None, hi: float | None
     if not _is_num(v):
         raise bad_request(f"'{name}' must be a number, got {v!r}", name)
     if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise bad_request(f"'{name}'={v} is out of range: must be {'>' if lo_open else '>='} {lo}", name)
+        raise out_of_range(name, v, f"'{name}'={v} is out of range: must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and v > hi:
-        raise bad_request(f"'{name}'={v} is out of range: must be <= {hi}", name)
+        raise out_of_range(name, v, f"'{name}'={v} is out of range: must be <= {hi}")
     return v
 
 
@@ -111,9 +112,9 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
     if not _is_int(v):
         raise bad_request(f"'{name}' must be an integer, got {v!r}", name)
     if lo is not None and v < lo:
-        raise bad_request(f"'{name}'={v} is out of range: must be >= {lo}", name)
+        raise out_of_range(name, v, f"'{name}'={v} is out of range: must be >= {lo}")
     if hi is not None and v > hi:
-        raise bad_request(f"'{name}'={v} is out of range: must be <= {hi}", name)
+        raise out_of_range(name, v, f"'{name}'={v} is out of range: must be <= {hi}")
     return v
 
 
@@ -137,7 +138,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is vLLM's old name: send \"structured_outputs\": {{\"{kind}\": ...}}",
                               name, "unsupported_parameter")
-    req.n = _opt_int(body, "n", 1, MAX_CHOICES) or 1
+    req.n = _opt_int(body, "n", 1) or 1
     best_of = _opt_int(body, "best_of", 1)
     if best_of not in (None, 1, req.n):
         raise bad_request("'best_of' > n is not supported by the pdserve router", "best_of", "unsupported_parameter")
@@ -160,8 +161,8 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("'stop' must be a string or a list of strings", "stop")
-    if "" in stops:  # as vLLM 0.32 refuses it (an empty stop string would end every answer at once)
-        raise bad_request("stop cannot contain an empty string.", "stop")
+    if "" in stops:  # as vLLM 0.32 refuses it (an empty stop string would end every answer at once), unnamed
+        raise bad_request("stop cannot contain an empty string.")
     req.stop = list(stops)
     if body.get("stop_token_ids") is not None:
         req.stop_token_ids = token_id_list(body["stop_token_ids"], "stop_token_ids")
@@ -185,6 +186,9 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         if name in body and body[name] is not None:
             s[name] = flag(body, name)
     _forward(body, req, s)
+    if s.get("logprob_token_ids") and req.logprobs is None:  # as vLLM's request model refuses it (before a stream)
+        raise bad_request("when using `logprob_token_ids`, `logprobs` must be set"
+                          + (" to true." if req.kind == "chat" else "."), "logprob_token_ids")
     if req.logprobs is not None:
         s["logprobs"] = req.logprobs
     prompt_logprobs = req.prompt_logprobs
@@ -193,6 +197,12 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
     if prompt_logprobs is not None:
         s["prompt_logprobs"] = prompt_logprobs
     _parse_structured(body, req, s)
+    check_n(req.n, s.get("temperature"))
+    if "seed" in s and not (s.get("temperature", 1.0) < GREEDY_EPS):
+        # seeded random sampling: D samples every token, so all come from the one random stream vLLM seeds per
+        # request, as on one worker (P's token would be draw 1 of P's stream and D's next draw 1 of its own;
+        # docs/seeded-sampling.md)
+        req.constrained = True
     req.sampling = s
     req.return_token_ids = flag(body, "return_token_ids")
     req.timings = flag(body, "pdserve_timings")
@@ -210,7 +220,7 @@ def _salt(v: str, name: str) -> str:
 def _at_least(lo: int) -> Callable[[int, str], int]:
     def check(v: int, name: str) -> int:
         if v < lo:
-            raise bad_request(f"'{name}' must be >= {lo}, got {v!r}", name)
+            raise out_of_range(name, v, f"'{name}' must be >= {lo}, got {v!r}")
         return v
     return check
 
@@ -299,7 +309,7 @@ def _parse_logprobs(body: dict, req: GenerationRequest) -> None:
         elif _opt_int(body, "top_logprobs", -1) not in (None, 0):
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
-        req.logprobs = _opt_int(body, "logprobs", 0)
+        req.logprobs = _opt_int(body, "logprobs", -1)  # -1 goes on: the workers' engines refuse it (in-stream)
         req.echo = flag(body, "echo")
     req.prompt_logprobs = _opt_int(body, "prompt_logprobs", -1)
 
@@ -358,9 +368,6 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts x n={req.n} choices: at most {MAX_CHOICES} per request",
-                              "prompt")
         if len(prompts) > 1:
             req.prompts = prompts
         prompt = prompts[0]
@@ -370,8 +377,14 @@ def parse_completion(body: Any) -> GenerationRequest:
     else:
         req.prompt_ids = one
     req.add_special_tokens = flag(body, "add_special_tokens", True)
-    # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too
-    req.max_tokens = _opt_int(body, "max_tokens", 1) or 16
+    # OpenAI's default is 16; vLLM 0.32 reads an explicit null as that default too. echo with max_tokens 0 scores
+    # the prompt (vLLM's echo_without_generation: one token generated and not shown; the answer is the prompt)
+    max_tokens = _opt_int(body, "max_tokens", 0 if req.echo else 1)
+    req.score_only = req.echo and max_tokens == 0
+    if req.score_only and req.sampling.get("logprob_token_ids"):
+        raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                          "output tokens are generated.", "logprob_token_ids")
+    req.max_tokens = 1 if req.score_only else max_tokens or 16
     _min_tokens_fit(req)
     return req
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import bad_request
+from ..errors import RouterError, bad_request
 from .lax_values import integral
 
 _INT64_MAX = 2 ** 63 - 1
@@ -105,8 +105,8 @@ def truncated_ids(ids: list[int], trunc: Truncation, max_model_len: int, max_out
 def truncated_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """The output budget of a truncated prompt, as vLLM 0.32 gives it: ``max_tokens`` clamped to the room left in
     the context (vLLM's ``get_max_tokens``), a 400 when no token is left, and vLLM's 400 for an empty prompt."""
-    if prompt_tokens == 0:
-        raise bad_request("The decoder prompt cannot be empty")
+    if prompt_tokens == 0:  # vLLM's engine checks it: inside the stream of a streamed request
+        raise RouterError(400, "The decoder prompt cannot be empty", "BadRequestError", event=True)
     room = max_model_len - prompt_tokens
     if room <= 0:
         raise bad_request(f"max_tokens must be at least 1, got {room}.", "max_tokens")

@@ -32,7 +32,7 @@ def logprobs_part(req: GenerationRequest, c: Choice, d: Delta, first: bool, deco
     part = c.track.completion(d.logprobs) if not (first and req.echo) else None
     if first and req.echo:
         head = c.track.prompt(c.prompt_ids, c.gen.prompt_logprobs, decode_one)
-        tail = c.track.completion(d.logprobs) or {}
+        tail = {} if req.score_only else c.track.completion(d.logprobs) or {}  # scoring: the prompt's alone
         part = {k: head[k] + tail.get(k, []) for k in head}
     return part
 
@@ -52,8 +52,8 @@ async def collect(req: GenerationRequest, choices: list[Choice], builder: Respon
     out_choices = []
     for c in choices:
         text = c.text
-        if req.echo:
-            text = echo_prefix(c, req.return_token_ids) + text
+        if req.echo:  # scoring (max_tokens 0): the prompt alone, as vLLM answers it
+            text = echo_prefix(c, req.return_token_ids) + ("" if req.score_only else text)
         logprobs = None
         if c.track is not None:
             logprobs = c.track.chat_total() if req.kind == "chat" else c.track.completion_total()
@@ -117,7 +117,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                     item = await deltas.__anext__()
                     continue
                 if is_first and req.echo:
-                    text = echo_prefix(c, req.return_token_ids) + text
+                    text = echo_prefix(c, req.return_token_ids) + ("" if req.score_only else text)
                 delta, finish = None, d.finish_reason
                 if c.tools is not None:
                     delta = c.tools.delta(text, d.token_ids, c.prompt_ids, finish is not None)

@@ -1,0 +1,94 @@
+"""Issue 41's measure for seeded sampling: the share of seeded requests whose tokens through P and D equal one vLLM
+worker's, per sampling parameter, one request at a time (docs/seeded-sampling.md).
+
+    python benchmarks/seeded_sampling.py [--seeds 8] [--tokens 16] [--temperature 1]
+
+Starts a 1P1D launch of a small random Llama (fp32) and sends each case, with ``seed`` set and ``ignore_eos``, to
+the router and to the decode worker's own endpoint (one worker), one request at a time; the baseline in the same
+run is the one worker asked twice (vLLM's own reproducibility). The default model is a random Llama with a small
+output head (``lm_head_std`` 0.05: logits of std ~1, where sampling at temperature 1 is really random; the tests'
+models have std ~30, where any temperature vLLM allows (<= 2) samples the greedy token).
+Prints per parameter: cases, first token equal, every token equal, the mean equal prefix, and the baseline's
+every-token share; then a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+from typing import Any
+
+from pdserve.config import LauncherConfig
+from pdserve.launcher import Cluster
+
+PARAMS: dict[str, dict[str, Any]] = {
+    "temperature": {}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 20}, "min_p": {"min_p": 0.05},
+    "presence_penalty": {"presence_penalty": 1.0}, "frequency_penalty": {"frequency_penalty": 1.0},
+    "repetition_penalty": {"repetition_penalty": 1.2},
+}
+
+
+def _tokens(url: str, body: dict[str, Any]) -> list[int]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model folder (default: a small random Llama, built once)")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    args = ap.parse_args()
+    model = args.model
+    if not model:
+        from pdserve.models import build_random_llama
+
+        model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama-flat"), lm_head_std=0.05))
+    cfg = LauncherConfig(model=model, prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
+                         served_model_name="m", worker_timeout_s=600, pool=False)
+    rows: dict[str, dict[str, float]] = {}
+    with Cluster(cfg, log=lambda s: print(f"[seeded] {s}", file=sys.stderr, flush=True)) as cluster:
+        one = cluster.worker_urls("decode")[0]
+        for name, extra in PARAMS.items():
+            first = whole = same = 0
+            prefix = 0
+            for seed in range(args.seeds):
+                body = {"model": "m", "prompt": f"Case {seed}: once upon a time", "max_tokens": args.tokens,
+                        "temperature": args.temperature, "seed": 1000 + seed, "ignore_eos": True,
+                        "return_token_ids": True, **extra}
+                ref = _tokens(one, body)
+                again = _tokens(one, body)
+                pd = _tokens(cluster.router_url, body)
+                first += pd[:1] == ref[:1]
+                whole += pd == ref
+                same += again == ref
+                prefix += _prefix(pd, ref)
+            n = args.seeds
+            rows[name] = {"cases": n, "first_equal": round(first / n, 3), "all_equal": round(whole / n, 3),
+                          "mean_equal_prefix": round(prefix / n, 2), "one_worker_repeat_equal": round(same / n, 3)}
+    print(f"{'parameter':<20}{'cases':>6}{'first equal':>13}{'all equal':>11}{'equal prefix':>14}"
+          f"{'1 worker x2':>13}")
+    for name, r in rows.items():
+        print(f"{name:<20}{r['cases']:>6}{r['first_equal']:>13}{r['all_equal']:>11}{r['mean_equal_prefix']:>14}"
+              f"{r['one_worker_repeat_equal']:>13}")
+    print(json.dumps({"bench": "seeded_sampling", "tokens": args.tokens, "temperature": args.temperature,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
