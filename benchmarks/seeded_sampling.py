@@ -21,8 +21,8 @@ import sys
 import urllib.request
 from typing import Any
 
-from pdserve.config import LauncherConfig
-from pdserve.launcher import Cluster
+from pdserve.launch import Cluster
+from pdserve.launch.config import LauncherConfig
 
 PARAMS: dict[str, dict[str, Any]] = {
     "temperature": {}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 20}, "min_p": {"min_p": 0.05},
@@ -56,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model
     if not model:
-        from pdserve.models import build_random_llama
+        from pdserve.launch.models import build_random_llama
 
         model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama-flat"), lm_head_std=0.05))
     cfg = LauncherConfig(model=model, prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,

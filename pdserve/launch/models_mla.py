@@ -5,7 +5,7 @@
 ``DeepseekV3ForCausalLM`` built with ``transformers``' ``DeepseekV3Config``: multi-head latent attention (one
 576-wide latent per token and layer: ``kv_lora_rank`` 512 + rope 64, the only width vLLM's CPU MLA kernel
 compiles for), a dense first layer and routed + shared experts after it, the SmolLM2 tokenizer, random weights
-scaled as :func:`pdserve.models.build_random_llama` scales them, so greedy decoding is decisive and a wrong KV
+scaled as :func:`pdserve.launch.models.build_random_llama` scales them, so greedy decoding is decisive and a wrong KV
 changes the output. Deterministic for a seed; idempotent; built once per run under ``PDSERVE_MODEL_CACHE``.
 """
 

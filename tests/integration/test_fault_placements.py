@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.procs import free_port
+from pdserve.launch.procs import free_port
 
 from .conftest import ROOT, SECRET
 from .corruption_tally import injected
