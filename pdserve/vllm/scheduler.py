@@ -362,14 +362,9 @@ class SchedulerSide:
             return
         self.stamps.alloc(request.request_id)
         try:
-            local_ids = blocks.get_block_ids()[0]
-            if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
-                hit = 0
-                for block in blocks.blocks[0]:
-                    if block.block_hash is None:
-                        break
-                    hit += self.block_size
             if self.hybrid:
+                if hit is None:  # (vLLM hashes the blocks of external tokens as it allocates them)
+                    raise ValueError("no prefix-cache hit recorded for a hybrid KV cache read")
                 if not remote.groups:
                     raise ValueError("P handed off one block list; this model has KV cache groups "
                                      f"{[g.kind for g in self.groups]} (is P's vLLM hybrid KV cache manager off?)")
@@ -377,7 +372,14 @@ class SchedulerSide:
                 log.debug("request %s: KV read of %d blocks over %d KV cache groups for %d tokens (%d local)",
                           request.request_id, len(plan), len(self.groups), hit + num_external_tokens, hit)
             else:
-                plan = plan_blocks(local_ids, hit, num_external_tokens, remote.block_ids, self.block_size)
+                if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
+                    hit = 0
+                    for block in blocks.blocks[0]:
+                        if block.block_hash is None:
+                            break
+                        hit += self.block_size
+                plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
+                                   self.block_size)
             self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync))
         except Exception as exc:  # never strand a request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: cannot plan the KV read", request.request_id)
