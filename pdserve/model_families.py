@@ -39,6 +39,7 @@ class Family:
     kwargs: dict[str, Any] = field(default_factory=dict)
     sliding_window: int = 0  # tokens (0: no sliding-window layers)
     kind: str = ""  # what its KV cache groups are, for tables
+    worker_args: tuple[str, ...] = ()  # vLLM arguments plain vLLM needs for it on CPU (see FAMILIES)
 
 
 _ATTN = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -66,7 +67,10 @@ FAMILIES: dict[str, Family] = {
         "num_local_experts": 4, "num_experts_per_tok": 2, "mamba_n_heads": 4, "mamba_d_head": 64,
         "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 64,
         "layer_types": ["mamba", "mamba", "attention", "mamba"], "position_embedding_type": "rope"},
-        0, "Mamba2 3:1 + attention, MoE"),
+        0, "Mamba2 3:1 + attention, MoE",
+        # vLLM 0.32's CPU Mamba2 kernel returns no intermediate states, which its prefix caching (mamba_cache_mode
+        # "align") indexes: a prompt crashes the engine ("index 4 is out of bounds"), with or without pdserve
+        ("--no-enable-prefix-caching",)),
 }
 
 
