@@ -59,10 +59,10 @@ def spec_of(kv_cache_spec: Any, default_block_size: int) -> GroupSpec:
     if "Mamba" in name:
         return GroupSpec(MAMBA, block_size)
     window = getattr(kv_cache_spec, "sliding_window", None)
-    if window:
+    if "SlidingWindow" in name and window:
         return GroupSpec(SLIDING, block_size, int(window))
-    if "Attention" in name or "Sink" in name:
-        return GroupSpec(FULL, block_size)
+    if "Attention" in name or "Sink" in name:  # with the manager off a window layer is a FullAttentionSpec that
+        return GroupSpec(FULL, block_size)  # names its window (for the kernel) and keeps every block
     raise ValueError(f"KV cache group of {name}: pdserve's connector moves full attention, sliding-window and "
                      "Mamba / linear-attention groups only")
 

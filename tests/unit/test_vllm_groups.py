@@ -31,6 +31,10 @@ class FullAttentionSpec:
     block_size, sliding_window = 16, None
 
 
+class FullAttentionSpecOfAWindow(FullAttentionSpec):  # vLLM with the manager off: keeps every block
+    sliding_window = 128
+
+
 class MambaSpec:
     block_size = 640
 
@@ -50,6 +54,7 @@ def test_group_specs_from_vllm_specs():
     assert groups_of(cfg, 16) == (GroupSpec(SLIDING, 16, 128), GroupSpec(FULL, 16), GroupSpec(MAMBA, 640))
     assert hybrid_tag(groups_of(cfg, 16)) == "+hma:s16w128.f16.m640"
     assert hybrid_tag((GroupSpec(FULL, 16),)) == ""
+    assert spec_of(FullAttentionSpecOfAWindow(), 16) == GroupSpec(FULL, 16)
     with pytest.raises(ValueError, match="moves full attention, sliding-window and Mamba"):
         spec_of(SimpleNamespace(block_size=16), 16)
 
