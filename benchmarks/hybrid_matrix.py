@@ -30,9 +30,11 @@ from pdserve.bench.prom import scrape
 from pdserve.config import LauncherConfig
 from pdserve.launcher import Cluster
 from pdserve.model_families import FAMILIES, build_family
+from pdserve.plan.kvsize import handoff_bytes, load_model
 
 PLANES = ("pdserve", "pdserve+pool", "nixl", "mooncake")
 GEN = 8
+FRESH = (0, 3)  # the prompts D has no prefix of: their hand-off bytes are compared with pdserve plan's
 HMA_OFF = "Turning off hybrid kv cache manager"
 
 
@@ -77,20 +79,23 @@ def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
     try:
         with Cluster(cfg) as c:
             p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
-            moved, tokens = 0.0, 0
-            for prompt in prompts():
+            moved, tokens, predicted = 0.0, 0, 0.0
+            plan = load_model(str(model))
+            for i, prompt in enumerate(prompts()):
                 body = {"model": "m", "prompt": prompt, "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
                         "return_token_ids": True}
                 before = read_bytes(d_url) if plane.startswith("pdserve") else 0.0
                 out = post(c.router_url + "/v1/completions", body)
-                if plane.startswith("pdserve"):
+                if plane.startswith("pdserve") and i in FRESH:  # D's own prefix cache holds none of it
                     moved += read_bytes(d_url) - before
                     tokens += len(prompt)
+                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
                 ref = post(p_url + "/v1/completions", body)
                 cell["prompts"] += 1
                 cell["exact"] += out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
             if tokens:
-                cell["read_bytes"] = int(moved)
+                cell["wire_bytes_per_token"] = round(moved / tokens, 1)
+                cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
     except Exception as exc:
         cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         cell["cause"] = last_error(run_dir)
@@ -107,6 +112,8 @@ def verdict(cell: dict[str, Any]) -> str:
     text = f"{cell['exact']}/{cell['prompts']} exact, HMA {cell['hma']}"
     if cell.get("pool_off"):
         text += ", pool off"
+    if cell.get("wire_bytes_per_token"):
+        text += f", {cell['wire_bytes_per_token']:.0f} B/token (plan {cell['plan_bytes_per_token']:.0f})"
     return text
 
 
