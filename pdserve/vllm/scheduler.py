@@ -287,6 +287,9 @@ class SchedulerSide:
         assert hs is not None
         mine, theirs = f"D tp={self.tp} x {hs.kv_heads} KV heads, layout {hs.unit or hs.layout}", (
             f"P tp={remote.tp} x {remote.kv_heads} KV heads, layout {remote.unit or remote.layout}")
+        if self.hybrid:
+            return (f"{theirs} vs {mine}: a hybrid KV cache (KV cache groups {[g.kind for g in self.groups]}) moves "
+                    "only between equal tensor-parallel degrees")
         if not remote.unit or not hs.unit or remote.unit != hs.unit:
             return f"{theirs} vs {mine}: KV layouts differ (or a side cannot slice heads)"
         try:

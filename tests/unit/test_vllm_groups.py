@@ -165,3 +165,10 @@ def test_d_without_p_s_group_blocks_fails_the_read_so_vllm_recomputes(clock):
                                                             blocks(0, 71))), 13)
     (job,) = s.build_connector_meta(None).recv
     assert "one block list" in job.error
+
+
+def test_d_refuses_a_hybrid_cache_from_another_tensor_parallel_degree(clock):
+    s = hybrid_side()
+    params = {**d_params(), "remote_ranks": [["e0", "h", 1], ["e1", "h", 2]], "remote_kv_heads": 2}
+    assert s.get_num_new_matched_tokens(Req("d1", prompt(14), params), 0) == (0, False)
+    assert "moves only between equal tensor-parallel degrees" in s._reads["d1"]["refused"]
