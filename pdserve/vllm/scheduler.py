@@ -330,6 +330,10 @@ class SchedulerSide:
         limit = self.config.sync_load_max_bytes
         if limit <= 0 or hs is None or hs.block_bytes <= 0 or remote.load == "async":
             return False
+        if any(g.kind == MAMBA for g in self.groups):
+            # vLLM copies a Mamba state into the step's new block before the forward (mamba_cache_mode align, a
+            # prompt ending on a block boundary), before a synchronous read has landed: load such states a step early
+            return False
         params = getattr(request, "sampling_params", None)
         if params is not None and getattr(params, "max_tokens", None) == 1:
             return False

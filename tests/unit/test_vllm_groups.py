@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pdserve.vllm.groups import FULL, MAMBA, SLIDING, GroupSpec, flat, groups_of, hand_off, hybrid_tag, pair, spec_of
+from pdserve.vllm.messages import PdserveHandshake
 from pdserve.vllm.params import BlockPlan, ConnectorConfig, LayerGeometry, RemoteParams, parse_groups, prompt_hash
 from pdserve.vllm.regions import join
 from pdserve.vllm.scheduler import SchedulerSide
@@ -148,6 +149,15 @@ def test_d_reads_every_group_s_blocks(clock):
                                                             blocks(0, 71))), 13)
     (job,) = s.build_connector_meta(None).recv
     assert job.plan == BlockPlan((52, 53, 61, 62, 63, 64, 71), (12, 13, 21, 22, 23, 24, 31)) and not job.error
+
+
+def test_d_loads_a_mamba_state_asynchronously(clock):
+    # a synchronous read lands after vLLM copied the state into the step's new block (a prompt ending on a block)
+    s = hybrid_side()
+    s.handshake = PdserveHandshake(HS.engine_id, HS.host, HS.port, HS.layout, block_bytes=1)
+    assert s.get_num_new_matched_tokens(Req("d1", prompt(14), d_params()), 0) == (13, True)
+    s.groups = (SW, FA)
+    assert s.get_num_new_matched_tokens(Req("d2", prompt(14), d_params()), 0) == (13, False)
 
 
 def test_d_given_the_prompt_alone_computes_a_mamba_model_s_prompt(clock):
