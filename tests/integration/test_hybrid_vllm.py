@@ -2,8 +2,8 @@
 
 One real 1P1D stack per model family (``pdserve.model_families``: tiny random models built here from
 ``transformers`` configs): gpt-oss's shape (sliding window on every other layer, sinks, MoE, fp32), Qwen3-Next's
-(gated delta-net linear attention + full attention, bf16 as vLLM's CPU kernel needs) and Granite-4 hybrid's (Mamba2
-+ attention, fp32); Gemma 3's (sliding window 3:1) runs with PDSERVE_TEST_SLOW=1 and in the matrix command
+(gated delta-net linear attention + full attention, bf16 as vLLM's CPU kernel needs); Granite-4 hybrid's (Mamba2
++ attention, fp32) and Gemma 3's (sliding window 3:1) run with PDSERVE_TEST_SLOW=1 and in the matrix command
 (``benchmarks/hybrid_matrix.py``). For prompts that share a prefix, the hand-off P (max_tokens=1,
 ``do_remote_decode``) -> D (prompt + P's token, P's ``kv_transfer_params``) answers exactly what P alone answers,
 D really read P's blocks (its read bytes grow), the received KV is what D decodes from (the same hand-off with the
@@ -30,7 +30,10 @@ pytestmark = [
 ]
 
 GEN = 6
-FAMILIES = ["gptoss", "qwen3next", "granitehybrid", pytest.param("gemma3", marks=pytest.mark.slow)]
+# the test command runs one family per kind of KV cache group beyond full attention (a sliding window; a state,
+# in vLLM's align mode): ~1 min of stack start-up each on 2 busy cores; the rest with PDSERVE_TEST_SLOW=1
+FAMILIES = ["gptoss", "qwen3next", pytest.param("granitehybrid", marks=pytest.mark.slow),
+            pytest.param("gemma3", marks=pytest.mark.slow)]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -41,7 +44,8 @@ def _post(url: str, body: dict) -> dict:
 
 def _prompts() -> list[list[int]]:
     """Two prompts sharing a 300-token prefix (the second reuses D's own prefix cache where the family has one),
-    past the sliding window (128) and the attention block (128 tokens on CPU)."""
+    past the sliding window (128) and the attention block (128 tokens on CPU); the second, 640 tokens, ends on
+    Qwen3-Next's block (640 tokens), where vLLM copies the loaded state into the next token's block."""
     rnd = random.Random(36)
     prefix = [rnd.randrange(1000, 40000) for _ in range(300)]
     return [prefix + [rnd.randrange(1000, 40000) for _ in range(n)] for n in (60, 340)]
