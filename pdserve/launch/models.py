@@ -57,14 +57,14 @@ def _copy_of_cached(cache: Path, out: Path, source: dict[str, Any], stamp: dict[
     src = cache / key
     with open(cache / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _stamp_matches(src, stamp):
+        if not stamp_matches(src, stamp):
             build(src)
     tmp = _tmp_dir(out, ".copy-")
     shutil.copytree(src, tmp, dirs_exist_ok=True)
     return _move_into_place(tmp, out)
 
 
-def _stamp_matches(out: Path, stamp: dict[str, Any]) -> bool:
+def stamp_matches(out: Path, stamp: dict[str, Any]) -> bool:
     try:
         return json.loads((out / STAMP).read_text()) == stamp and (out / "model.safetensors").is_file()
     except (OSError, ValueError):
@@ -112,6 +112,19 @@ def _save_tokenizer(tokenizer: Any, out: Path) -> None:
     template = getattr(tokenizer, "chat_template", None)
     if template and not (out / "chat_template.jinja").exists():
         (out / "chat_template.jinja").write_text(template)
+
+
+def save_model_folder(model: Any, tokenizer: Any, out: Path, stamp: dict[str, Any]) -> Path:
+    """Write a transformers ``model`` (its own architecture) and ``tokenizer`` to ``out`` with ``stamp``, through a
+    scratch folder moved into place."""
+    tmp = _tmp_dir(out, f".{stamp.get('kind', 'model')}-")
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_tokenizer(tokenizer, tmp)
+        return _finish(tmp, out, stamp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _save_plain(model: Any, out: Path, dtype: Any) -> None:
@@ -175,7 +188,7 @@ def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str | None = None) -
     out = Path(out_dir)
     gguf = smollm2_gguf_path()
     stamp = _smollm2_stamp(dtype)
-    if _stamp_matches(out, stamp):
+    if stamp_matches(out, stamp):
         return out
     print(f"pdserve.launch.models: converting SmolLM2 into {out} in {choice.describe()}", file=sys.stderr)
 
@@ -189,7 +202,7 @@ def convert_smollm2(out_dir: str | os.PathLike[str], dtype: str | None = None) -
     return _write_folder(out, ".smollm2-", stamp, dtype, write)
 
 
-def _tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
+def tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
     """The SmolLM2 tokenizer: from ``tokenizer_dir`` (e.g. a converted SmolLM2 folder) or the GGUF."""
     from transformers import AutoTokenizer
 
@@ -248,7 +261,7 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
              "intermediate": intermediate, "dtype": dtype, "seed": seed, "init_std": init_std,
              "lm_head_std": lm_head_std,
              "max_position_embeddings": max_position_embeddings, "version": 1}
-    if _stamp_matches(out, stamp):
+    if stamp_matches(out, stamp):
         return out
     cache = os.environ.get(CACHE_ENV)
     if cache:
@@ -265,7 +278,7 @@ def _build_random_llama(out: Path, stamp: dict[str, Any],
     layers, hidden, heads, kv_heads = stamp["layers"], stamp["hidden"], stamp["heads"], stamp["kv_heads"]
     intermediate, dtype, seed, init_std = stamp["intermediate"], stamp["dtype"], stamp["seed"], stamp["init_std"]
     lm_head_std, max_position_embeddings = stamp["lm_head_std"], stamp["max_position_embeddings"]
-    tokenizer = _tokenizer_source(tokenizer_dir)
+    tokenizer = tokenizer_source(tokenizer_dir)
     vocab = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,

@@ -21,7 +21,7 @@ from pdserve.conductor.cost_model import CostModel
 from ..settings.errors import ConfigError, config_fault
 from .cost import HardwareCostModel, Parallelism, min_parallel
 from .hardware import Accelerator, Link, accelerator, link, load_catalogue
-from .kvsize import ModelSpec, format_bytes, load_model
+from .kvsize import ModelSpec, format_bytes, handoff_bytes, load_model
 from .results import Targets
 from .search import candidates, elastic_summary, evaluate, parse_clusters, rank, reason, sweep
 from .simulator import SimSettings, config_kind
@@ -155,6 +155,7 @@ def _kv_report(spec: ModelSpec, cost: CostModel, context: int, batch: int, kv_dt
             "kv_bytes_per_token": spec.kv_bytes_per_token(kv_dtype),
             "kv_bytes_per_token_long": spec.kv_bytes_per_token_long(kv_dtype),
             "kv_bytes_request": per_req, "kv_bytes_batch": spec.kv_bytes_batch([context] * batch, kv_dtype),
+            "handoff_bytes": handoff_bytes(spec, context, kv_dtype),
             "transfer_s": cost.transfer_s(int(per_req)),
             "weights_bytes": spec.weight_bytes(), "total_params": spec.total_params,
             "active_params": spec.active_params}
@@ -174,7 +175,8 @@ def _print_kv(kv: dict[str, Any], devices: int, hardware: str, network: str) -> 
           + (f" ({format_bytes(kv['kv_bytes_per_token_long'])}/token beyond the window)"
              if kv["kv_bytes_per_token_long"] != kv["kv_bytes_per_token"] else "")
           + f"; one request at {kv['context']} tokens: {format_bytes(kv['kv_bytes_request'])} "
-          f"({kv['kv_bytes_request'] / 1e9:.2f} GB), transfer {kv['transfer_s'] * 1e3:.0f} ms; "
+          f"({kv['kv_bytes_request'] / 1e9:.2f} GB), transfer {kv['transfer_s'] * 1e3:.0f} ms, hand-off "
+          f"{format_bytes(kv['handoff_bytes'])} (vLLM's blocks, hybrid KV cache manager on); "
           f"batch of {kv['batch']}: {format_bytes(kv['kv_bytes_batch'])}")
 
 

@@ -7,7 +7,13 @@ elements, for at most ``window`` tokens (sliding-window layers) or for the whole
 - MLA (DeepSeek): one latent shared by all heads: ``kv_lora_rank + qk_rope_head_dim`` elements, no V.
 - Hybrid sliding-window + full (MiMo-V2-Flash ``hybrid_layer_pattern``, Gemma/gpt-oss ``layer_types``,
   Mistral ``sliding_window``): window layers keep only the last ``window`` tokens.
+- Linear attention (Qwen3-Next gated delta-net, ``layer_types`` ``linear_attention``) and Mamba2 (Granite-4 hybrid
+  ``mamba``, Nemotron-H ``M`` in ``hybrid_override_pattern``): a constant state per layer and sequence (a conv state
+  and a recurrent state), whatever the context length.
 - MoE changes the weights read per decode step, not the KV cache.
+
+:func:`handoff_bytes` is what a P -> D hand-off of a prompt moves under vLLM's hybrid KV cache manager, block by
+block as vLLM pages it (benchmarks/hybrid_matrix.py measures it).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ def dtype_bytes(dtype: str) -> float:
 class AttentionGroup:
     """Attention layers of one shape. ``k_dim``/``v_dim`` are cached elements per KV head."""
 
-    kind: str  # "full", "sliding" or "mla"
+    kind: str  # "full", "sliding", "mla", or a constant state: "linear" (gated delta-net) / "mamba" (Mamba2)
     layers: int
     kv_heads: int
     k_dim: int
@@ -50,6 +56,17 @@ class AttentionGroup:
     q_heads: int  # for attention FLOPs
     attn_qk_dim: int  # per query head, for attention FLOPs (MLA: nope + rope)
     attn_v_dim: int
+    conv_elems: int = 0  # state layers: conv state elements per layer (cached in the model dtype)
+    ssm_elems: int = 0  # recurrent state elements per layer (fp32 for gated delta-net, else the model dtype)
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind in STATE_KINDS
+
+    def state_bytes(self, dtype: str) -> float:
+        """Bytes of one layer's state (0 for attention groups)."""
+        ssm = 4.0 if self.kind == "linear" else dtype_bytes(dtype)
+        return self.conv_elems * dtype_bytes(dtype) + self.ssm_elems * ssm
 
     def bytes_per_token(self, dtype: str) -> float:
         """Bytes one cached token takes in this group (all its layers)."""
@@ -83,13 +100,14 @@ class ModelSpec:
 
     def kv_bytes_per_token_long(self, dtype: str = "bf16") -> float:
         """Marginal bytes per extra token of a long context (only full-context layers grow)."""
-        return sum(g.bytes_per_token(dtype) for g in self.groups if g.window is None)
+        return sum(g.bytes_per_token(dtype) for g in self.groups if g.window is None and not g.is_state)
 
     def kv_bytes(self, context: int, dtype: str = "bf16") -> float:
         """Bytes of KV cache one request holds at ``context`` tokens."""
         if context < 0:
             raise ValueError(f"context must be >= 0, got {context}")
-        return sum(g.bytes_per_token(dtype) * g.kept_tokens(context) for g in self.groups)
+        return sum(g.bytes_per_token(dtype) * g.kept_tokens(context) + g.layers * g.state_bytes(dtype)
+                   for g in self.groups)
 
     def kv_bytes_batch(self, contexts: Iterable[int], dtype: str = "bf16") -> float:
         """Bytes of KV cache a decode batch of requests at these context lengths holds."""
@@ -137,6 +155,46 @@ def _need(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
+STATE_KINDS = ("linear", "mamba")
+_LINEAR_TYPES = ("linear_attention",)
+_MAMBA_TYPES = ("mamba", "mamba2")
+
+
+def _layer_kinds(cfg: dict[str, Any], layers: int) -> list[str]:
+    """Per layer: "attention", "linear" or "mamba" (``layer_types``, Nemotron-H's ``hybrid_override_pattern``)."""
+    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: M = Mamba2, * = attention, - / E = MLP / MoE only
+    if isinstance(pattern, str) and len(pattern) == layers:
+        return ["mamba" if c == "M" else "attention" if c == "*" else "none" for c in pattern]
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        # transformers writes Granite-4 hybrid's Mamba2 layers as "linear_attention" too: its config has mamba_*
+        linear = "mamba" if cfg.get("mamba_n_heads") and not cfg.get("linear_num_key_heads") else "linear"
+        return [linear if t in _LINEAR_TYPES else "mamba" if t in _MAMBA_TYPES else "attention" for t in types]
+    return ["attention"] * layers
+
+
+def _state_groups(cfg: dict[str, Any], kinds: list[str]) -> list[AttentionGroup]:
+    """The constant-state groups: gated delta-net (Qwen3-Next) and Mamba2 (Granite-4 hybrid, Nemotron-H)."""
+    out = []
+    if kinds.count("linear"):
+        k_heads, v_heads = int(_need(cfg, "linear_num_key_heads")), int(_need(cfg, "linear_num_value_heads"))
+        k_dim, v_dim = int(_need(cfg, "linear_key_head_dim")), int(_need(cfg, "linear_value_head_dim"))
+        conv = (int(cfg.get("linear_conv_kernel_dim") or 4) - 1) * (2 * k_heads * k_dim + v_heads * v_dim)
+        out.append(AttentionGroup("linear", kinds.count("linear"), 0, 0, 0, 0, 0, 0, 0, conv, v_heads * k_dim * v_dim))
+    if kinds.count("mamba"):
+        hidden = int(_need(cfg, "hidden_size"))
+        heads = int(cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or _need(cfg, "mamba_n_heads"))
+        head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim")
+        inner = int(cfg.get("mamba_expand") or 2) * hidden
+        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+        inner = heads * head_dim
+        groups = int(cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1)
+        state = int(cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or 128)
+        conv = (int(cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or 4) - 1) * (inner + 2 * groups * state)
+        out.append(AttentionGroup("mamba", kinds.count("mamba"), 0, 0, 0, 0, 0, 0, 0, conv, heads * head_dim * state))
+    return out
+
+
 def _window_flags(cfg: dict[str, Any], layers: int) -> list[bool]:
     """Per layer: True when it is a sliding-window layer."""
     pattern = cfg.get("hybrid_layer_pattern")  # MiMo: 0 = full, 1 = sliding window
@@ -150,7 +208,9 @@ def _window_flags(cfg: dict[str, Any], layers: int) -> list[bool]:
             raise ModelConfigError(f"layer_types has {len(types)} entries for {layers} layers")
         flags = []
         for t in types:
-            if t in ("full_attention", "global", "attention"):
+            if t in _LINEAR_TYPES or t in _MAMBA_TYPES:
+                flags.append(False)  # a state layer (_state_groups), not counted here
+            elif t in ("full_attention", "global", "attention"):
                 flags.append(False)
             elif t in ("sliding_attention", "sliding_window", "local", "chunked_attention"):
                 flags.append(True)
@@ -186,11 +246,13 @@ def attention_groups(cfg: dict[str, Any]) -> tuple[AttentionGroup, ...]:
     head_dim = int(cfg.get("head_dim") or hidden // q_heads)
     v_dim = int(cfg.get("v_head_dim") or head_dim)
     kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
+    kinds = _layer_kinds(cfg, layers)
     flags = _window_flags(cfg, layers)
     n_win = sum(flags)
+    n_full = kinds.count("attention") - n_win
     groups = []
-    if layers - n_win:
-        groups.append(AttentionGroup("full", layers - n_win, kv_heads, head_dim, v_dim, None, q_heads,
+    if n_full:
+        groups.append(AttentionGroup("full", n_full, kv_heads, head_dim, v_dim, None, q_heads,
                                      head_dim, v_dim))
     if n_win:
         s_head = int(cfg.get("swa_head_dim") or head_dim)
@@ -199,7 +261,7 @@ def attention_groups(cfg: dict[str, Any]) -> tuple[AttentionGroup, ...]:
             int(cfg.get("swa_v_head_dim") or (v_dim if s_head == head_dim else s_head)), _window(cfg),
             int(cfg.get("swa_num_attention_heads") or q_heads), s_head,
             int(cfg.get("swa_v_head_dim") or v_dim)))
-    return tuple(groups)
+    return tuple(groups + _state_groups(cfg, kinds))
 
 
 def _moe_layer_count(cfg: dict[str, Any], layers: int) -> int:
@@ -308,3 +370,36 @@ def format_bytes(n: float) -> str:
         return f"{n:.0f} B"
     exp = min(int(math.log(n, 1024)), 4)
     return f"{n / 1024 ** exp:.2f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
+
+
+# ---------------------------------------------------------------------------------------------- hand-off bytes
+
+
+def hma_block_size(spec: ModelSpec, dtype: str, block_size: int = 128) -> int:
+    """The attention block size vLLM's hybrid KV cache manager picks: ``block_size`` grown by whole multiples
+    until one attention layer's page holds a state layer's state (vLLM 0.32 pads every state to that page)."""
+    per_token = max((g.bytes_per_token(dtype) / g.layers for g in spec.groups if not g.is_state), default=0.0)
+    state = max((g.state_bytes(dtype) for g in spec.groups if g.is_state), default=0.0)
+    if not state or not per_token:
+        return block_size
+    return int(math.ceil(state / (per_token * block_size))) * block_size
+
+
+def handoff_bytes(spec: ModelSpec, prompt_tokens: int, dtype: str = "bf16", block_size: int = 128) -> float:
+    """Bytes a P -> D hand-off of a ``prompt_tokens`` prompt moves with vLLM's hybrid KV cache manager on: whole
+    blocks, full-attention layers every block of the prompt, sliding-window layers the blocks the next token's
+    window reaches, state layers one page (the state, padded to an attention page) each."""
+    if prompt_tokens <= 0:
+        return 0.0
+    bs = hma_block_size(spec, dtype, block_size)
+    per_token = max((g.bytes_per_token(dtype) / g.layers for g in spec.groups if not g.is_state), default=0.0)
+    page = per_token * bs
+    end = -(-prompt_tokens // bs)
+    total = 0.0
+    for g in spec.groups:
+        if g.is_state:
+            total += g.layers * (page or g.state_bytes(dtype))
+            continue
+        first = max(0, prompt_tokens - g.window + 1) // bs if g.window else 0
+        total += (end - first) * bs * g.bytes_per_token(dtype)
+    return total

@@ -18,6 +18,7 @@ SCHEDULER) and one in every worker process (role WORKER); the facade forwards ea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from pdserve.vllm.groups import groups_of, is_hybrid
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdservePromMetrics, PdserveStats
@@ -76,8 +79,10 @@ def _recompute_on_failure(vllm_config: VllmConfig, config: ConnectorConfig) -> N
             log.warning("could not set kv_load_failure_policy=recompute: pass it in --kv-transfer-config")
 
 
-class PdserveConnector(KVConnectorBase_V1):
-    """KVConnectorBase_V1 facade: forwards to the scheduler-side or the worker-side half."""
+class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
+    """KVConnectorBase_V1 facade: forwards to the scheduler-side or the worker-side half. ``SupportsHMA``: vLLM keeps
+    its hybrid KV cache manager on (sliding-window layers keep their window, Mamba hybrids start) and hands every
+    KV cache group's blocks to ``request_finished_all_groups``."""
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.P2P
@@ -90,15 +95,19 @@ class PdserveConnector(KVConnectorBase_V1):
             raise NotImplementedError(
                 "PdserveConnector supports tensor parallelism but not pipeline parallelism; "
                 f"got pp={par.pipeline_parallel_size}")
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:
-            raise NotImplementedError(
-                f"PdserveConnector handles models with one KV cache group (full attention); this model has "
-                f"{len(groups)} (sliding-window or hybrid layers)")
         try:
             self.config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         except ConfigError as exc:
             raise ValueError(f"PdserveConnector: {exc}") from None
+        try:  # vLLM's hybrid KV cache manager: every group's blocks move (pdserve.vllm.groups)
+            groups = groups_of(kv_cache_config, vllm_config.cache_config.block_size) if kv_cache_config else ()
+        except ValueError as exc:
+            raise NotImplementedError(f"PdserveConnector: {exc}") from None
+        if is_hybrid(groups) and self.config.pool_master:
+            log.warning("PdserveConnector: KV pool off on this worker: the pool stores one full-attention KV cache "
+                        "group per block key, and this model has KV cache groups %s (sliding window / Mamba); "
+                        "P -> D hand-offs move every group", [g.kind for g in groups])
+            self.config = replace(self.config, pool_master="")
         if par.tensor_parallel_size > 1 and self.config.pool_master:
             raise ValueError("PdserveConnector: the KV pool stores one shard per block key and supports "
                              f"tensor-parallel size 1 only (got tp={par.tensor_parallel_size}): drop "
@@ -108,10 +117,10 @@ class PdserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             _recompute_on_failure(vllm_config, self.config)
             self.scheduler = SchedulerSide(self.config, vllm_config.cache_config.block_size, pool_client(self.config),
-                                           tp=par.tensor_parallel_size,
+                                           tp=par.tensor_parallel_size, groups=groups,
                                            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         else:
-            self.worker = WorkerSide(vllm_config, self.config)
+            self.worker = WorkerSide(vllm_config, self.config, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -137,6 +146,11 @@ class PdserveConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished_groups(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self.scheduler is not None

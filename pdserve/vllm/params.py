@@ -86,6 +86,9 @@ class RemoteParams:
     unit: str = ""
     load: str = ""  # "async": D loads asynchronously whatever the size (pdserve_load, tests and A/B runs)
     fingerprint: Mapping[str, str] | None = None  # P's compatibility fingerprint (pdserve.vllm.fingerprint)
+    # hybrid KV cache (vLLM's HMA, several KV cache groups): per group, (first block position, block ids from
+    # there) as pdserve.vllm.groups.hand_off names them; block_ids is then every group's ids, flat
+    groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def tp(self) -> int:
@@ -109,6 +112,8 @@ class RemoteParams:
             out["remote_kv_heads"], out["remote_kv_unit"] = self.kv_heads, self.unit
         if self.fingerprint:
             out["remote_fingerprint"] = dict(self.fingerprint)
+        if self.groups:
+            out["remote_group_blocks"] = [[first, list(ids)] for first, ids in self.groups]
         return out
 
     @classmethod
@@ -129,7 +134,8 @@ class RemoteParams:
             raise ValueError(f"malformed kv_transfer_params: {exc}") from None
         if num_tokens < 0 or any(b < 0 for b in blocks) or not 0 < port < 65536:
             raise ValueError("kv_transfer_params: negative block id/token count or bad port")
-        if len(blocks) < -(-num_tokens // block_size):
+        groups = parse_groups(params["remote_group_blocks"]) if params.get("remote_group_blocks") else ()
+        if not groups and len(blocks) < -(-num_tokens // block_size):
             raise ValueError(f"kv_transfer_params: {len(blocks)} remote blocks cannot hold {num_tokens} "
                              f"tokens of {block_size} per block (P and D must use the same block size)")
         fault = params.get("pdserve_test_fault") or ""
@@ -143,7 +149,26 @@ class RemoteParams:
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
                    str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
-                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None)
+                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None, groups)
+
+
+def parse_groups(raw: Any, count: int = 0) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``remote_group_blocks`` of P's kv_transfer_params: [[first position, [block ids]], ...] per group."""
+    bad = ValueError("kv_transfer_params.remote_group_blocks must be [[first position, [block ids]], ...] per KV "
+                     "cache group: pass P's kv_transfer_params unchanged")
+    if not isinstance(raw, list) or (count and len(raw) != count):
+        raise bad
+    out = []
+    for item in raw:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[1], (list, tuple)):
+            raise bad
+        first, ids = item
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise bad
+        if any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in ids):
+            raise bad
+        out.append((first, tuple(ids)))
+    return tuple(out)
 
 
 MAX_TP = 1024

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdserve.hashing import ROOT_KEY, block_hashes, domain_root
 from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.fingerprint import differences
+from pdserve.vllm.groups import MAMBA, SLIDING, GroupSpec, flat, hand_off, is_hybrid, pair
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob, merge_reads
 from pdserve.vllm.params import (
@@ -100,7 +101,7 @@ class SchedulerSide:
     """One per vLLM engine, in the scheduler process. ``pool``: the KV pool master client (None = no pool)."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, pool: PoolLookup | None = None,
-                 tp: int = 1, prefix_caching: bool = True) -> None:
+                 tp: int = 1, prefix_caching: bool = True, groups: Sequence[GroupSpec] = ()) -> None:
         self.config = config
         self.block_size = block_size
         # the engine's own prefix caching (vLLM's cache_config): off, it never computes a prompt on top of KV it
@@ -110,6 +111,9 @@ class SchedulerSide:
             log.warning("scheduler: this engine has prefix caching off (vLLM turns it off where it cannot compute "
                         "a prompt on top of cached KV, e.g. MLA on CPU); the KV pool is not used by this worker")
             pool = None
+        # vLLM's KV cache groups (hybrid KV cache manager): a hand-off names blocks per group (pdserve.vllm.groups)
+        self.groups = tuple(groups)
+        self.hybrid = is_hybrid(self.groups)
         self.tp = tp  # tensor-parallel ranks of this engine: a read is done when every rank has reported it
         self.handshake: PdserveHandshake | None = None  # rank 0's
         self.ranks: list[PdserveHandshake] = []  # every rank's, by rank
@@ -264,10 +268,20 @@ class SchedulerSide:
                         "size on both?); computing locally", request.request_id, remote.layout,
                         self.handshake.layout)
             return 0
+        if self.hybrid and n != remote.num_tokens and not self._partial_ok(n, remote.num_tokens):
+            log.info("request %s: P handed off the state after %d tokens and D needs it after %d (Mamba state or "
+                     "sliding window); computing locally", request.request_id, remote.num_tokens, n)
+            return 0
         if remote.lease_deadline and time.time() > remote.lease_deadline - self.config.clock_margin_s:
             log.warning("request %s: P's lease on the blocks has run out; computing locally", request.request_id)
             return 0
         return n
+
+    def _partial_ok(self, n: int, handed: int) -> bool:
+        """Whether D may take only the first ``n`` of the ``handed`` tokens: not with a Mamba group (P's state is
+        after all of them), and only when every sliding window D needs after ``n`` tokens was handed off."""
+        return all(g.kind != MAMBA and (g.kind != SLIDING or g.first_needed(n) >= g.first_needed(handed))
+                   for g in self.groups)
 
     def _refuse_fingerprint(self, remote: RemoteParams, request: Request) -> str:
         """Why P's KV is not this worker's kind of KV, or not this request's key domain ("" when the fingerprints
@@ -286,6 +300,9 @@ class SchedulerSide:
         assert hs is not None
         mine, theirs = f"D tp={self.tp} x {hs.kv_heads} KV heads, layout {hs.unit or hs.layout}", (
             f"P tp={remote.tp} x {remote.kv_heads} KV heads, layout {remote.unit or remote.layout}")
+        if self.hybrid:
+            return (f"{theirs} vs {mine}: a hybrid KV cache (KV cache groups {[g.kind for g in self.groups]}) moves "
+                    "only between equal tensor-parallel degrees")
         if not remote.unit or not hs.unit or remote.unit != hs.unit:
             return f"{theirs} vs {mine}: KV layouts differ (or a side cannot slice heads)"
         try:
@@ -326,15 +343,23 @@ class SchedulerSide:
         limit = self.config.sync_load_max_bytes
         if limit <= 0 or hs is None or hs.block_bytes <= 0 or remote.load == "async":
             return False
+        if any(g.kind == MAMBA for g in self.groups):
+            # vLLM copies a Mamba state into the step's new block before the forward (mamba_cache_mode align, a
+            # prompt ending on a block boundary), before a synchronous read has landed: load such states a step early
+            return False
         params = getattr(request, "sampling_params", None)
         if params is not None and getattr(params, "max_tokens", None) == 1:
             return False
-        blocks = -(-(hit + count) // self.block_size) - hit // self.block_size
+        end = hit + count
+        if self.hybrid:  # block positions of every group, each block one page over every region
+            blocks = sum(max(0, g.end(end) - max(g.first_needed(end), hit // g.block_size)) for g in self.groups)
+        else:
+            blocks = -(-end // self.block_size) - hit // self.block_size
         return blocks * hs.block_bytes <= limit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if self.config.kv_checksum and params and params.get("do_remote_decode"):
+        if self.config.kv_checksum and params and params.get("do_remote_decode") and not self.hybrid:
             fault = str(params.get("pdserve_test_fault") or "") if self.config.allow_test_faults else ""
             if self.prefill_seals.watch(request.request_id, request.num_prompt_tokens, fault):
                 self._unseal.append(request.request_id)  # sealed before a preemption: the worker forgets it first
@@ -357,19 +382,32 @@ class SchedulerSide:
             return
         self.stamps.alloc(request.request_id)
         try:
-            local_ids = blocks.get_block_ids()[0]
-            if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
-                hit = 0
-                for block in blocks.blocks[0]:
-                    if block.block_hash is None:
-                        break
-                    hit += self.block_size
-            plan = plan_blocks(local_ids, hit, num_external_tokens, remote.block_ids, self.block_size)
+            if self.hybrid:
+                if hit is None:  # (vLLM hashes the blocks of external tokens as it allocates them)
+                    raise ValueError("no prefix-cache hit recorded for a hybrid KV cache read")
+                if not remote.groups:
+                    raise ValueError("P handed off one block list; this model has KV cache groups "
+                                     f"{[g.kind for g in self.groups]} (is P's vLLM hybrid KV cache manager off?)")
+                plan = pair(self.groups, blocks.blocks, remote.groups, hit + num_external_tokens, hit)
+                log.debug("request %s: KV read of %d blocks over %d KV cache groups for %d tokens (%d local)",
+                          request.request_id, len(plan), len(self.groups), hit + num_external_tokens, hit)
+            else:
+                if hit is None:  # count D's prefix-cache hits: leading blocks that already have a hash
+                    hit = 0
+                    for block in blocks.blocks[0]:
+                        if block.block_hash is None:
+                            break
+                        hit += self.block_size
+                plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
+                                   self.block_size)
             self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync))
         except Exception as exc:  # never strand a request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: cannot plan the KV read", request.request_id)
             if sync:  # scheduled in this step: its blocks are reported invalid, so vLLM recomputes them
-                local = tuple(blocks.get_block_ids()[0][(hit or 0) // self.block_size:])
+                local = tuple(b.block_id for spec, group in zip(self.groups, blocks.blocks)
+                              for b in group[(hit or 0) // spec.block_size:]
+                              if not getattr(b, "is_null", False)) if self.hybrid else tuple(
+                    blocks.get_block_ids()[0][(hit or 0) // self.block_size:])
                 self._recv.append(RecvJob(request.request_id, remote, BlockPlan(local, ()), error=repr(exc),
                                           sync=True))
             else:
@@ -377,15 +415,20 @@ class SchedulerSide:
 
     # ---- P ----
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_groups(request, (block_ids,))
+
+    def request_finished_groups(self, request: Request,
+                                block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished_all_groups``: the request's blocks per KV cache group (one without HMA)."""
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids)
         self._settle_seal(request.request_id)
-        if self.pool is not None and self._pool_plan_save(request, block_ids):
+        if self.pool is not None and self._pool_plan_save(request, list(block_ids[0]) if block_ids else []):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
         return delay, out
 
-    def _hand_off(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _hand_off(self, request: Request, groups: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks."""
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
@@ -412,9 +455,22 @@ class SchedulerSide:
                       "engine; freeing its blocks", request.request_id)
             return False, None
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        nblocks = -(-num_tokens // self.block_size)
-        if num_tokens <= 0 or len(block_ids) < nblocks:
+        if num_tokens <= 0:
             return False, None
+        handed: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        if self.hybrid:
+            try:
+                handed = hand_off(self.groups, groups, num_tokens)
+            except ValueError as exc:
+                log.error("request %s: cannot hand off its KV (%s); freeing its blocks", request.request_id, exc)
+                return False, None
+            block_ids = list(flat(handed))
+            nblocks = len(block_ids)
+        else:
+            block_ids = list(groups[0]) if groups else []
+            nblocks = -(-num_tokens // self.block_size)
+            if len(block_ids) < nblocks:
+                return False, None
         deadline = time.time() + self._lease_s(params)
         self._send[request.request_id] = deadline
         self._held.add(request.request_id)
@@ -428,7 +484,8 @@ class SchedulerSide:
         remote = RemoteParams(hs.engine_id, hs.host, hs.port, tuple(block_ids[:nblocks]), num_tokens,
                               request.request_id, hs.layout,
                               prompt_hash(request.prompt_token_ids or [], num_tokens), deadline, "", ranks,
-                              hs.kv_heads, hs.unit, fingerprint=request_fingerprint(hs.fingerprint, request))
+                              hs.kv_heads, hs.unit, fingerprint=request_fingerprint(hs.fingerprint, request),
+                              groups=handed)
         return True, remote.to_params()
 
     def _settle_seal(self, req_id: str) -> None:

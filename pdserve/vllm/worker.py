@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +34,11 @@ from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.vllm.fingerprint import digest, worker_fingerprint
 from pdserve.vllm.flips import Flip, placements
+from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
 from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
-from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, layout_of_tensor
+from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdserveStats
@@ -54,6 +56,7 @@ from pdserve.vllm.params import (
 )
 from pdserve.vllm.pool import SEAL_REGION, SealSlots
 from pdserve.vllm.pool_io import PoolIO
+from pdserve.vllm.regions import join
 from pdserve.vllm.release import Released, ReleaseLedger
 from pdserve.vllm.shards import (
     RankLayer,
@@ -76,13 +79,24 @@ if TYPE_CHECKING:
 log = connector_log()
 
 
+def _transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
+    groups = getattr(kv_cache_config, "transfer_groups", None)
+    return tuple(groups if groups is not None else getattr(kv_cache_config, "kv_cache_groups", None) or ())
+
+
 class WorkerSide:
     """One per vLLM worker process: owns the transfer engine, the registered KV cache and the held blocks."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
+        # KV cache groups (vLLM's hybrid KV cache manager) and each layer's
+        self.groups = groups_of(kv_cache_config, self.block_size) if kv_cache_config is not None else ()
+        self.hybrid = is_hybrid(self.groups)
+        self.layer_groups: dict[str, GroupSpec] = {}
+        for spec, group in zip(self.groups, _transfer_groups(kv_cache_config)):
+            self.layer_groups.update({layer: spec for layer in group.layer_names})
         rank = 0
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -143,29 +157,44 @@ class WorkerSide:
 
     # ---- start-up ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        seen: dict[int, str] = {}
+        seen: dict[int, int] = {}  # tensor address -> index of its region in self.layers
         dtype = ""
         for name in sorted(kv_caches):
             t = kv_caches[name]
-            if t.data_ptr() in seen:  # cross-layer KV sharing: transfer the owner once
-                continue
-            seen[t.data_ptr()] = name
             kv = self._layout(name, t)
-            ratio = max(1, self.block_size // kv.block_tokens)
+            spec = self.layer_groups.get(name)
+            ratio = 1 if spec is not None and spec.kind == MAMBA else max(
+                1, (spec.block_size if spec is not None else self.block_size) // kv.block_tokens)
             stride, runs, scales = kv.manager_runs(ratio)
+            geo = LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales, kv.num_blocks)
+            if t.data_ptr() in seen:  # layers sharing a tensor (HMA groups, cross-layer KV sharing): one region
+                i = seen[t.data_ptr()]
+                try:
+                    self.layers[i] = join(self.layers[i], replace(geo, name=self.layers[i].name))
+                except ValueError as exc:
+                    raise RuntimeError(f"PdserveConnector: {exc}") from None
+                owner = self.layers[i].name
+                self._memory[owner] = byte_region(self._tensors[owner], max(kv.span, len(self._memory[owner])))
+                continue
+            seen[t.data_ptr()] = len(self.layers)
             self._memory[name] = byte_region(t, kv.span)
-            self.engine.register(name, self._memory[name])
             self._tensors[name] = t  # keep alive
-            self.layers.append(LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales,
-                                             kv.num_blocks))
-            self.rank_layers.append(RankLayer(name, kv, ratio))
+            self.layers.append(geo)
+            if spec is None or spec.kind != MAMBA:
+                self.rank_layers.append(RankLayer(name, kv, ratio))
             self.kv_layouts[name] = kv
-            dtype = str(t.dtype).replace("torch.", "")
+            if not dtype or spec is None or spec.kind != MAMBA:
+                dtype = str(t.dtype).replace("torch.", "")
+        for g in self.layers:
+            self.engine.register(g.name, self._memory[g.name])
+        dtype += hybrid_tag(self.groups)
         try:
             self.layout = with_blocks(layout_signature(dtype, self.layers, self.block_size), self.layers)
         except ValueError as exc:
             raise RuntimeError(f"PdserveConnector: {exc}; unsupported KV layout") from None
-        self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if self.kv_heads else ""
+        # heads are sliced across TP degrees for one full-attention group only; a hybrid cache moves rank to rank
+        sliceable = self.kv_heads and not self.hybrid
+        self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if sliceable else ""
         self.sums = BlockSums(self.layers, self._memory)
         self.fingerprint = worker_fingerprint(self.vllm_config, self.unit or self.layout.split(PEER_BLOCKS_SEP)[0],
                                               self.block_size, self.tp)
@@ -182,7 +211,15 @@ class WorkerSide:
                  self.kv_layouts[self.layers[0].name].describe() if self.layers else "-", self.layout)
 
     def _layout(self, name: str, t: torch.Tensor) -> KVLayout:
-        """The layer's layout from the backend vLLM chose and its resolved KV cache layout."""
+        """The layer's layout from the backend vLLM chose and its resolved KV cache layout (a Mamba / linear-attention
+        layer: its state's bytes, one block per state)."""
+        spec = self.layer_groups.get(name)
+        if spec is not None and spec.kind == MAMBA:
+            try:
+                return derive_layout(tuple(t.shape), tuple(t.stride()), t.element_size(), 0, len(t.shape) - 2,
+                                     "mamba", "state")
+            except LayoutError as exc:
+                raise RuntimeError(f"PdserveConnector: Mamba layer {name} on {t.device}: {exc}") from None
         backend = attn_backend(self.vllm_config, name)
         try:
             order = self.vllm_config.cache_config.get_resolved_kv_cache_layout()

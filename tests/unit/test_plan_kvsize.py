@@ -76,3 +76,50 @@ def test_reads_a_config_json_folder(tmp_path: Path):
         load_model(str(tmp_path / "missing"))
     with pytest.raises(ModelConfigError, match="num_hidden_layers"):
         spec_from_config({"hidden_size": 8})
+
+
+# the tiny families of pdserve.launch.model_families, as their config.json say (transformers 5 writes Granite-4 hybrid's
+# Mamba2 layers as "linear_attention"); hand-off bytes measured on the wire by pdserve's connector (D's read
+# counter) for these prompts, with vLLM's hybrid KV cache manager on (benchmarks/hybrid_matrix.py)
+_ATTN = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "hidden_size": 128, "intermediate_size": 256, "vocab_size": 1000}
+QWEN3_NEXT = {**_ATTN, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
+              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 1,
+              "linear_num_value_heads": 2}
+GRANITE_HYBRID = {**_ATTN, "layer_types": ["linear_attention", "linear_attention", "full_attention",
+                                           "linear_attention"], "mamba_n_heads": 4, "mamba_d_head": 64,
+                  "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
+GPT_OSS = {**_ATTN, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2}
+GEMMA3 = {**_ATTN, "sliding_window": 128, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+
+
+def test_state_layers_keep_a_constant_state():
+    from pdserve.plan.kvsize import handoff_bytes, hma_block_size
+
+    q = spec_from_config(QWEN3_NEXT)
+    (full, linear) = q.groups
+    assert (full.kind, full.layers, linear.kind, linear.layers) == ("full", 1, "linear", 3)
+    # conv (4-1) x (2 x 1 x 128 + 2 x 128) bf16 + recurrent 2 x 128 x 128 fp32: vLLM's MambaSpec says 134144 B
+    assert linear.state_bytes("bf16") == 3 * 512 * 2 + 2 * 128 * 128 * 4 == 134144
+    assert q.kv_bytes(1000, "bf16") == 1000 * 2 * 2 * 32 * 2 + 3 * 134144
+    assert q.kv_bytes_per_token_long("bf16") == 256
+    assert hma_block_size(q, "bf16") == 640  # vLLM grows the attention block until its page holds a state
+    g = spec_from_config(GRANITE_HYBRID)
+    assert [x.kind for x in g.groups] == ["full", "mamba"]
+    assert g.groups[1].state_bytes("fp32") == (3 * (256 + 2 * 16) + 4 * 64 * 16) * 4 == 19840
+    assert hma_block_size(g, "fp32") == 128
+    assert handoff_bytes(q, 0) == 0
+
+
+@pytest.mark.parametrize("cfg, dtype, wire", [
+    (GEMMA3, "fp32", {320: 589824, 150: 524288}),  # (longer prompts hit D's own prefix cache there)
+    (GPT_OSS, "fp32", {320: 655360, 150: 524288}),
+    (QWEN3_NEXT, "bf16", {320: 655360, 1000: 819200, 150: 655360}),
+    (GRANITE_HYBRID, "fp32", {320: 393216, 500: 458752, 1000: 720896, 150: 327680}),
+])
+def test_handoff_bytes_match_what_the_connector_moved(cfg, dtype, wire):
+    from pdserve.plan.kvsize import handoff_bytes
+
+    spec = spec_from_config(cfg)
+    for tokens, measured in wire.items():
+        assert abs(handoff_bytes(spec, tokens, dtype) - measured) <= 0.05 * measured

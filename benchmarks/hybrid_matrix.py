@@ -1,0 +1,151 @@
+"""Coverage matrix of the hybrid KV cache families (issue 36): family x data plane x pool, each cell a real 1P1D
+stack (``pdserve serve`` through the launcher: router, P and D vLLM CPU workers) on a tiny random model of the
+family (``pdserve.launch.model_families``), greedy, prompts that share a prefix, compared token for token with P serving
+the whole request alone.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
+        [--planes pdserve,pdserve+pool,nixl,mooncake] [--json-out FILE]
+
+Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool: a hybrid cache turns the
+pool off on each worker, with a warning, and hands off P -> D as without), ``nixl`` / ``mooncake`` (vLLM's own
+NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (or why the stack
+did not serve, with the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and for
+pdserve's connector the KV bytes D read per prompt token it took from P. Prints the table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.prom import scrape
+from pdserve.launch import Cluster
+from pdserve.launch.config import LauncherConfig
+from pdserve.launch.model_families import FAMILIES, build_family
+from pdserve.plan.kvsize import handoff_bytes, load_model
+
+PLANES = ("pdserve", "pdserve+pool", "nixl", "mooncake")
+GEN = 8
+FRESH = (0, 3)  # the prompts D has no prefix of: their hand-off bytes are compared with pdserve plan's
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+
+def prompts() -> list[list[int]]:
+    """Three prompts sharing a 300-token prefix, one fresh: past the sliding window (128 tokens) and a block."""
+    rnd = random.Random(36)
+    prefix = [rnd.randrange(1000, 40000) for _ in range(300)]
+    out = [prefix + [rnd.randrange(1000, 40000) for _ in range(n)] for n in (20, 200, 700)]
+    return out + [[rnd.randrange(1000, 40000) for _ in range(150)]]
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def read_bytes(url: str) -> float:
+    return scrape(url, "vllm:pdserve_kv_read_bytes").get("vllm:pdserve_kv_read_bytes_total", 0.0)
+
+
+def last_error(run_dir: Path) -> str:
+    """The last line of the workers' logs that names an error (why a stack did not come up)."""
+    found = ""
+    for log in sorted(run_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if re.search(r"(Error|error:|Exception)\b", line) and "ulimit" not in line:
+                found = f"{log.stem}: {line.strip()[-160:]}"
+    return found
+
+
+def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
+    spec = FAMILIES[family]
+    model = build_family(family, root / "models" / family)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
+                         served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
+                         pool=plane == "pdserve+pool", kv_connector=plane.split("+")[0], lease_s=30,
+                         worker_args=spec.worker_args)
+    cell: dict[str, Any] = {"family": family, "plane": plane, "prompts": 0, "exact": 0}
+    t0 = time.monotonic()
+    try:
+        with Cluster(cfg) as c:
+            p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
+            moved, tokens, predicted = 0.0, 0, 0.0
+            plan = load_model(str(model))
+            for i, prompt in enumerate(prompts()):
+                body = {"model": "m", "prompt": prompt, "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True}
+                before = read_bytes(d_url) if plane.startswith("pdserve") else 0.0
+                out = post(c.router_url + "/v1/completions", body)
+                if plane.startswith("pdserve") and i in FRESH:  # D's own prefix cache holds none of it
+                    moved += read_bytes(d_url) - before
+                    tokens += len(prompt)
+                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
+                ref = post(p_url + "/v1/completions", body)
+                cell["prompts"] += 1
+                cell["exact"] += out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+            if tokens:
+                cell["wire_bytes_per_token"] = round(moved / tokens, 1)
+                cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
+    except Exception as exc:
+        cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        cell["cause"] = last_error(run_dir)
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("*0.log"))
+    cell["hma"] = "off" if HMA_OFF in logs else "on"
+    cell["pool_off"] = "KV pool off on this worker" in logs
+    cell["seconds"] = round(time.monotonic() - t0, 1)
+    return cell
+
+
+def verdict(cell: dict[str, Any]) -> str:
+    if "error" in cell:
+        return f"dies ({cell.get('cause') or cell['error']})"[:90]
+    text = f"{cell['exact']}/{cell['prompts']} exact, HMA {cell['hma']}"
+    if cell.get("pool_off"):
+        text += ", pool off"
+    if cell.get("wire_bytes_per_token"):
+        text += f", {cell['wire_bytes_per_token']:.0f} B/token (plan {cell['plan_bytes_per_token']:.0f})"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--planes", default=",".join(PLANES))
+    ap.add_argument("--json-out", default="")
+    args = ap.parse_args(argv)
+    families = [f for f in args.families.split(",") if f]
+    planes = [p for p in args.planes.split(",") if p]
+    unknown = sorted(set(families) - set(FAMILIES)) + sorted(set(planes) - set(PLANES))
+    if unknown:
+        ap.error(f"unknown family or plane {unknown}: families {sorted(FAMILIES)}, planes {list(PLANES)}")
+    root = Path(tempfile.mkdtemp(prefix="hybrid-matrix-"))
+    cells = []
+    for family in families:
+        for plane in planes:
+            cell = run_cell(family, plane, root)
+            cells.append(cell)
+            print(f"# {family} x {plane}: {verdict(cell)} ({cell['seconds']} s)", file=sys.stderr, flush=True)
+    print("| family (KV cache groups) | " + " | ".join(planes) + " |")
+    print("|---|" + "---|" * len(planes))
+    for family in families:
+        row = [verdict(c) for p in planes for c in cells if c["family"] == family and c["plane"] == p]
+        print(f"| {family} ({FAMILIES[family].kind}, {FAMILIES[family].dtype}) | " + " | ".join(row) + " |")
+    result = {"bench": "hybrid_matrix", "cells": cells}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Hybrid KV caches through 1P1D with pdserve's connector and vLLM's hybrid KV cache manager on (issue 36).
+
+One real 1P1D stack per model family (``pdserve.launch.model_families``: tiny random models built here from
+``transformers`` configs): gpt-oss's shape (sliding window on every other layer, sinks, MoE, fp32), Qwen3-Next's
+(gated delta-net linear attention + full attention, bf16 as vLLM's CPU kernel needs); Granite-4 hybrid's (Mamba2
++ attention, fp32) and Gemma 3's (sliding window 3:1) run with PDSERVE_TEST_SLOW=1 and in the matrix command
+(``benchmarks/hybrid_matrix.py``). For prompts that share a prefix, the hand-off P (max_tokens=1,
+``do_remote_decode``) -> D (prompt + P's token, P's ``kv_transfer_params``) answers exactly what P alone answers,
+D really read P's blocks (its read bytes grow), the received KV is what D decodes from (the same hand-off with the
+received blocks zeroed answers otherwise), the router's answer is the same, and no worker says vLLM turned the
+hybrid KV cache manager off.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import urllib.request
+
+import pytest
+
+from pdserve.bench.prom import scrape
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.timeout(900),
+]
+
+GEN = 6
+# the test command runs one family per kind of KV cache group beyond full attention (a sliding window; a state,
+# in vLLM's align mode): ~1 min of stack start-up each on 2 busy cores; the rest with PDSERVE_TEST_SLOW=1
+FAMILIES = ["gptoss", "qwen3next", pytest.param("granitehybrid", marks=pytest.mark.slow),
+            pytest.param("gemma3", marks=pytest.mark.slow)]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def _prompts() -> list[list[int]]:
+    """Two prompts sharing a 300-token prefix (the second reuses D's own prefix cache where the family has one),
+    past the sliding window (128) and the attention block (128 tokens on CPU); the second, 640 tokens, ends on
+    Qwen3-Next's block (640 tokens), where vLLM copies the loaded state into the next token's block."""
+    rnd = random.Random(36)
+    prefix = [rnd.randrange(1000, 40000) for _ in range(300)]
+    return [prefix + [rnd.randrange(1000, 40000) for _ in range(n)] for n in (60, 340)]
+
+
+def _body(prompt: list[int], max_tokens: int, **extra) -> dict:
+    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+
+
+def _read_bytes(url: str) -> float:
+    return scrape(url, "vllm:pdserve_kv_read_bytes").get("vllm:pdserve_kv_read_bytes_total", 0.0)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def stack(request, tmp_path_factory):
+    from pdserve.launch import Cluster
+    from pdserve.launch.config import LauncherConfig
+    from pdserve.launch.model_families import FAMILIES as SPECS
+    from pdserve.launch.model_families import build_family
+
+    family = request.param
+    spec = SPECS[family]
+    model = build_family(family, tmp_path_factory.mktemp(f"{family}-model") / family)
+    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
+                         served_model_name="m", run_dir=str(tmp_path_factory.mktemp(f"{family}-run")),
+                         worker_timeout_s=600, pool=False, restart=False, worker_args=spec.worker_args,
+                         connector_extra={"allow_test_faults": True})
+    with Cluster(cfg) as c:
+        yield family, c
+
+
+def test_hybrid_hand_off_equals_one_worker(stack):
+    family, c = stack
+    p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
+    for prompt in _prompts():
+        ref = _post(p_url + "/v1/completions", _body(prompt, GEN))["choices"][0]["token_ids"]
+        first = _post(p_url + "/v1/completions", _body(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+        params = first["kv_transfer_params"]
+        assert params and params.get("remote_group_blocks"), f"{family}: P handed off no per-group blocks: {params}"
+        t1 = first["choices"][0]["token_ids"]
+        before = _read_bytes(d_url)
+        out = _post(d_url + "/v1/completions", _body(prompt + t1, GEN - 1, kv_transfer_params=params))
+        assert _read_bytes(d_url) > before, f"{family}: D did not read P's KV"
+        assert t1 + out["choices"][0]["token_ids"] == ref, f"{family}: P -> D differs from P alone"
+        routed = _post(c.router_url + "/v1/completions", _body(prompt, GEN))
+        assert routed["choices"][0]["token_ids"] == ref, f"{family}: the router's answer differs"
+    # negative control: the same hand-off with the received blocks zeroed after their checksum check must differ
+    prompt = [t + 1 for t in _prompts()[0]]
+    ref = _post(p_url + "/v1/completions", _body(prompt, GEN))["choices"][0]["token_ids"]
+    first = _post(p_url + "/v1/completions", _body(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    zeroed = dict(first["kv_transfer_params"], pdserve_test_fault="zero")
+    out = _post(d_url + "/v1/completions", _body(prompt + first["choices"][0]["token_ids"], GEN - 1,
+                                                 kv_transfer_params=zeroed))
+    assert first["choices"][0]["token_ids"] + out["choices"][0]["token_ids"] != ref, \
+        f"{family}: zeroed KV answered the same: D does not decode from what it read"
+    for child in c.workers:
+        text = child.log_path.read_text(errors="replace")
+        assert "Turning off hybrid kv cache manager" not in text, f"{child.name}: vLLM turned HMA off"
