@@ -218,11 +218,11 @@ def build_random(out_dir: str | os.PathLike[str], stamp: dict[str, Any],
     ``write(folder, tokenizer)`` writes its weights and config; this adds the SmolLM2 tokenizer and the stamp,
     returns the folder as is when its stamp matches, and builds it once per run under ``PDSERVE_MODEL_CACHE``."""
     out = Path(out_dir)
-    if _stamp_matches(out, stamp):
+    if stamp_matches(out, stamp):
         return out
 
     def build(dest: Path) -> Path:
-        tokenizer = _tokenizer_source(tokenizer_dir)
+        tokenizer = tokenizer_source(tokenizer_dir)
         tmp = _tmp_dir(dest, ".random-")
         try:
             write(tmp, tokenizer)
