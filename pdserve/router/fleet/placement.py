@@ -22,6 +22,7 @@ from ...conductor.moves import MoveConfig
 from ...hashing import ROOT_KEY, block_hashes
 from ..errors import RouterError, unavailable
 from ..workers.client import Worker
+from .decision_log import DecisionLog
 from .move import Movers, move_off
 from .prediction_error import PredictionErrors
 from .registry import WorkerRegistry, role_of
@@ -58,6 +59,7 @@ class ConductorPlacement:
         self._ids = itertools.count()
         self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
         self.errors: PredictionErrors | None = None  # the predictions' error, reported by each ticket it closes
+        self.decisions = DecisionLog()  # a decision record per request (GET /v1/pdserve/decisions/{request_id})
         registry.subscribe(self)
 
     # ---- RegistryListener ----
@@ -93,14 +95,15 @@ class ConductorPlacement:
         finally:
             self.decision_seconds.append(time.perf_counter() - t0)
         if d.kind == "reject":
+            self.decisions.rejected(rid, c.config.policy, d, exclude)
             raise too_busy(d)
         ticket = PlacementTicket(c, self.registry, d, self.clock)
-        ticket.errors = self.errors
+        ticket.errors, ticket.decisions, ticket.excluded = self.errors, self.decisions, exclude
         if d.placement and self.moves.enabled and self.movers:  # elastic: move the decodes that pay
             ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))
             ticket.wait_s = self.moves.wait_s
-            for moved in ticket.waits:  # a move's placement reports its error as any other
-                moved.errors = self.errors
+            for moved in ticket.waits:  # a move's placement reports its error and its record as any other
+                moved.errors, moved.decisions = self.errors, self.decisions
         return ticket
 
 

@@ -19,6 +19,7 @@ from ...conductor import Conductor, Decision
 from ...conductor.policy import NoWorker
 from ..errors import unavailable
 from ..workers.client import Worker
+from .decision_log import DecisionLog
 from .prediction_error import Measured, PredictionErrors
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ class PlacementTicket:
     handed: asyncio.Event | None = None
     waits: tuple[PlacementTicket, ...] = ()
     wait_s = 0.0
-    errors: PredictionErrors | None = None  # where close() reports the predictions' error (the router's metrics)
+    errors: PredictionErrors | None = None  # where close() reports the predictions' error (the router's metrics) ...
+    decisions: DecisionLog | None = None  # ... and the placement, for the request's decision record
+    excluded: frozenset[str] = frozenset()  # the workers the placement left out (failed or slow in an earlier round)
 
     def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -145,5 +148,9 @@ class PlacementTicket:
         self._observe()
 
     def _observe(self) -> None:
+        policy, measured = self._conductor.config.policy, self.measured()
         if self.errors is not None:
-            self.errors.observe(self.decision, self._conductor.config.policy, self.measured())
+            self.errors.observe(self.decision, policy, measured)
+        if self.decisions is not None:
+            self.decisions.closed(self.request_id, policy, self.decision, self.excluded, measured,
+                                  moved=self.handed is not None)
