@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 
 from pdserve.conductor import Decision
+from pdserve.conductor.decision import Candidate
 from pdserve.router.fleet.decision_log import DecisionLog
 from pdserve.router.fleet.prediction_error import Measured
 
 PD = Decision("disaggregated", "r", "http://p0", "http://d0", ttft_s=0.2, tpot_s=0.05, reason="lowest predicted TTFT",
-              cached_tokens=32, fetch_tokens=16, fetch_tier="pool")
+              cached_tokens=32, fetch_tokens=16, fetch_tier="pool",
+              candidates=(Candidate("http://p0", "prefill", 0.2, 32, 16, "pool"), Candidate("http://d0", "decode", 0.05)))
 
 
 def test_placements_in_order_with_prefix_hits_and_measurements():
@@ -26,6 +28,12 @@ def test_placements_in_order_with_prefix_hits_and_measurements():
     assert first["prefix_hit"] == {"cached_tokens": 32, "fetch_tokens": 16, "fetch_tier": "pool"}
     assert first["predicted"] == {"ttft_s": 0.2, "tpot_s": 0.05} and first["measured"] == {"ttft_s": 0.3,
                                                                                              "tpot_s": 0.04}
+    assert first["candidates"] == [
+        {"worker": "http://p0", "role": "prefill", "predicted_s": 0.2, "cached_tokens": 32, "fetch_tokens": 16,
+         "fetch_tier": "pool"},
+        {"worker": "http://d0", "role": "decode", "predicted_s": 0.05, "cached_tokens": 0, "fetch_tokens": 0,
+         "fetch_tier": ""}]
+    assert "candidates" not in migration
     assert migration["why"] == "migration" and migration["excluded"] == ["http://p0"]
     assert migration["measured"] == {"ttft_s": None, "tpot_s": None}
     assert move["why"] == "move"

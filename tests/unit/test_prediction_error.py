@@ -106,3 +106,20 @@ def test_a_ticket_closed_before_any_token_exports_nothing():
     placement.choose(list(range(1, 41)), request_id="r1").close()
     assert samples(metrics, "pdserve_router_ttft_prediction_error_seconds_count") == {}
     assert samples(metrics, "pdserve_router_tpot_prediction_error_seconds_count") == {}
+
+
+def test_the_conductor_records_every_candidate_it_weighed():
+    clock = Clock()
+    members = (("prefill", "http://p0"), ("prefill", "http://p1"), ("decode", "http://d0"), ("decode", "http://d1"))
+    conductor = Conductor(ConductorConfig(policy="conductor", block_size=4, local_prefill_tokens=0),
+                          OnlineCostModel(1000), clock)
+    placement = ConductorPlacement(conductor, WorkerRegistry(members), clock=clock)
+    placement.choose(list(range(1, 41)), request_id="warm")  # queues one prompt on a prefill worker
+    d = placement.choose(list(range(1, 41)), request_id="r1").decision
+    by_role = {r: {c.worker: c for c in d.candidates if c.role == r} for r in ("prefill", "decode")}
+    assert set(by_role["prefill"]) == {"http://p0", "http://p1"} and set(by_role["decode"]) == {"http://d0",
+                                                                                               "http://d1"}
+    assert by_role["prefill"][d.prefill].predicted_s == pytest.approx(d.ttft_s)
+    assert by_role["decode"][d.decode].predicted_s == pytest.approx(d.tpot_s)
+    ttfts = sorted(c.predicted_s for c in by_role["prefill"].values())
+    assert ttfts[0] == pytest.approx(d.ttft_s) and ttfts[1] > ttfts[0]  # the busy one predicted slower

@@ -3,7 +3,8 @@
 
 A record holds each placement of the request in order: the first, then any move's or migration's (each ticket is
 one), with the conductor's choice (the pair, the rule that chose it, the prefix hit and its tier, the predicted TTFT
-and TPOT) and what the ticket measured; or the rejection with its reason. GET /v1/pdserve/decisions/{request_id}
+and TPOT; under ``--policy conductor``'s fixed roles every candidate weighed, with its prediction and prefix hit)
+and what the ticket measured; or the rejection with its reason. GET /v1/pdserve/decisions/{request_id}
 (:mod:`pdserve.router.endpoints.decisions`) answers it.
 """
 
@@ -31,6 +32,8 @@ def decision_fields(d: Decision) -> dict[str, Any]:
                                           "fetch_tier": d.fetch_tier}}
     if d.placement:
         out["placement"] = d.placement
+    if d.candidates:
+        out["candidates"] = [{**c._asdict(), "predicted_s": round(c.predicted_s, 6)} for c in d.candidates]
     if d.kind == "reject":
         out["rejection"] = {"code": d.code, "retry_after_s": d.retry_after_s}
     return out
