@@ -148,6 +148,8 @@ class PlacementTicket:
         self._observe()
 
     def _observe(self) -> None:
+        if self.errors is None and self.decisions is None:
+            return
         policy, measured = self._conductor.config.policy, self.measured()
         if self.errors is not None:
             self.errors.observe(self.decision, policy, measured)
