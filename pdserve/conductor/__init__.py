@@ -7,7 +7,7 @@ simulator in :mod:`pdserve.plan` drives the same code with simulated workers.
 - :mod:`.load`       per-worker load view: queued prefills, running decodes, KV room, reported metrics
 - :mod:`.cost_model` prefill / decode-step / transfer / hand-off time, fitted online from observations
 - :mod:`.events`     vLLM KV events (BlockStored / BlockRemoved / AllBlocksCleared) -> index updates
-- :mod:`.decision`   what is placed and decided (PlacementRequest, Decision, PrefillOption, Placed)
+- :mod:`.decision`   what is placed and decided (PlacementRequest, Decision, Candidate, PrefillOption, Placed)
 - :mod:`.view`       FleetView: the load view, index and cost model, and the predictions every rule shares
 - :mod:`.policy`     the decision: (P, D), decode-local, or reject with Retry-After; Conductor is a FleetView
 - :mod:`.elastic`    elastic workers: colocated, chunked or split per request

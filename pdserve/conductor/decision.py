@@ -7,7 +7,8 @@ without importing the policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .load import WorkerLoad
 
@@ -28,6 +29,18 @@ class PlacementRequest:
     max_tokens: int = 16
 
 
+class Candidate(NamedTuple):
+    """A worker the conductor weighed for one role of a placement: its predicted TTFT (``role`` "prefill": queue +
+    the uncached prompt, with the prompt tokens it would not compute and where they load from) or TPOT ("decode")."""
+
+    worker: str
+    role: str
+    predicted_s: float
+    cached_tokens: int = 0
+    fetch_tokens: int = 0
+    fetch_tier: str = ""
+
+
 @dataclass(frozen=True)
 class Decision:
     kind: str  # "disaggregated" | "local" | "reject"
@@ -43,6 +56,8 @@ class Decision:
     fetch_tier: str = ""  # the tier they load from (pdserve.conductor.tiers), "" when none
     code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
     placement: str = ""  # elastic pools: "colocated", "chunked" (into a decoding worker) or "split" (P -> D)
+    # the workers weighed and their predictions (the conductor policy's fixed-role placements; empty otherwise)
+    candidates: tuple[Candidate, ...] = field(default=(), compare=False)
 
 
 @dataclass

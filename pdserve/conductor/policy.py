@@ -28,11 +28,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from . import elastic
 from .config import ConductorConfig
 from .cost_model import CostModel
-from .decision import Decision, NoWorker, Placed, PlacementRequest, PrefillOption
+from .decision import Candidate, Decision, NoWorker, Placed, PlacementRequest, PrefillOption
 from .load import ROLES, DecodeJob, PrefillJob, Reported, WorkerLoad
 from .shortlist import SHORTLIST, LoadOrder, decode_key, prefill_key
 from .view import STORE_SUFFIX, FleetView
@@ -309,7 +310,9 @@ class Conductor(FleetView):
                           reason="lowest predicted TTFT" + ("" if fitting else "; no decode worker has KV room"))
         local = self._local_choice(req, d, now, best, tpot, prefix)
         chosen = local or disagg
-        return self.reject_reason(chosen, decode, fits=bool(fitting)) or chosen
+        weighed = tuple(Candidate(o.worker.worker_id, "prefill", o.ttft_s, o.cached, o.fetched, o.source)
+                        for o in options) + tuple(Candidate(w, "decode", t) for w, t in tpots.items())
+        return replace(self.reject_reason(chosen, decode, fits=bool(fitting)) or chosen, candidates=weighed)
 
     def _local_choice(self, req: PlacementRequest, d: WorkerLoad, now: float, best: PrefillOption, tpot: float,
                       prefix: dict[str, int]) -> Decision | None:

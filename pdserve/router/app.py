@@ -44,6 +44,7 @@ from .fleet.health_monitor import HealthMonitor
 from .fleet.kv_feeds import KVFeeds
 from .fleet.load_probe import LoadFollower
 from .fleet.placement import ConductorPlacement, Placement, make_placement
+from .fleet.prediction_error import PredictionErrors
 from .fleet.registry import WorkerRegistry
 from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
@@ -94,6 +95,7 @@ class Router:
         self.registry.subscribe(self.kv)
         if self.conducted is not None:
             self.metrics.registry.register(ConductorCollector(self.conducted, self.kv.batches))
+            self.conducted.errors = PredictionErrors(self.metrics.registry)
 
     @property
     def conducted(self) -> ConductorPlacement | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.launch.procs import free_port, spawn, stop_children
+from pdserve.prom import label_values, parse
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]  # shares pd_cluster (tests/conftest.py: SHARED_STACKS)
 
@@ -260,6 +261,14 @@ def test_timings_and_router_overhead(stack, mode):
         s_overhead.append(tm["router_overhead_ms"])
     _, metrics = _get(stack[mode] + "/metrics")
     assert f'pdserve_router_phase_seconds_count{{mode="{tm["mode"]}",phase="e2e"}}' in metrics
+    # every placement reported its prediction error (issue 40): measured / predicted, per worker and policy
+    ratios = parse(metrics, "pdserve_router_", labels=True)
+    for what in ("ttft", "tpot"):
+        name = f"pdserve_router_{what}_prediction_error_ratio"
+        counts = {k: v for k, v in ratios.items() if k.startswith(name + "_count{")}
+        assert sum(counts.values()) >= 12 and all(label_values(k)["policy"] for k in counts), (what, counts)
+        means = {label_values(k)["worker"]: ratios[k.replace("_count{", "_sum{")] / v for k, v in counts.items()}
+        print(f"\n{what} measured / predicted ({mode}), mean per worker: {means}")
     print(f"\nrouter overhead per request ({mode}, 16 tokens, non-stream): median {statistics.median(overhead):.2f} "
           f"ms, e2e median {statistics.median(e2e):.1f} ms; streamed 32 tokens: median {statistics.median(s_overhead):.2f} ms")
 

@@ -742,3 +742,36 @@ def test_background_health_marks_worker_down_and_up(model_dir, tokenizer):
                 await env.post("/v1/completions", {"prompt": "a", "max_tokens": 2})
             assert len(p1.requests) == 1
     run(main())
+
+
+# ---------------------------------------------------------------- observability (issue 40)
+
+def test_decision_record_and_prediction_error_of_a_pd_request(model_dir, tokenizer):
+    """A placed request's decision record (GET /v1/pdserve/decisions/{id}: the pair, the rule, predicted and
+    measured TTFT/TPOT) and its prediction error on /metrics; an unknown id is an OpenAI-style 404."""
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/completions", {"prompt": "the cat sat", "max_tokens": 4,
+                                                         "temperature": 0, "ignore_eos": True})
+            assert st == 200, out
+            st, text = await env.get(f"/v1/pdserve/decisions/{out['id']}")
+            assert st == 200, text
+            rec = json.loads(text)
+            assert rec["request_id"] == out["id"] and rec["policy"] == "round_robin"  # the router's default
+            (placed,) = rec["placements"]
+            assert placed["kind"] == "disaggregated" and placed["why"] == "first"
+            assert (placed["prefill"], placed["decode"]) == (p.url, d.url) and placed["rule"]
+            assert placed["predicted"]["ttft_s"] > 0 and placed["predicted"]["tpot_s"] > 0
+            assert placed["measured"]["ttft_s"] > 0 and placed["measured"]["tpot_s"] > 0
+            st, text = await env.get("/v1/pdserve/decisions/cmpl-unknown")
+            err = json.loads(text)["error"]
+            assert st == 404 and err["code"] == "decision_not_found" and err["param"] == "request_id"
+            st, metrics = await env.get("/metrics")
+            assert f'pdserve_router_ttft_prediction_error_ratio_count{{policy="round_robin",worker="{p.url}"}} 1.0' \
+                in metrics
+            assert f'pdserve_router_tpot_prediction_error_ratio_count{{policy="round_robin",worker="{d.url}"}} 1.0' \
+                in metrics
+
+    run(main())

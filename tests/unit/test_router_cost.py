@@ -66,6 +66,8 @@ def _ticket(cond: _Conductor) -> ticket_mod.PlacementTicket:
     t.tokens_before = 0
     t._pending = t._reported = 0
     t._reported_at = 0.0
+    t._clock, t._placed_at = (lambda: 0.0), 0.0  # the placement's own timing (prediction error): unused here
+    t._first = t._last = None
     return t
 
 

@@ -87,6 +87,15 @@ def _workers() -> dict[str, Any]:
     }
 
 
+def _decision() -> dict[str, Any]:
+    param = {"name": "request_id", "in": "path", "required": True, "schema": STR,
+             "description": "the answer's X-Request-Id (its id when the client set no request_id)"}
+    return {"get": {"summary": "the request's decision record: candidates, the chosen pair and rule, predicted and "
+                               "measured TTFT/TPOT, migrations, moves, rejection", "operationId": "getDecision",
+                    "parameters": [param],
+                    "responses": {"200": {"description": "OK", "content": _json(_ANY_OBJECT)}, **_errors(404)}}}
+
+
 def _named(schema: dict[str, Any], model: str) -> dict[str, Any]:
     """A request schema whose ``model`` shows the served name as its example (a fuzzer then reaches past the 404)."""
     props = schema["properties"]
@@ -119,6 +128,7 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int, vocab_
                            503),
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain"),
             "/v1/pdserve/workers": _workers(),
+            "/v1/pdserve/decisions/{request_id}": _decision(),
             "/openapi.json": _get("this document", "openapi"),
             "/tokenize": _post("token ids of a prompt or a chat (as vLLM's /tokenize)", "tokenize", TOKENIZE),
             "/detokenize": _post("text of token ids (as vLLM's /detokenize)", "detokenize", {

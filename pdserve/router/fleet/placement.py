@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
@@ -22,7 +22,9 @@ from ...conductor.moves import MoveConfig
 from ...hashing import ROOT_KEY, block_hashes
 from ..errors import RouterError, unavailable
 from ..workers.client import Worker
+from .decision_log import DecisionLog
 from .move import Movers, move_off
+from .prediction_error import PredictionErrors
 from .registry import WorkerRegistry, role_of
 from .ticket import PlacementTicket
 
@@ -47,13 +49,17 @@ class ConductorPlacement:
     """The router's placement for every policy; listens to ``registry`` so the conductor knows every member and
     its health at the moment either changes."""
 
-    def __init__(self, conductor: Conductor, registry: WorkerRegistry, moves: MoveConfig | None = None) -> None:
+    def __init__(self, conductor: Conductor, registry: WorkerRegistry, moves: MoveConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.conductor = conductor
+        self.clock = clock  # the tickets' clock: they time their placement's first token and TPOT on it
         self.registry = registry
         self.moves = moves or MoveConfig()  # moving running decodes off a worker that starts a prefill (elastic)
         self.movers = Movers()  # the running generations, by request id
         self._ids = itertools.count()
         self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
+        self.errors: PredictionErrors | None = None  # the predictions' error, reported by each ticket it closes
+        self.decisions = DecisionLog()  # a decision record per request (GET /v1/pdserve/decisions/{request_id})
         registry.subscribe(self)
 
     # ---- RegistryListener ----
@@ -89,11 +95,15 @@ class ConductorPlacement:
         finally:
             self.decision_seconds.append(time.perf_counter() - t0)
         if d.kind == "reject":
+            self.decisions.rejected(rid, c.config.policy, d, exclude)
             raise too_busy(d)
-        ticket = PlacementTicket(c, self.registry, d)
+        ticket = PlacementTicket(c, self.registry, d, self.clock)
+        ticket.errors, ticket.decisions, ticket.excluded = self.errors, self.decisions, exclude
         if d.placement and self.moves.enabled and self.movers:  # elastic: move the decodes that pay
             ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))
             ticket.wait_s = self.moves.wait_s
+            for moved in ticket.waits:  # a move's placement reports its error and its record as any other
+                moved.errors, moved.decisions = self.errors, self.decisions
         return ticket
 
 

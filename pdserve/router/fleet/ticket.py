@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...conductor import Conductor, Decision
 from ...conductor.policy import NoWorker
 from ..errors import unavailable
 from ..workers.client import Worker
+from .decision_log import DecisionLog
+from .prediction_error import Measured, PredictionErrors
 
 if TYPE_CHECKING:
     from .registry import WorkerRegistry
@@ -36,8 +39,12 @@ class PlacementTicket:
     handed: asyncio.Event | None = None
     waits: tuple[PlacementTicket, ...] = ()
     wait_s = 0.0
+    errors: PredictionErrors | None = None  # where close() reports the predictions' error (the router's metrics) ...
+    decisions: DecisionLog | None = None  # ... and the placement, for the request's decision record
+    excluded: frozenset[str] = frozenset()  # the workers the placement left out (failed or slow in an earlier round)
 
-    def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision) -> None:
+    def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         assert decision.decode is not None
         self._conductor = conductor
         self._registry = registry
@@ -51,6 +58,10 @@ class PlacementTicket:
         self._pending = 0  # this ticket's tokens known to the router ...
         self._reported = 0  # ... and told to the conductor
         self._reported_at = 0.0  # perf_counter of the last report
+        self._clock = clock  # the same clock as progress's ``now`` (perf_counter)
+        self._placed_at = clock()  # the decision: the conductor's predictions start here
+        self._first: tuple[float, int] | None = None  # (when, own tokens) at this ticket's first token ...
+        self._last: tuple[float, int] | None = None  # ... and at its latest
 
     def prefill_done(self) -> None:
         """The prompt is computed (P answered, or a whole request's first token arrived); once."""
@@ -78,11 +89,14 @@ class PlacementTicket:
             return
         own = tokens - self.tokens_before
         self._pending = own
-        if own <= 2 or own - self._reported >= PROGRESS_EVERY_TOKENS:
-            self._report(time.perf_counter() if now is None else now)
-            return
         if now is None:
-            now = time.perf_counter()
+            now = self._clock()
+        self._last = (now, own)
+        if self._first is None:
+            self._first = self._last
+        if own <= 2 or own - self._reported >= PROGRESS_EVERY_TOKENS:
+            self._report(now)
+            return
         if now - self._reported_at >= PROGRESS_EVERY_S:
             self._report(now)
 
@@ -91,6 +105,13 @@ class PlacementTicket:
             self._reported = self._pending
             self._reported_at = now
             self._conductor.decode_progress(self.request_id, self._pending)
+
+    def measured(self) -> Measured:
+        """This placement's TTFT (decision to first token) and TPOT (over its later tokens), as far as they came."""
+        if self._first is None or self._last is None:
+            return Measured(None, None)
+        (t0, n0), (t1, n1) = self._first, self._last
+        return Measured(t0 - self._placed_at, (t1 - t0) / (n1 - n0) if n1 > n0 else None)
 
     def replace_decode(self, exclude: frozenset[str] = frozenset()) -> Worker:
         """D failed before it accepted the decode: place the decode again (P, its KV lease and its prefill report
@@ -110,9 +131,10 @@ class PlacementTicket:
         """Release everything reserved for the request; only the first call does anything."""
         if self.closed:
             return
-        self._report(time.perf_counter())  # tokens a coalesced progress report still held
+        self._report(self._clock())  # tokens a coalesced progress report still held
         self.closed = True
         self._conductor.finished(self.request_id)
+        self._observe()
         if self.handed is not None:
             self.handed.set()
 
@@ -121,5 +143,16 @@ class PlacementTicket:
         tokens still held, then end this ticket without releasing anything."""
         if self.closed:
             return
-        self._report(time.perf_counter())
+        self._report(self._clock())
         self.closed = True
+        self._observe()
+
+    def _observe(self) -> None:
+        if self.errors is None and self.decisions is None:
+            return
+        policy, measured = self._conductor.config.policy, self.measured()
+        if self.errors is not None:
+            self.errors.observe(self.decision, policy, measured)
+        if self.decisions is not None:
+            self.decisions.closed(self.request_id, policy, self.decision, self.excluded, measured,
+                                  moved=self.handed is not None)
