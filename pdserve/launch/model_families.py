@@ -4,7 +4,7 @@
 
 Each family is a ``transformers`` config of the real architecture shrunk to a few layers and small hidden sizes
 (as vLLM's own tests build them), random weights with a large init so greedy decoding is decisive, and the SmolLM2
-tokenizer of :mod:`pdserve.models`:
+tokenizer of :mod:`pdserve.launch.models`:
 
 * ``gemma3``: Gemma 3 text, sliding window on 3 of 4 layers (fp32);
 * ``gptoss``: gpt-oss, sliding window on every other layer, attention sinks, MoE (fp32);

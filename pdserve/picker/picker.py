@@ -29,7 +29,7 @@ from ..router.fleet.load_probe import read_worker_load
 from ..router.fleet.placement import make_placement
 from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
-from ..router.fleet.workers import WorkerClient
+from ..router.workers.client import WorkerClient
 from ..settings.targets import handed_on
 
 log = logging.getLogger("pdserve.picker")
