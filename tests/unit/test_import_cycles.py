@@ -1,15 +1,5 @@
-"""No import circles in pdserve/, checked on the source with ``ast`` (scripts/import_graph.py).
-
-Every ``import`` / ``from ... import`` in a module is an edge, wherever it stands: at module level, inside a function
-(a deferred import that only hides a circle still counts) and under ``if TYPE_CHECKING:``. Relative imports are
-resolved against the importing module's package; ``from pkg import name`` is an edge to ``pkg.name`` when that is a
-module, else to ``pkg`` (its ``__init__``); ``import a.b.c`` is an edge to ``a.b.c``. Imports outside pdserve are
-ignored. Not counted: the implicit import of a module's parent packages (``import a.b`` runs ``a/__init__.py``
-first), which would make every package whose ``__init__`` re-exports its modules a circle with each of them.
-
-A circle is reported as a path, ``a -> b -> ... -> a``, starting at its first module by name: for each module on a
-circle, the shortest circle through it (so every module of a tangle of circles is named at least once).
-"""
+"""No import circles in pdserve/, checked on the source with ``ast``: what counts as an edge and how a circle
+is reported are in scripts/import_graph.py's docstring."""
 
 from __future__ import annotations
 
