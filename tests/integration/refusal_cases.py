@@ -16,11 +16,7 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temp
 
 # differences found and not fixed yet, by row name: each must still differ (a fixed one fails the test until its
 # line goes)
-OPEN = {
-    "logprobs over max_logprobs (streamed)": "P's unstreamed call gets vLLM's 400; vLLM checks it in its engine, so "
-                                             "one streamed worker answers 200 + the error event; the router does not "
-                                             "know the workers' --max-logprobs to check it itself",
-}
+OPEN: dict[str, str] = {}
 
 # (name, path, body without "model"): each one vLLM 0.32 refuses
 CASES: list[tuple[str, str, dict[str, Any]]] = [

@@ -82,7 +82,8 @@ class FakeWorker:
     text of token i is " " + VOCAB[i] unless ``texts`` overrides it. Records every request body.
 
     Knobs: eos_after (emit EOS as the n-th output token), die_after (drop the connection after n streamed
-    tokens), delay_s (between tokens), status (answer every completion with this HTTP error), kv (return
+    tokens), delay_s (between tokens), status (answer every completion with this HTTP error), engine_refusal (an
+    error vLLM's engine makes: a 400 unstreamed, 200 and an error event streamed), kv (return
     kv_transfer_params for do_remote_decode requests), healthy.
     """
 
@@ -96,6 +97,7 @@ class FakeWorker:
         self.die_after: int | None = kw.pop("die_after", None)
         self.delay_s: float = kw.pop("delay_s", 0.0)
         self.status: int | None = kw.pop("status", None)
+        self.engine_refusal: bool = kw.pop("engine_refusal", False)
         self.kv: bool = kw.pop("kv", True)
         self.healthy: bool = kw.pop("healthy", True)
         self.prefill_delay_s: float = kw.pop("prefill_delay_s", 0.0)
@@ -139,6 +141,15 @@ class FakeWorker:
         if self.status is not None:
             return web.json_response({"error": {"message": f"fake error from {self.name}", "type": "BadRequestError",
                                                 "param": None, "code": self.status}}, status=self.status)
+        if self.engine_refusal:
+            err = {"error": {"message": f"engine refusal from {self.name}", "type": "BadRequestError", "param": None,
+                             "code": 400}}
+            if not body.get("stream"):
+                return web.json_response(err, status=400)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         prompt = body["prompt"]
         gen = self.generate(prompt, body.get("max_tokens", 16), body.get("stop") or [], body.get("ignore_eos", False))
         kvp = None
@@ -548,6 +559,26 @@ def test_worker_4xx_passed_through(model_dir, tokenizer):
             p.status = d.status = 500  # a 5xx moves the request (P, then D alone); with none left: 502
             st, out = await env.post("/v1/completions", {"prompt": "a"})
             assert st == 502 and _is_openai_error(out) and "no other worker" in out["error"]["message"]
+    run(main())
+
+
+def test_engine_refusal_of_a_streamed_request_is_vllms_event(model_dir, tokenizer):
+    """P refuses its unstreamed prefill call with a 400 that its engine makes (vLLM: inside the stream of a streamed
+    request): the router asks P the body streamed and answers as P does then, 200 and the error event, not a 400;
+    an unstreamed request keeps the 400, and D is never asked."""
+    p, d = FakeWorker("P", engine_refusal=True), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/completions", {"prompt": "a"})
+            assert st == 400 and "engine refusal from P" in out["error"]["message"]
+            st, out = await env.stream("/v1/completions", {"prompt": "a", "stream": True})
+            assert st == 200 and len(out) == 1, out
+            err = json.loads(out[0])["error"]
+            assert err["code"] == 400 and err["type"] == "BadRequestError" and "engine refusal from P" in err["message"]
+            probe = p.requests[-1]
+            assert probe["stream"] is True and "kv_transfer_params" not in probe  # the probe holds no lease on P
+            assert d.requests == []
     run(main())
 
 

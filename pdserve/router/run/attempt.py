@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...settings import default
-from ..errors import deadline_exceeded
+from ..errors import RouterError, deadline_exceeded
 from ..fleet.registry import WorkerRegistry
 from ..fleet.ticket import PlacementTicket
 from ..metrics import RouterMetrics
 from ..workers.client import Worker, WorkerClient, WorkerError, WorkerStream
 from .deadline import within
 from .delta import Delta
-from .failures import Migrate, Outcome, Retry, classify
+from .failures import Migrate, Outcome, Retry, classify, refusal
 from .interrupts import Interrupts
 from .output import Output
 from .relay import Relay
@@ -127,18 +127,40 @@ class Attempt:
                                           "choice failed")
 
     # ---- the unstreamed call ----
-    async def complete(self, body: dict[str, Any]) -> dict:
+    async def complete(self, body: dict[str, Any], streamed_client: bool = False) -> dict:
         """POST the body unstreamed (P's prefill, or a scored whole request); its answer, or the failure's outcome
-        raised (nothing of it reached the client)."""
+        raised (nothing of it reached the client). ``streamed_client``: the client streams, so a worker's 400 is
+        answered in the shape the worker gives a streamed request (:meth:`_streamed_refusal`)."""
         try:
             resp = await self.ctx.client.complete(self.worker.url, body, self.t.wait)
         except WorkerError as e:
-            raise self.failed(e, mid_request=False) from None
+            out = self.failed(e, mid_request=False)
+            if streamed_client and isinstance(out, RouterError) and out.status == 400 and not out.event:
+                out = await self._streamed_refusal(body, out)
+            raise out from None
         except asyncio.CancelledError:
             self._closed()
             raise
         self.started = True
         return resp
+
+    async def _streamed_refusal(self, body: dict[str, Any], refused: RouterError) -> RouterError:
+        """vLLM refuses some bodies in its serving layer (a 400, streamed or not) and some in its engine (inside the
+        stream of a streamed request: 200 and an error event); an unstreamed call cannot tell which. So the same
+        worker is asked the same body streamed, without the hand-off, and the client gets what it answers then:
+        its error event, or the 400 as it was (also when it accepts the streamed body: leaving closes that stream,
+        which aborts it)."""
+        probe = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        probe["stream"] = True
+        try:
+            async with aclosing(self.ctx.client.stream(self.worker.url, probe, self.t.wait)) as objs:
+                async for _ in objs:
+                    break
+        except WorkerError as e:
+            again = refusal(e)
+            if again is not None and again.event:
+                return again
+        return refused
 
     # ---- the streamed call ----
     async def deltas(self, body: dict[str, Any], own_text: bool, answered: bool, relay: bool = False,

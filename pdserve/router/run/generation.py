@@ -370,7 +370,7 @@ class Generation:
         if self.t.dispatch is None:
             self.t.dispatch = now
         self.t.p_sent = now
-        resp = await p.complete(body)
+        resp = await p.complete(body, streamed_client=self.req.stream)
         self.t.p_done = time.perf_counter()
         self.ctx.handoff_since = asyncio.get_running_loop().time()
         ticket.prefill_done()
