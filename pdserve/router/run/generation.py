@@ -154,8 +154,8 @@ class Generation:
     def _left(self) -> int:
         return self.max_tokens - self._done
 
-    def _body(self, prompt: list[int], max_tokens: int, stream: bool, computes_prompt: bool = True
-              ) -> dict[str, Any]:
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool, computes_prompt: bool = True,
+              whole_output: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
                                 "return_token_ids": True, **self.req.sampling}
         if self.req.lora:  # P and D (and a colocated worker) run the adapter: vLLM picks it by model name
@@ -167,15 +167,17 @@ class Generation:
             body["min_tokens"] = min(max(0, body["min_tokens"] - (len(prompt) - len(self.prompt_ids))), max_tokens)
         if stream:
             body["stream_options"] = {"include_usage": True}
-        if self.req.stop and self.colocated:
-            # Only a worker that sees the whole output checks stop strings. P and D never get them: D would
-            # miss a stop string spanning t1 and its own text, and its hold-back of text that could begin one
-            # delays text behind token ids (usage would overcount). The router matches on the whole text and
-            # closes D's stream at the hit, which aborts D.
+        sees_whole = self.colocated or (whole_output and not self._done)
+        if self.req.stop and sees_whole:
+            # Only a worker that sees the whole output checks stop strings (a colocated worker, a whole request on
+            # D, a D that regenerates the first token): it then stops as one worker does, grammar and all. P never
+            # gets them, nor a D after P's t1: it would miss a stop string spanning t1 and its own text, and its
+            # hold-back of text that could begin one delays text behind token ids (usage would overcount). The
+            # router matches on the whole text and closes D's stream at the hit, which aborts D.
             body["stop"] = self.req.stop
         if self.req.stop_token_ids:
             body["stop_token_ids"] = self.req.stop_token_ids
-        if self.req.include_stop_str_in_output and self.colocated:
+        if self.req.include_stop_str_in_output and sees_whole:
             body["include_stop_str_in_output"] = True
         return body
 
@@ -340,7 +342,8 @@ class Generation:
             return self._scored(self._attempt(ticket, "scored", role))
         own_text = self._done > 0  # a migrated attempt: the router's detokenizer carries the text on
         return self._attempt(ticket, "whole", role).deltas(
-            self._body(self._prompt, self._left, True), own_text, answered=self._done > 0, relay=self._relay(),
+            self._body(self._prompt, self._left, True, whole_output=True), own_text, answered=self._done > 0,
+            relay=self._relay(),
             keep_prompt_logprobs=not self._done, sync=self._sync(own_text))
 
     async def _scored(self, attempt: Attempt) -> AsyncGenerator[Delta, None]:
@@ -381,7 +384,7 @@ class Generation:
             self.output.prompt_logprobs = c0.get("prompt_logprobs")
         if not self.first_from_prefill:  # D gets the prompt alone and produces the whole output itself
             kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
-            d_body = self._body(self._prompt, self._left, True, computes_prompt=False)
+            d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=True)
         else:
             t1, finish = c0["token_ids"][0], c0.get("finish_reason")
             first = Delta(self.output.delta([t1], c0, True).text, [t1], logprobs=c0.get("logprobs"))
