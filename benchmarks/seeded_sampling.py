@@ -21,6 +21,7 @@ import sys
 import urllib.request
 from typing import Any
 
+from pdserve.bench.traces import shared_prefix_len
 from pdserve.launch import Cluster
 from pdserve.launch.config import LauncherConfig
 
@@ -36,15 +37,6 @@ def _tokens(url: str, body: dict[str, Any]) -> list[int]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return list(json.loads(r.read())["choices"][0]["token_ids"])
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -77,7 +69,7 @@ def main() -> None:
                 first += pd[:1] == ref[:1]
                 whole += pd == ref
                 same += again == ref
-                prefix += _prefix(pd, ref)
+                prefix += shared_prefix_len(pd, ref)
             n = args.seeds
             rows[name] = {"cases": n, "first_equal": round(first / n, 3), "all_equal": round(whole / n, 3),
                           "mean_equal_prefix": round(prefix / n, 2), "one_worker_repeat_equal": round(same / n, 3)}
