@@ -8,14 +8,11 @@ skipped; each is one PD cannot (yet) remove:
 - ``refused``: a field api/fields.py refuses gets the router's 400 naming it (vLLM serves it).
 - ``param_prefix``: vLLM names a pydantic validation error's parameter ``body.<field>``; the router ``<field>``;
   checked: the worker's parameter is ``body.`` + the router's and everything else is identical.
-- ``max_tokens_clamp``: ``max_tokens`` within ``max_model_len`` but over the room the prompt leaves: vLLM 0.32
-  serves it clamped, the router answers 400 ``context_length_exceeded`` naming ``max_tokens`` (without
-  truncate_prompt_tokens); checked: the router's error names the field with that code, and vLLM generated exactly
-  the room left (max_model_len - prompt tokens).
 
 Issue 41 removed the rules that absorbed differences the router now does not make: ``router_limit`` (``n`` is
 vLLM's VLLM_MAX_N_SEQUENCES), ``refused_before_stream`` (a streamed request vLLM refuses from inside its stream gets
-200 and the error event), ``greedy_n`` (greedy ``n`` > 1 is refused as vLLM refuses it), ``param_named`` (vLLM's
+200 and the error event), ``greedy_n`` (greedy ``n`` > 1 is refused as vLLM refuses it), ``max_tokens_clamp`` (``max_tokens`` over the
+room the prompt leaves is clamped as vLLM clamps it), ``param_named`` (vLLM's
 unnamed SamplingParams refusals are unnamed) and ``seeded_sampling`` (no case needed it: seeded cases must be
 identical).
 """
@@ -30,7 +27,6 @@ from typing import Any
 KNOWN = {
     "refused": "the router refuses the field by name with a 400 (vLLM serves it)",
     "param_prefix": "vLLM's pydantic errors name body.<field>, the router <field>",
-    "max_tokens_clamp": "max_tokens over the room left: vLLM clamps it, the router answers 400 naming max_tokens",
 }
 TOL = 1e-3
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pdserve.router.api.fields import FIELDS
 
-from .cases import ENDPOINTS, MAX_MODEL_LEN, Case
+from .cases import ENDPOINTS, Case
 from .compare import KNOWN, differences, normalized_param, post, summary
 
 # fields whose streamed answers the quick tier checks too (the rest: the full tier)
@@ -65,28 +65,7 @@ def judge(router_url: str, worker_url: str, case: Case, stream: bool) -> Verdict
     diffs = differences(mine, ref)
     if not diffs:
         return Verdict(case, stream, "param_prefix" if prefixed else "identical")
-    if _clamped(mine, ref, body):
-        return Verdict(case, stream, "max_tokens_clamp", f"vLLM served {_served(ref)} tokens")
     return Verdict(case, stream, "different", "; ".join(diffs)[:600])
-
-
-def _served(ref: dict) -> int:
-    return sum(len(c["token_ids"]) for c in ref.get("choices") or [])
-
-
-def _clamped(mine: dict, ref: dict, body: dict) -> bool:
-    """compare.KNOWN "max_tokens_clamp", exactly: the router's 400 names the budget field with
-    context_length_exceeded's status, the budget is within max_model_len, and vLLM generated the room left."""
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    budget = body.get(field)
-    if mine["status"] != 400 or mine.get("param") != field or ref["status"] != 200 or "stream_error" in ref:
-        return False
-    if "truncate_prompt_tokens" in body or not isinstance(budget, int) or budget > MAX_MODEL_LEN:
-        return False
-    prompt = body.get("prompt")
-    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-        return False  # a token-id prompt: its length is known here without a tokenizer
-    return len(ref["choices"]) == 1 and _served(ref) == MAX_MODEL_LEN - len(prompt) < budget
 
 
 def run(router_url: str, worker_url: str, cases: list[Case], stream_all: bool,

@@ -496,6 +496,26 @@ def test_chat_template_applied_and_shapes(model_dir, tokenizer):
 
 # ---------------------------------------------------------------- errors
 
+def test_max_tokens_over_the_room_left_is_clamped_as_vllm(model_dir, tokenizer):
+    """vLLM 0.32 clamps ``max_tokens`` to the room the prompt leaves (``get_max_tokens``), refuses one over
+    ``max_model_len`` by name, and checks ``min_tokens`` against the clamped value: the router does the same."""
+    p, d = FakeWorker("P"), FakeWorker("D")
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d]) as env:
+            st, out = await env.post("/v1/completions", {"prompt": [5] * 60, "max_tokens": 10})
+            assert st == 200 and out["usage"]["completion_tokens"] <= MAX_LEN - 60, out
+            calls = p.requests + d.requests
+            assert [c["max_tokens"] for c in calls] == [1, MAX_LEN - 60 - 1], calls  # P's one token, then D's
+            st, out = await env.post("/v1/completions", {"prompt": [5] * 60, "max_tokens": MAX_LEN + 1})
+            assert st == 400 and out["error"]["param"] == "max_tokens" and \
+                f"cannot be greater than max_model_len={MAX_LEN}" in out["error"]["message"], out
+            st, out = await env.post("/v1/completions", {"prompt": [5] * 60, "max_tokens": 10, "min_tokens": 5})
+            assert st == 400 and "max_tokens=4, got 5" in out["error"]["message"], out
+            assert len(p.requests + d.requests) == 2  # the refusals reached no worker
+    run(main())
+
+
 def _is_openai_error(body: Any) -> bool:
     return (isinstance(body, dict) and set(body) == {"error"}
             and set(body["error"]) == {"message", "type", "param", "code"})
@@ -530,9 +550,6 @@ def test_error_statuses_and_shapes(model_dir, tokenizer):
             st, out = await env.post("/v1/completions", {"prompt": [5] * MAX_LEN})
             assert st == 400 and str(MAX_LEN) in out["error"]["message"] and f"{MAX_LEN} tokens" in out["error"]["message"]
             assert out["error"]["code"] == "context_length_exceeded"
-            st, out = await env.post("/v1/completions", {"prompt": [5] * 60, "max_tokens": 10})
-            assert st == 400 and "60 in the prompt" in out["error"]["message"] and "10 for the completion" in \
-                out["error"]["message"]
             st, out = await env.post("/v1/chat/completions", {"messages": []})
             assert st == 400 and out["error"]["param"] == "messages"
             st, out = await env.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],

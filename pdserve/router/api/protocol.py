@@ -431,12 +431,22 @@ def parse_chat(body: Any) -> GenerationRequest:
     return req
 
 
-def _min_tokens_fit(req: GenerationRequest) -> None:
+def _min_tokens_fit(req: GenerationRequest, max_tokens: int | None = None) -> None:
     """vLLM's check of ``min_tokens`` against ``max_tokens`` (SamplingParams), with its message: P and D each get a
     share of both, which alone would never break it."""
     least = req.sampling.get("min_tokens")
-    if req.max_tokens is not None and isinstance(least, int) and least > req.max_tokens:
-        raise bad_request(f"min_tokens must be less than or equal to max_tokens={req.max_tokens}, got {least}.")
+    budget = req.max_tokens if max_tokens is None else max_tokens
+    if budget is not None and isinstance(least, int) and least > budget:
+        raise bad_request(f"min_tokens must be less than or equal to max_tokens={budget}, got {least}.")
+
+
+def clamped_max_tokens(req: GenerationRequest, room: int) -> int:
+    """The output budget as vLLM 0.32 sets it (``get_max_tokens``): ``max_tokens`` (at most ``max_model_len``, checked
+    before) clamped to the ``room`` the prompt leaves; then SamplingParams' ``min_tokens`` check, against that value."""
+    assert req.max_tokens is not None
+    budget = min(req.max_tokens, room)
+    _min_tokens_fit(req, budget)
+    return budget
 
 
 def parse_json(raw: bytes) -> Any:

@@ -31,7 +31,7 @@ from ..api.limits import read_body
 from ..api.logprobs import LogprobTrack
 from ..api.model_catalog import ModelCatalog
 from ..api.prompt import prompt_chars, prompt_ids
-from ..api.protocol import GenerationRequest
+from ..api.protocol import GenerationRequest, clamped_max_tokens
 from ..api.tokenizer import PromptTokenizer
 from ..api.tools import ToolSupport
 from ..api.truncation import truncated_max_tokens
@@ -159,12 +159,10 @@ class Intake:
                               "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
         if req.max_tokens is None:
             return limit - n
-        if n + req.max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} for the completion). "
-                              "Please reduce the length of the prompt or max_tokens.", req.max_tokens_field,
-                              "context_length_exceeded")
-        return req.max_tokens
+        if req.max_tokens > limit:
+            raise bad_request(f"{req.max_tokens_field}={req.max_tokens} cannot be greater than max_model_len={limit}. "
+                              "Please request fewer output tokens.", req.max_tokens_field)
+        return clamped_max_tokens(req, limit - n)
 
     async def choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
         """Tokenize each prompt, check its length and build one Generation per choice (n per prompt)."""
