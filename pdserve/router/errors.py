@@ -32,6 +32,13 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
 
 
+def model_param(field: str) -> str:
+    """How vLLM 0.32 names a field its request model refuses (a pydantic type, ``Literal`` or ``Field(ge=...)``):
+    FastAPI's error location, ``body.<field>`` (vLLM's ``clean_loc_for_param``). A refusal vLLM makes in its own
+    checks (``VLLMValidationError``, ``SamplingParams``) names the field alone."""
+    return f"body.{field}"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RouterError:
     return RouterError(400, message, "BadRequestError", param, code)
 

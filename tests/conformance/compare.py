@@ -6,15 +6,13 @@ Known differences, each documented in :data:`KNOWN` and checked by its own rule 
 skipped; each is one PD cannot (yet) remove:
 
 - ``refused``: a field api/fields.py refuses gets the router's 400 naming it (vLLM serves it).
-- ``param_prefix``: vLLM names a pydantic validation error's parameter ``body.<field>``; the router ``<field>``;
-  checked: the worker's parameter is ``body.`` + the router's and everything else is identical.
 
 Issue 41 removed the rules that absorbed differences the router now does not make: ``router_limit`` (``n`` is
 vLLM's VLLM_MAX_N_SEQUENCES), ``refused_before_stream`` (a streamed request vLLM refuses from inside its stream gets
 200 and the error event), ``greedy_n`` (greedy ``n`` > 1 is refused as vLLM refuses it), ``max_tokens_clamp`` (``max_tokens`` over the
 room the prompt leaves is clamped as vLLM clamps it), ``param_named`` (vLLM's
-unnamed SamplingParams refusals are unnamed) and ``seeded_sampling`` (no case needed it: seeded cases must be
-identical).
+unnamed SamplingParams refusals are unnamed), ``seeded_sampling`` (no case needed it: seeded cases must be
+identical) and ``param_prefix`` (a field vLLM's request model refuses is named ``body.<field>`` by the router too).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from typing import Any
 
 KNOWN = {
     "refused": "the router refuses the field by name with a 400 (vLLM serves it)",
-    "param_prefix": "vLLM's pydantic errors name body.<field>, the router <field>",
 }
 TOL = 1e-3
 
@@ -147,10 +144,3 @@ def differences(mine: dict[str, Any], ref: dict[str, Any]) -> list[str]:
         if not _lp_equal(m["lp"], r["lp"]):
             out.append(f"choice {m['index']} logprobs differ")
     return out
-
-
-def normalized_param(param: str | None) -> str | None:
-    """``param_prefix``: vLLM's ``body.<field>`` (pydantic) as the router's ``<field>``."""
-    if isinstance(param, str) and param.startswith("body."):
-        return param[5:]
-    return param

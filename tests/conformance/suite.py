@@ -12,7 +12,7 @@ from typing import Any
 from pdserve.router.api.fields import FIELDS
 
 from .cases import ENDPOINTS, Case
-from .compare import KNOWN, differences, normalized_param, post, summary
+from .compare import KNOWN, differences, post, summary
 
 # fields whose streamed answers the quick tier checks too (the rest: the full tier)
 STREAMED = {"stream", "stream_options", "stream_interval", "logprobs", "top_logprobs", "n", "stop",
@@ -60,11 +60,9 @@ def judge(router_url: str, worker_url: str, case: Case, stream: bool) -> Verdict
         return Verdict(case, stream, "refused" if ok else "different", "" if ok else f"router: {mine}")
     ref_status, ref_answer = post(worker_url + path, body)
     ref = summary(ref_status, ref_answer, chat, bool(body.get("stream")))
-    prefixed = isinstance(ref.get("param"), str) and ref["param"].startswith("body.")
-    ref["param"] = normalized_param(ref.get("param"))
     diffs = differences(mine, ref)
     if not diffs:
-        return Verdict(case, stream, "param_prefix" if prefixed else "identical")
+        return Verdict(case, stream, "identical")
     return Verdict(case, stream, "different", "; ".join(diffs)[:600])
 
 

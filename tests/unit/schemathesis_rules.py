@@ -132,14 +132,12 @@ def _context(body: Any, rule: dict[str, Any]) -> bool:
     if not isinstance(body, dict):
         return False
     limit = rule["max_model_len"]
-    truncates = body.get("truncate_prompt_tokens") is not None  # only completions and chat take it
     budgets = [v for v in (pointed(body, p) for p in rule["output"]) if _number(v)]
     budget = budgets[0] if budgets else rule["default_output"]
-    if budget is not None and budget < 1:
+    if budget is not None and (budget < 1 or budget > limit):
         return True
-    return any(n is not None and (n in (-1, 0) or n >= limit or (
-        not truncates and budget is not None and n + budget > limit))
-        for n in _prompt_counts(rule["form"], body, limit))
+    return any(n is not None and (n in (-1, 0) or n >= limit)
+               for n in _prompt_counts(rule["form"], body, limit))
 
 
 def _greedy_n(body: Any, rule: dict[str, Any]) -> bool:

@@ -88,9 +88,12 @@ def test_keys_below_and_context_are_the_apps(model_dir, tokenizer):  # noqa: F81
             assert st == 400 and out["error"]["param"] == "logit_bias", out
             st, out = await env.post("/v1/completions", {"prompt": "hello", "max_tokens": 1, "logit_bias": {"99": 1}})
             assert st == 200, out
-            for body in ({"prompt": "hello", "max_tokens": 64}, {"prompt": [5] * 64, "max_tokens": 1}):
-                st, out = await env.post("/v1/completions", body)
-                assert st == 400 and out["error"]["code"] == "context_length_exceeded", out
+            st, out = await env.post("/v1/completions", {"prompt": [5] * 64, "max_tokens": 1})
+            assert st == 400 and out["error"]["code"] == "context_length_exceeded", out
+            st, out = await env.post("/v1/completions", {"prompt": "hello", "max_tokens": 65})
+            assert st == 400 and out["error"]["param"] == "max_tokens", out
+            st, out = await env.post("/v1/completions", {"prompt": "hello", "max_tokens": 64})
+            assert st == 200, out  # over the room left: clamped to it, as vLLM
             st, out = await env.post("/v1/chat/completions", {"messages": MSG, "max_tokens": 0,
                                                                "max_completion_tokens": 2})
             assert st == 200, out  # max_tokens counts only without max_completion_tokens
@@ -105,7 +108,8 @@ def test_context_hook_counts_as_the_router(model_dir, monkeypatch):  # noqa: F81
     rule = {"rule": "context", "form": "completion", "max_model_len": 64, "output": ["/max_tokens"],
             "default_output": 16}
     assert not hooks.breaks({"prompt": "hello"}, rule)
-    assert hooks.breaks({"prompt": "hello", "max_tokens": 64}, rule)
+    assert not hooks.breaks({"prompt": "hello", "max_tokens": 64}, rule)  # clamped to the room left, as vLLM
+    assert hooks.breaks({"prompt": "hello", "max_tokens": 65}, rule)
     assert hooks.breaks({"prompt": [5] * 64, "max_tokens": 1}, rule)
     assert not hooks.breaks({"prompt": [5] * 64, "max_tokens": 60, "truncate_prompt_tokens": 10}, rule)
     chat = {**rule, "form": "chat", "output": ["/max_completion_tokens", "/max_tokens"], "default_output": None}

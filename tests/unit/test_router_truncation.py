@@ -49,10 +49,11 @@ def test_parse_as_vllm_request_models():
     assert parse_truncation({"truncate_prompt_tokens": -1}) == Truncation(-1)
     assert parse_truncation({"truncate_prompt_tokens": 5, "truncation_side": "left"}) == Truncation(5, "left")
     for bad in (-2, 1.5, "3", True, 2 ** 63):
-        assert _err(parse_truncation, {"truncate_prompt_tokens": bad}).param == "truncate_prompt_tokens"
+        # named as vLLM's request model (pydantic) names them
+        assert _err(parse_truncation, {"truncate_prompt_tokens": bad}).param == "body.truncate_prompt_tokens"
     assert _err(parse_truncation, {"truncate_prompt_tokens": 3, "truncation_side": "middle"}).param == \
-        "truncation_side"
-    assert _err(parse_truncation, {"truncation_side": "middle"}).param == "truncation_side"
+        "body.truncation_side"
+    assert _err(parse_truncation, {"truncation_side": "middle"}).param == "body.truncation_side"
     assert parse_completion({"prompt": "x", "truncate_prompt_tokens": 2}).truncation == Truncation(2)
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 0,
                        "truncation_side": "right"}).truncation == Truncation(0, "right")

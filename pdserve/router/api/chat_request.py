@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import bad_request
+from ..errors import bad_request, model_param
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -149,13 +149,13 @@ def template_extras(body: dict, kwargs: dict[str, Any]) -> dict[str, Any]:
     if docs is not None:
         if not isinstance(docs, list) or not all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
                                                  for d in docs):
-            raise bad_request("'documents' must be a list of objects with string values", "documents")
+            raise bad_request("'documents' must be a list of objects with string values", model_param("documents"))
         extra["documents"] = docs
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
             raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                              "reasoning_effort")
+                              model_param("reasoning_effort"))
         extra["reasoning_effort"] = effort
         if "enable_thinking" not in kwargs:
             extra["enable_thinking"] = effort != "none"

@@ -19,8 +19,8 @@ a 400 (P, Q, R: JSON pointers into the body; a "*" part stands for each item of 
   template rendered, with the request's tools and template variables, truncate_prompt_tokens applied), for F
   "completion" each prompt of "prompt", for F "chat" the request, for F "messages" / "responses" its chat form
   (the router's translation; one without messages counts 0). 1 <= n < L; the output budget (the first of the
-  output pointers that holds a number, else D; none: no bound) is at least 1, and without truncation n plus the
-  budget is at most L (a truncated prompt's budget is clamped instead). (Chat's max_tokens counts only without
+  output pointers that holds a number, else D; none: no bound) is at least 1 and at most L (vLLM 0.32 clamps it
+  to the room the prompt leaves, L - n, as the router does). (Chat's max_tokens counts only without
   max_completion_tokens, which JSON Schema could state; it is here because schemathesis' generator gives up on a
   schema past about four conditions.)
 
@@ -45,9 +45,11 @@ def named_tool(choice: str, among: str) -> dict[str, Any]:
 
 
 def context(form: str, max_model_len: int, output: tuple[str, ...], default: int | None = None) -> dict[str, Any]:
+    description = (f"the prompt's tokens fit the context ({max_model_len} tokens; 400 context_length_exceeded); an "
+                   f"output budget over {max_model_len} is a 400 naming it, one over the room the prompt leaves is "
+                   "clamped to it")
     return {"rule": "context", "form": form, "max_model_len": max_model_len, "output": list(output),
-            "default_output": default, "description": f"the prompt's tokens and the output budget fit the context "
-                                                      f"({max_model_len} tokens): 400 context_length_exceeded"}
+            "default_output": default, "description": description}
 
 
 def bias_keys(vocab_size: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import bad_request
+from ..errors import bad_request, model_param
 from .chat_request import parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
 from .lax_values import as_flag, flag, integral
@@ -263,7 +263,8 @@ def _forward(body: dict, req: GenerationRequest, s: dict[str, Any]) -> None:
     type here (the workers check the rest: a 400 from P reaches the client as it is). A regenerated field set to
     a value that acts makes D regenerate the first token (``constrained``)."""
     if body.get("mm_payload") not in (None, "tensors", "none"):  # ignored here, as by vLLM, which checks it
-        raise bad_request(f"'mm_payload' must be 'tensors' or 'none', got {body['mm_payload']!r}", "mm_payload")
+        raise bad_request(f"'mm_payload' must be 'tensors' or 'none', got {body['mm_payload']!r}",
+                          model_param("mm_payload"))
     for name in ("presence_penalty", "frequency_penalty"):
         v = _opt_number(body, name, -2.0, 2.0)
         if v:

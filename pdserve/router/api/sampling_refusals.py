@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import RouterError, bad_request
+from ..errors import RouterError, bad_request, model_param
 
 # field -> vLLM's message for a value out of its range (sampling_params.py, _verify_args / _verify_num_sequences)
 UNNAMED = {
@@ -19,6 +19,8 @@ UNNAMED = {
     "min_tokens": "min_tokens must be greater than or equal to 0, got {v}.",
     "n": "n must be at least 1, got {v}.",
 }
+# fields whose range vLLM's request model checks (``Field(ge=...)``): named as pydantic names them
+MODEL_CHECKED = frozenset({"stream_interval"})
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy sampling
 
 
@@ -32,7 +34,7 @@ def out_of_range(name: str, value: object, message: str) -> RouterError:
     ``name``."""
     if name in UNNAMED:
         return bad_request(UNNAMED[name].format(v=value))
-    return bad_request(message, name)
+    return bad_request(message, model_param(name) if name in MODEL_CHECKED else name)
 
 
 def check_n(n: int, temperature: float | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import RouterError, bad_request
+from ..errors import RouterError, bad_request, model_param
 from .lax_values import integral
 
 _INT64_MAX = 2 ** 63 - 1
@@ -60,13 +60,13 @@ def parse_truncation(body: dict[str, Any]) -> Truncation | None:
     """The request's truncation (None: not asked), its fields checked as vLLM's request models check them."""
     side = body.get("truncation_side")
     if side is not None and side not in SIDES:
-        raise bad_request(f"'truncation_side' must be 'left' or 'right', got {side!r}", "truncation_side")
+        raise bad_request(f"'truncation_side' must be 'left' or 'right', got {side!r}", model_param("truncation_side"))
     tokens = integral(body.get("truncate_prompt_tokens"))
     if tokens is None:
         return None
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not -1 <= tokens <= _INT64_MAX:
         raise bad_request(f"'truncate_prompt_tokens' must be an integer >= -1, got {tokens!r}",
-                          "truncate_prompt_tokens")
+                          model_param("truncate_prompt_tokens"))
     return Truncation(tokens, side)
 
 

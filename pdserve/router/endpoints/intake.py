@@ -147,8 +147,12 @@ class Intake:
         return fn()
 
     def limits(self, req: GenerationRequest, n: int) -> int:
-        """The output budget of a prompt of ``n`` tokens; 400 when the prompt is empty or leaves no room."""
+        """The output budget of a prompt of ``n`` tokens, as vLLM 0.32 sets it: ``max_tokens`` over ``max_model_len``
+        refused, else clamped to the room the prompt leaves; 400 when the prompt is empty or leaves no room."""
         limit = self.config.max_model_len
+        if req.max_tokens is not None and req.max_tokens > limit:  # vLLM's TokenizeParams, before any truncation
+            raise bad_request(f"{req.max_tokens_field}={req.max_tokens} cannot be greater than max_model_len={limit}. "
+                              "Please request fewer output tokens.", req.max_tokens_field)
         if req.truncation is not None:  # vLLM's budget for a truncated prompt (api/truncation.py)
             return truncated_max_tokens(n, req.max_tokens, limit)
         if n == 0:
@@ -159,9 +163,6 @@ class Intake:
                               "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
         if req.max_tokens is None:
             return limit - n
-        if req.max_tokens > limit:
-            raise bad_request(f"{req.max_tokens_field}={req.max_tokens} cannot be greater than max_model_len={limit}. "
-                              "Please request fewer output tokens.", req.max_tokens_field)
         return clamped_max_tokens(req, limit - n)
 
     async def choices(self, req: GenerationRequest, t: Timings) -> list[Choice]:
