@@ -91,6 +91,10 @@ WITH: dict[str, dict[str, Any]] = {
     "spaces_between_special_tokens": {"skip_special_tokens": False},
     "return_tokens_as_token_ids": {"logprobs": 1},
 }
+# chat's own: echo repeats the last message when its role is the answer's (without a generation prompt, the last's)
+WITH_CHAT: dict[str, dict[str, Any]] = {
+    "echo": {"add_generation_prompt": False, "messages": [*MESSAGES, {"role": "assistant", "content": "Red, green"}]},
+}
 # fields no generated case can check here, with the reason
 NO_CASES: dict[str, str] = {}
 
@@ -171,7 +175,7 @@ def cases(endpoint: str, model: Any) -> list[Case]:
     out = []
     for name, info in model.model_fields.items():
         for value in generated(name, info.annotation, list(info.metadata)):
-            extra = dict(WITH.get(name, {}))
+            extra = dict(WITH_CHAT.get(name, {}) if endpoint == "chat" and name in WITH_CHAT else WITH.get(name, {}))
             if name == "messages" or (name == "continue_final_message" and not value):
                 extra.pop("messages", None)
                 extra.pop("add_generation_prompt", None)

@@ -1,5 +1,5 @@
 """Send one case to one plain vLLM worker and to the 1P1D router, and compare what a client sees: per choice the
-text, token ids, logprobs (values within 1e-3: P and D run fp32) and finish reason, the usage, and for an error
+text, token ids, logprobs (values within 1e-3: P and D run fp32), finish reason and (chat) role, the usage, and for an error
 its status and the parameter it names; streamed answers are assembled per choice first.
 
 Known differences, each documented in :data:`KNOWN` and checked by its own rule (its exact condition) rather than
@@ -64,8 +64,9 @@ def _collect(events: list[dict], chat: bool) -> dict[str, Any]:
             usage = ev["usage"]
         for c in ev.get("choices") or []:
             acc = choices.setdefault(c["index"], {"index": c["index"], "text": "", "token_ids": [], "lp": [],
-                                                  "finish_reason": None, "tool_calls": 0})
+                                                  "finish_reason": None, "tool_calls": 0, "role": None})
             delta = c.get("delta", {}) if chat else c
+            acc["role"] = acc["role"] or (delta.get("role") if chat else None)
             acc["text"] += (delta.get("content") if chat else delta.get("text")) or ""
             acc["tool_calls"] += len(delta.get("tool_calls") or []) if chat else 0
             acc["token_ids"] += c.get("token_ids") or []
@@ -100,7 +101,8 @@ def summary(status: int, answer: Any, chat: bool, stream: bool) -> dict[str, Any
                     "text": (c["message"].get("content") or "") if chat else c["text"],
                     "tool_calls": len(c["message"].get("tool_calls") or []) if chat else 0,
                     "token_ids": c.get("token_ids") or [],
-                    "lp": _logprob_list(c.get("logprobs"), chat), "finish_reason": c["finish_reason"]}
+                    "lp": _logprob_list(c.get("logprobs"), chat), "finish_reason": c["finish_reason"],
+                    "role": c["message"].get("role") if chat else None}
                    for c in sorted(answer["choices"], key=lambda c: c["index"])]
     usage = answer.get("usage")
     if usage is not None:
@@ -138,7 +140,7 @@ def differences(mine: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     if len(mine["choices"]) != len(ref["choices"]):
         return out + [f"{len(mine['choices'])} choices != {len(ref['choices'])}"]
     for m, r in zip(mine["choices"], ref["choices"]):
-        for key in ("text", "token_ids", "finish_reason", "tool_calls"):
+        for key in ("text", "token_ids", "finish_reason", "tool_calls", "role"):
             if m[key] != r[key]:
                 out.append(f"choice {m['index']} {key}: {m[key]!r} != {r[key]!r}")
         if not _lp_equal(m["lp"], r["lp"]):

@@ -143,3 +143,18 @@ def test_tokenize_chat_fields_are_vllms():
     from pdserve.router.api.fields import TOKENIZE_CHAT_FIELDS
 
     assert sorted(TOKENIZE_CHAT_FIELDS) == sorted(TokenizeChatRequest.model_fields)
+
+
+def test_chat_echo_and_the_answers_role_as_vllm():
+    """vLLM 0.32's get_chat_request_role and chat echo: "assistant" with a generation prompt (as asked), else the
+    last message's role; echo repeats the last message's content only when its role is the answer's."""
+    from pdserve.router.api.chat_request import chat_role_and_echo
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Red, green"}]
+    assert chat_role_and_echo(msgs, True, True) == ("assistant", "Red, green")
+    assert chat_role_and_echo(msgs, False, True) == ("assistant", "Red, green")
+    assert chat_role_and_echo(msgs, True, False) == ("assistant", "")
+    assert chat_role_and_echo(msgs[:1], True, True) == ("assistant", "")  # the last is the user's: nothing echoed
+    assert chat_role_and_echo(msgs[:1], False, True) == ("user", "hi")
+    req = parse_chat({"messages": msgs, "echo": True, "continue_final_message": True})
+    assert (req.response_role, req.chat_echo, req.add_generation_prompt) == ("assistant", "Red, green", False)

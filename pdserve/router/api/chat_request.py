@@ -160,3 +160,14 @@ def template_extras(body: dict, kwargs: dict[str, Any]) -> dict[str, Any]:
         if "enable_thinking" not in kwargs:
             extra["enable_thinking"] = effort != "none"
     return {**kwargs, **extra} if extra else kwargs
+
+
+def chat_role_and_echo(messages: list[dict[str, Any]], add_generation_prompt: bool, echo: bool) -> tuple[str, str]:
+    """The answer's role and the text chat ``echo`` puts before each choice's content, as vLLM 0.32 sets them
+    (``get_chat_request_role``; the chat ``echo``): the role is "assistant" with a generation prompt (as asked, before
+    ``continue_final_message`` turns it off), else the last message's; echo repeats the last message's content when
+    its role is the answer's."""
+    role = "assistant" if add_generation_prompt else messages[-1]["role"]
+    last = messages[-1]
+    return role, (last.get("content") or "") if echo and last["role"] == role else ""
+

@@ -93,7 +93,7 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
         "add_generation_prompt": ("router", ""),
         "continue_final_message": ("router", ""),
         "chat_template_kwargs": ("router", "passed to the chat template"),
-        "echo": ("refused", "chat echo is not served"),
+        "echo": ("router", "the last message's content before each choice's when its role is the answer's, as vLLM"),
         "chat_template": ("refused", "a request's own chat template is not served"),
         "documents": ("router", "passed to the chat template, as vLLM"),
         "reasoning_effort": ("router", "passed to the chat template with enable_thinking, as vLLM"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import bad_request, model_param
-from .chat_request import parse_messages, parse_tools, template_extras
+from .chat_request import chat_role_and_echo, parse_messages, parse_tools, template_extras
 from .fields import EXTRA_REFUSED, NOT_NULL, names, refuse_nulls
 from .lax_values import as_flag, flag, integral
 from .limits import load_json
@@ -45,6 +45,8 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    response_role: str = "assistant"  # chat: the answer's role (vLLM: the last message's without a generation prompt)
+    chat_echo: str = ""  # chat echo: the last message's content, before each choice's (when its role is the answer's)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = True
     max_tokens: int | None = None
@@ -404,6 +406,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         req.tools, req.tool_choice = tools.tools, tools.choice
         req.constrained = req.constrained or tools.constrained
     req.add_generation_prompt = flag(body, "add_generation_prompt", True)
+    req.response_role, req.chat_echo = chat_role_and_echo(req.messages, req.add_generation_prompt, flag(body, "echo"))
     req.continue_final_message = flag(body, "continue_final_message", False)
     if req.add_generation_prompt and req.continue_final_message and "add_generation_prompt" in body:
         raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",

@@ -42,9 +42,13 @@ class ResponseBuilder:
     def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: Any, token_ids: list[int],
                prompt_ids: list[int] | None = None, logprobs: Any = None, prompt_logprobs: Any = None,
                message: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One finished choice. ``message`` (chat) replaces ``{"role": "assistant", "content": text}``."""
+        """One finished choice. ``message`` (chat) replaces ``{"role": <the answer's role>, "content": text}``; chat
+        ``echo`` puts the last message's content before the content (both as vLLM 0.32)."""
         if self.chat:
-            msg = message if message is not None else {"role": "assistant", "content": text}
+            msg = {"role": self.req.response_role, "content": text} if message is None \
+                else {**message, "role": self.req.response_role}
+            if self.req.chat_echo:
+                msg["content"] = self.req.chat_echo + (msg.get("content") or "")
             choice: dict[str, Any] = {"index": index, "message": msg, "logprobs": logprobs,
                                       "finish_reason": finish_reason, "stop_reason": stop_reason}
         else:
@@ -81,7 +85,7 @@ class ResponseBuilder:
         """One SSE chunk of choice ``index``. ``delta`` (chat) replaces ``{"content": text}``."""
         if self.chat:
             body = delta if delta is not None else {"content": text}
-            d: dict[str, Any] = {"role": "assistant", **body} if role else body
+            d: dict[str, Any] = {"role": self.req.response_role, **body} if role else body
             choice: dict[str, Any] = {"index": index, "delta": d, "logprobs": logprobs,
                                       "finish_reason": finish_reason}
             out = self._base("chat.completion.chunk")

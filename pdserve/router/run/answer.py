@@ -70,6 +70,21 @@ async def collect(req: GenerationRequest, choices: list[Choice], builder: Respon
         out["pdserve_timings"] = t.report()
     return web.Response(text=dumps(out), content_type="application/json")
 
+def _opening_chunks(req: GenerationRequest, choices: list[Choice], builder: ResponseBuilder) -> bytes:
+    """Chat's first chunks, as vLLM 0.32 streams them: each choice's role, then (chat ``echo``) each choice's echo
+    of the last message's content; each with the usage so far when continuous usage is on."""
+    def opening(text: str, c: Choice, role: bool) -> bytes:
+        chunk = builder.chunk(text, role=role, index=c.index)
+        if req.continuous_usage:
+            chunk["usage"] = usage_dict(len(c.prompt_ids), 0)
+        return sse(chunk)
+
+    out = b"".join(opening("", c, True) for c in choices)
+    if req.chat_echo:
+        out += b"".join(opening(req.chat_echo, c, False) for c in choices)
+    return out
+
+
 async def stream(request: web.Request, req: GenerationRequest, choices: list[Choice], builder: ResponseBuilder,
                  decode_one: DecodeOne) -> tuple[web.StreamResponse, str]:
     """Answer with SSE. Errors before the first token keep their HTTP status (raised); after it they become an
@@ -89,8 +104,7 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
         live = len(choices)
         try:
             item: tuple[Choice, Delta] | None = first
-            out = b"".join(sse(builder.chunk("", role=True, index=c.index)) for c in choices) \
-                if builder.chat else b""
+            out = _opening_chunks(req, choices, builder) if builder.chat else b""
             t = choices[0].gen.t
             plain = not req.continuous_usage and (req.logprobs is None or not req.token_details)
             held: dict[int, list[int]] = {}  # choice -> token ids of chunks the tool parser held back
