@@ -1,5 +1,5 @@
 """Send one case to one plain vLLM worker and to the 1P1D router, and compare what a client sees: per choice the
-text, token ids, logprobs (values within 1e-3: P and D run fp32), finish reason and (chat) role, the usage, and for an error
+text, token ids, logprobs (values within 1e-3: P and D run fp32), finish reason and (chat) role, the usage, the prompt text (chat ``return_prompt_text``), and for an error
 its status and the parameter it names; streamed answers are assembled per choice first.
 
 Known differences, each documented in :data:`KNOWN` and checked by its own rule (its exact condition) rather than
@@ -58,10 +58,11 @@ def _stream_error(events: list[dict]) -> dict[str, Any] | None:
 def _collect(events: list[dict], chat: bool) -> dict[str, Any]:
     """A stream as one answer: each choice's text, token ids, logprobs and finish reason; the last usage."""
     choices: dict[int, dict[str, Any]] = {}
-    usage = None
+    usage, prompt_text = None, None
     for ev in events:
         if ev.get("usage"):
             usage = ev["usage"]
+        prompt_text = prompt_text or ev.get("prompt_text")
         for c in ev.get("choices") or []:
             acc = choices.setdefault(c["index"], {"index": c["index"], "text": "", "token_ids": [], "lp": [],
                                                   "finish_reason": None, "tool_calls": 0, "role": None})
@@ -72,7 +73,7 @@ def _collect(events: list[dict], chat: bool) -> dict[str, Any]:
             acc["token_ids"] += c.get("token_ids") or []
             acc["lp"] += _logprob_list(c.get("logprobs"), chat)
             acc["finish_reason"] = c.get("finish_reason") or acc["finish_reason"]
-    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
+    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage, "prompt_text": prompt_text}
 
 
 def _logprob_list(lp: Any, chat: bool) -> list[tuple[str, float, list[tuple[str, float]]]]:
@@ -107,7 +108,7 @@ def summary(status: int, answer: Any, chat: bool, stream: bool) -> dict[str, Any
     usage = answer.get("usage")
     if usage is not None:
         usage = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {"status": 200, "choices": choices, "usage": usage}
+    return {"status": 200, "choices": choices, "usage": usage, "prompt_text": answer.get("prompt_text")}
 
 
 def _lp_equal(a: list, b: list) -> bool:
@@ -137,6 +138,8 @@ def differences(mine: dict[str, Any], ref: dict[str, Any]) -> list[str]:
         return out
     if mine["usage"] != ref["usage"]:
         out.append(f"usage {mine['usage']} != {ref['usage']}")
+    if mine["prompt_text"] != ref["prompt_text"]:
+        out.append(f"prompt_text {mine['prompt_text']!r} != {ref['prompt_text']!r}")
     if len(mine["choices"]) != len(ref["choices"]):
         return out + [f"{len(mine['choices'])} choices != {len(ref['choices'])}"]
     for m, r in zip(mine["choices"], ref["choices"]):

@@ -102,7 +102,7 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
                                         "reasoning parser, so there is no reasoning field to leave out"),
         "media_io_kwargs": ("refused", "multimodal inputs are not served"),
         "mm_processor_kwargs": ("refused", "multimodal inputs are not served"),
-        "return_prompt_text": ("refused", "not served"),
+        "return_prompt_text": ("router", "the chat template's rendered prompt (vLLM's prompt_text)"),
     },
 }
 

@@ -25,6 +25,16 @@ def _encode(tok: PromptTokenizer, req: GenerationRequest, text: str, max_model_l
     return truncated_text_ids(tok, text, trunc, max_model_len, req.max_tokens or 0, req.add_special_tokens)
 
 
+def rendered_chat(tok: PromptTokenizer, req: GenerationRequest) -> str:
+    """A chat request's prompt text: its messages through the model's chat template, with its tools and template
+    variables (what vLLM tokenizes, and answers as ``prompt_text`` with ``return_prompt_text``)."""
+    assert req.messages is not None
+    kwargs = dict(req.chat_template_kwargs)
+    if req.tools:
+        kwargs["tools"] = req.tools
+    return tok.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, **kwargs)
+
+
 def prompt_ids(tok: PromptTokenizer, req: GenerationRequest, max_model_len: int) -> list[int]:
     """The request's prompt ids (400 for a truncation over the context, prompt text no context could hold, ids out
     of the vocabulary, or a chat template that fails)."""
@@ -34,11 +44,7 @@ def prompt_ids(tok: PromptTokenizer, req: GenerationRequest, max_model_len: int)
         assert req.messages is not None
         if trunc is None:  # vLLM bounds the characters only when it does not truncate
             check_prompt_chars(prompt_chars(req), max_model_len, tok.chars_per_token, "messages")
-        kwargs = dict(req.chat_template_kwargs)
-        if req.tools:
-            kwargs["tools"] = req.tools
-        text = tok.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message, **kwargs)
-        return _encode(tok, req, text, max_model_len)
+        return _encode(tok, req, rendered_chat(tok, req), max_model_len)
     if req.prompt_ids is not None:
         ids = req.prompt_ids if trunc is None else truncated_ids(req.prompt_ids, trunc, max_model_len,
                                                                 req.max_tokens or 0)

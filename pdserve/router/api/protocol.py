@@ -46,6 +46,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     response_role: str = "assistant"  # chat: the answer's role (vLLM: the last message's without a generation prompt)
+    return_prompt_text: bool = False  # chat: the answer carries the rendered prompt (vLLM's prompt_text)
     chat_echo: str = ""  # chat echo: the last message's content, before each choice's (when its role is the answer's)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = True
@@ -408,6 +409,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     req.add_generation_prompt = flag(body, "add_generation_prompt", True)
     req.response_role, req.chat_echo = chat_role_and_echo(req.messages, req.add_generation_prompt, flag(body, "echo"))
     req.continue_final_message = flag(body, "continue_final_message", False)
+    req.return_prompt_text = flag(body, "return_prompt_text")
     if req.add_generation_prompt and req.continue_final_message and "add_generation_prompt" in body:
         raise bad_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",
                           "continue_final_message")

@@ -63,10 +63,13 @@ class ResponseBuilder:
         return choice
 
     def response(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
-                 prompt_ids: list[int] | None = None, prompt_logprobs: Any = None) -> dict[str, Any]:
+                 prompt_ids: list[int] | None = None, prompt_logprobs: Any = None, prompt_text: str = ""
+                 ) -> dict[str, Any]:
         out = self._base("chat.completion" if self.chat else "text_completion")
         if self.chat and self.req.return_token_ids:
             out["prompt_token_ids"] = prompt_ids
+        if self.chat and self.req.return_prompt_text:
+            out["prompt_text"] = prompt_text
         out["choices"] = choices
         out["usage"] = usage_dict(prompt_tokens, completion_tokens)
         if self.chat and prompt_logprobs is not None:

@@ -30,7 +30,7 @@ from ..admission import Admission
 from ..api.limits import read_body
 from ..api.logprobs import LogprobTrack
 from ..api.model_catalog import ModelCatalog
-from ..api.prompt import prompt_chars, prompt_ids
+from ..api.prompt import prompt_chars, prompt_ids, rendered_chat
 from ..api.protocol import GenerationRequest, clamped_max_tokens
 from ..api.tokenizer import PromptTokenizer
 from ..api.tools import ToolSupport
@@ -183,7 +183,9 @@ class Intake:
                 prompt_ids=None if isinstance(prompt, str) else prompt)
             ids = await self.prompt_ids(one)
             max_tokens = self.limits(req, len(ids))
-            if req.kind == "chat" or not req.echo:
+            if req.kind == "chat":
+                prompt_text = rendered_chat(self.tokenizer, one) if req.return_prompt_text else ""
+            elif not req.echo:
                 prompt_text = ""
             elif isinstance(prompt, str):
                 prompt_text = prompt

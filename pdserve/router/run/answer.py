@@ -65,16 +65,20 @@ async def collect(req: GenerationRequest, choices: list[Choice], builder: Respon
             c.gen.prompt_logprobs if req.prompt_logprobs is not None else None, message))
     prompt_tokens, completion_tokens = sum_usage(choices)
     out = builder.response(out_choices, prompt_tokens, completion_tokens, choices[0].prompt_ids,
-                           choices[0].gen.prompt_logprobs if req.prompt_logprobs is not None else None)
+                           choices[0].gen.prompt_logprobs if req.prompt_logprobs is not None else None,
+                           choices[0].prompt_text)
     if req.timings:
         out["pdserve_timings"] = t.report()
     return web.Response(text=dumps(out), content_type="application/json")
 
 def _opening_chunks(req: GenerationRequest, choices: list[Choice], builder: ResponseBuilder) -> bytes:
-    """Chat's first chunks, as vLLM 0.32 streams them: each choice's role, then (chat ``echo``) each choice's echo
-    of the last message's content; each with the usage so far when continuous usage is on."""
+    """Chat's first chunks, as vLLM 0.32 streams them: each choice's role (with the rendered prompt when
+    ``return_prompt_text``), then (chat ``echo``) each choice's echo of the last message's content; each with the
+    usage so far when continuous usage is on."""
     def opening(text: str, c: Choice, role: bool) -> bytes:
         chunk = builder.chunk(text, role=role, index=c.index)
+        if role and req.return_prompt_text:
+            chunk["prompt_text"] = c.prompt_text
         if req.continuous_usage:
             chunk["usage"] = usage_dict(len(c.prompt_ids), 0)
         return sse(chunk)

@@ -36,7 +36,7 @@ class Choice:
     prompt: int  # which prompt (completions lists), 0 otherwise
     gen: Generation
     prompt_ids: list[int]
-    prompt_text: str  # for echo
+    prompt_text: str  # completions: for echo; chat: the rendered prompt with return_prompt_text
     track: LogprobTrack | None = None
     parts: list[str] = field(default_factory=list)
     started: bool = False  # a chunk has gone out (stream): echo and prompt ids go with the first
