@@ -7,7 +7,10 @@
 # (tests/conftest.py: SHARED_STACKS, whose scheduler replaces --dist loadfile's), runs whole on one process, so a
 # stack starts once. A serial run keeps only ~1.2 of 2 cores busy, most of it in vLLM's single-threaded start-up.
 # PDSERVE_TEST_WORKERS=0 runs them serially (one process).
+# The conformance suite runs its full tier here (every value of every field of vLLM's request models, streamed and
+# not, on the shared 1P1D stack; issue 41); PDSERVE_CONFORMANCE_FULL=0 runs the quick tier (each field's first value).
 set -euo pipefail
+export PDSERVE_CONFORMANCE_FULL="${PDSERVE_CONFORMANCE_FULL:-1}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"

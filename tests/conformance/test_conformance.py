@@ -4,8 +4,10 @@ in the same run; text, token ids, logprobs, finish reason, usage, and an error's
 streamed and not (tests/conformance/compare.py). Known differences are few, documented in compare.KNOWN, and
 each is checked by its own rule.
 
-Quick tier (the test command): the first generated value (its lower edge) of each field the router reads, rewrites
-or refuses (cases.QUICK_USES), unstreamed, streamed too for the fields in suite.STREAMED. Full tier: ``PDSERVE_CONFORMANCE_FULL=1``, every value, streamed and not.
+Full tier (``PDSERVE_CONFORMANCE_FULL=1``: the test command, scripts/test.sh, sets it): every value, streamed and not.
+Quick tier (pytest run directly, or the test command with ``PDSERVE_CONFORMANCE_FULL=0``): the first generated value
+(its lower edge) of each field the router reads, rewrites or refuses (cases.QUICK_USES), unstreamed, streamed too
+for the fields in suite.STREAMED.
 """
 
 from __future__ import annotations
