@@ -10,6 +10,12 @@ output head (``lm_head_std`` 0.05: logits of std ~1, where sampling at temperatu
 models have std ~30, where any temperature vLLM allows (<= 2) samples the greedy token).
 Prints per parameter: cases, first token equal, every token equal, the mean equal prefix, and the baseline's
 every-token share; then a JSON line.
+
+A migrated seeded request (issue 41): the worker that continues it gets the prompt plus the tokens already output
+and skips as many draws of the request's seeded stream (``vllm_xargs.pdserve_rng_skip``, pdserve/vllm/rng_skip.py).
+Per parameter, ``continued`` is the share of cases where one worker, continuing after ``--continue-at`` tokens that
+way, gives exactly the tokens it gave after them in one go; ``restarted`` is the same without the skip (the old
+behaviour, the baseline in the same run).
 """
 
 from __future__ import annotations
@@ -32,11 +38,25 @@ PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-def _tokens(url: str, body: dict[str, Any]) -> list[int]:
+def _choice(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
+        return json.loads(r.read())["choices"][0]
+
+
+def _tokens(url: str, body: dict[str, Any]) -> list[int]:
+    return list(_choice(url, body)["token_ids"])
+
+
+def _continued(url: str, body: dict[str, Any], ref: dict[str, Any], k: int, skip: bool) -> bool:
+    """One worker continuing after ``k`` of its own tokens (prompt + those tokens, the rest of the budget), with
+    or without the skip: the tokens it gave after them in one go?"""
+    more = {**body, "prompt": list(ref["prompt_token_ids"]) + list(ref["token_ids"][:k]),
+            "max_tokens": body["max_tokens"] - k}
+    if skip:
+        more["vllm_xargs"] = {"pdserve_rng_skip": k}
+    return _tokens(url, more) == list(ref["token_ids"][k:])
 
 
 def main() -> None:
@@ -45,6 +65,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--continue-at", type=int, default=5, help="tokens output before the continued request")
     args = ap.parse_args()
     model = args.model
     if not model:
@@ -57,14 +78,17 @@ def main() -> None:
     with Cluster(cfg, log=lambda s: print(f"[seeded] {s}", file=sys.stderr, flush=True)) as cluster:
         one = cluster.worker_urls("decode")[0]
         for name, extra in PARAMS.items():
-            first = whole = same = 0
+            first = whole = same = continued = restarted = 0
             prefix = 0
             for seed in range(args.seeds):
                 body = {"model": "m", "prompt": f"Case {seed}: once upon a time", "max_tokens": args.tokens,
                         "temperature": args.temperature, "seed": 1000 + seed, "ignore_eos": True,
                         "return_token_ids": True, **extra}
-                ref = _tokens(one, body)
+                ref_choice = _choice(one, body)
+                ref = list(ref_choice["token_ids"])
                 again = _tokens(one, body)
+                continued += _continued(one, body, ref_choice, args.continue_at, True)
+                restarted += _continued(one, body, ref_choice, args.continue_at, False)
                 pd = _tokens(cluster.router_url, body)
                 first += pd[:1] == ref[:1]
                 whole += pd == ref
@@ -72,14 +96,15 @@ def main() -> None:
                 prefix += shared_prefix_len(pd, ref)
             n = args.seeds
             rows[name] = {"cases": n, "first_equal": round(first / n, 3), "all_equal": round(whole / n, 3),
-                          "mean_equal_prefix": round(prefix / n, 2), "one_worker_repeat_equal": round(same / n, 3)}
+                          "mean_equal_prefix": round(prefix / n, 2), "one_worker_repeat_equal": round(same / n, 3),
+                          "continued": round(continued / n, 3), "restarted": round(restarted / n, 3)}
     print(f"{'parameter':<20}{'cases':>6}{'first equal':>13}{'all equal':>11}{'equal prefix':>14}"
-          f"{'1 worker x2':>13}")
+          f"{'1 worker x2':>13}{'continued':>11}{'restarted':>11}")
     for name, r in rows.items():
         print(f"{name:<20}{r['cases']:>6}{r['first_equal']:>13}{r['all_equal']:>11}{r['mean_equal_prefix']:>14}"
-              f"{r['one_worker_repeat_equal']:>13}")
+              f"{r['one_worker_repeat_equal']:>13}{r['continued']:>11}{r['restarted']:>11}")
     print(json.dumps({"bench": "seeded_sampling", "tokens": args.tokens, "temperature": args.temperature,
-                      "rows": rows}))
+                      "continue_at": args.continue_at, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from pdserve.vllm import rng_skip
 from pdserve.vllm.groups import groups_of, is_hybrid
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
@@ -121,6 +122,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
                                            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         else:
             self.worker = WorkerSide(vllm_config, self.config, kv_cache_config)
+            rng_skip.install()  # seeded requests continue their random stream after a migration
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

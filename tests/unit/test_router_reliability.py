@@ -116,6 +116,24 @@ def test_migration_when_decode_regenerates_the_first_token():
     assert len(closed) == 2
 
 
+def test_a_migrated_seeded_request_skips_the_draws_already_made():
+    """Seeded random sampling (D samples every token): the attempt after a migration asks its worker to skip as
+    many draws of the request's seeded stream as tokens were output (pdserve/vllm/rng_skip.py); the first asks none,
+    and the client's own vllm_xargs stay."""
+    pl, _, _, _ = make("round_robin")
+    client = Recording(break_after={"http://d0": 2})
+    gen = generation(pl, client, max_tokens=4)
+    gen.first_from_prefill = False
+    gen.req.sampling = {**gen.req.sampling, "seed": 5, "temperature": 1.0, "vllm_xargs": {"mine": 1}}
+    asyncio.run(drain(gen))
+    streams = [(u, b["vllm_xargs"]) for k, u, b in client.bodies if k == "stream"]
+    assert streams == [("http://d0", {"mine": 1}), ("http://d1", {"mine": 1, "pdserve_rng_skip": 2})]
+    greedy = generation(make("round_robin")[0], Recording(break_after={"http://d0": 2}), max_tokens=4)
+    greedy.req.sampling = {**greedy.req.sampling, "seed": 5, "temperature": 0.0}
+    greedy._done = 2
+    assert "vllm_xargs" not in greedy._body([1], 2, True)  # greedy: no random stream to continue
+
+
 # ---------------------------------------------------------------- migration through the router
 
 class DropsPrefill(FakeWorker):

@@ -201,7 +201,7 @@ def _parse_common(body: dict, req: GenerationRequest) -> None:
         s["prompt_logprobs"] = prompt_logprobs
     _parse_structured(body, req, s)
     check_n(req.n, s.get("temperature"))
-    if "seed" in s and not (s.get("temperature", 1.0) < GREEDY_EPS):
+    if seeded_random(s):
         # seeded random sampling: D samples every token, so all come from the one random stream vLLM seeds per
         # request, as on one worker (P's token would be draw 1 of P's stream and D's next draw 1 of its own;
         # docs/seeded-sampling.md)
@@ -435,6 +435,11 @@ def parse_chat(body: Any) -> GenerationRequest:
     req.max_tokens = None if mt is None else _opt_int({"max_tokens": mt}, "max_tokens", 1)  # vLLM names max_tokens
     _min_tokens_fit(req)
     return req
+
+
+def seeded_random(sampling: dict[str, Any]) -> bool:
+    """Random sampling from the request's own seeded stream (vLLM's ``SamplingType.RANDOM_SEED``)."""
+    return "seed" in sampling and not (sampling.get("temperature", 1.0) < GREEDY_EPS)
 
 
 def _min_tokens_fit(req: GenerationRequest, max_tokens: int | None = None) -> None:

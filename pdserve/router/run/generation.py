@@ -27,7 +27,7 @@ from typing import Any
 
 from ...hashing import domain_root
 from ...settings import default
-from ..api.protocol import GenerationRequest
+from ..api.protocol import GenerationRequest, seeded_random
 from ..api.tokenizer import IncrementalDetokenizer
 from ..errors import RouterError, upstream_failed
 from ..fleet.move import MovableRun, Moved, wait_moves
@@ -49,6 +49,8 @@ __all__ = ["DEFAULT_MIGRATION_LIMIT", "Generation", "GenerationOptions", "Timing
 DEFAULT_MIGRATION_LIMIT: int = default("migration_limit", "router")
 
 log = logging.getLogger("pdserve.router")
+# vllm_xargs key naming the draws a migrated seeded request skips (pdserve.vllm.rng_skip.SKIP_KEY)
+RNG_SKIP_KEY = "pdserve_rng_skip"
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,10 @@ class Generation:
             body["stop_token_ids"] = self.req.stop_token_ids
         if self.req.include_stop_str_in_output and sees_whole:
             body["include_stop_str_in_output"] = True
+        if self._done and seeded_random(self.req.sampling):
+            # a migrated seeded request: the worker's fresh generator skips the draws one worker made for the
+            # tokens already output (pdserve/vllm/rng_skip.py), so the stream continues where it was
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), RNG_SKIP_KEY: self._done}
         return body
 
     def _interrupted(self) -> Exception:
