@@ -75,6 +75,7 @@ class Conductor(FleetView):
         still works)."""
         self.workers.pop(worker_id, None)
         self.forget_cache(worker_id)
+        self.recal.forget(worker_id)
         self._rekey(worker_id)
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -267,7 +268,8 @@ class Conductor(FleetView):
         d = self._baseline_decode(decode, now)
         cached = self.own_cached(req, p)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
-                        ttft_s=p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached),
+                        ttft_s=(p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached))
+                        * self.recal.factor(p.worker_id, "ttft"),
                         tpot_s=self.tpot_s(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
 
     def _baseline_decode(self, decode: list[WorkerLoad], now: float) -> WorkerLoad:
@@ -472,6 +474,14 @@ class Conductor(FleetView):
         job.context_tokens += delta
         job.remaining_tokens = max(0, job.remaining_tokens - delta)
         job.last_progress_at = now
+
+    def recalibrate(self, d: Decision, ttft_s: float | None, tpot_s: float | None) -> None:
+        """A closed placement's measured TTFT and TPOT (None: not measured) against ``d``'s predictions: the
+        workers' correction factors learn from the error (:mod:`.recalibration`)."""
+        if ttft_s is not None:
+            self.recal.observe(d.prefill or d.decode or "", "ttft", ttft_s, d.ttft_s)
+        if tpot_s is not None:
+            self.recal.observe(d.decode or "", "tpot", tpot_s, d.tpot_s)
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed, aborted): release everything reserved for it."""

@@ -56,6 +56,9 @@ class _Conductor:
     def finished(self, rid: str) -> None:
         self.finished_ids.append(rid)
 
+    def recalibrate(self, d: object, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.measured = (ttft_s, tpot_s)
+
 
 def _ticket(cond: _Conductor) -> ticket_mod.PlacementTicket:
     t = ticket_mod.PlacementTicket.__new__(ticket_mod.PlacementTicket)
@@ -68,6 +71,7 @@ def _ticket(cond: _Conductor) -> ticket_mod.PlacementTicket:
     t._reported_at = 0.0
     t._clock, t._placed_at = (lambda: 0.0), 0.0  # the placement's own timing (prediction error): unused here
     t._first = t._last = None
+    t.decision = None  # type: ignore[assignment]  (only handed to the fake conductor's recalibrate)
     return t
 
 

@@ -148,9 +148,12 @@ class PlacementTicket:
         self._observe()
 
     def _observe(self) -> None:
+        measured = self.measured()
+        if measured.ttft_s is not None:  # the conductor's correction factors learn from the error
+            self._conductor.recalibrate(self.decision, measured.ttft_s, measured.tpot_s)
         if self.errors is None and self.decisions is None:
             return
-        policy, measured = self._conductor.config.policy, self.measured()
+        policy = self._conductor.config.policy
         if self.errors is not None:
             self.errors.observe(self.decision, policy, measured)
         if self.decisions is not None:
