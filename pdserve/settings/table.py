@@ -227,7 +227,9 @@ SETTINGS: tuple[Setting, ...] = (
             "hand-off)"),
     Setting("recalibration_rate", float, 0.1, "how fast the conductor corrects each worker's predicted TTFT and TPOT "
             "by their measured error (a geometric moving average's step; factors bounded to [1/4, 4]; 0: off)",
-            (C,), minimum=0, maximum=1, advice="a rate in [0, 1] (0 turns the correction off)"),
+            (L, R, C), minimum=0, maximum=1, group="placement", argv="changed",
+            targets=(Target("conductor", "recalibration_rate"),),
+            advice="a rate in [0, 1] (0 turns the correction off)"),
     # ---------------------------------------------------------------- the router's server
     Setting("mode_hint", str, "", "start with no workers in this mode; workers join via POST /v1/pdserve/workers",
             (R,), choices=ROUTER_MODES, flag="--mode", group="server",
