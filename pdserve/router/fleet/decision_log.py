@@ -82,6 +82,10 @@ class DecisionLog:
         if self.log_every and self._closed % self.log_every == 0:
             log.info("decision %s", json.dumps(rec, separators=(",", ":")))
 
+    def record(self, request_id: str) -> dict[str, Any] | None:
+        """The record of exactly this request id (one choice's), or None."""
+        return self._records.get(request_id)
+
     def get(self, request_id: str) -> dict[str, Any] | None:
         """The request's record; for a request with several choices (``n``, prompt lists: ids ``{id}-{i}``), theirs
         under ``choices``. None when the ring holds nothing of it."""
