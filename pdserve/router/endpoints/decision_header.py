@@ -14,7 +14,8 @@ from ..run.choices import Choice
 
 DECISION_HEADER = "X-Pdserve-Decision"
 HEADER_MAX = 8000  # characters of the header's value (aiohttp's clients read header lines up to 8190 bytes)
-CHOICES_KEY = "pdserve.decision_choices"  # request key: (request id, its choices) of a request that asked
+# the request id and choices of a request that asked (Intake.start keeps them on the request)
+CHOICES_KEY: web.RequestKey[tuple[str, list[Choice]]] = web.RequestKey("pdserve.decision_choices", tuple)
 _TRUE = ("1", "true", "yes")
 
 

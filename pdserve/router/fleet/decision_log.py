@@ -82,6 +82,15 @@ class DecisionLog:
         if self.log_every and self._closed % self.log_every == 0:
             log.info("decision %s", json.dumps(rec, separators=(",", ":")))
 
+    def recent(self, n: int) -> list[dict[str, Any]]:
+        """The newest ``n`` records, newest first."""
+        out: list[dict[str, Any]] = []
+        for rec in reversed(self._records.values()):
+            if len(out) == n:
+                break
+            out.append(rec)
+        return out
+
     def record(self, request_id: str) -> dict[str, Any] | None:
         """The record of exactly this request id (one choice's), or None."""
         return self._records.get(request_id)

@@ -44,10 +44,13 @@ class HealthMonitor:
                                          for w, p in zip(workers, results)))
         out = []
         for w, probe, why in zip(workers, results, lacking):
+            was = w.healthy
             if why is not None:  # it answers, but lacks adapters the router lists
                 self.registry.set_health(w.url, False, why)
             else:
                 self.registry.report_probe(w.url, probe)
+            if w.healthy and not was:  # back after being taken out: a restart, as the router sees it
+                self.metrics.worker_returns.labels(w.url).inc()
             for role in sorted(w.roles):
                 self.metrics.worker_healthy.labels(role, w.url).set(1.0 if w.healthy else 0.0)
             out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok and why is None,
