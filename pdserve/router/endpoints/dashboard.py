@@ -4,9 +4,10 @@ HTML and plain JavaScript, no build step) that polls ``GET /v1/pdserve/fleet`` e
 The JSON reads only what the router's metrics and decision records already hold: each worker's roles and health
 (the registry behind ``pdserve_router_worker_healthy``), its queue, running requests and KV use (the conductor's
 ``pdserve_worker_*`` gauges), the times it came back after being taken out (``pdserve_router_worker_returns_total``:
-restarts as the router sees them), its mean prediction error (``*_prediction_error_ratio``), the router's counters
-(placements by kind, rejections, migrations, requests) and the newest decision records. The page turns the
-counters into "the last minute" by keeping the samples it has seen.
+restarts as the router sees them), its mean prediction error (``*_prediction_error_ratio``), the last minute's
+placements, rejections, migrations and moves (the decision records' placements, each stamped ``at`` when it closed;
+the ring holds the newest 4096 requests), the router's counters (the page shows the increase of its admission 429s
+over the samples it has seen) and the newest decision records.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .context import RouterContext
 
 PAGE = Path(__file__).resolve().parent.parent / "static" / "dashboard.html"
 RECENT = 12  # decision records the view lists
+MINUTE_S = 60.0  # "the last minute": placements whose record closed this recently
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
@@ -76,8 +78,8 @@ def workers_view(ctx: RouterContext, m: Samples) -> list[dict[str, Any]]:
 def counters_view(m: Samples) -> dict[str, Any]:
     """The router's totals; the page takes their increase over the last minute."""
     placements = {labels["kind"]: v for labels, v in m.get("pdserve_conductor_decisions_total", [])}
-    return {"placements": placements, "rejected": _total(m, "pdserve_router_rejected_total") +
-            placements.get("reject", 0.0), "migrations": _total(m, "pdserve_router_migrations_total"),
+    return {"placements": placements, "admission_rejected": _total(m, "pdserve_router_rejected_total"),
+            "migrations": _total(m, "pdserve_router_migrations_total"),
             "requests": _total(m, "pdserve_router_requests_total"),
             "worker_errors": _total(m, "pdserve_router_worker_errors_total")}
 
@@ -93,11 +95,24 @@ def recent_view(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def minute_view(placements: list[dict[str, Any]]) -> dict[str, int]:
+    """The decision records' placements of the last minute: by kind, rejections, migrations and moves."""
+    out: dict[str, int] = {}
+    for p in placements:
+        key = "rejected" if p.get("kind") == "reject" else f"placed {p.get('kind')}"
+        out[key] = out.get(key, 0) + 1
+        if p.get("why") in ("migration", "move"):
+            out[p["why"] + "s"] = out.get(p["why"] + "s", 0) + 1
+    return out
+
+
 def fleet(ctx: RouterContext) -> dict[str, Any]:
     """The view's JSON (see the module docstring)."""
     m = samples(ctx.metrics.registry)
     log = getattr(ctx.placement, "decisions", None)
-    return {"time": time.time(), "policy": ctx.config.policy, "workers": workers_view(ctx, m),
+    now = time.time()
+    return {"time": now, "policy": ctx.config.policy, "workers": workers_view(ctx, m),
+            "last_minute": minute_view(log.placements_since(now - MINUTE_S) if log is not None else []),
             "counters": counters_view(m), "recent": recent_view(log.recent(RECENT) if log is not None else [])}
 
 
