@@ -3,6 +3,7 @@ fake workers (the page itself runs in a real Chromium in tests/integration/test_
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from pdserve.router.endpoints.dashboard import mean_ratio
@@ -75,5 +76,32 @@ def test_the_decision_header_on_request(model_dir, tokenizer):
                 both = json.loads(r.headers[DECISION_HEADER])
                 await r.read()
             assert [c["request_id"] for c in both["choices"]] == [f"{both['request_id']}-0", f"{both['request_id']}-1"]
+
+    run(main())
+
+
+def test_restarts_seen_count_a_worker_back_after_being_out_not_its_first_start(model_dir, tokenizer):
+    p, d = FakeWorker("P", healthy=False), FakeWorker("D")  # P not up yet when the router starts
+
+    async def returns(env: Env) -> dict[str, tuple[bool, int]]:
+        st, text = await env.get("/v1/pdserve/fleet")
+        return {w["url"]: (w["healthy"], w["returns"]) for w in json.loads(text)["workers"]}
+
+    async def until(env: Env, want: dict) -> None:
+        for _ in range(100):
+            if await returns(env) == want:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(await returns(env))
+
+    async def main():
+        async with Env(model_dir, tokenizer, [p], [d], health_interval_s=0.05) as env:
+            await until(env, {p.url: (False, 0), d.url: (True, 0)})
+            p.healthy = True  # its first start: not a restart
+            await until(env, {p.url: (True, 0), d.url: (True, 0)})
+            d.healthy = False
+            await until(env, {p.url: (True, 0), d.url: (False, 0)})
+            d.healthy = True  # back: one restart seen
+            await until(env, {p.url: (True, 0), d.url: (True, 1)})
 
     run(main())
