@@ -1,7 +1,8 @@
 """One request's trace through a real 1P2D stack (the shared ``pd_faults`` launch, traced: the router and every vLLM
 worker export to a real OTLP/gRPC collector in its own process, tests/integration/otlp_collector.py): the router's
-spans (the request, joined to the client's traceparent; admission; placement; P's and D's attempts; the relay) and
-vLLM's own ``llm_request`` span of P and of D, each under the attempt that called it, as one tree. The output with
+spans (the request, joined to the client's traceparent; admission; placement; P's and D's attempts; the relay),
+vLLM's own ``llm_request`` span of P and of D, each under the attempt that called it, and the connector's KV read
+in D (pdserve/vllm/spans.py), as one tree. The output with
 tracing on is the decode worker's own, token for token. test_router_faults.py checks a migrated request's trace."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_a_streamed_pd_request_is_one_trace_across_router_p_and_d(pd_faults, otl
     def complete(spans: list[dict]) -> bool:
         names = {(s["service"], s["name"]) for s in spans}
         return ("pdserve-router", "POST /v1/completions") in names and \
-            sum(s["name"] == "llm_request" for s in spans) == 2
+            sum(s["name"] == "llm_request" for s in spans) == 2 and any(s["name"] == "pdserve.kv_read" for s in spans)
     spans = otlp_collector.wait_for(TRACE, complete)
     print(tree(spans))  # the report's picture of one request
     by_name: dict[str, list[dict]] = {}
@@ -77,5 +78,10 @@ def test_a_streamed_pd_request_is_one_trace_across_router_p_and_d(pd_faults, otl
     assert vllm[prefill["span_id"]]["attributes"]["gen_ai.usage.completion_tokens"] == 1
     assert vllm[decode["span_id"]]["service"].startswith("pdserve-decode")
     assert vllm[decode["span_id"]]["attributes"]["gen_ai.usage.completion_tokens"] == 11
+    # the connector's read of P's blocks in D (pdserve/vllm/spans.py), beside vLLM's span
+    (read,) = by_name["pdserve.kv_read"]
+    assert read["parent_span_id"] == decode["span_id"] and read["service"].startswith("pdserve-decode")
+    assert read["attributes"]["pdserve.kv.ok"] is True and read["attributes"]["pdserve.kv.bytes"] > 0
+    assert read["attributes"]["pdserve.kv.blocks"] == 1  # 150 prompt tokens: one full 128-token block
     record = [e for e in root["events"] if e["name"] == "pdserve.decision_record"]
     assert record and json.loads(record[0]["attributes"]["record"])["placements"][0]["why"] == "first"
