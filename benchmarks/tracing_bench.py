@@ -3,7 +3,10 @@ with tracing off, on at 100% sampling, and on at 0% (every request sampled out),
 of the same fake vLLM-shaped P and D workers (router_ceiling_bench.py's), in one run.
 
     python benchmarks/tracing_bench.py [--streams 32] [--tokens 200] [--token-ms 5] [--window-s 6] [--repeat 3]
-                                       [--requests 100]
+                                       [--requests 100] [--baseline-root DIR]
+
+``--baseline-root DIR`` (another pdserve tree, e.g. ``git archive REV pdserve | tar -x -C DIR`` of the commit before
+tracing) adds the case "today": that tree's router, same flags but tracing's, so "off" can be read against it.
 
 "on" routers export over OTLP/gRPC to a real collector process (tests/integration/otlp_collector.py, which writes
 every span it receives to a file: the bench checks that it got the spans of the on-case's requests). The cases take
@@ -31,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = {"off": [], "on_100": ["--otlp-traces-sample-ratio", "1"], "on_0": ["--otlp-traces-sample-ratio", "0"]}
 
 
-def start_router(model: Path, workers: dict[str, list[str]], extra: list[str], log: Path
+def start_router(model: Path, workers: dict[str, list[str]], extra: list[str], log: Path, root: Path = ROOT
                  ) -> tuple[subprocess.Popen, int]:
     """router_ceiling_bench's router command line, plus ``extra``."""
     port = rc._free_port()
@@ -41,7 +44,7 @@ def start_router(model: Path, workers: dict[str, list[str]], extra: list[str], l
     for role, urls in workers.items():
         argv += [f"--{role}", *urls]
     with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=f,
+        proc = subprocess.Popen(argv, cwd=str(root), env=dict(os.environ, PYTHONPATH=str(root)), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc, port
 
@@ -69,7 +72,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=100, help="TTFT: measured requests per case (after 10)")
     ap.add_argument("--ttft-tokens", type=int, default=16, help="TTFT: tokens per request")
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the CPU cases")
+    ap.add_argument("--baseline-root", default="", help="a pdserve tree without tracing: the case 'today'")
     a = ap.parse_args()
+    cases = dict(CASES)
+    if a.baseline_root:
+        cases["today"] = []
     tmp = Path(tempfile.mkdtemp(prefix="tracing-bench-"))
     model = rc._write_model(tmp / "model")
     spans_file = tmp / "spans.jsonl"
@@ -80,17 +87,18 @@ def main() -> int:
                                "--tokens", str(a.tokens), "--stream-interval", "1"], start_new_session=True)
              for p in wports.values()]
     routers: dict[str, tuple[subprocess.Popen, int]] = {}
-    cpu: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
+    cpu: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     try:
         for p, f in zip(wports.values(), fakes):
             rc._wait_http(p, "/health", 30, f)
         workers = {role: [f"http://127.0.0.1:{p}"] for role, p in wports.items()}
-        for case, extra in CASES.items():
-            flags = extra + (["--otlp-traces-endpoint", f"http://127.0.0.1:{cport}"] if case != "off" else [])
-            routers[case] = start_router(model, workers, flags, tmp / f"router-{case}.log")
+        for case, extra in cases.items():
+            flags = extra + (["--otlp-traces-endpoint", f"http://127.0.0.1:{cport}"] if case.startswith("on") else [])
+            root = Path(a.baseline_root).resolve() if case == "today" else ROOT
+            routers[case] = start_router(model, workers, flags, tmp / f"router-{case}.log", root)
         for proc, port in routers.values():
             rc._wait_http(port, "/ready", 120, proc)
-        names = list(CASES)
+        names = list(cases)
         for rnd in range(a.repeat):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for case in order:
@@ -134,11 +142,15 @@ def main() -> int:
     for r in rows:
         print(" | ".join(f"{r[c]!s:>24}" for c in cols))
     on = rows[names.index("on_100")]
+    today = rows[names.index("today")] if "today" in names else None
     print(json.dumps({"bench": "tracing", "streams": a.streams, "tokens": a.tokens, "token_ms": a.token_ms,
                       "repeat": a.repeat, "requests": a.requests, "load1": round(load[0], 2), "spans": len(spans),
                       "traced_requests": traced, "rows": rows, "ratio": on["cpu_per_token_vs_off"],
                       "ratio_means": "router CPU per streamed token, tracing on at 100% / off, same run",
-                      "ttft_ratio": on["ttft_p50_vs_off"]}))
+                      "ttft_ratio": on["ttft_p50_vs_off"],
+                      "off_vs_today_cpu_per_token": round(off["router_cpu_ms_per_token"] /
+                                                          today["router_cpu_ms_per_token"], 3) if today else None,
+                      "off_vs_today_ttft_p50": round(off["ttft_p50_ms"] / today["ttft_p50_ms"], 3) if today else None}))
     return 0 if traced > 0 else 1
 
 
