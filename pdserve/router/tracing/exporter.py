@@ -20,6 +20,7 @@ from ..config import RouterConfig, RouterConfigError
 
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"  # the SDK's (and vLLM's) variable: grpc | http/protobuf
 SERVICE = "pdserve-router"
+EXPORT_TIMEOUT_S = 5  # one export's limit: a collector that does not answer delays the router's stop this long
 
 
 def span_exporter(endpoint: str) -> SpanExporter:
@@ -28,11 +29,11 @@ def span_exporter(endpoint: str) -> SpanExporter:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
-        return Grpc(endpoint=endpoint, insecure=not endpoint.startswith("https://"))
+        return Grpc(endpoint=endpoint, insecure=not endpoint.startswith("https://"), timeout=EXPORT_TIMEOUT_S)
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-        return Http(endpoint=endpoint)
+        return Http(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
     raise RouterConfigError(f"{PROTOCOL_ENV}={protocol!r}: the router exports traces over grpc or http/protobuf "
                             "(as vLLM does); set one of those or unset it")
 
