@@ -31,6 +31,7 @@ def test_the_fleet_json_holds_workers_counters_and_the_newest_records(model_dir,
             assert rows[p.url]["roles"] == ["prefill"] and rows[d.url]["roles"] == ["decode"]
             assert rows[p.url]["ttft_error_ratio"] > 0 and rows[d.url]["tpot_error_ratio"] > 0
             assert rows[d.url]["kv_usage"] is not None and rows[d.url]["returns"] == 0
+            assert rows[p.url]["doing"] == rows[d.url]["doing"] == "idle"  # both requests are done
             assert view["counters"]["placements"]["disaggregated"] == 2 and view["counters"]["requests"] == 2
             assert view["last_minute"] == {"placed disaggregated": 2}
             assert [r["request_id"] for r in view["recent"]] == ids[::-1]  # newest first

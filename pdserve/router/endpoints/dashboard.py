@@ -60,6 +60,14 @@ def _roles_now(m: Samples) -> dict[str, str]:
     return {labels["worker"]: labels.get("role", "") for labels, _ in m.get("pdserve_worker_running_requests", [])}
 
 
+def _doing(queued: float | None, running: float | None) -> str:
+    """What a worker does now by the conductor's view: prefilling, decoding, both, idle ("" unknown)."""
+    if queued is None and running is None:
+        return ""
+    parts = [name for name, n in (("prefilling", queued), ("decoding", running)) if n]
+    return " + ".join(parts) or "idle"
+
+
 def workers_view(ctx: RouterContext, m: Samples) -> list[dict[str, Any]]:
     """One row per registered worker."""
     queued = by_worker(m.get("pdserve_worker_queued_prefill_tokens", []))
@@ -70,6 +78,7 @@ def workers_view(ctx: RouterContext, m: Samples) -> list[dict[str, Any]]:
     tpot = mean_ratio(m, "pdserve_router_tpot_prediction_error_ratio")
     roles = _roles_now(m)
     return [{"url": w.url, "roles": sorted(w.roles), "role_now": roles.get(w.url, ""), "healthy": w.healthy,
+             "doing": _doing(queued.get(w.url), running.get(w.url)),
              "last_error": w.last_error, "queued_prefill_tokens": queued.get(w.url), "running_requests":
              running.get(w.url), "kv_usage": kv.get(w.url), "returns": int(returns.get(w.url, 0)),
              "ttft_error_ratio": ttft.get(w.url), "tpot_error_ratio": tpot.get(w.url)} for w in ctx.registry]
