@@ -168,6 +168,22 @@ fi
 # ---- the project ------------------------------------------------------------------------------
 log "installing pdserve (editable, [dev])"
 pipi -e "${ROOT}[dev]"
+# xds-protos (Envoy's protos, for the picker) ships its own, older copy of the OpenTelemetry protos in the same
+# files as opentelemetry-proto (opentelemetry/proto/...): installed after it, it overwrites them, and the OTLP
+# exporters (the router's and vLLM's --otlp-traces-endpoint) fail to import (no InstrumentationScope). The newer
+# files are a superset of what Envoy's protos use, so opentelemetry-proto is reinstalled last and its files win.
+otel_proto_ok() { "$PY" -c 'import opentelemetry.exporter.otlp.proto.grpc.trace_exporter' >/dev/null 2>&1; }
+if ! otel_proto_ok; then
+  log "reinstalling opentelemetry-proto over xds-protos' older copy of its files"
+  otel_proto="opentelemetry-proto==$("$PY" -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+  if [[ -n "$UV" ]]; then
+    "$PY" -m uv pip install --python "$PY" -q --compile-bytecode -c "$CONSTRAINTS" --reinstall-package \
+      opentelemetry-proto "$otel_proto"
+  else
+    pip_install --force-reinstall --no-deps "$otel_proto"
+  fi
+  otel_proto_ok || die "the OTLP trace exporter does not import (opentelemetry-proto's files)"
+fi
 
 # ---- reports, plots and chart tests (best effort) ----------------------------------------------
 # matplotlib: PNG plots of pdserve bench / pdserve plan reports; kubernetes-validate: the Kubernetes JSON
@@ -224,7 +240,7 @@ fi
 # ---- verify -----------------------------------------------------------------------------------
 log "verifying imports"
 # one interpreter for all of them (each import of torch costs seconds)
-if ! out="$("$PY" -c 'import msgpack, numpy, pdserve, pytest, torch, vllm; print("torch=" + torch.__version__)' 2>&1)"; then
+if ! out="$("$PY" -c 'import msgpack, numpy, pdserve, pytest, torch, vllm, opentelemetry.exporter.otlp.proto.grpc.trace_exporter; from envoy.service.ext_proc.v3 import external_processor_pb2; print("torch=" + torch.__version__)' 2>&1)"; then
   printf '%s\n' "$out" | tail -20 >&2
   die "imports failed (torch, vllm or the core packages)"
 fi

@@ -47,6 +47,7 @@ SHARED_STACKS: dict[str, tuple[str, ...]] = {
                    "tests/integration/test_router_refusals_vllm.py",
                    "tests/integration/test_router_prefill_kill.py"),  # kills a worker: last
     "pd_faults": ("tests/integration/test_kv_integrity.py", "tests/integration/test_pd_exactness.py",
+                  "tests/integration/test_tracing_vllm.py",
                   "tests/integration/test_router_faults.py"),  # stops and kills workers: last
     "pd_conductor": ("tests/integration/test_conductor_vllm.py", "tests/integration/test_lora_vllm.py",
                      "tests/integration/test_indexer_vllm.py"),

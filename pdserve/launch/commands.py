@@ -116,6 +116,8 @@ def worker_argv(worker: WorkerConfig, python: str = sys.executable) -> list[str]
         argv += ["--enable-expert-parallel"]
     if worker.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(worker.gpu_memory_utilization)]
+    if worker.otlp_traces_endpoint:  # vLLM exports its own spans, joined to the router's by its traceparent
+        argv += ["--otlp-traces-endpoint", worker.otlp_traces_endpoint]
     return argv + lora_argv(worker) + list(worker.extra_args)
 
 
@@ -173,6 +175,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
         env[RUNTIME_UPDATES_ENV] = "True"
     env["PDSERVE_WORKER_NAME"] = worker.name
+    if worker.otlp_traces_endpoint and "OTEL_SERVICE_NAME" not in os.environ:  # its spans name the worker
+        env.setdefault("OTEL_SERVICE_NAME", f"pdserve-{worker.name}")
     if worker.connector and worker.kv_connector == "nixl":
         # NixlConnector's handshake listener: it binds this host:port and advertises it to D in
         # kv_transfer_params (a host set in the worker's env wins, e.g. this node's address across hosts)

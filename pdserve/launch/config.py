@@ -147,6 +147,7 @@ class WorkerConfig:
     mooncake_store_config: str = ""
     # tensor parallelism: vLLM's --tensor-parallel-size; on CPU each rank gets len(cores) / tp of the cores
     tp: int = 1
+    otlp_traces_endpoint: str = _d("otlp_traces_endpoint")  # vLLM's --otlp-traces-endpoint ("": no tracing)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -321,6 +322,9 @@ class LauncherConfig:
     crash_loop_restarts: int = _d("crash_loop_restarts")
     crash_loop_window_s: float = _d("crash_loop_window_s")
     metrics_port: int = _d("metrics_port")
+    # tracing: the OTLP collector the router and every vLLM worker send spans to ("": off), the router's sampling
+    otlp_traces_endpoint: str = _d("otlp_traces_endpoint")
+    otlp_traces_sample_ratio: float = _d("otlp_traces_sample_ratio")
     # elastic roles: N workers, all kv_both with pdserve's connector, none with a fixed role; the
     # router's conductor places each request colocated on one or split P -> D over two (0: off)
     elastic: int = _d("elastic")

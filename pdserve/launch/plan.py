@@ -291,7 +291,7 @@ def plan_workers(
             max_lora_rank=config.max_lora_rank, max_loras=config.max_loras,
             connector=bool(config.connector), lease_s=config.lease_s, connector_extra=dict(extra_config),
             extra_args=tuple(config.worker_args) + role_args[role], env=dict(config.env),
-            tp=tp,
+            tp=tp, otlp_traces_endpoint=config.otlp_traces_endpoint,
         )
         for (role, index), port, bind, tp in zip(roles, ports, bindings, tps)
     ]

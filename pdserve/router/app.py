@@ -50,6 +50,7 @@ from .fleet.shared_adapters import AdapterFile
 from .fleet.shared_membership import MembershipFile
 from .metrics import ConductorCollector, RouterMetrics
 from .run.kv_protocol import protocol_for
+from .tracing import Tracing, trace_middleware
 from .workers.session import WorkerSession
 
 log = logging.getLogger("pdserve.router")
@@ -91,6 +92,7 @@ class Router:
         self.intake = Intake(config, self.tokenizer, self.models, self.tools, self.metrics, self.placement,
                              protocol_for(config.kv_connector, config.mooncake_bootstrap_port,
                                           config.mooncake_bootstrap), self.workers)
+        self.tracing = Tracing.of(config)  # OpenTelemetry (router/tracing/); None: off, no span is made
         self._tasks: list[asyncio.Task] = []
         self.registry.subscribe(self.kv)
         if self.conducted is not None:
@@ -156,6 +158,13 @@ class Router:
                 pass
         await self.kv.close()
         await self.workers.close()
+        if self.tracing is not None:  # flush the spans still queued (blocking: off the loop)
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.close)
+
+    def decision_record(self, request_id: str) -> dict[str, Any] | None:
+        """The request's decision record (None without the conductor's ring or once it is gone)."""
+        log = getattr(self.placement, "decisions", None)
+        return log.get(request_id) if log is not None else None
 
 
 @web.middleware
@@ -186,7 +195,10 @@ def create_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None,
                placement: Placement | None = None) -> web.Application:
     """The aiohttp app (serve it with handler_cancellation=True so client disconnects abort worker calls)."""
     router = Router(config, tokenizer, placement)
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=config.max_body_bytes)
+    middlewares: list[Any] = [_errors_middleware]
+    if router.tracing is not None:  # outermost: the request's span sees the answer's status
+        middlewares.insert(0, trace_middleware(router.tracing, router.decision_record))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

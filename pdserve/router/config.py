@@ -181,6 +181,8 @@ class RouterConfig:
     kv_connector: str = _d("kv_connector")
     mooncake_bootstrap_port: int = _d("mooncake_bootstrap_port")  # kv_connector mooncake: P's bootstrap server port
     mooncake_bootstrap: str = _d("mooncake_bootstrap")  # URL=PORT,...: per-worker bootstrap ports (shared hosts)
+    otlp_traces_endpoint: str = _d("otlp_traces_endpoint")  # OTLP collector ("": tracing off; router/tracing/)
+    otlp_traces_sample_ratio: float = _d("otlp_traces_sample_ratio")  # share of requests traced
     migration_limit: int = _d("migration_limit")
     request_timeout_s: float = _d("request_timeout_s")
     handoff_timeout_s: float = _d("handoff_timeout_s")

@@ -56,6 +56,9 @@ class RouterMetrics:
         self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 while the router places requests on the "
                                     "worker (taken out on evidence of death or probes failing over a window).",
                                     ("role", "url"), registry=r)
+        self.worker_returns = Counter("pdserve_router_worker_returns_total", "Times a worker the router had taken "
+                                      "out answered its health probe again (a restart, as the router sees it).",
+                                      ("url",), registry=r)
         self.moves = Counter("pdserve_router_moves_total", "Running decodes moved to another worker because theirs "
                              "started a long prefill (the KV moves through the connector as a P->D hand-off).",
                              registry=r)

@@ -23,6 +23,7 @@ GROUP_TITLES = {
     "supervision": "supervision (restarts, timeouts)",
     "indexer": "the KV indexer service (docs/indexer.md)",
     "picker": "the endpoint picker (docs/picker.md)",
+    "observability": "tracing (OpenTelemetry, docs/observability.md)",
 }
 
 

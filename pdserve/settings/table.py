@@ -334,6 +334,16 @@ SETTINGS: tuple[Setting, ...] = (
             above=True, flag="--crash-loop-window", metavar="S", advice=_SECONDS, group="supervision"),
     Setting("metrics_port", int, 0, "port of the launcher's own /metrics (process restarts), on --host (0: a free "
             "one)", (L,), minimum=0, maximum=65535, advice=_PORT, group="supervision"),
+    Setting("otlp_traces_endpoint", str, "", "send OpenTelemetry traces over OTLP to this collector (gRPC, e.g. "
+            "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: OTLP/HTTP): the router's "
+            "span per request and every vLLM worker's own spans (vLLM's flag of that name), joined by the "
+            "traceparent the router sends P and D (empty: tracing off, no span made)", (L, W, R), metavar="URL",
+            group="observability", argv="set",
+            advice="a collector's OTLP endpoint such as http://127.0.0.1:4317, or empty for no tracing"),
+    Setting("otlp_traces_sample_ratio", float, 1.0, "share of the router's requests traced when tracing is on (a "
+            "client's sampled traceparent is always followed)", (L, R), minimum=0, maximum=1,
+            group="observability", argv="changed", metavar="R",
+            advice="use a ratio from 0 to 1 (1: every request)"),
     # ---------------------------------------------------------------- pdserve's connector in each worker
     # (kv_connector_extra_config; the launcher's connector_extra adds to it): pdserve.settings.connector
     Setting("transfer_host", str, "127.0.0.1", "where this worker's transfer engine listens", (W,), minimum=1,

@@ -44,6 +44,7 @@ class RecvJob:
     load: bool = True
     error: str = ""
     sync: bool = False
+    traceparent: str = ""  # the request's trace (spans.py: the read's span joins it)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class PoolJob:
     block_ids: tuple[int, ...]
     save: bool
     error: str = ""  # the scheduler could not plan it: the worker reports the load failed
+    traceparent: str = ""  # the request's trace (spans.py)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from pdserve.vllm.params import (
 )
 from pdserve.vllm.prefill_seals import PrefillSeals
 from pdserve.vllm.shards import ShardError, plan_slices
+from pdserve.vllm.spans import traceparent_of
 from pdserve.vllm.stamps import HandoffStamps
 
 if TYPE_CHECKING:
@@ -204,7 +205,8 @@ class SchedulerSide:
                       num_external_tokens, len(local))
             self._pool_jobs.append(PoolJob(request.request_id, (), tuple(local), False, error="plan"))
             return
-        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False))
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False,
+                                       traceparent=traceparent_of(request)))
 
     def _pool_plan_save(self, request: Request, block_ids: list[int]) -> bool:
         """Queue a save of the request's full computed blocks; True when its blocks must stay held."""
@@ -216,7 +218,8 @@ class SchedulerSide:
         keys = block_hashes(tokens, self.block_size, key_domain(request))
         if not keys or len(block_ids) < len(keys):
             return False
-        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True))
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True,
+                                       traceparent=traceparent_of(request)))
         self._pool_saving.add(request.request_id)
         return True
 
@@ -400,7 +403,7 @@ class SchedulerSide:
                         hit += self.block_size
                 plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
                                    self.block_size)
-            self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync))
+            self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync, traceparent=traceparent_of(request)))
         except Exception as exc:  # never strand a request in WAITING_FOR_REMOTE_KVS
             log.exception("request %s: cannot plan the KV read", request.request_id)
             if sync:  # scheduled in this step: its blocks are reported invalid, so vLLM recomputes them

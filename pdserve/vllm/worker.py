@@ -72,6 +72,7 @@ from pdserve.vllm.shards import (
     to_notify,
     unit_signature,
 )
+from pdserve.vllm.spans import kv_span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -354,6 +355,7 @@ class WorkerSide:
             stats["per_rank"] = {self.rank: [stats["bytes"], stats["ms"]]}
             with self._lock:
                 self._done.append((job, ok, stats))
+            kv_span("pdserve.kv_read", job.traceparent, stats["t0"], stats["t1"], {**stats, "rank": self.rank})
         if ok:
             log.info("request %s: rank %d read %d blocks (%d B, %s) from %s in %.2f ms (%.2f GB/s)", job.req_id,
                      self.rank, len(plan), stats["bytes"], stats["mode"], remote.request_id, stats["ms"],
@@ -427,7 +429,10 @@ class WorkerSide:
 
     def _pool_run(self, job: PoolJob) -> None:
         """Save the job's blocks to the pool, or load them from it, straight between KV cache and nodes."""
+        t0 = time.time()
         good, stats = PoolIO.run_job(self._pool_io, job)
+        kv_span("pdserve.pool_save" if job.save else "pdserve.pool_load", job.traceparent, t0, time.time(),
+                {**stats, "blocks": len(job.block_ids), "loaded_blocks": None if job.save else good})
         with self._lock:
             self._pool_done.append((job, good, stats))
 

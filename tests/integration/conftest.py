@@ -165,9 +165,22 @@ def shared_stack(name: str, start):
 
 
 @pytest.fixture(scope="session")
-def pd_faults(tmp_path_factory):
+def otlp_collector(tmp_path_factory):
+    """A real OTLP/gRPC trace collector in its own process (tests/integration/otlp_collector.py) for the session's
+    traced stack (``pd_faults``)."""
+    from .otlp_collector import Collector
+
+    c = Collector(tmp_path_factory.mktemp("otlp"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_faults(tmp_path_factory, otlp_collector):
     """The 1P2D stack as ``pdserve serve`` starts it with PdserveConnector's test faults allowed (fp32 random Llama
-    served as "m", no pool, a router that probes every 0.5 s). Started once per test process and shared by the
+    served as "m", no pool, a router that probes every 0.5 s), traced: the router and every worker send their spans
+    to ``otlp_collector`` (``--otlp-traces-endpoint``, spans exported every 0.5 s), so its tests run with tracing on
+    and test_tracing_vllm.py reads their traces. Started once per test process and shared by the
     modules listed with it in tests/conftest.py's ``SHARED_STACKS``: the ones that call P and D directly
     (``pd_pair``) first, then test_router_faults.py, which stops and kills workers."""
     from pdserve.launch import Cluster
@@ -181,7 +194,8 @@ def pd_faults(tmp_path_factory):
         cfg = LauncherConfig(model=str(model_path(tmp_path_factory)), prefill=1, decode=2, port=0, dtype="float32",
                              max_model_len=2048, served_model_name="m", run_dir=str(tmp_path_factory.mktemp("pd-faults")),
                              worker_timeout_s=400, pool=False, connector_extra=extra,
-                             router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"))
+                             router_args=("--health-interval-s", "0.5", "--health-timeout-s", "0.5"),
+                             otlp_traces_endpoint=otlp_collector.endpoint, env={"OTEL_BSP_SCHEDULE_DELAY": "500"})
         return Cluster(cfg)
 
     with shared_stack("pd_faults", start) as c:

@@ -21,6 +21,8 @@ from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
 from pdserve.prom import label_values
 
+from .otlp_collector import tree
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
@@ -57,10 +59,10 @@ def _body(seed: int, max_tokens: int, **kw) -> dict:
     return {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
 
 
-def _stream_events(url: str, body: dict, on_event=None) -> list[dict]:
+def _stream_events(url: str, body: dict, on_event=None, headers: dict | None = None) -> list[dict]:
     """POST a streamed completion; every SSE event's JSON, in order (``on_event(n)`` after the n-th)."""
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     events: list[dict] = []
     with urllib.request.urlopen(req, timeout=180) as resp:
         for line in resp:
@@ -130,7 +132,10 @@ def _decoding_on(cluster: Cluster) -> int:
 KILLED: dict[str, int] = {}  # which decode worker the mid-stream kill took
 
 
-def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster):
+MIGRATED_TRACE = "5a0e7f6c3b2d41e8a9c0d1e2f3a4b5c6"  # the client's trace id of the migrated request
+
+
+def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster, otlp_collector):
     body = _body(2, 200)
     reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", body)["choices"][0]["text"]
 
@@ -140,13 +145,28 @@ def test_decode_killed_mid_stream_request_migrates_with_exact_output(cluster):
             KILLED["decode"] = i
             os.killpg(_child(cluster, "decode", i).pgid, signal.SIGKILL)
 
-    events = _stream_events(cluster.router_url, {**body, "stream_options": {"include_usage": True}}, kill_after)
+    events = _stream_events(cluster.router_url, {**body, "stream_options": {"include_usage": True}}, kill_after,
+                            {"traceparent": f"00-{MIGRATED_TRACE}-00f067aa0ba902b7-01"})
     assert not any("error" in e for e in events), events[-2:]
     assert _child(cluster, "decode", KILLED["decode"]).proc.wait(10) is not None
     assert _text(events) == reference  # no token lost or repeated, same greedy output
     assert events[-1]["usage"]["completion_tokens"] == 200
     migrated = scrape(cluster.router_url, "pdserve_router_migrations_total")
     assert sum(migrated.values()) == 1, migrated
+    # its trace (the stack is traced: tests/integration/conftest.py): the killed D's attempt ends in "migrate", the
+    # request is placed again and a continued attempt streams the rest, with vLLM's span of the worker that did
+    spans = otlp_collector.wait_for(MIGRATED_TRACE, lambda got: any(
+        s["name"] == "POST /v1/completions" for s in got) and any(s["name"] == "llm_request" for s in got))
+    print(tree(spans))
+    attempts = [s for s in spans if "attempt" in s["name"]]
+    dead = cluster.worker_urls("decode")[KILLED["decode"]]
+    failed = [s for s in attempts if s["attributes"]["pdserve.worker.url"] == dead]
+    assert [s["attributes"]["pdserve.attempt.outcome"] for s in failed] == ["migrate"], tree(spans)
+    continued = [s for s in attempts if s["attributes"]["pdserve.placement.tokens_before"] > 0]
+    assert continued and all(s["attributes"]["pdserve.worker.url"] != dead for s in continued), tree(spans)
+    assert sum(s["name"] == "placement" for s in spans) >= 2
+    under = {s["parent_span_id"] for s in spans if s["name"] == "llm_request"}
+    assert under & {s["span_id"] for s in continued}, tree(spans)
 
 
 def test_prefill_killed_before_decode_read_its_kv_decode_recomputes(cluster):

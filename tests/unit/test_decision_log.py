@@ -64,3 +64,15 @@ def test_one_record_in_log_every_is_logged(caplog):
             log.closed(rid, "conductor", PD, frozenset(), Measured(0.1, None), moved=False)
     logged = [r.getMessage() for r in caplog.records if r.name == "pdserve.router.decisions"]
     assert len(logged) == 2 and '"request_id":"b"' in logged[0] and '"request_id":"d"' in logged[1]
+
+
+def test_each_placement_is_stamped_and_found_by_time_and_newest_first():
+    now = [100.0]
+    log = DecisionLog(clock=lambda: now[0])
+    log.closed("a", "conductor", PD, frozenset(), Measured(0.1, None), moved=False)
+    now[0] = 150.0
+    log.closed("b", "conductor", PD, frozenset(), Measured(0.1, None), moved=False)
+    log.closed("a", "conductor", PD, frozenset(), Measured(None, None), moved=False)  # a's migration, later
+    assert [p["at"] for p in log.record("a")["placements"]] == [100.0, 150.0]
+    assert [p.get("why") for p in log.placements_since(120.0)] == ["migration", "first"]
+    assert [r["request_id"] for r in log.recent(5)] == ["b", "a"] and log.recent(1)[0]["request_id"] == "b"

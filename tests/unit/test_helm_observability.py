@@ -113,3 +113,37 @@ def test_alerts_and_their_thresholds_from_the_values(tmp_path):
 def test_bad_thresholds_are_refused(bad, tmp_path):
     out = helm_template((rule_values(tmp_path, **bad),), ON)
     assert out.returncode != 0 and next(iter(bad)) in out.stderr, out.stderr
+
+
+def test_tracing_reaches_the_router_and_every_worker_only_when_set(tmp_path):
+    def flags(values: tuple[Path, ...]) -> dict[str, tuple[list[str], dict[str, str]]]:
+        out = helm_template(values)
+        assert out.returncode == 0, out.stderr
+        found = {}
+        for d in yaml.safe_load_all(out.stdout):
+            if not d or d["kind"] != "Deployment":
+                continue
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                if c["name"] in ("router", "vllm"):
+                    found[d["metadata"]["name"]] = (c.get("args", []) + c.get("command", []),
+                                                    {e["name"]: e.get("value") for e in c.get("env", [])})
+        return found
+
+    off = flags(())
+    assert off and not any("--otlp-traces-endpoint" in args for args, _ in off.values())
+    url = "http://otel-collector.observability.svc:4317"
+    on_values = tmp_path / "tracing.yaml"
+    on_values.write_text(yaml.safe_dump({"metrics": {"tracing": {"otlpTracesEndpoint": url, "sampleRatio": 0.25}}}))
+    on = flags((on_values,))
+    assert {n for n in on if "router" in n} and {n for n in on if "prefill" in n} and {n for n in on if "decode" in n}
+    for name, (args, env) in on.items():
+        i = args.index("--otlp-traces-endpoint")
+        assert args[i + 1] == url and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc", name
+        if "router" in name:
+            assert args[args.index("--otlp-traces-sample-ratio") + 1] == "0.25"
+        else:
+            assert env["OTEL_SERVICE_NAME"].startswith("pdserve-")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"metrics": {"tracing": {"sampleRatio": 2}}}))
+    out = helm_template((bad,))
+    assert out.returncode != 0 and "sampleRatio" in out.stderr

@@ -90,6 +90,7 @@ class FakeWorker:
     def __init__(self, name: str, **kw: Any) -> None:
         self.name = name
         self.requests: list[dict] = []
+        self.headers: list[dict] = []  # each request's HTTP headers (a trace's traceparent)
         self.aborted = asyncio.Event()
         self.finished = 0
         self.texts: dict[int, str] = kw.pop("texts", {})
@@ -138,6 +139,7 @@ class FakeWorker:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(dict(request.headers))
         if self.status is not None:
             return web.json_response({"error": {"message": f"fake error from {self.name}", "type": "BadRequestError",
                                                 "param": None, "code": self.status}}, status=self.status)

@@ -186,8 +186,8 @@ def test_stream_idle_timeout_without_a_timer_per_chunk():
     class Q(WorkerClient):
         mode = "ok"
 
-        async def _post(self, url: str, path: str, body: dict) -> aiohttp.ClientResponse:
-            return await super()._post(url, path + "?mode=" + self.mode, body)
+        async def _post(self, url: str, path: str, body: dict, headers=None) -> aiohttp.ClientResponse:
+            return await super()._post(url, path + "?mode=" + self.mode, body, headers)
 
     async def main() -> None:
         app = web.Application()

@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"api"},  # the OpenAI surface: request parsing and answer shapes; knows nothing of workers
     {"workers"},  # the HTTP client of one worker and its streams
     {"fleet"},  # the view of the workers: registry, health, placement, KV feeds
+    {"tracing"},  # a request's OpenTelemetry spans: over the placement, under the run that makes them
     {"run"},  # the run of one request: attempts, P -> D, relay, answer
     {"endpoints"},  # every endpoint's handler, over the run
     {"app"},  # wiring and lifecycle
@@ -78,5 +79,5 @@ def test_the_checker_sees_an_upward_import() -> None:
         graph = unit_graph(ROOT)
     finally:
         probe.unlink()
-    assert "api (layer 1) imports run (layer 4)" in upward_imports(graph)
+    assert "api (layer 1) imports run (layer 5)" in upward_imports(graph)
     assert any({"api", "run"} <= set(c) for c in components(graph))

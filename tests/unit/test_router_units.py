@@ -161,8 +161,8 @@ def test_stream_parser_handles_tiny_tcp_pieces_and_errors():
     class Q(WorkerClient):
         mode = "ok"
 
-        async def _post(self, url, path, body):
-            return await super()._post(url, path + "?mode=" + self.mode, body)
+        async def _post(self, url, path, body, headers=None):
+            return await super()._post(url, path + "?mode=" + self.mode, body, headers)
 
     async def main2():
         app = web.Application()

@@ -41,9 +41,15 @@ def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
     return {str(s): {"description": text[s], "content": _json(ref(schema))} for s in statuses}
 
 
+_DECISION_HEADER = {"name": "X-Pdserve-Decision", "in": "header", "required": False, "schema": STR,
+                    "description": "1 or true: the answer's X-Pdserve-Decision header carries the request's decision "
+                                   "record (compact JSON; a stream's: the placement in force when it opens)"}
+
+
 def _generation(summary: str, schema: str, error: str = "Error") -> dict[str, Any]:
     return {"post": {"summary": summary, "operationId": schema[0].lower() + schema[1:-len("Request")],
                      "requestBody": {"required": True, "content": _json(ref(schema))},
+                     "parameters": [_DECISION_HEADER],
                      "responses": {"200": {"description": "the completion (JSON), or server-sent events with "
                                                           "stream: true",
                                            "content": {**_json(_ANY_OBJECT),
@@ -129,6 +135,11 @@ def openapi_document(model: str, max_model_len: int, max_body_bytes: int, vocab_
             "/metrics": _get("Prometheus metrics", "metrics", "text/plain"),
             "/v1/pdserve/workers": _workers(),
             "/v1/pdserve/decisions/{request_id}": _decision(),
+            "/v1/pdserve/fleet": _get("the live view's JSON: workers, roles, health, queues, KV use, prediction "
+                                      "error, restarts seen, the last minute's placements, the newest decision "
+                                      "records", "getFleet"),
+            "/dashboard": _get("the live view of the fleet (an HTML page polling /v1/pdserve/fleet)", "dashboard",
+                               "text/html"),
             "/openapi.json": _get("this document", "openapi"),
             "/tokenize": _post("token ids of a prompt or a chat (as vLLM's /tokenize)", "tokenize", TOKENIZE),
             "/detokenize": _post("text of token ids (as vLLM's /detokenize)", "detokenize", {

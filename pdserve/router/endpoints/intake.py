@@ -43,7 +43,9 @@ from ..run.choices import Choice, choice_seed, sum_usage
 from ..run.generation import Generation, GenerationOptions
 from ..run.kv_protocol import KVProtocol
 from ..run.timings import Timings
+from ..tracing import current, traced_placement
 from ..workers.session import WorkerSession
+from .decision_header import CHOICES_KEY, wants_record
 
 TIMINGS_HEADER = "X-Pdserve-Timings"
 OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
@@ -136,6 +138,11 @@ class Intake:
         if tool_req is not None:
             for c in visit.choices:
                 c.tools = tool_req.calls()
+        if wants_record(request):  # X-Pdserve-Decision: the answer's headers carry the record (.decisions)
+            request[CHOICES_KEY] = (req.request_id, visit.choices)
+        rt = current()
+        if rt is not None:  # the request is traced: its admission span ends here
+            rt.admitted(req.request_id, len(visit.choices), sum(len(c.prompt_ids) for c in visit.choices))
         return visit.choices
 
     # ---- choices ----
@@ -222,5 +229,5 @@ class Intake:
                                     request_timeout_s=self.config.request_timeout_s,
                                     handoff_timeout_s=self.config.handoff_timeout_s,
                                     probe_timeout_s=self.config.health_timeout_s)
-        return Generation(req, ids, max_tokens, self.placement, client, self.metrics, t, self.config.mode, detok,
-                          options)
+        return Generation(req, ids, max_tokens, traced_placement(self.placement), client, self.metrics, t,
+                          self.config.mode, detok, options)

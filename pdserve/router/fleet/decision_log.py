@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ...conductor import Decision
@@ -46,9 +48,11 @@ def _s(v: float | None) -> float | None:
 class DecisionLog:
     """The ring of records, by request id. Only the router's event loop writes it (no lock)."""
 
-    def __init__(self, capacity: int = CAPACITY, log_every: int = LOG_EVERY) -> None:
+    def __init__(self, capacity: int = CAPACITY, log_every: int = LOG_EVERY,
+                 clock: Callable[[], float] = time.time) -> None:
         self.capacity = capacity
         self.log_every = log_every
+        self.clock = clock  # each placement's ``at``: wall-clock seconds when it closed (or was rejected)
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._closed = 0
 
@@ -63,7 +67,8 @@ class DecisionLog:
     def rejected(self, request_id: str, policy: str, decision: Decision, excluded: frozenset[str]) -> None:
         """The conductor refused the request (429)."""
         rec = self._record(request_id, policy)
-        rec["placements"].append({**decision_fields(decision), "excluded": sorted(excluded)})
+        rec["placements"].append({**decision_fields(decision), "excluded": sorted(excluded),
+                                  "at": round(self.clock(), 3)})
         self._done(rec)
 
     def closed(self, request_id: str, policy: str, decision: Decision, excluded: frozenset[str], measured: Measured,
@@ -74,13 +79,31 @@ class DecisionLog:
         n = len(rec["placements"])
         why = "move" if moved else ("first" if n == 0 else "migration")
         rec["placements"].append({**decision_fields(decision), "why": why, "excluded": sorted(excluded),
-                                  "measured": {"ttft_s": _s(measured.ttft_s), "tpot_s": _s(measured.tpot_s)}})
+                                  "measured": {"ttft_s": _s(measured.ttft_s), "tpot_s": _s(measured.tpot_s)},
+                                  "at": round(self.clock(), 3)})
         self._done(rec)
 
     def _done(self, rec: dict[str, Any]) -> None:
         self._closed += 1
         if self.log_every and self._closed % self.log_every == 0:
             log.info("decision %s", json.dumps(rec, separators=(",", ":")))
+
+    def placements_since(self, t: float) -> list[dict[str, Any]]:
+        """Every placement (or rejection) the ring holds that closed at ``t`` or later (wall-clock seconds)."""
+        return [p for rec in self._records.values() for p in rec["placements"] if p.get("at", 0.0) >= t]
+
+    def recent(self, n: int) -> list[dict[str, Any]]:
+        """The newest ``n`` records, newest first."""
+        out: list[dict[str, Any]] = []
+        for rec in reversed(self._records.values()):
+            if len(out) == n:
+                break
+            out.append(rec)
+        return out
+
+    def record(self, request_id: str) -> dict[str, Any] | None:
+        """The record of exactly this request id (one choice's), or None."""
+        return self._records.get(request_id)
 
     def get(self, request_id: str) -> dict[str, Any] | None:
         """The request's record; for a request with several choices (``n``, prompt lists: ids ``{id}-{i}``), theirs

@@ -25,6 +25,7 @@ class HealthMonitor:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.interval_s = interval_s
+        self.served: set[str] = set()  # workers a probe has found healthy: one taken out after that and back returned
 
     async def run(self) -> None:
         """Probe every ``interval_s`` until cancelled; a failed round is logged, never the end of the loop."""
@@ -44,10 +45,15 @@ class HealthMonitor:
                                          for w, p in zip(workers, results)))
         out = []
         for w, probe, why in zip(workers, results, lacking):
+            was = w.healthy
             if why is not None:  # it answers, but lacks adapters the router lists
                 self.registry.set_health(w.url, False, why)
             else:
                 self.registry.report_probe(w.url, probe)
+            if w.healthy and not was and w.url in self.served:  # back after being out: a restart, as seen here
+                self.metrics.worker_returns.labels(w.url).inc()
+            if w.healthy:
+                self.served.add(w.url)
             for role in sorted(w.roles):
                 self.metrics.worker_healthy.labels(role, w.url).set(1.0 if w.healthy else 0.0)
             out.append({"url": w.url, "roles": sorted(w.roles), "healthy": probe.ok and why is None,

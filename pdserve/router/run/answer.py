@@ -14,6 +14,7 @@ from aiohttp import web
 from ..api.protocol import GenerationRequest
 from ..api.response import SSE_DONE, ResponseBuilder, dumps, sse, usage_dict
 from ..errors import RouterError, upstream_failed
+from ..tracing import relay_span
 from ..workers.client import WorkerError
 from .choices import Choice, echo_prefix, merged, sum_usage
 from .delta import Delta
@@ -119,7 +120,8 @@ async def stream(request: web.Request, req: GenerationRequest, choices: list[Cho
                         await resp.write(out)
                         out = b""
                     r_head, r_tail = builder.relay_parts(c.index)
-                    c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, builder.token_ids)
+                    with relay_span(d.relay):  # a span per stretch when the request is traced (router/tracing/)
+                        c.tokens += await d.relay.run(resp, request.transport, r_head, r_tail, builder.token_ids)
                     item = await deltas.__anext__()
                     continue
                 text = d.text

@@ -22,6 +22,7 @@ from ..errors import RouterError, deadline_exceeded
 from ..fleet.registry import WorkerRegistry
 from ..fleet.ticket import PlacementTicket
 from ..metrics import RouterMetrics
+from ..tracing import attempt_span, end_attempt, worker_headers
 from ..workers.client import Worker, WorkerClient, WorkerError, WorkerStream
 from .deadline import within
 from .delta import Delta
@@ -74,6 +75,8 @@ class Attempt:
         self.stream: WorkerStream | None = None
         self.started = False  # the worker answered: a streamed token (or text), or the unstreamed answer
         self.outcome: str | None = None  # set once, when the attempt ends (and logged)
+        self.span = attempt_span(kind, role, worker.url, ctx.request_id,  # None: the request is not traced
+                                 getattr(ticket, "tokens_before", 0))
 
     # ---- interrupts and the outcome ----
     def interrupt(self, reason: str) -> bool:
@@ -117,6 +120,8 @@ class Attempt:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        if self.span is not None:
+            end_attempt(self.span, outcome, reason, len(self.token_ids))
         level = logging.DEBUG if outcome == "ok" else logging.INFO if outcome == "interrupted" else logging.WARNING
         log.log(level, "request %s: %s attempt on %s worker %s: %s (%s); %d token(s) out", self.ctx.request_id,
                 self.kind, self.role, self.worker.url, outcome, reason, len(self.token_ids))
@@ -132,7 +137,7 @@ class Attempt:
         raised (nothing of it reached the client). ``streamed_client``: the client streams, so a worker's 400 is
         answered in the shape the worker gives a streamed request (:meth:`_streamed_refusal`)."""
         try:
-            resp = await self.ctx.client.complete(self.worker.url, body, self.t.wait)
+            resp = await self.ctx.client.complete(self.worker.url, body, self.t.wait, **worker_headers(self.span))
         except WorkerError as e:
             out = self.failed(e, mid_request=False)
             if streamed_client and isinstance(out, RouterError) and out.status == 400 and not out.event:
@@ -153,7 +158,8 @@ class Attempt:
         probe = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         probe["stream"] = True
         try:
-            async with aclosing(self.ctx.client.stream(self.worker.url, probe, self.t.wait)) as objs:
+            async with aclosing(self.ctx.client.stream(self.worker.url, probe, self.t.wait,
+                                                       **worker_headers(self.span))) as objs:
                 async for _ in objs:
                     break
         except WorkerError as e:
@@ -179,7 +185,8 @@ class Attempt:
         last: tuple[list[int], dict[str, Any]] | None = None
         started = False  # self.started, kept local on the per-token path
         try:
-            async with aclosing(self.ctx.client.stream(self.worker.url, body, self.t.wait)) as objs:
+            async with aclosing(self.ctx.client.stream(self.worker.url, body, self.t.wait,
+                                                       **worker_headers(self.span))) as objs:
                 if isinstance(objs, WorkerStream):
                     self.stream = objs
                 while True:

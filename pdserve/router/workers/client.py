@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ import aiohttp
 
 from . import reader_tap
 from .reader_tap import StreamTap
+
+_JSON = {"Content-Type": "application/json"}
 
 
 class WorkerError(Exception):
@@ -72,10 +75,12 @@ class WorkerClient:
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=self.idle_timeout_s)
 
-    async def _post(self, url: str, path: str, body: dict) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, path: str, body: dict, headers: Mapping[str, str] | None = None
+                    ) -> aiohttp.ClientResponse:
         try:
             return await self.session.post(url + path, data=json.dumps(body, separators=(",", ":")),
-                                           headers={"Content-Type": "application/json"}, timeout=self._timeout())
+                                           headers=_JSON if headers is None else {**_JSON, **headers},
+                                           timeout=self._timeout())
         except aiohttp.SocketTimeoutError:  # connected and sent, then no answer (a non-streamed call answers at
             # the end): the worker has the request and is silent, it is not a refused connection
             raise WorkerError(url, "timeout", f"no answer for {self.idle_timeout_s} s") from None
@@ -95,11 +100,12 @@ class WorkerClient:
             payload = None
         return WorkerError(url, "http", f"HTTP {resp.status}", resp.status, payload)
 
-    async def complete(self, url: str, body: dict, wait: Wait) -> dict:
-        """POST /v1/completions (non-streaming) and return the parsed JSON."""
+    async def complete(self, url: str, body: dict, wait: Wait, headers: Mapping[str, str] | None = None) -> dict:
+        """POST /v1/completions (non-streaming) and return the parsed JSON. ``headers``: added to the request's
+        (a trace's ``traceparent``)."""
         t0 = time.perf_counter()
         try:
-            resp = await self._post(url, "/v1/completions", body)
+            resp = await self._post(url, "/v1/completions", body, headers)
             try:
                 if resp.status != 200:
                     raise await self._error_from(url, resp)
@@ -121,14 +127,14 @@ class WorkerClient:
             raise WorkerError(url, "protocol", f"answered {type(out).__name__}, expected an object")
         return out
 
-    def stream(self, url: str, body: dict, wait: Wait) -> WorkerStream:
+    def stream(self, url: str, body: dict, wait: Wait, headers: Mapping[str, str] | None = None) -> WorkerStream:
         """POST /v1/completions with stream=true; iterate it for each SSE event's JSON until [DONE].
 
         Raises WorkerError on an error event, a stream that ends without [DONE], or silence longer than the idle
         timeout. Leaving the iteration early (``aclose``: break under ``aclosing``, exception, cancellation) closes
         the connection. The stream's raw bytes can also be relayed (:mod:`..run.relay`).
         """
-        return WorkerStream(self, url, body, wait)
+        return WorkerStream(self, url, body, wait, headers)
 
     async def health(self, url: str, timeout_s: float) -> tuple[bool, str]:
         p = await self.check(url, timeout_s)
@@ -153,10 +159,12 @@ class WorkerStream:
     A read that fails inside :meth:`fill` is kept (``pending``) and raised by the next ``__anext__``, so the
     caller that owns failure handling (``Generation``: retry, migrate) sees it exactly as if it had read it."""
 
-    def __init__(self, client: WorkerClient, url: str, body: dict, wait: Wait) -> None:
+    def __init__(self, client: WorkerClient, url: str, body: dict, wait: Wait,
+                 headers: Mapping[str, str] | None = None) -> None:
         self.client = client
         self.url = url
         self.body = body
+        self.headers = headers
         self.wait = wait
         self.buf = b""
         self.pending: WorkerError | None = None
@@ -171,7 +179,7 @@ class WorkerStream:
         url, wait = self.url, self.wait
         t0 = time.perf_counter()
         try:
-            resp = self._resp = await self.client._post(url, "/v1/completions", self.body)
+            resp = self._resp = await self.client._post(url, "/v1/completions", self.body, self.headers)
         finally:
             wait.seconds += time.perf_counter() - t0
         # aiohttp's sock_read timer (the wait for the answer's head) would be cancelled and scheduled anew on every
