@@ -8,9 +8,10 @@ the whole request alone.
 
 Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool: a hybrid cache turns the
 pool off on each worker, with a warning, and hands off P -> D as without), ``nixl`` / ``mooncake`` (vLLM's own
-NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (or why the stack
-did not serve, with the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and for
-pdserve's connector the KV bytes D read per prompt token it took from P. Prints the table, then one JSON line.
+NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (and which prompts
+differ), "refused at start-up" where ``pdserve serve`` refuses the combination (pdserve/launch/plane_limits.py), or
+why the stack did not serve (the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and
+for pdserve's connector the KV bytes D read per prompt token it took from P. Prints the table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
-from pdserve.launch.config import LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.model_families import FAMILIES, build_family
 from pdserve.plan.kvsize import handoff_bytes, load_model
 
@@ -92,10 +93,15 @@ def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
                     predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
                 ref = post(p_url + "/v1/completions", body)
                 cell["prompts"] += 1
-                cell["exact"] += out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+                same = out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+                cell["exact"] += same
+                if not same:  # which prompts differ (index into prompts(), length)
+                    cell.setdefault("differ", []).append([i, len(prompt)])
             if tokens:
                 cell["wire_bytes_per_token"] = round(moved / tokens, 1)
                 cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
+    except ConfigError as exc:  # the launch refuses the combination before starting anything
+        cell["refused"] = str(exc)
     except Exception as exc:
         cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         cell["cause"] = last_error(run_dir)
@@ -107,9 +113,14 @@ def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
 
 
 def verdict(cell: dict[str, Any]) -> str:
+    if "refused" in cell:
+        return "refused at start-up (" + ("one-token-short hand-off of a state model in half precision"
+                                          if "one token short" in cell["refused"] else cell["refused"][:80]) + ")"
     if "error" in cell:
         return f"dies ({cell.get('cause') or cell['error']})"[:90]
     text = f"{cell['exact']}/{cell['prompts']} exact, HMA {cell['hma']}"
+    if cell.get("differ"):
+        text += " (differ: " + ", ".join(f"{n}-token prompt" for _, n in cell["differ"]) + ")"
     if cell.get("pool_off"):
         text += ", pool off"
     if cell.get("wire_bytes_per_token"):
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1
+    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1  # refused cells pass
 
 
 if __name__ == "__main__":

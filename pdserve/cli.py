@@ -154,7 +154,10 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.dry_run:  # the plan only: no model conversion, no socket (ports numbered from the base port)
         model_dir = config.model_dir.resolve() if config.model else config.model_dir
-        plan = make_plan(config, model_dir)
+        try:
+            plan = make_plan(config, model_dir)
+        except ConfigError as e:  # a combination the launch refuses (e.g. pdserve/launch/plane_limits.py)
+            return config_fault("pdserve", e)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
         from .launch.plan import worker_dtype
 
