@@ -165,6 +165,10 @@ def serve(args: argparse.Namespace) -> int:
         from .launch.checksum_note import checksum_note
 
         print(checksum_note(config))
+        from .launch.pool_note import pool_note
+
+        if pool_note(config, model_dir):
+            print(pool_note(config, model_dir))
         if not config.gpus:  # GPU workers keep vLLM's own dtype default unless --dtype
             print(worker_dtype(config.dtype).describe())
         print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "

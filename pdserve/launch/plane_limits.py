@@ -33,7 +33,7 @@ WHERE = {"nixl": "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_schedul
                      "(_get_remote_prefill_token_count, _truncate_mamba_request_for_prefill)"}
 
 
-def _model_config(model_dir: str | Path) -> dict[str, Any]:
+def model_config(model_dir: str | Path) -> dict[str, Any]:
     """The model folder's config.json ({} when there is none yet, e.g. a model still to be converted)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -76,7 +76,7 @@ def check_plane(config: LauncherConfig, workers: Sequence[WorkerConfig], model_d
     plane = config.kv_connector
     if plane not in ONE_TOKEN_SHORT or config.mode != "disaggregated" or not config.connector:
         return
-    found = state_layers(_model_config(model_dir))
+    found = state_layers(model_config(model_dir))
     half = [w for w in workers if half_precision(w)]
     if not found or not half:
         return
