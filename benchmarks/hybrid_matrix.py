@@ -4,7 +4,7 @@ family (``pdserve.launch.model_families``), greedy, prompts that share a prefix,
 the whole request alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
-        [--planes pdserve,pdserve+pool,nixl,mooncake] [--json-out FILE]
+        [--planes pdserve,pdserve+pool,nixl,mooncake] [--tp N] [--json-out FILE]
 
 Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool: a hybrid cache turns the
 pool off on each worker, with a warning, and hands off P -> D as without), ``nixl`` / ``mooncake`` (vLLM's own
@@ -67,15 +67,15 @@ def last_error(run_dir: Path) -> str:
     return found
 
 
-def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
+def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
     spec = FAMILIES[family]
     model = build_family(family, root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
                          served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
                          pool=plane == "pdserve+pool", kv_connector=plane.split("+")[0], lease_s=30,
-                         worker_args=spec.worker_args)
-    cell: dict[str, Any] = {"family": family, "plane": plane, "prompts": 0, "exact": 0}
+                         worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
+    cell: dict[str, Any] = {"family": family, "plane": plane, "tp": tp, "prompts": 0, "exact": 0}
     t0 = time.monotonic()
     try:
         with Cluster(cfg) as c:
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--planes", default=",".join(PLANES))
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of P and D alike (pdserve+pool "
+                    "needs 1: the pool is TP=1 only)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
@@ -143,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     for family in families:
         for plane in planes:
-            cell = run_cell(family, plane, root)
+            cell = run_cell(family, plane, root, args.tp)
             cells.append(cell)
             print(f"# {family} x {plane}: {verdict(cell)} ({cell['seconds']} s)", file=sys.stderr, flush=True)
-    print("| family (KV cache groups) | " + " | ".join(planes) + " |")
+    tp = f", P TP={args.tp} -> D TP={args.tp}" if args.tp > 1 else ""
+    print(f"| family (KV cache groups{tp}) | " + " | ".join(planes) + " |")
     print("|---|" + "---|" * len(planes))
     for family in families:
         row = [verdict(c) for p in planes for c in cells if c["family"] == family and c["plane"] == p]
