@@ -64,10 +64,24 @@ def state_layers(cfg: dict[str, Any]) -> str:
     return ""
 
 
+def worker_dtype(worker: WorkerConfig) -> str | None:
+    """The ``--dtype`` vLLM will use: the last one in the worker's extra arguments (``--worker-args``, which follow
+    the launcher's own), else the launcher's (None: vLLM's auto)."""
+    dtype = worker.dtype
+    args = list(worker.extra_args)
+    for i, arg in enumerate(args):
+        if arg == "--dtype" and i + 1 < len(args):
+            dtype = args[i + 1]
+        elif arg.startswith("--dtype="):
+            dtype = arg.split("=", 1)[1]
+    return dtype
+
+
 def half_precision(worker: WorkerConfig) -> bool:
     """Whether the worker computes in half precision: its ``--dtype``, or, without one (GPU workers), vLLM's
     ``auto``, which downcasts even a float32 checkpoint (vllm/config/model.py:2422-2424)."""
-    return worker.dtype is None or worker.dtype.lower() not in FULL_PRECISION
+    dtype = worker_dtype(worker)
+    return dtype is None or dtype.lower() not in FULL_PRECISION  # "auto" too: vLLM downcasts a float32 checkpoint
 
 
 def check_plane(config: LauncherConfig, workers: Sequence[WorkerConfig], model_dir: str | Path) -> None:
@@ -80,7 +94,7 @@ def check_plane(config: LauncherConfig, workers: Sequence[WorkerConfig], model_d
     half = [w for w in workers if half_precision(w)]
     if not found or not half:
         return
-    dtype = half[0].dtype or "vLLM's auto dtype (half precision on GPUs)"
+    dtype = worker_dtype(half[0]) or "vLLM's auto dtype (half precision on GPUs)"
     raise ConfigError(
         f"--kv-connector {plane} with {Path(model_dir).name} in {dtype}: the model has Mamba / linear-attention "
         f"layers ({found}), and vLLM 0.32's {'NixlConnector' if plane == 'nixl' else 'MooncakeConnector'} hands "

@@ -80,3 +80,12 @@ def test_dry_run_refuses_with_the_message_and_exit_code_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "config error: --kv-connector mooncake" in err and "Traceback" not in err
     assert cli.main(["serve", "--model", str(model), "--port", "0", "--dry-run", "--dtype", "bfloat16"]) == 0
+
+
+def test_a_dtype_in_the_worker_args_is_the_one_judged(tmp_path):
+    """vLLM takes the last ``--dtype``: ``--worker-args`` come after the launcher's own."""
+    with pytest.raises(ConfigError, match="in bfloat16"):
+        _plan(tmp_path, GRANITE_HYBRID, kv_connector="nixl", dtype="float32", worker_args=("--dtype", "bfloat16"))
+    with pytest.raises(ConfigError, match="in auto"):
+        _plan(tmp_path, GRANITE_HYBRID, kv_connector="nixl", dtype="float32", decode_args=("--dtype=auto",))
+    assert _plan(tmp_path, GRANITE_HYBRID, kv_connector="nixl", dtype="bfloat16", worker_args=("--dtype", "float32"))
