@@ -4,13 +4,14 @@ family (``pdserve.launch.model_families``), greedy, prompts that share a prefix,
 the whole request alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
-        [--planes pdserve,pdserve+pool,nixl,mooncake] [--json-out FILE]
+        [--planes pdserve,pdserve+pool,nixl,mooncake] [--tp N] [--json-out FILE]
 
 Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool: a hybrid cache turns the
 pool off on each worker, with a warning, and hands off P -> D as without), ``nixl`` / ``mooncake`` (vLLM's own
-NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (or why the stack
-did not serve, with the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and for
-pdserve's connector the KV bytes D read per prompt token it took from P. Prints the table, then one JSON line.
+NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (and which prompts
+differ), "refused at start-up" where ``pdserve serve`` refuses the combination (pdserve/launch/plane_limits.py), or
+why the stack did not serve (the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and
+for pdserve's connector the KV bytes D read per prompt token it took from P. Prints the table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
-from pdserve.launch.config import LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.model_families import FAMILIES, build_family
 from pdserve.plan.kvsize import handoff_bytes, load_model
 
@@ -66,15 +67,15 @@ def last_error(run_dir: Path) -> str:
     return found
 
 
-def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
+def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
     spec = FAMILIES[family]
     model = build_family(family, root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
                          served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
                          pool=plane == "pdserve+pool", kv_connector=plane.split("+")[0], lease_s=30,
-                         worker_args=spec.worker_args)
-    cell: dict[str, Any] = {"family": family, "plane": plane, "prompts": 0, "exact": 0}
+                         worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
+    cell: dict[str, Any] = {"family": family, "plane": plane, "tp": tp, "prompts": 0, "exact": 0}
     t0 = time.monotonic()
     try:
         with Cluster(cfg) as c:
@@ -92,10 +93,15 @@ def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
                     predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
                 ref = post(p_url + "/v1/completions", body)
                 cell["prompts"] += 1
-                cell["exact"] += out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+                same = out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+                cell["exact"] += same
+                if not same:  # which prompts differ (index into prompts(), length)
+                    cell.setdefault("differ", []).append([i, len(prompt)])
             if tokens:
                 cell["wire_bytes_per_token"] = round(moved / tokens, 1)
                 cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
+    except ConfigError as exc:  # the launch refuses the combination before starting anything
+        cell["refused"] = str(exc)
     except Exception as exc:
         cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         cell["cause"] = last_error(run_dir)
@@ -107,9 +113,14 @@ def run_cell(family: str, plane: str, root: Path) -> dict[str, Any]:
 
 
 def verdict(cell: dict[str, Any]) -> str:
+    if "refused" in cell:
+        return "refused at start-up (" + ("one-token-short hand-off of a state model in half precision"
+                                          if "one token short" in cell["refused"] else cell["refused"][:80]) + ")"
     if "error" in cell:
         return f"dies ({cell.get('cause') or cell['error']})"[:90]
     text = f"{cell['exact']}/{cell['prompts']} exact, HMA {cell['hma']}"
+    if cell.get("differ"):
+        text += " (differ: " + ", ".join(f"{n}-token prompt" for _, n in cell["differ"]) + ")"
     if cell.get("pool_off"):
         text += ", pool off"
     if cell.get("wire_bytes_per_token"):
@@ -121,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--planes", default=",".join(PLANES))
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of P and D alike (pdserve+pool "
+                    "needs 1: the pool is TP=1 only)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
@@ -132,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     for family in families:
         for plane in planes:
-            cell = run_cell(family, plane, root)
+            cell = run_cell(family, plane, root, args.tp)
             cells.append(cell)
             print(f"# {family} x {plane}: {verdict(cell)} ({cell['seconds']} s)", file=sys.stderr, flush=True)
-    print("| family (KV cache groups) | " + " | ".join(planes) + " |")
+    tp = f", P TP={args.tp} -> D TP={args.tp}" if args.tp > 1 else ""
+    print(f"| family (KV cache groups{tp}) | " + " | ".join(planes) + " |")
     print("|---|" + "---|" * len(planes))
     for family in families:
         row = [verdict(c) for p in planes for c in cells if c["family"] == family and c["plane"] == p]
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1
+    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1  # refused cells pass
 
 
 if __name__ == "__main__":

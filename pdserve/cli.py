@@ -154,7 +154,10 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.dry_run:  # the plan only: no model conversion, no socket (ports numbered from the base port)
         model_dir = config.model_dir.resolve() if config.model else config.model_dir
-        plan = make_plan(config, model_dir)
+        try:
+            plan = make_plan(config, model_dir)
+        except ConfigError as e:  # a combination the launch refuses (e.g. pdserve/launch/plane_limits.py)
+            return config_fault("pdserve", e)
         print(f"mode: {config.mode}, model: {model_dir} (served as {plan.model_name})")
         from .launch.plan import worker_dtype
 
@@ -162,6 +165,10 @@ def serve(args: argparse.Namespace) -> int:
         from .launch.checksum_note import checksum_note
 
         print(checksum_note(config))
+        from .launch.pool_note import pool_note
+
+        if pool_note(config, model_dir):
+            print(pool_note(config, model_dir))
         if not config.gpus:  # GPU workers keep vLLM's own dtype default unless --dtype
             print(worker_dtype(config.dtype).describe())
         print(f"{plan.describe_ports()}  (dry run: numbered from port {plan.ports.router}; a launch takes free "

@@ -40,6 +40,7 @@ from ..http_probe import http_status
 from .checksum_note import checksum_note
 from .config import LauncherConfig, default_model_dir
 from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
+from .pool_note import pool_note
 from .procs import (
     Child,
     LaunchError,
@@ -227,6 +228,8 @@ class Cluster:
                 Path(plan.pool.store_config).write_text(plan.pool.store_config_text)
             self.log(worker_dtype(cfg.dtype).describe())
             self.log(checksum_note(cfg))
+            if pool_note(cfg, model_dir):
+                self.log(pool_note(cfg, model_dir))
             self._reaper = Reaper()
             self.log(f"run folder: {self.run_dir}")
             for spec in plan.processes:  # pool, workers, then the router (it loads its tokenizer meanwhile)

@@ -28,6 +28,7 @@ from .config_devices import worker_tp
 from .config_experts import worker_dp, worker_ep
 from .config_gpus import GpuSlot, assign_gpus
 from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
+from .plane_limits import check_plane
 from .procs import assign_cores, available_cores
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -369,6 +370,7 @@ def make_plan(
     own_pool = pool is not None and pool.backend == "pdserve"
     workers = plan_workers(config, model_dir, ports.workers, cores, events, pool.master if pool and own_pool else "",
                            ports.side_channels)
+    check_plane(config, workers, model_dir)  # a data plane that would answer wrong tokens is refused here
     if pool is not None and pool.backend == "mooncake":
         workers = [replace(w, mooncake_store_config=pool.store_config) if w.connector else w for w in workers]
     processes: list[ProcessSpec] = []
