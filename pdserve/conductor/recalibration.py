@@ -5,19 +5,24 @@ batch, a KV transfer) from what the router observes. What it leaves out, it leav
 inside vLLM, the API server's own time, another tenant's load on a core, a hand-off's fixed costs. Each closed
 placement measures its TTFT and TPOT (:mod:`pdserve.router.fleet.ticket`), so the error of the whole prediction is
 known per worker; this module turns it into a per-worker factor that multiplies the conductor's predicted TTFT
-(the worker computing the prompt) and TPOT (the worker decoding):
+(the worker computing the prompt) and TPOT (the worker decoding).
 
-    log f  <-  log f + rate * log(measured / predicted)       (predicted: the corrected prediction, f included)
+The factor tracks the **median** of measured / predicted (a stochastic-approximation quantile tracker on the log):
 
-a step of a geometric moving average, so f settles where the corrected predictions are right on (geometric) mean.
-Bounded three ways: each ratio is clipped to ``[1 / step, step]`` (one stalled request moves f by at most
-``rate * log(step)``), f stays within ``[1 / bound, bound]``, and f is 1 until a worker has ``min_obs``
-measurements of that kind. ``rate`` 0 turns it off (f is always 1).
+    log f  <-  log f + step * sign(log(measured / predicted))      (predicted: the corrected prediction, f included)
+
+so f settles where half the corrected predictions are over and half under: the median error goes to 1 whatever the
+skew of the error's distribution (a mean of log ratios would move the median off 1 when a few requests are far
+faster than predicted, e.g. prefix hits the index did not know: measured on the conversation trace, it did).
+``step`` is ``rate / 2`` in log units (rate 0.1: 5% a measurement). Bounded: one measurement moves f by at most that
+step, f stays within ``[1 / bound, bound]``, and f is 1 until a worker has ``min_obs`` measurements of that kind
+(then the median of those). ``rate`` 0 turns it off (f is always 1).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 KINDS = ("ttft", "tpot")
@@ -25,10 +30,12 @@ KINDS = ("ttft", "tpot")
 
 @dataclass
 class Factor:
-    """One worker's correction of one kind: log of the factor and how many measurements made it."""
+    """One worker's correction of one kind: log of the factor, how many measurements made it, and the first ones'
+    log ratios (the warm-up)."""
 
     log: float = 0.0
     n: int = 0
+    warm: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -37,7 +44,6 @@ class Recalibration:
 
     rate: float = 0.1
     bound: float = 4.0
-    step: float = 3.0
     min_obs: int = 4
     factors: dict[tuple[str, str], Factor] = field(default_factory=dict)
 
@@ -55,13 +61,18 @@ class Recalibration:
         if self.rate <= 0 or not worker or measured <= 0 or predicted <= 0:
             return
         f = self.factors.setdefault((worker, kind), Factor())
-        clipped = min(max(measured / predicted, 1 / self.step), self.step)
-        if f.n >= self.min_obs:
-            f.log = min(max(f.log + self.rate * math.log(clipped), -math.log(self.bound)), math.log(self.bound))
-        else:  # warming up: the mean log ratio so far, applied once min_obs measurements are in
-            f.log = min(max(f.log + (math.log(clipped) - f.log) / (f.n + 1), -math.log(self.bound)),
-                        math.log(self.bound))
+        err = math.log(measured / predicted)
         f.n += 1
+        if f.n < self.min_obs:
+            f.warm.append(err)
+            return
+        if f.n == self.min_obs:  # the warm-up's median (the predictions so far were not corrected)
+            f.log = statistics.median([*f.warm, err])
+            f.warm = []
+        else:
+            f.log += self.rate / 2 * ((err > 0) - (err < 0))
+        limit = math.log(self.bound)
+        f.log = min(max(f.log, -limit), limit)
 
     def forget(self, worker: str) -> None:
         """``worker`` left or restarted: its corrections start again."""
