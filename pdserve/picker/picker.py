@@ -20,17 +20,19 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..conductor import ConductorConfig
+from ..kube.discovery import PoolTarget
 from ..router.api.tokenizer import PromptTokenizer
 from ..router.config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from ..router.errors import RouterError
 from ..router.fleet.index_seed import seed_from_indexer
-from ..router.fleet.kv_events import KVEventFeed, Publisher
+from ..router.fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from ..router.fleet.load_probe import read_worker_load
 from ..router.fleet.placement import make_placement
 from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
-from ..router.workers.client import WorkerClient
+from ..router.workers.client import Worker, WorkerClient
 from ..settings.targets import handed_on
+from .discovery import follow_dns
 
 log = logging.getLogger("pdserve.picker")
 
@@ -47,8 +49,10 @@ def bad(message: str) -> RouterError:
 
 
 class Picker:
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None,
+                 dns: tuple[PoolTarget, ...] = (), discovery_interval_s: float = 5.0) -> None:
         self.config = config
+        self.dns, self.discovery_interval_s = dns, discovery_interval_s
         self.registry = WorkerRegistry(config.all_workers())
         self.placement = make_placement(self.registry, ConductorConfig(**handed_on(config, "conductor")),
                                         kv_bytes_per_token(config.model_dir))
@@ -72,11 +76,25 @@ class Picker:
             mine = {w.url: self.publishers[w.url] for w in self.registry if w.url in self.publishers}
             if self.config.indexer:
                 await seed_from_indexer(self.session, self.config.indexer, self.events, self.conductor, mine)
-            for url, pub in mine.items():
-                self.events.follow(url, pub)
+            self.registry.subscribe(self)  # follows every worker's events, those discovery adds later too
         self._tasks.append(asyncio.create_task(self._load_loop()))
+        if self.dns:
+            self._tasks.append(asyncio.create_task(follow_dns(self.registry, self.dns, self.discovery_interval_s)))
         if self.config.health_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    # ---- RegistryListener: the KV event feed follows each worker while it is registered ----
+    def worker_added(self, worker: Worker) -> None:
+        pub = self.publishers.get(worker.url) or default_publisher(worker.url, self.config.kv_events_port)
+        if self.events is not None and pub is not None:
+            self.events.follow(worker.url, pub)
+
+    def health_changed(self, worker: Worker) -> None:
+        pass
+
+    def worker_removed(self, url: str) -> None:
+        if self.events is not None:
+            self.events.forget(url)
 
     async def _health_loop(self) -> None:
         """Every worker's /health, as the router probes it: a worker refusing connections leaves the picker's

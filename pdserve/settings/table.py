@@ -311,6 +311,13 @@ SETTINGS: tuple[Setting, ...] = (
             group="picker", advice="a host name or IP address"),
     Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
             "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
+    Setting("prefill_dns", str, "", "follow the prefill pool's ready workers under this DNS NAME:PORT (a headless "
+            "Service): added as they appear, removed when gone (pdserve.kube.discovery's rules; empty: --prefill "
+            "only)", (PK,), metavar="NAME:PORT", group="picker"),
+    Setting("decode_dns", str, "", "follow the decode pool's ready workers under this DNS NAME:PORT (as "
+            "--prefill-dns)", (PK,), metavar="NAME:PORT", group="picker"),
+    Setting("discovery_interval_s", float, 5.0, "seconds between two DNS reconciliations of --prefill-dns / "
+            "--decode-dns", (PK,), unit="s", minimum=0, above=True, metavar="S", advice=_SECONDS, group="picker"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),
