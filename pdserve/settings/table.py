@@ -209,7 +209,9 @@ SETTINGS: tuple[Setting, ...] = (
             argv="set"),
     Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
             "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
-            "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
+            "prefixes older than the workers' replay buffers; with --policy conductor it shares its placements "
+            "through the indexer as placeholders, and applies the other replicas' (the launcher sets it with "
+            "--start-indexer)", (R,), metavar="URL", group="placement", argv="set"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -293,6 +295,11 @@ SETTINGS: tuple[Setting, ...] = (
             "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
             group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
     # ---------------------------------------------------------------- the KV indexer service (pdserve indexer)
+    Setting("start_indexer", bool, False, "start a KV indexer (pdserve indexer) beside the routers: every router "
+            "replica seeds its prefix index from it and shares its placements through it as placeholders, so "
+            "replicas see each other's fresh placements and a restarted router knows prefixes older than the "
+            "workers' replay buffers (policy conductor; docs/indexer.md)", (L,), group="indexer",
+            advice="use true (start an indexer) or false"),
     Setting("indexer_host", str, "127.0.0.1", "the indexer's HTTP address (bind)", (IX,), minimum=1,
             group="indexer",
             advice="a host name or IP address"),
