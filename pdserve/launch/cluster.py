@@ -417,6 +417,7 @@ def usage_text(cluster: Cluster) -> str:
     name = cluster.model_name
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in five words."}],
                        "max_tokens": 32})
+    indexer = "".join(f"\nKV indexer (docs/indexer.md): {c.url}/global_view" for c in cluster.services)
     return f"""\
 pdserve is serving {name} at {url}  ({cluster.config.mode}: {', '.join(c.name for c in cluster.workers)})
 
@@ -430,4 +431,4 @@ pdserve is serving {name} at {url}  ({cluster.config.mode}: {', '.join(c.name fo
   print(r.choices[0].message.content)
 
 logs: {cluster.run_dir}  (Ctrl-C stops everything)
-launcher metrics (process restarts): {cluster.metrics_url}/metrics"""
+launcher metrics (process restarts): {cluster.metrics_url}/metrics{indexer}"""
