@@ -13,6 +13,7 @@ stream from the snapshot's batch). Then, for each of the next ``--measure`` requ
 tokens a placement from each index would get. The goal is A within 5% of B. The workers' own prefix cache hits
 over those requests (vLLM's ``prefix_cache_hits_total``) are printed as the truth both are judged against, and
 A's placeholder counters show the routers' placements posted to it and confirmed by the workers' events.
+Only the prefill workers count: the prompt is computed there (D's cache hits are the hand-off's blocks).
 
 Prints a table and a final JSON line.
 """
@@ -65,10 +66,11 @@ def prompts(n: int, families: int, seed: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def best_hit(indexer: str, prompt: list[int]) -> int:
-    """Prompt tokens the best worker holds, as the indexer sees it (device tier: what vLLM's cache would hit)."""
+def best_hit(indexer: str, prompt: list[int], prefill: list[str]) -> int:
+    """Prompt tokens the best prefill worker holds, as the indexer sees it (device tier: what vLLM's cache would
+    hit where the prompt is computed)."""
     found = post(indexer + "/query", {"model": "rl", "token_ids": prompt, "medium": ["device"]})["default"]
-    return max((t.get("device", 0) for w, t in found.items() if w != "pool"), default=0)
+    return max((found.get(w, {}).get("device", 0) for w in prefill), default=0)
 
 
 def wait_up(url: str, timeout_s: float = 120) -> float:
@@ -143,7 +145,7 @@ def run(a: argparse.Namespace, tmp: Path) -> dict:
             restart_s = time.monotonic() - t_kill
             view_a = settled(a_url)
             settled(b_url)
-            workers = c.worker_urls()
+            workers = c.worker_urls("prefill")  # where prompts are computed (D's hits are the hand-off's)
             h0 = hits(workers)
             got_a = got_b = total = 0
             per: list[tuple[int, int]] = []
@@ -151,7 +153,7 @@ def run(a: argparse.Namespace, tmp: Path) -> dict:
             for _ in range(a.measure):
                 p = ps[i]
                 i += 1
-                ha, hb = best_hit(a_url, p), best_hit(b_url, p)
+                ha, hb = best_hit(a_url, p, workers), best_hit(b_url, p, workers)
                 per.append((ha, hb))
                 got_a, got_b, total = got_a + ha, got_b + hb, total + len(p)
                 send(p)
@@ -189,7 +191,8 @@ def main() -> int:
     print(f"| indexer restarted (kill -9, {r['restart_s']} s down) | {r['prompt_tokens']} | "
           f"{r['hit_tokens_restarted']} | {r['ratio']:.4f} |")
     print(f"| indexer never restarted | {r['prompt_tokens']} | {r['hit_tokens_never_restarted']} | 1.0000 |")
-    print(f"| vLLM's own prefix cache hits (truth, the routers' placements) | | {r['vllm_prefix_cache_hits']:.0f} | |")
+    print(f"| the prefill workers' own prefix cache hits (vLLM's counter: where the routers placed) | | "
+          f"{r['vllm_prefix_cache_hits']:.0f} | |")
     print(f"restart counters: {r['restart_counters']}")
     print(f"load average start {r['loadavg_start']}, end {r['loadavg_end']}")
     print(json.dumps(r))
