@@ -161,9 +161,10 @@ class PlaceholderSync:
         self.since = int(doc.get("next", self.since))
 
     async def close(self) -> None:
-        for t in [self.task, *self._posts]:
-            if t is not None:
-                t.cancel()
+        tasks = [t for t in [self.task, *self._posts] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _ints(values: Iterable[Any]) -> list[int]:
