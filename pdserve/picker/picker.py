@@ -27,6 +27,7 @@ from ..router.errors import RouterError
 from ..router.fleet.index_seed import seed_from_indexer
 from ..router.fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from ..router.fleet.load_probe import read_worker_load
+from ..router.fleet.placeholders import ExpectingIndex, PlaceholderSync
 from ..router.fleet.placement import make_placement
 from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
@@ -63,6 +64,7 @@ class Picker:
             url, endpoint, replay = check_kv_publisher(entry)
             self.publishers[url] = Publisher(endpoint, replay)
         self.events: KVEventFeed | None = None
+        self.placeholders: PlaceholderSync | None = None  # with --indexer: every replica's placements, shared
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.decision_seconds: deque[float] = deque(maxlen=100_000)
@@ -72,10 +74,15 @@ class Picker:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession()
         if self.config.policy == "conductor":
-            self.events = KVEventFeed(self.conductor, self.config.block_size)
+            index = ExpectingIndex(self.conductor) if self.config.indexer else None
+            self.events = KVEventFeed(index or self.conductor, self.config.block_size)
             mine = {w.url: self.publishers[w.url] for w in self.registry if w.url in self.publishers}
-            if self.config.indexer:
-                await seed_from_indexer(self.session, self.config.indexer, self.events, self.conductor, mine)
+            if self.config.indexer and index is not None:
+                await seed_from_indexer(self.session, self.config.indexer, self.events, index, mine)
+                # placements as placeholders through the indexer, as router replicas share theirs
+                self.placeholders = PlaceholderSync(self.config.indexer, self.session, index)
+                self.placement.on_placed.append(self.placeholders.placed)
+                self.placeholders.start()
             self.registry.subscribe(self)  # follows every worker's events, those discovery adds later too
         self._tasks.append(asyncio.create_task(self._load_loop()))
         if self.dns:
@@ -163,6 +170,8 @@ class Picker:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.placeholders is not None:
+            await self.placeholders.close()
         if self.events is not None:
             await self.events.close()
         if self.session is not None:
