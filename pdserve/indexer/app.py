@@ -136,8 +136,23 @@ async def expect(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await _body(request)
     worker = _str(body, "instance_id").rstrip("/")
-    n = svc.table.expect(worker, _keys_of(svc, body))
+    keys = _keys_of(svc, body)
+    n = svc.table.expect(worker, keys)
+    svc.expects.add(worker, keys, _str(body, "origin", False))
     return web.json_response({"instance_id": worker, "placeholders": n, "ttl_s": svc.config.placeholder_ttl_s})
+
+
+async def expect_log(request: web.Request) -> web.Response:
+    """The placeholders posted from ``since`` on (``-1``: those still alive): each router replica reads the
+    others' placements this way (pdserve/router/fleet/placeholders.py)."""
+    svc = request.app[SERVICE]
+    raw = request.query.get("since", "-1")
+    try:
+        since = int(raw)
+    except ValueError:
+        raise BadRequest(f"since={raw!r}: give the 'next' of the last answer, or -1") from None
+    return web.json_response({"entries": svc.expects.since(since), "next": svc.expects.next,
+                              "ttl_s": svc.config.placeholder_ttl_s})
 
 
 async def global_view(request: web.Request) -> web.Response:
@@ -184,6 +199,7 @@ def create_app(service: IndexerService) -> web.Application:
     app.router.add_post("/query", query)
     app.router.add_post("/query_by_hash", query_by_hash)
     app.router.add_post("/expect", expect)
+    app.router.add_get("/expect", expect_log)
     app.router.add_get("/global_view", global_view)
     app.router.add_post("/snapshot", take_snapshot)
     app.router.add_get("/snapshot", snapshot_now)

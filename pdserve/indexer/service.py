@@ -20,6 +20,7 @@ from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
 from ..router.fleet.kv_replay import replay
 from ..router.fleet.pool_index import PoolIndexFollower
 from . import snapshot
+from .expect_log import ExpectLog
 from .table import TieredIndex
 
 log = logging.getLogger("pdserve.indexer")
@@ -53,6 +54,7 @@ class IndexerService:
         self.config = config
         self.replayer = replayer
         self.table = TieredIndex(clock, config.placeholder_ttl_s)
+        self.expects = ExpectLog(config.placeholder_ttl_s, clock)  # the placeholders posted, for the routers
         self.feed: KVEventFeed | None = None
         self.pool: PoolIndexFollower | None = None
         self.stats = SnapshotStats()

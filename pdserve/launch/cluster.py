@@ -99,7 +99,8 @@ def allocate_ports(config: LauncherConfig) -> Ports:
     side: tuple[int, ...] = ()
     if wants_side_channels(config):  # NixlConnector's handshake listener or MooncakeConnector's bootstrap server
         side = tuple(free_ports(config.num_workers, config.worker_host, exclude=(*taken, pool, pool_metrics)))
-    return Ports(router, workers, pool, pool_metrics, side)
+    indexer = free_ports(1, POOL_HOST, exclude=(*taken, pool, pool_metrics, *side))[0] if config.start_indexer else 0
+    return Ports(router, workers, pool, pool_metrics, side, indexer)
 
 
 def memory_warning(config: LauncherConfig, available: int | None = None) -> str:
@@ -155,6 +156,7 @@ class Cluster:
         self.workers: list[Child] = []
         self.routers: list[Child] = []  # replicas on one port (``--routers N``); the first is ``router``
         self.pool: list[Child] = []  # KV pool master + node
+        self.services: list[Child] = []  # the KV indexer (--start-indexer)
         self._reaper: Reaper | None = None
         self._stop_requested = threading.Event()
         self._stopped = False
@@ -192,7 +194,7 @@ class Cluster:
         return [c.url for c in self.workers if role is None or c.name.rstrip("0123456789") == role]
 
     def children(self) -> list[Child]:
-        return [*self.workers, *self.routers, *self.pool]
+        return [*self.workers, *self.routers, *self.pool, *self.services]
 
     def pgids(self) -> list[int]:
         return [c.pgid for c in self.children()]
@@ -264,7 +266,7 @@ class Cluster:
 
     def _spawn(self, spec: ProcessSpec) -> Child:
         child = self._start_process(spec)
-        {"pool": self.pool, "worker": self.workers}.get(spec.kind, []).append(child)
+        {"pool": self.pool, "worker": self.workers, "indexer": self.services}.get(spec.kind, []).append(child)
         if spec.kind == "router":
             self.routers.append(child)
         if spec.listen_port:
@@ -340,7 +342,7 @@ class Cluster:
             if kept is not None:
                 self.log(f"{old.name}'s log kept as {kept}")
         child = self._start_process(spec)
-        for group in (self.workers, self.routers, self.pool):
+        for group in (self.workers, self.routers, self.pool, self.services):
             for i, c in enumerate(group):
                 if c is old:
                     group[i] = child
@@ -369,6 +371,8 @@ class Cluster:
             killed += stop_children(self.routers, timeout_s=min(t, 10.0), reaper=self._reaper)
         if self.workers:
             killed += stop_children(self.workers, timeout_s=t, reaper=self._reaper)
+        if self.services:  # the indexer: SIGTERM takes its final snapshot
+            killed += stop_children(self.services, timeout_s=min(t, 10.0), reaper=self._reaper)
         if self.pool:
             killed += stop_children(self.pool, timeout_s=min(t, 10.0), reaper=self._reaper)
         if self.plan is not None and self.plan.pool is not None and self.plan.pool.owns_disk_dir:
@@ -402,6 +406,7 @@ class Cluster:
                 "pid": self.router.pid, "log": str(self.router.log_path), "argv": self.router.argv},
             "routers": [{"name": c.name, "pid": c.pid, "log": str(c.log_path)} for c in self.routers],
             "pool": [{"name": c.name, "pid": c.pid, "log": str(c.log_path), "url": c.url} for c in self.pool],
+            "indexer": [{"name": c.name, "pid": c.pid, "log": str(c.log_path), "url": c.url} for c in self.services],
             "metrics_url": self.metrics_url,
         }
         tmp = self.run_dir / "launch.json.tmp"  # readers never see half a file
@@ -415,6 +420,7 @@ def usage_text(cluster: Cluster) -> str:
     name = cluster.model_name
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hello in five words."}],
                        "max_tokens": 32})
+    indexer = "".join(f"\nKV indexer (docs/indexer.md): {c.url}/global_view" for c in cluster.services)
     return f"""\
 pdserve is serving {name} at {url}  ({cluster.config.mode}: {', '.join(c.name for c in cluster.workers)})
 
@@ -428,4 +434,4 @@ pdserve is serving {name} at {url}  ({cluster.config.mode}: {', '.join(c.name fo
   print(r.choices[0].message.content)
 
 logs: {cluster.run_dir}  (Ctrl-C stops everything)
-launcher metrics (process restarts): {cluster.metrics_url}/metrics"""
+launcher metrics (process restarts): {cluster.metrics_url}/metrics{indexer}"""

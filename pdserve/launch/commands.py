@@ -23,6 +23,8 @@ from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncak
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "pdserve.router"
 STORE_MODULE = "pdserve.store.cli"
+INDEXER_MODULE = "pdserve.indexer"
+INDEXER_HOST = "127.0.0.1"  # the indexer serves this host's routers
 
 
 def served_name(config: LauncherConfig, model_dir: str | os.PathLike) -> str:
@@ -200,6 +202,7 @@ def router_command(
     pool_master: str = "",
     membership_file: str = "",
     mooncake_store: str = "",
+    indexer: str = "",
 ) -> list[str]:
     """argv of ``python -m pdserve.router`` for these workers (see pdserve/router/__main__.py): each worker's KV
     event publisher (``--kv-events``) when the workers publish; pool_master: HOST:PORT of the KV pool master the
@@ -228,7 +231,24 @@ def router_command(
     argv += list(config.router_args)
     # after router_args: the launch's own pool and membership file win
     argv += router_flags({"pool_master": pool_master, "membership_file": membership_file,
-                          "mooncake_store": mooncake_store})
+                          "mooncake_store": mooncake_store, "indexer": indexer})
+    return argv
+
+
+INDEXER_SNAPSHOT = "indexer.snap"  # in the run folder
+
+
+def indexer_argv(workers: Sequence[WorkerConfig], port: int, snapshot: str, pool_master: str = "",
+                 python: str = sys.executable) -> list[str]:
+    """argv of ``python -m pdserve.indexer`` (--start-indexer): every worker's KV event publisher, its snapshot
+    in the run folder, the pool master's event log when the conductor follows it."""
+    argv = [python, "-m", INDEXER_MODULE, "--indexer-host", INDEXER_HOST, "--indexer-port", str(port),
+            "--indexer-snapshot", snapshot]
+    for w in workers:
+        if w.kv_events_endpoint:
+            argv += ["--kv-events", kv_publisher_entry(w)]
+    if pool_master:
+        argv += ["--pool-master", pool_master]
     return argv
 
 

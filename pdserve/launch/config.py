@@ -247,6 +247,8 @@ class LauncherConfig:
     after restart_backoff_s, doubled per exit in a row up to restart_backoff_max_s; the streak resets after
     restart_reset_s healthy; crash_loop_restarts restarts within crash_loop_window_s and the next exit gives
     that process up. metrics_port: the launcher's own /metrics (restart counts) on ``host`` (0 = a free one).
+    start_indexer: start ``pdserve indexer`` (policy conductor): every router replica seeds from it and shares its
+    placements through it as placeholders.
     """
 
     model: str = _d("model")
@@ -325,6 +327,7 @@ class LauncherConfig:
     # tracing: the OTLP collector the router and every vLLM worker send spans to ("": off), the router's sampling
     otlp_traces_endpoint: str = _d("otlp_traces_endpoint")
     otlp_traces_sample_ratio: float = _d("otlp_traces_sample_ratio")
+    start_indexer: bool = _d("start_indexer")
     # elastic roles: N workers, all kv_both with pdserve's connector, none with a fixed role; the
     # router's conductor places each request colocated on one or split P -> D over two (0: off)
     elastic: int = _d("elastic")
@@ -364,6 +367,10 @@ class LauncherConfig:
         check_experts(self)
         check_pool(self)
         check_supervision(self)
+        if self.start_indexer and self.policy != "conductor":
+            raise ConfigError(f"start_indexer=true with policy={self.policy!r}: the indexer follows the workers' KV "
+                              "events, which they publish for the conductor only; add --policy conductor, or drop "
+                              "--start-indexer")
 
     # ------------------------------------------------------------------ derived
 

@@ -22,7 +22,16 @@ from pathlib import Path
 
 from ..dtype import DtypeChoice, choose_dtype
 from ..settings.speculative import speculative_roles
-from .commands import pool_master_argv, pool_node_argv, router_command, served_name, worker_argv, worker_env
+from .commands import (
+    INDEXER_SNAPSHOT,
+    indexer_argv,
+    pool_master_argv,
+    pool_node_argv,
+    router_command,
+    served_name,
+    worker_argv,
+    worker_env,
+)
 from .config import SECRET_ENV, ConfigError, LauncherConfig, WorkerConfig
 from .config_devices import worker_tp
 from .config_experts import worker_dp, worker_ep
@@ -55,9 +64,11 @@ class Ports:
     pool: int = 0
     pool_metrics: int = 0
     side_channels: tuple[int, ...] = ()
+    indexer: int = 0  # the KV indexer's HTTP port (--start-indexer), 0 without one
 
     def all(self) -> tuple[int, ...]:
-        return tuple(p for p in (self.router, *self.workers, self.pool, self.pool_metrics, *self.side_channels) if p)
+        return tuple(p for p in (self.router, *self.workers, self.pool, self.pool_metrics, *self.side_channels,
+                                 self.indexer) if p)
 
 
 def wants_side_channels(config: LauncherConfig) -> bool:
@@ -108,7 +119,7 @@ def dry_run_ports(config: LauncherConfig) -> Ports:
         pool_metrics = next(nxt)
         pool = config.pool_port or next(nxt)
     side = tuple(next(nxt) for _ in range(config.num_workers)) if wants_side_channels(config) else ()
-    return Ports(base, workers, pool, pool_metrics, side)
+    return Ports(base, workers, pool, pool_metrics, side, next(nxt) if config.start_indexer else 0)
 
 
 @dataclass(frozen=True)
@@ -392,7 +403,12 @@ def make_plan(
     # the conductor follows the pool's event log (pooled prefixes count as loadable); it authenticates to the
     # master with the secret, which is the router's only use for it (it never touches KV bytes)
     follows_pool = own_pool and config.policy == "conductor"
-    router_argv = router_command(config, workers, model_dir, ports.router, python,
+    indexer = f"http://{POOL_HOST}:{ports.indexer}" if config.start_indexer else ""
+    if indexer:  # before the routers, which seed from it when they start
+        processes.append(ProcessSpec("indexer", "indexer", tuple(indexer_argv(
+            workers, ports.indexer, f"{run_dir}/{INDEXER_SNAPSHOT}", pool.master if pool and follows_pool else "",
+            python)), base_env, secret=follows_pool, url=indexer, listen_port=ports.indexer))
+    router_argv = router_command(config, workers, model_dir, ports.router, python, indexer=indexer,
                                  pool_master=pool.master if pool is not None and follows_pool else "",
                                  membership_file=f"{run_dir}/{MEMBERSHIP_FILE}",
                                  mooncake_store=f"{POOL_HOST}:{pool.metrics_port}" if pool is not None

@@ -20,17 +20,20 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..conductor import ConductorConfig
+from ..kube.discovery import PoolTarget
 from ..router.api.tokenizer import PromptTokenizer
 from ..router.config import RouterConfig, check_kv_publisher, kv_bytes_per_token
 from ..router.errors import RouterError
 from ..router.fleet.index_seed import seed_from_indexer
-from ..router.fleet.kv_events import KVEventFeed, Publisher
+from ..router.fleet.kv_events import KVEventFeed, Publisher, default_publisher
 from ..router.fleet.load_probe import read_worker_load
+from ..router.fleet.placeholders import ExpectingIndex, PlaceholderSync
 from ..router.fleet.placement import make_placement
 from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
-from ..router.workers.client import WorkerClient
+from ..router.workers.client import Worker, WorkerClient
 from ..settings.targets import handed_on
+from .discovery import follow_dns
 
 log = logging.getLogger("pdserve.picker")
 
@@ -47,8 +50,10 @@ def bad(message: str) -> RouterError:
 
 
 class Picker:
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None,
+                 dns: tuple[PoolTarget, ...] = (), discovery_interval_s: float = 5.0) -> None:
         self.config = config
+        self.dns, self.discovery_interval_s = dns, discovery_interval_s
         self.registry = WorkerRegistry(config.all_workers())
         self.placement = make_placement(self.registry, ConductorConfig(**handed_on(config, "conductor")),
                                         kv_bytes_per_token(config.model_dir))
@@ -59,6 +64,7 @@ class Picker:
             url, endpoint, replay = check_kv_publisher(entry)
             self.publishers[url] = Publisher(endpoint, replay)
         self.events: KVEventFeed | None = None
+        self.placeholders: PlaceholderSync | None = None  # with --indexer: every replica's placements, shared
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.decision_seconds: deque[float] = deque(maxlen=100_000)
@@ -68,15 +74,34 @@ class Picker:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession()
         if self.config.policy == "conductor":
-            self.events = KVEventFeed(self.conductor, self.config.block_size)
+            index = ExpectingIndex(self.conductor) if self.config.indexer else None
+            self.events = KVEventFeed(index or self.conductor, self.config.block_size)
             mine = {w.url: self.publishers[w.url] for w in self.registry if w.url in self.publishers}
-            if self.config.indexer:
-                await seed_from_indexer(self.session, self.config.indexer, self.events, self.conductor, mine)
-            for url, pub in mine.items():
-                self.events.follow(url, pub)
+            if self.config.indexer and index is not None:
+                await seed_from_indexer(self.session, self.config.indexer, self.events, index, mine)
+                # placements as placeholders through the indexer, as router replicas share theirs
+                self.placeholders = PlaceholderSync(self.config.indexer, self.session, index)
+                self.placement.on_placed.append(self.placeholders.placed)
+                self.placeholders.start()
+            self.registry.subscribe(self)  # follows every worker's events, those discovery adds later too
         self._tasks.append(asyncio.create_task(self._load_loop()))
+        if self.dns:
+            self._tasks.append(asyncio.create_task(follow_dns(self.registry, self.dns, self.discovery_interval_s)))
         if self.config.health_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    # ---- RegistryListener: the KV event feed follows each worker while it is registered ----
+    def worker_added(self, worker: Worker) -> None:
+        pub = self.publishers.get(worker.url) or default_publisher(worker.url, self.config.kv_events_port)
+        if self.events is not None and pub is not None:
+            self.events.follow(worker.url, pub)
+
+    def health_changed(self, worker: Worker) -> None:
+        pass
+
+    def worker_removed(self, url: str) -> None:
+        if self.events is not None:
+            self.events.forget(url)
 
     async def _health_loop(self) -> None:
         """Every worker's /health, as the router probes it: a worker refusing connections leaves the picker's
@@ -145,6 +170,8 @@ class Picker:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.placeholders is not None:
+            await self.placeholders.close()
         if self.events is not None:
             await self.events.close()
         if self.session is not None:

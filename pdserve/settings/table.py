@@ -209,7 +209,9 @@ SETTINGS: tuple[Setting, ...] = (
             argv="set"),
     Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
             "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
-            "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
+            "prefixes older than the workers' replay buffers; with --policy conductor it shares its placements "
+            "through the indexer as placeholders, and applies the other replicas' (the launcher sets it with "
+            "--start-indexer)", (R,), metavar="URL", group="placement", argv="set"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -299,6 +301,11 @@ SETTINGS: tuple[Setting, ...] = (
             "with --kv-connector nixl or mooncake; turns the pool on)", (L,), choices=POOL_BACKENDS,
             group="pool", advice="choose pdserve (pdserve's own pool) or mooncake (Mooncake Store)"),
     # ---------------------------------------------------------------- the KV indexer service (pdserve indexer)
+    Setting("start_indexer", bool, False, "start a KV indexer (pdserve indexer) beside the routers: every router "
+            "replica seeds its prefix index from it and shares its placements through it as placeholders, so "
+            "replicas see each other's fresh placements and a restarted router knows prefixes older than the "
+            "workers' replay buffers (policy conductor; docs/indexer.md)", (L,), group="indexer",
+            advice="use true (start an indexer) or false"),
     Setting("indexer_host", str, "127.0.0.1", "the indexer's HTTP address (bind)", (IX,), minimum=1,
             group="indexer",
             advice="a host name or IP address"),
@@ -317,6 +324,13 @@ SETTINGS: tuple[Setting, ...] = (
             group="picker", advice="a host name or IP address"),
     Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
             "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
+    Setting("prefill_dns", str, "", "follow the prefill pool's ready workers under this DNS NAME:PORT (a headless "
+            "Service): added as they appear, removed when gone (pdserve.kube.discovery's rules; empty: --prefill "
+            "only)", (PK,), metavar="NAME:PORT", group="picker"),
+    Setting("decode_dns", str, "", "follow the decode pool's ready workers under this DNS NAME:PORT (as "
+            "--prefill-dns)", (PK,), metavar="NAME:PORT", group="picker"),
+    Setting("discovery_interval_s", float, 5.0, "seconds between two DNS reconciliations of --prefill-dns / "
+            "--decode-dns", (PK,), unit="s", minimum=0, above=True, metavar="S", advice=_SECONDS, group="picker"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

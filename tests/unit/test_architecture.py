@@ -26,8 +26,9 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     # the KV indexer service: the conductor's index and translators, the router's KV event feed and pool follower
     # (they stay in router/fleet/ while that package is restructured), the pool's RPC client through them
     "indexer": ({"conductor", "hashing", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),
-    # the endpoint picker: the router's placement without its HTTP front
-    "picker": ({"conductor", "hashing", "indexer", "router", "settings"}, {"vllm", "torch", "aiohttp.web"}),
+    # the endpoint picker: the router's placement without its HTTP front; kube's DNS discovery rules
+    # (--prefill-dns / --decode-dns) applied to its own registry
+    "picker": ({"conductor", "hashing", "indexer", "kube", "router", "settings"}, {"vllm", "torch", "aiohttp.web"}),
     # plan/measure.py times the transfer engine to calibrate the planner's network model
     "plan": ({"conductor", "hashing", "bench", "prom", "transfer", "dtype", "settings"}, {"vllm"}),
     "bench": ({"launch", "prom", "hashing", "settings"}, {"vllm", "torch"}),

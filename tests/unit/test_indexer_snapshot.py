@@ -257,3 +257,115 @@ def test_the_pool_log_resumes_from_the_snapshot_position(tmp_path):
         assert f.resyncs == 1 and sorted(b.table.index.keys_of(POOL)) == sorted(m.keys)
 
     asyncio.run(main())
+
+
+class LiveWorker:
+    """A publisher whose replay answers with what it has published by the time it is asked (``published``)."""
+
+    def __init__(self, payloads: list[bytes], published: int) -> None:
+        self.payloads, self.published, self.asked = payloads, published, []
+        self.answer_after: asyncio.Event | None = None  # set: the answer reaches the indexer only then
+
+    async def replay(self, ctx: Any, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+        self.asked.append(start)
+        got = [(s, self.payloads[s]) for s in range(start, self.published)]
+        if self.answer_after is not None:
+            await self.answer_after.wait()
+        return got
+
+
+async def _settle(svc: IndexerService) -> None:
+    assert svc.feed is not None
+    for _ in range(50):
+        await asyncio.sleep(0)
+        if not any(st.catching_up for st in svc.feed.streams.values()):
+            return
+
+
+async def _snapshot_after(tmp_path, payloads: list[bytes], k: int) -> None:
+    """An indexer that applies batches 0..k, snapshots and is killed (no final snapshot)."""
+    a = _service(tmp_path, Worker(payloads[:1]))
+    await _run(a, payloads, 1, k + 1)
+    await a.snapshot_now()
+    await a.close(final_snapshot=False)
+
+
+async def _reference(tmp_path, payloads: list[bytes]) -> IndexerService:
+    ref = _service(tmp_path, Worker(payloads[:1]), "ref")
+    await _run(ref, payloads, 1, len(payloads))
+    return ref
+
+
+def test_a_live_copy_arriving_after_its_replayed_copy_is_a_duplicate_not_a_restart(tmp_path):
+    """The integration test's race (one stream cleared after kill -9: replayed 16, duplicates 2, clears 1): the
+    restarted indexer's replay answers with batches 40..45, of which 44 and 45 were published after its
+    subscription took effect; their live copies reach the event loop after the replay's (two sockets). Read as
+    a sequence number going back, they restarted the stream from 0 and cleared the worker."""
+    async def main() -> None:
+        payloads = stream(60, 7)
+        ref = await _reference(tmp_path, payloads)
+        await _snapshot_after(tmp_path, payloads, 40)
+        worker = LiveWorker(payloads, published=46)
+        b = _service(tmp_path, worker)
+        await b.start()
+        await _settle(b)  # the replay 40..45 is applied before any live batch is read
+        assert b.feed is not None
+        for seq in range(44, 60):  # the live copies of 44 and 45, then the stream goes on
+            b.feed.handle([URL.encode(), seq.to_bytes(8, "big"), payloads[seq]])
+        await _settle(b)
+        assert worker.asked == [40]
+        assert (b.feed.clears, b.feed.replayed, b.feed.duplicates) == (0, 6, 3), b.counters()
+        assert view(b) == view(ref)
+        await b.close(final_snapshot=False)
+        await ref.close(final_snapshot=False)
+        # the same seq with another payload is a restarted publisher (its stream anew), not a duplicate
+        c = _service(tmp_path, worker := LiveWorker(payloads, published=46))
+        await c.start()
+        await _settle(c)
+        new = stream(50, 8)
+        worker.payloads, worker.published = new, 44
+        assert c.feed is not None
+        c.feed.handle([URL.encode(), (43).to_bytes(8, "big"), new[43]])
+        await _settle(c)
+        assert worker.asked == [40, 0] and c.feed.clears == 1
+        fresh = IndexerService(IndexerConfig(block_size=BS), replayer=LiveWorker(new, 44).replay)
+        await fresh.start()
+        fresh.register(URL, PUB)
+        await _settle(fresh)
+        assert view(c) == view(fresh)
+        await c.close(final_snapshot=False)
+        await fresh.close(final_snapshot=False)
+
+    asyncio.run(main())
+
+
+def test_batches_published_between_the_replay_and_the_subscription_are_asked_for_again(tmp_path):
+    """The other side of the same race: the replay answers before the subscription takes effect, so batches 46
+    and 47 come neither by replay nor live; the first live batch held is 48. Applied as it stood, 48 after 45
+    was a gap and cleared the worker; the feed asks the replay again from 46."""
+    async def main() -> None:
+        payloads = stream(60, 9)
+        ref = await _reference(tmp_path, payloads)
+        await _snapshot_after(tmp_path, payloads, 40)
+        worker = LiveWorker(payloads, published=46)
+        worker.answer_after = answered = asyncio.Event()
+        b = _service(tmp_path, worker)
+        await b.start()
+        await asyncio.sleep(0)  # the replay is asked (40..45) ...
+        assert b.feed is not None and worker.asked == [40]
+        worker.published = 48  # ... 46, 47 are published while the subscription is on its way ...
+        for seq in range(48, 52):  # ... and 48.. arrive live, held while the replay's answer travels
+            b.feed.handle([URL.encode(), seq.to_bytes(8, "big"), payloads[seq]])
+        worker.published, worker.answer_after = 52, None
+        answered.set()
+        await _settle(b)
+        for seq in range(52, 60):
+            b.feed.handle([URL.encode(), seq.to_bytes(8, "big"), payloads[seq]])
+        await _settle(b)
+        assert worker.asked == [40, 46]
+        assert b.feed.clears == 0, b.counters()
+        assert view(b) == view(ref)
+        await b.close(final_snapshot=False)
+        await ref.close(final_snapshot=False)
+
+    asyncio.run(main())

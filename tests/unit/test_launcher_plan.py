@@ -358,3 +358,25 @@ def test_routers_n_runs_n_router_processes_on_one_port_sharing_the_membership_fi
     one = make_plan(LauncherConfig(model=str(model_dir), port=9000), model_dir, run_dir="/runs/r3", cores=(0, 1))
     assert [r.name for r in one.of_kind("router")] == ["router"] and "--routers" not in one.router_argv
     assert "--membership-file" in one.router_argv  # a restarted router keeps run-time members too
+
+
+def test_start_indexer_runs_one_indexer_that_every_router_replica_uses():
+    from pdserve.indexer.__main__ import build_parser as indexer_parser
+    from pdserve.indexer.__main__ import config_from
+    from pdserve.launch.config import ConfigError, LauncherConfig
+    from pdserve.launch.plan import make_plan
+    from pdserve.router.__main__ import build_parser as router_parser
+
+    plan = make_plan(LauncherConfig(prefill=2, decode=1, policy="conductor", start_indexer=True, routers=2), "/m")
+    (ix,) = plan.of_kind("indexer")
+    cfg, host, port = config_from(indexer_parser().parse_args(ix.argv[3:]))
+    assert ix.url == f"http://{host}:{port}" and port == plan.ports.indexer and ix.listen_port == port
+    assert sorted(w for w, _ in cfg.workers) == sorted(w.url for w in plan.workers)
+    assert cfg.pool_master == plan.pool.master and ix.secret and cfg.snapshot_path.endswith("indexer.snap")
+    names = [p.name for p in plan.processes]
+    assert names.index("indexer") < names.index("router")  # up before the routers seed from it
+    for r in plan.of_kind("router"):
+        assert router_parser().parse_args(r.argv[3:]).indexer == ix.url
+    assert not make_plan(LauncherConfig(prefill=1, decode=1, policy="conductor"), "/m").of_kind("indexer")
+    with pytest.raises(ConfigError, match="policy conductor"):
+        LauncherConfig(prefill=1, decode=1, start_indexer=True)

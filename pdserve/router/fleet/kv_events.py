@@ -67,6 +67,11 @@ class _Stream:
     catching_up: asyncio.Task | None = None
     held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches that arrived during a catch-up
     verify: tuple[int, bytes] | None = None  # resuming from a snapshot: (its last batch, that batch's digest)
+    # batches applied from a replay whose live copies may still arrive (seq -> digest): the replay's answer and
+    # the live stream are two sockets, so a batch published after the subscription took effect can come back by
+    # replay first; its live copy is a duplicate, not a restarted publisher. Emptied by the next live batch
+    # applied (a publisher's batches reach a subscriber in order).
+    late: dict[int, bytes] = field(default_factory=dict)
 
 
 def batch_digest(payload: bytes) -> bytes:
@@ -183,6 +188,9 @@ class KVEventFeed:
         if st.catching_up is not None:
             st.held.append((seq, payload))
             return
+        if st.late and st.late.get(seq) == batch_digest(payload):  # its replayed copy came first
+            self.duplicates += 1
+            return
         last = st.translator.last_seq
         expected = 0 if last is None else last + 1
         if seq != expected and st.publisher is not None and st.publisher.replay:
@@ -191,13 +199,18 @@ class KVEventFeed:
             st.held.append((seq, payload))
             self._catch_up(worker, st, last + 1 if last is not None and seq > last + 1 else 0)
             return
+        st.late.clear()
         self._apply(worker, st, seq, payload)
 
     def _apply(self, worker: str, st: _Stream, seq: int, payload: bytes) -> None:
         try:
             events = decode_batch(payload)
-        except ValueError:
+        except ValueError:  # its events are unknown: the worker's entries cannot be trusted; go on from it
             self.bad_batches += 1
+            self.clears += 1
+            self._clear(worker, st.translator)
+            st.translator = EventTranslator(self.block_size)
+            st.translator.last_seq, st.translator.last_digest = seq, batch_digest(payload)
             return
         if st.translator.sequence(seq):
             log.info("KV events from %s: gap or restart; clearing its index entries", worker)
@@ -253,12 +266,24 @@ class KVEventFeed:
                 self._clear(worker, st.translator)
             st.translator = EventTranslator(self.block_size)
         self.replayed += len(replayed)
-        for seq, payload in sorted(replayed + held, key=lambda b: b[0]):
+        newest_held = max((seq for seq, _ in held), default=-1)
+        st.late = {}
+        batches = sorted([(seq, p, True) for seq, p in replayed] + [(seq, p, False) for seq, p in held],
+                         key=lambda b: b[0])
+        for i, (seq, payload, from_replay) in enumerate(batches):
             last = st.translator.last_seq
             if last is not None and seq <= last:
                 self.duplicates += 1
                 continue
+            if last is not None and seq != last + 1:
+                # batches published between the replay's answer and the subscription taking effect: neither
+                # brought them; ask again from the first one missing (the rest wait as held batches)
+                st.held = [(b[0], b[1]) for b in batches[i:]] + st.held
+                self._catch_up(worker, st, last + 1)
+                return
             self._apply(worker, st, seq, payload)
+            if from_replay and seq > newest_held:
+                st.late[seq] = st.translator.last_digest
 
     async def close(self) -> None:
         tasks = [self.task, *(s.catching_up for s in self.streams.values() if s.catching_up is not None)]

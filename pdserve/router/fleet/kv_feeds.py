@@ -13,6 +13,7 @@ from ..workers.client import Worker
 from .index_seed import seed_from_indexer
 from .kv_events import KVEventFeed, Publisher, default_publisher
 from .mooncake_store import MooncakeStoreFollower
+from .placeholders import ExpectingIndex, PlaceholderSync
 from .placement import ConductorPlacement
 from .pool_index import PoolIndexFollower
 from .registry import WorkerRegistry
@@ -33,6 +34,7 @@ class KVFeeds:
             self.publishers[url] = Publisher(endpoint, replay)
         self.events: KVEventFeed | None = None
         self.pool: PoolIndexFollower | MooncakeStoreFollower | None = None
+        self.placeholders: PlaceholderSync | None = None  # with --indexer: placements shared as placeholders
 
     # ---- RegistryListener ----
     def worker_added(self, worker: Worker) -> None:
@@ -53,12 +55,18 @@ class KVFeeds:
         """Open the feed, seed it from the KV indexer (``--indexer``), follow every registered worker, and start
         following the pool's contents."""
         c = self.config
-        self.events = KVEventFeed(cp.conductor, c.block_size, c.kv_events_bind)
+        index = ExpectingIndex(cp.conductor) if c.indexer and session is not None else None
+        self.events = KVEventFeed(index or cp.conductor, c.block_size, c.kv_events_bind)
         if self.events.endpoint:
             log.info("KV event sink on %s", self.events.endpoint)
-        if c.indexer and session is not None:  # before following: the seeded workers resume from the indexer's batch
-            await seed_from_indexer(session, c.indexer, self.events, cp.conductor,
+        if c.indexer and session is not None and index is not None:
+            # before following: the seeded workers resume from the indexer's batch
+            await seed_from_indexer(session, c.indexer, self.events, index,
                                     {w.url: self.publishers[w.url] for w in registry if w.url in self.publishers})
+            if c.policy == "conductor":  # placements as placeholders, every replica's
+                self.placeholders = PlaceholderSync(c.indexer, session, index)
+                cp.on_placed.append(self.placeholders.placed)
+                self.placeholders.start()
         for w in registry:
             self.worker_added(w)
         if c.pool_master and c.policy == "conductor":
@@ -73,6 +81,8 @@ class KVFeeds:
         return self.events.batches if self.events is not None else {}
 
     async def close(self) -> None:
+        if self.placeholders is not None:
+            await self.placeholders.close()
         if self.events is not None:
             await self.events.close()
         if self.pool is not None:

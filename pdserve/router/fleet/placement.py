@@ -60,6 +60,9 @@ class ConductorPlacement:
         self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
         self.errors: PredictionErrors | None = None  # the predictions' error, reported by each ticket it closes
         self.decisions = DecisionLog()  # a decision record per request (GET /v1/pdserve/decisions/{request_id})
+        # told (the worker that computes the prompt, its block keys) of every placement: the placeholders
+        # shared through the KV indexer (:mod:`.placeholders`)
+        self.on_placed: list[Callable[[str, Sequence[int]], None]] = []
         registry.subscribe(self)
 
     # ---- RegistryListener ----
@@ -98,6 +101,10 @@ class ConductorPlacement:
             self.decisions.rejected(rid, c.config.policy, d, exclude)
             raise too_busy(d)
         ticket = PlacementTicket(c, self.registry, d, self.clock)
+        computes = d.prefill if d.kind == "disaggregated" else d.decode
+        if computes is not None:
+            for placed in self.on_placed:
+                placed(computes, keys)
         ticket.errors, ticket.decisions, ticket.excluded = self.errors, self.decisions, exclude
         if d.placement and self.moves.enabled and self.movers:  # elastic: move the decodes that pay
             ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))

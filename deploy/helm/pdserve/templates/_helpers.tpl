@@ -256,3 +256,31 @@ Mooncake Store: include "pdserve.withMooncakeStore" (list $root $cfg) -> JSON */
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The router's and the picker's init container with model.source hf: the tokenizer files, not the weights. */}}
+{{- define "pdserve.fetchTokenizer" -}}
+{{- if eq .Values.model.source "hf" -}}
+initContainers:
+  # the router only tokenizes: fetch the tokenizer, chat template and config.json, not the weights
+  - name: fetch-tokenizer
+    image: {{ include "pdserve.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - {{ .Values.python }}
+      - -c
+      - |
+        import os
+        from huggingface_hub import snapshot_download
+        snapshot_download(repo_id=os.environ["MODEL_NAME"], local_dir=os.environ["MODEL_DIR"],
+                          allow_patterns=["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"])
+    env:
+      - name: MODEL_NAME
+        value: {{ .Values.model.name | quote }}
+      - name: MODEL_DIR
+        value: {{ include "pdserve.routerModelDir" . }}
+      {{- include "pdserve.modelEnv" . | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models
+{{- end }}
+{{- end -}}
