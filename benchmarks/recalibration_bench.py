@@ -1,9 +1,9 @@
-"""Issue 40's measure: the conductor's TTFT and TPOT prediction error with recalibration on (the default,
-``--recalibration-rate 0.1``) against off (``0``), on the conversation trace, in one run.
+"""Issue 40's measure: the conductor's TTFT and TPOT prediction error with recalibration on
+(``--recalibration-rate 0.1``) against off (``0``, the default), on the conversation trace, in one run.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/recalibration_bench.py [--requests 60] [--rate 1.5]
 
-One 1P1D launch of a small random Llama (fp32, conductor policy); a second router on the same two workers with
+One 1P1D launch of a small random Llama (fp32, conductor policy, ``recalibration_rate`` 0.1); a second router on the same two workers with
 ``--recalibration-rate 0``. The conversation trace (pdserve/bench/data), scaled to this machine (prompts x0.1 up
 to 1,500 tokens, outputs x0.25 up to 24), is replayed once through each router at ``--rate`` requests/s, off
 first, then on (each pass with its own token ids, so neither reuses the other's prefixes; the trace's own sharing
@@ -106,7 +106,7 @@ def main() -> int:
     reqs = scale_rows(load_trace(limit=a.requests), scale)
     cfg = LauncherConfig(model=model, prefill=1, decode=1, policy="conductor", port=0, dtype="float32",
                          max_model_len=4096, served_model_name="m", pool=False, worker_timeout_s=600,
-                         run_dir=str(tmp / "run"))
+                         run_dir=str(tmp / "run"), recalibration_rate=0.1)
     rows: dict[str, dict[str, dict]] = {}
     with Cluster(cfg) as c:
         port = free_port()

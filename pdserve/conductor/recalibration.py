@@ -42,7 +42,7 @@ class Factor:
 class Recalibration:
     """Per-worker correction factors of predicted TTFT and TPOT (see the module docstring)."""
 
-    rate: float = 0.1
+    rate: float = 0.0
     bound: float = 4.0
     min_obs: int = 4
     factors: dict[tuple[str, str], Factor] = field(default_factory=dict)

@@ -227,9 +227,9 @@ SETTINGS: tuple[Setting, ...] = (
             "its harm to the decodes it stalls is over this many hand-offs", (C,), minimum=0, above=True,
             advice="a positive number of hand-offs (1, the default: split when the stall costs more than one "
             "hand-off)"),
-    Setting("recalibration_rate", float, 0.1, "how fast the conductor corrects each worker's predicted TTFT and TPOT "
+    Setting("recalibration_rate", float, 0.0, "how fast the conductor corrects each worker's predicted TTFT and TPOT "
             "by their measured error (each measurement moves a worker's factor by rate/2 toward the median error; "
-            "factors bounded to [1/4, 4]; 0: off)",
+            "factors bounded to [1/4, 4]; 0, the default: off; measured on 2 cores it did not help, docs/conductor.md)",
             (L, R, C), minimum=0, maximum=1, group="placement", argv="changed",
             targets=(Target("conductor", "recalibration_rate"),),
             advice="a rate in [0, 1] (0 turns the correction off)"),

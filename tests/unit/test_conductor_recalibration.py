@@ -47,7 +47,7 @@ def test_bounded_warm_up_and_off():
 
 
 def test_the_conductor_applies_and_learns_the_factors():
-    c = make()
+    c = make(recalibration_rate=0.1)
     q = req("r1", list(range(512)))
     before = c.place(q)
     assert before.kind == "disaggregated"
