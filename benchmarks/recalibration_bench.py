@@ -3,15 +3,15 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/recalibration_bench.py [--requests 60] [--rate 1.5]
 
-One 1P1D launch of a small random Llama (fp32, conductor policy, ``recalibration_rate`` 0.1); a second router on the same two workers with
-``--recalibration-rate 0``. The conversation trace (pdserve/bench/data), scaled to this machine (prompts x0.1 up
-to 1,500 tokens, outputs x0.25 up to 24), is replayed once through each router at ``--rate`` requests/s, off
-first, then on (each pass with its own token ids, so neither reuses the other's prefixes; the trace's own sharing
-inside a pass stays). Each request's decision record (``GET /v1/pdserve/decisions/{X-Request-Id}``) gives the
-predicted and the measured TTFT and TPOT of its placement; the error is measured / predicted. The first
-``--warmup`` requests of each pass are left out (the factors start at 1 and need 4 measurements per worker).
-Prints p50 and p90 of |log2(measured / predicted)| (0: exact; 1: off by 2x) and of the ratio itself, per router,
-and one JSON line with the ratios on / off.
+One 1P1D launch of a small random Llama (fp32, conductor policy, ``recalibration_rate`` 0.1); a second router on the
+same two workers with ``--recalibration-rate 0``. The conversation trace (pdserve/bench/data), scaled to this
+machine (prompts x0.1 up to 1,500 tokens, outputs x0.25 up to 24), is replayed once through each router at
+``--rate`` requests/s, off first, then on (each pass with its own token ids, so neither reuses the other's prefixes;
+the trace's own sharing inside a pass stays). Each request's decision record (``GET
+/v1/pdserve/decisions/{X-Request-Id}``) gives the predicted and the measured TTFT and TPOT of its placement; the
+error is measured / predicted. The first ``--warmup`` requests of each pass are left out (the factors start at 1 and
+need 4 measurements per worker). Prints p50 and p90 of |log2(measured / predicted)| (0: exact; 1: off by 2x) and of
+the ratio itself, per router, and one JSON line with the ratios on / off.
 """
 
 from __future__ import annotations
