@@ -38,6 +38,8 @@ class TransferConfig:
     staging_chunk_bytes: device memory (CUDA) crosses sockets through two pinned host buffers of this
     size: one is copied while the other is sent. Staging runs per frame, so it is a fraction of
     slice_bytes (4 chunks per default frame) for the copies to overlap the socket.
+    local_direct: same-host batches of host memory are copied by the initiator under the owner's grant
+    (:mod:`pdserve.transfer.direct`), with no request per batch; off, the owner copies each frame on request.
     piece_bytes, tail_slice_bytes: a tcp READ whose caller reads the bytes as they arrive (``submit(on_frame=...)``,
     D's checksum) receives and reports each frame in pieces of at most ``piece_bytes``, so the reader finds them
     in this core's cache; the pieces of a lane's last frame halve down to ``tail_slice_bytes``, so what is left to
@@ -52,6 +54,7 @@ class TransferConfig:
     streams: int = 4
     slice_bytes: int = 4 << 20
     local_slice_bytes: int = 16 << 20
+    local_direct: bool = True
     staging_chunk_bytes: int = 1 << 20
     piece_bytes: int = 1 << 20
     tail_slice_bytes: int = 256 << 10
