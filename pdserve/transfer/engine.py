@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from . import wire
 from .backend import Backend, EngineContext, batch_connection
-from .batch import BatchHandle, FrameHook, Op, TransferEntry, merge_contiguous
+from .batch import VECTOR_MIN, BatchHandle, FrameHook, Op, TransferEntry, merge_columns, merge_contiguous
 from .config import TransferConfig
 from .descriptor import SegmentDescriptor, host_identity
 from .errors import TransferError
@@ -120,7 +120,7 @@ class TransferEngine:
         caller may check the bytes while the rest is still moving. It must be quick (hand the work to a thread)."""
         peer = peer if isinstance(peer, SegmentDescriptor) else SegmentDescriptor.from_wire(peer)
         op = Op(op)
-        merged = merge_contiguous(self._checked(peer, entries))
+        merged = self._merged(peer, entries)
         seconds = self.config.default_deadline_s if deadline_s is None else deadline_s
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
@@ -141,6 +141,17 @@ class TransferEngine:
         handle = self.submit(peer, entries, Op.READ, notify, deadline_s)
         handle.result()
         return handle
+
+    def _merged(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
+        """Entries checked against our regions and the peer's, contiguous neighbours merged: as columns for large
+        batches (one numpy pass, no per-entry Python but the merged entries'), entry by entry otherwise and for
+        whatever the columns refuse (which raises the precise error)."""
+        rows = entries if isinstance(entries, list) else list(entries)
+        if len(rows) >= VECTOR_MIN:
+            merged = merge_columns(rows, lambda name: self._regions.get(name).length, peer.region_length)
+            if merged is not None:
+                return merged
+        return merge_contiguous(self._checked(peer, rows))
 
     def _checked(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
         """Entries as TransferEntry, every range checked against our regions and the peer's."""

@@ -149,7 +149,7 @@ class LocalBackend(Backend):
         if grant is not None:
             return self._run_direct(handle, grant, op, entries)
         config = self.ctx.config
-        lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(entries))
+        lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(handle.total_bytes))
         kind = "lw" if op is Op.WRITE else "lr"
 
         addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}
@@ -191,7 +191,8 @@ class LocalBackend(Backend):
         each piece as it lands), dealt over as many parallel lanes as ``_lane_count`` allows."""
         config = self.ctx.config
         size = config.piece_bytes if handle.on_frame is not None and op is Op.READ else config.local_slice_bytes
-        lanes = stripe(split_into_frames(entries, size), self._lane_count(entries))
+        frames = [entries] if handle.total_bytes <= size else split_into_frames(entries, size)
+        lanes = stripe(frames, self._lane_count(handle.total_bytes))
         pull = op is Op.READ
 
         def lane(frames: list[list[TransferEntry]]) -> None:
@@ -238,11 +239,10 @@ class LocalBackend(Backend):
         for device, pairs in by_device.items():
             device_copy(pairs, device, handle.remaining)
 
-    def _lane_count(self, entries: list[TransferEntry]) -> int:
+    def _lane_count(self, total: int) -> int:
         """No more parallel copies than cores to run them, and none for small batches, where a
         second copy costs more than it saves. Each lane still sends several frames, so the owner
         parses one frame while it copies another."""
-        total = sum(e.length for e in entries)
         return max(1, min(self.ctx.config.streams, _CPUS, total // _MIN_LANE_BYTES))
 
     # ---- owner side ----

@@ -114,3 +114,16 @@ def test_iovecs_agree_between_the_small_and_the_numpy_paths():
     big = direct.iovecs(grant, table, frame)
     assert all(np.array_equal(a, b) for a, b in zip(small, big))
     assert big[0][5].tolist() == [buf.ctypes.data + 500, 55] and big[1][5].tolist() == [(1 << 40) + 1500, 55]
+
+
+def test_large_batches_are_checked_at_submit_as_small_ones(pair):
+    _, reader, peer = pair
+    ok = [("mine", i * 4096, "mem", i * 4096, 4096) for i in range(100)]
+    for bad, code in ((ok + [("mine", 4 * MiB - 1, "mem", 0, 2)], "bounds"), (ok + [("nope", 0, "mem", 0, 1)],
+                      "unknown_region"), (ok + [("mine", 0, "ghost", 0, 1)], "unknown_region")):
+        with pytest.raises(TransferError) as info:
+            reader.submit(peer, bad, "write", backend="local")
+        assert info.value.code == code
+    handle = reader.submit(peer, ok, "write", backend="local")  # 100 contiguous entries: one merged range
+    handle.result(10)
+    assert handle.total_bytes == 100 * 4096
