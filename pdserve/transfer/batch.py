@@ -168,6 +168,9 @@ class BatchHandle:
 
     The batch fails by its deadline at the latest: workers bound every socket wait by it, and
     ``wait`` marks an overdue batch failed and interrupts its connections.
+
+    A batch that no engine thread has started yet is run by the first thread that waits for it without a timeout
+    (``wait()``, ``result()``): a caller that submits and then waits pays no hand-off to another thread and back.
     """
 
     def __init__(self, batch_id: str, op: Op, total_bytes: int, deadline: float) -> None:
@@ -184,6 +187,18 @@ class BatchHandle:
         self._interrupts: dict[int, Callable[[], None]] = {}
         self.reply: Any = None  # the peer's answer to the batch's notification (TransferEngine.on_notify)
         self.on_frame: FrameHook | None = None  # READ: told each frame once its bytes are in local memory
+        self._job: Callable[[], None] | None = None  # the work, until a thread claims it
+
+    def attach(self, job: Callable[[], None]) -> None:
+        """The work that moves this batch; whichever thread claims it first runs it (engine thread or waiter)."""
+        self._job = job
+
+    def run_claimed(self) -> None:
+        """Run the batch's work here unless another thread claimed it already."""
+        with self._lock:
+            job, self._job = self._job, None
+        if job is not None:
+            job()
 
     def frame_arrived(self, frame: list[TransferEntry]) -> None:
         """A data path read ``frame`` (its local ranges now hold the peer's bytes): tell ``on_frame``. A hook that
@@ -203,7 +218,10 @@ class BatchHandle:
         return self._status
 
     def wait(self, timeout: float | None = None) -> BatchStatus:
-        """Block until done, the deadline, or ``timeout`` seconds; return the status then."""
+        """Block until done, the deadline, or ``timeout`` seconds; return the status then. Without a timeout, a batch
+        that no engine thread has started yet runs in this thread."""
+        if timeout is None and self._job is not None:
+            self.run_claimed()
         limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
         self._done.wait(max(0.0, limit - time.monotonic()))
         return self.poll()

@@ -36,11 +36,13 @@ def tune(sock: socket.socket, buffer_bytes: int) -> None:
 class Connection:
     """One authenticated connection to a peer engine, used by one stream at a time."""
 
-    def __init__(self, address: Address, config: TransferConfig) -> None:
+    def __init__(self, address: Address, config: TransferConfig, timeout: float | None = None) -> None:
+        """Connect and authenticate within ``timeout`` seconds (at most the config's ``connect_timeout_s``)."""
         self.address = address
         self.max_iov = config.max_iov
+        wait = config.connect_timeout_s if timeout is None else max(1e-3, min(timeout, config.connect_timeout_s))
         try:
-            self.sock = _connect(address, config.connect_timeout_s)
+            self.sock = _connect(address, wait)
         except OSError as exc:
             raise TransferError("peer", f"cannot connect to engine at {address}: {exc}") from exc
         try:
@@ -91,7 +93,7 @@ class PeerPool:
             if self._idle:
                 return self._idle.pop()
         try:
-            return Connection(self.address, self.config)
+            return Connection(self.address, self.config, timeout)
         except BaseException:
             with self._cond:
                 self._in_use -= 1

@@ -115,6 +115,9 @@ class TransferEngine:
                backend: str | None = None, on_frame: FrameHook | None = None) -> BatchHandle:
         """Start a batch; return at once with its handle. Bad ranges raise here, synchronously.
 
+        The batch runs on an engine thread, or in the thread that waits for it without a timeout if that comes first
+        (:meth:`BatchHandle.wait`).
+
         ``on_frame`` (READ): called on a transfer thread with each frame's entries once their bytes are in local
         memory (tcp and local paths; others, and CUDA IPC, call it never), before the notification is sent: so a
         caller may check the bytes while the rest is still moving. It must be quick (hand the work to a thread)."""
@@ -125,7 +128,8 @@ class TransferEngine:
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
         handle.on_frame = on_frame
-        self._batch_runner.submit(self._execute, handle, peer, op, merged, notify, backend)
+        handle.attach(lambda: self._execute(handle, peer, op, merged, notify, backend))
+        self._batch_runner.submit(handle.run_claimed)
         return handle
 
     def write(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
@@ -166,23 +170,25 @@ class TransferEngine:
         return out
 
     def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None,
-                       entries: list[TransferEntry] | None = None) -> Backend:
+                       entries: list[TransferEntry] | None = None, timeout: float | None = None) -> Backend:
+        """The backend for ``peer`` (and ``entries``' memory kinds); a first contact asks the peer for at most
+        ``timeout`` seconds (the batch's time left)."""
         name = requested or self.config.backend
         if name == "auto":
             local = self._backends["local"]
-            usable = local.supports(peer) and (entries is None or local.accepts(peer, entries))
+            usable = local.supports(peer, timeout) and (entries is None or local.accepts(peer, entries))
             return local if usable else self._backends["tcp"]
         backend = self._backends.get(name)
         if backend is None:
             raise TransferError("config", f"backend {name!r} not enabled in this engine's config")
-        if not backend.supports(peer) or (entries is not None and not backend.accepts(peer, entries)):
+        if not backend.supports(peer, timeout) or (entries is not None and not backend.accepts(peer, entries)):
             raise TransferError("unavailable", f"backend {name!r} cannot reach peer {peer.engine_id}")
         return backend
 
     def _execute(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op,
                  entries: list[TransferEntry], notify: Any, requested: str | None) -> None:
         try:
-            backend = self.choose_backend(peer, requested, entries)
+            backend = self.choose_backend(peer, requested, entries, handle.remaining())
             if entries:
                 backend.run(handle, peer, op, entries)
             if notify is not None:

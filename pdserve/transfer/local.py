@@ -121,22 +121,23 @@ class LocalBackend(Backend):
     def control_address(self, peer: SegmentDescriptor) -> Address:
         return peer.backends["local"]["uds"]
 
-    def supports(self, peer: SegmentDescriptor) -> bool:
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
         """Same kernel and PID namespace, a reachable Unix socket, and the copy permitted (probed once)."""
         if not peer.backends.get("local") or not peer.is_same_host(self.ctx.host_id):
             return False
         with self._lock:
             known = self._verdicts.get(peer.engine_id)
         if known is None:
-            known = self._probe(peer)
+            known = self._probe(peer, timeout)
             with self._lock:
                 self._verdicts[peer.engine_id] = known
         return known
 
-    def _probe(self, peer: SegmentDescriptor) -> bool:
+    def _probe(self, peer: SegmentDescriptor, timeout: float | None) -> bool:
         msg = {"t": "lprobe", "addr": ctypes.addressof(self._probe_token), "n": _PROBE_BYTES}
+        wait = self.ctx.config.connect_timeout_s if timeout is None else min(timeout, self.ctx.config.connect_timeout_s)
         try:
-            reply = self.ctx.pool(self.control_address(peer)).call(msg, self.ctx.config.connect_timeout_s)
+            reply = self.ctx.pool(self.control_address(peer)).call(msg, wait)
         except TransferError:
             return False
         return reply.get("data") == self._probe_token.raw

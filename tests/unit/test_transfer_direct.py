@@ -127,3 +127,34 @@ def test_large_batches_are_checked_at_submit_as_small_ones(pair):
     handle = reader.submit(peer, ok, "write", backend="local")  # 100 contiguous entries: one merged range
     handle.result(10)
     assert handle.total_bytes == 100 * 4096
+
+
+class _Idle:
+    """An engine's batch runner that never gets to a batch: its waiter runs it."""
+
+    def submit(self, fn):
+        return None
+
+    def shutdown(self, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("backend", ["tcp", "local"])
+def test_a_waiter_runs_an_unstarted_batch_and_still_ends_by_its_deadline(pair, backend):
+    import socket
+    import time
+
+    owner, reader, peer = pair
+    reader._batch_runner.shutdown(wait=True)
+    reader._batch_runner = _Idle()
+    handle = reader.submit(peer, [("mine", 0, "mem", 0, 4096)], "write", backend=backend)
+    assert handle.wait() is BatchStatus.SUCCEEDED  # run here, in the waiting thread
+    assert np.array_equal(owner.mem[:4096], reader.mine[:4096])
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts (in the kernel), never greets
+    try:
+        silent = dict(peer.to_wire(), engine_id="silent", port=mute.getsockname()[1], backends={})
+        t0 = time.monotonic()
+        handle = reader.submit(silent, [("mine", 0, "mem", 0, 4096)], "write", backend="tcp", deadline_s=0.5)
+        assert handle.wait() is BatchStatus.FAILED and time.monotonic() - t0 < 2.0  # connect_timeout_s is 5 s
+    finally:
+        mute.close()
