@@ -41,10 +41,13 @@ class Connection:
         self.address = address
         self.max_iov = config.max_iov
         wait = config.connect_timeout_s if timeout is None else max(1e-3, min(timeout, config.connect_timeout_s))
+        # out of the caller's time (a batch's deadline) rather than the peer's connect budget: "deadline"
+        late = "deadline" if wait < config.connect_timeout_s else "peer"
         try:
             self.sock = _connect(address, wait)
         except OSError as exc:
-            raise TransferError("peer", f"cannot connect to engine at {address}: {exc}") from exc
+            code = late if isinstance(exc, TimeoutError) else "peer"
+            raise TransferError(code, f"cannot connect to engine at {address}: {exc}") from exc
         try:
             tune(self.sock, config.socket_buffer_bytes)
             wire.client_handshake(self.sock, config.secret)
@@ -52,7 +55,8 @@ class Connection:
             self.close()
             if isinstance(exc, TransferError):
                 raise
-            raise TransferError("peer", f"handshake with {address} failed: {exc}") from exc
+            code = late if isinstance(exc, TimeoutError) else "peer"
+            raise TransferError(code, f"handshake with {address} failed: {exc}") from exc
 
     def call(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one header-only request and return the (non-error) reply."""

@@ -116,7 +116,8 @@ class TransferEngine:
         """Start a batch; return at once with its handle. Bad ranges raise here, synchronously.
 
         The batch runs on an engine thread, or in the thread that waits for it without a timeout if that comes first
-        (:meth:`BatchHandle.wait`).
+        (:meth:`BatchHandle.wait`); a small same-host batch without ``notify`` or ``on_frame`` to a peer already
+        granted is copied here and returned finished (``TransferConfig.inline_bytes``).
 
         ``on_frame`` (READ): called on a transfer thread with each frame's entries once their bytes are in local
         memory (tcp and local paths; others, and CUDA IPC, call it never), before the notification is sent: so a
@@ -128,9 +129,27 @@ class TransferEngine:
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
         handle.on_frame = on_frame
+        if notify is None and on_frame is None and 0 < handle.total_bytes <= self.config.inline_bytes \
+                and self._run_now(handle, peer, op, merged, backend):
+            return handle
         handle.attach(lambda: self._execute(handle, peer, op, merged, notify, backend))
         self._batch_runner.submit(handle.run_claimed)
         return handle
+
+    def _run_now(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry],
+                 requested: str | None) -> bool:
+        """A small same-host batch copied inside ``submit`` (``TransferConfig.inline_bytes``); False: not here."""
+        if (requested or self.config.backend) not in ("auto", "local"):
+            return False
+        local = self._backends["local"]
+        try:
+            if not local.run_now(handle, peer, op, entries):  # type: ignore[attr-defined]
+                return False
+        except TransferError as exc:
+            handle.fail(exc)
+            return True
+        handle.succeed()
+        return True
 
     def write(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
               deadline_s: float | None = None) -> BatchHandle:
@@ -198,6 +217,8 @@ class TransferEngine:
                 handle.reply = reply.get("r")
             handle.succeed()
         except TransferError as exc:
+            if exc.code != "deadline" and time.monotonic() >= handle.deadline:  # it ran out of time on the way
+                exc = TransferError("deadline", f"batch {handle.batch_id} missed its deadline ({exc.message})")
             handle.fail(exc)
         except Exception as exc:  # never leave a batch pending on a bug
             log.exception("batch %s crashed", handle.batch_id)

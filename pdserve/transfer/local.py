@@ -129,17 +129,20 @@ class LocalBackend(Backend):
             known = self._verdicts.get(peer.engine_id)
         if known is None:
             known = self._probe(peer, timeout)
+            if known is None:  # out of time, not refused: no verdict kept, the next batch asks again
+                return False
             with self._lock:
                 self._verdicts[peer.engine_id] = known
         return known
 
-    def _probe(self, peer: SegmentDescriptor, timeout: float | None) -> bool:
+    def _probe(self, peer: SegmentDescriptor, timeout: float | None) -> bool | None:
+        """Whether this engine's owner-side copies reach ``peer``; None when the probe ran out of time."""
         msg = {"t": "lprobe", "addr": ctypes.addressof(self._probe_token), "n": _PROBE_BYTES}
         wait = self.ctx.config.connect_timeout_s if timeout is None else min(timeout, self.ctx.config.connect_timeout_s)
         try:
             reply = self.ctx.pool(self.control_address(peer)).call(msg, wait)
-        except TransferError:
-            return False
+        except TransferError as exc:
+            return None if exc.code == "deadline" or "timed out" in exc.message else False
         return reply.get("data") == self._probe_token.raw
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
@@ -166,6 +169,21 @@ class LocalBackend(Backend):
                     h.frame_arrived(frame)
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
+
+    def run_now(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> bool:
+        """Copy ``entries`` now, in the calling thread, when nothing has to be asked of the peer: direct copies on,
+        its probe verdict and grant known, the grant current, host memory on both sides. False: not done (run the
+        batch the usual way); raises TransferError when the copy failed."""
+        if not self.ctx.config.local_direct or not entries:
+            return False
+        with self._lock:
+            verdict, grant = self._verdicts.get(peer.engine_id), self._grants.get(peer.engine_id)
+        if not verdict or grant is None or not peer.is_same_host(self.ctx.host_id) or not self.accepts(peer, entries):
+            return False
+        if self.ctx.regions.get(entries[0].local_region).kind != "cpu" or not direct.current(grant):
+            return False
+        self._run_direct(handle, grant, op, entries)
+        return True
 
     def _grant(self, peer: SegmentDescriptor, handle: BatchHandle) -> direct.Grant | None:
         """The owner's grant, fetched once per peer and again once its epoch moved; None when it gives none."""

@@ -158,3 +158,39 @@ def test_a_waiter_runs_an_unstarted_batch_and_still_ends_by_its_deadline(pair, b
         assert handle.wait() is BatchStatus.FAILED and time.monotonic() - t0 < 2.0  # connect_timeout_s is 5 s
     finally:
         mute.close()
+
+
+def test_a_small_batch_to_a_granted_peer_is_copied_inside_submit(pair):
+    owner, reader, peer = pair
+    reader._batch_runner.shutdown(wait=True)
+    reader._batch_runner = _Idle()  # nothing runs but in submit or in a waiter
+    reader.submit(peer, [("mine", 0, "mem", 0, 16)], "write", backend="local").wait()  # first contact: grant
+    handle = reader.submit(peer, [("mine", 4096, "mem", 8192, MiB)], "write")
+    assert handle.poll() is BatchStatus.SUCCEEDED  # before anyone waited
+    assert np.array_equal(owner.mem[8192:8192 + MiB], reader.mine[4096:4096 + MiB])
+    for kw in ({"notify": "n"}, {"backend": "tcp"}):  # a notification, or another path: not in submit
+        later = reader.submit(peer, [("mine", 0, "mem", 0, 16)], "write", **kw)
+        assert later.poll() is BatchStatus.PENDING and later.wait() is BatchStatus.SUCCEEDED
+    big = reader.submit(peer, [("mine", 0, "mem", 0, MiB + 1)], "write")  # over inline_bytes
+    assert big.poll() is BatchStatus.PENDING and big.wait() is BatchStatus.SUCCEEDED
+    h = reader.submit(dict(peer.to_wire(), regions={"mem": [0, 64 * MiB]}), [("mine", 0, "mem", 8 * MiB, 16)], "write")
+    assert h.poll() is BatchStatus.FAILED and h.error.code == "bounds"  # the owner's table still rules
+
+
+def test_inline_copies_can_be_turned_off():
+    owner = TransferEngine(TransferConfig(secret=SECRET))
+    reader = TransferEngine(TransferConfig(secret=SECRET, inline_bytes=0))
+    try:
+        owner.register("mem", np.zeros(MiB, dtype=np.uint8))
+        reader.register("mine", np.ones(MiB, dtype=np.uint8))
+        peer = reader.fetch_segment(owner.segment().host, owner.segment().port)
+        reader.submit(peer, [("mine", 0, "mem", 0, 16)], "write").result(10)
+        reader._batch_runner.shutdown(wait=True)
+        reader._batch_runner = _Idle()
+        later = reader.submit(peer, [("mine", 0, "mem", 0, 16)], "write")
+        assert later.poll() is BatchStatus.PENDING and later.wait() is BatchStatus.SUCCEEDED
+    finally:
+        owner.close()
+        reader.close()
+    with pytest.raises(TransferError, match="inline_bytes"):
+        TransferConfig(secret=SECRET, inline_bytes=-1)
