@@ -148,5 +148,15 @@ def _iovecs_small(grant: Grant, regions: RegionTable, frame: list[TransferEntry]
 
 def copy(grant: Grant, regions: RegionTable, frame: list[TransferEntry], pull: bool) -> None:
     """Move ``frame``'s bytes between this process and the owner: READ (``pull``) or WRITE."""
+    if len(frame) == 1:  # one range (a merged run): no arrays to build
+        e = frame[0]
+        entry = grant.regions.get(e.peer_region)
+        if entry is None:
+            raise _unknown(e.peer_region)
+        if e.peer_offset < 0 or e.length < 0 or e.peer_offset + e.length > entry[1]:
+            raise _out_of_bounds(e, entry[1])
+        procmem.copy_one(grant.pid, regions.get(e.local_region).addr + e.local_offset, entry[0] + e.peer_offset,
+                         e.length, pull)
+        return
     local, remote = iovecs(grant, regions, frame)
     procmem.copy(grant.pid, local, remote, pull)

@@ -17,6 +17,9 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+_IOV_BYTES = ctypes.sizeof(_IoVec)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)  # CDLL calls release the GIL while copying
 _readv = _libc.process_vm_readv
 _writev = _libc.process_vm_writev
@@ -28,12 +31,24 @@ for _fn in (_readv, _writev):
 def read_word(pid: int, addr: int) -> int:
     """The 8-byte unsigned word at ``addr`` in ``pid``'s memory."""
     word = ctypes.c_uint64(0)
-    iov = (_IoVec * 2)(_IoVec(ctypes.addressof(word), 8), _IoVec(addr, 8))
-    if _readv(pid, ctypes.addressof(iov[0]), 1, ctypes.addressof(iov[1]), 1, 0) != 8:
-        err = ctypes.get_errno()
-        raise TransferError("peer" if err in (0, 3, 14) else "unavailable",
-                            f"cannot read pid {pid}'s word at {addr:#x}: {os.strerror(err)}")
+    copy_one(pid, ctypes.addressof(word), addr, 8, pull=True)
     return word.value
+
+
+def copy_one(pid: int, local: int, remote: int, length: int, pull: bool) -> None:
+    """:func:`copy` of one range: ``length`` bytes between our address ``local`` and ``pid``'s ``remote``."""
+    iov = (_IoVec * 2)(_IoVec(local, length), _IoVec(remote, length))
+    done = (_readv if pull else _writev)(pid, ctypes.addressof(iov), 1, ctypes.addressof(iov) + _IOV_BYTES, 1, 0)
+    if done != length:
+        _fail(pid, done, length)
+
+
+def _fail(pid: int, done: int, want: int) -> None:
+    err = ctypes.get_errno()
+    raise TransferError(
+        "peer" if err in (0, 3, 14) else "unavailable",  # ESRCH, EFAULT: peer gone or unmapped
+        f"cross-process copy with pid {pid} moved {max(done, 0)} of {want} bytes: {os.strerror(err)}",
+    )
 
 
 def iovecs(pieces: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -56,8 +71,4 @@ def copy(pid: int, local: np.ndarray, remote: np.ndarray, pull: bool) -> None:
         want = int(lo[:, 1].sum()) if len(lo) > 1 else int(lo[0, 1])
         done = fn(pid, lo.ctypes.data, len(lo), ro.ctypes.data, len(ro), 0)
         if done != want:
-            err = ctypes.get_errno()
-            raise TransferError(
-                "peer" if err in (0, 3, 14) else "unavailable",  # ESRCH, EFAULT: peer gone or unmapped
-                f"cross-process copy with pid {pid} moved {max(done, 0)} of {want} bytes: {os.strerror(err)}",
-            )
+            _fail(pid, done, want)

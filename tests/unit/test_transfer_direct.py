@@ -194,3 +194,15 @@ def test_inline_copies_can_be_turned_off():
         reader.close()
     with pytest.raises(TransferError, match="inline_bytes"):
         TransferConfig(secret=SECRET, inline_bytes=-1)
+
+
+def test_one_range_copies_and_a_gone_peer_is_a_peer_error():
+    from pdserve.transfer import procmem
+
+    a, b = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    procmem.copy_one(os.getpid(), b.ctypes.data, a.ctypes.data + 8, 32, pull=True)
+    assert np.array_equal(b[:32], a[8:40]) and not b[32:].any()
+    assert procmem.read_word(os.getpid(), a.ctypes.data) == int.from_bytes(a[:8].tobytes(), "little")
+    with pytest.raises(TransferError) as info:
+        procmem.copy_one(2 ** 22 + 7, b.ctypes.data, a.ctypes.data, 8, pull=False)  # above pid_max: no such pid
+    assert info.value.code == "peer"
