@@ -42,13 +42,14 @@ class GrantIssuer:
 
     def __init__(self) -> None:
         self._token = ctypes.create_string_buffer(os.urandom(_TOKEN_BYTES), _TOKEN_BYTES)
-        self._epoch = ctypes.c_uint64(0)
+        # random start: a process that took a dead owner's pid does not hold the same word at the same address
+        self._epoch = ctypes.c_uint64(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
 
     def bump(self) -> None:
         """A region went away: every grant issued so far is stale."""
         with self._lock:
-            self._epoch.value += 1
+            self._epoch.value = (self._epoch.value + 1) & ((1 << 64) - 1)
 
     def message(self, regions: RegionTable) -> dict[str, Any]:
         """The grant as a reply: host regions only (device memory moves by CUDA IPC or staging)."""
