@@ -108,14 +108,14 @@ def _run_opts(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(rows: dict[str, dict[str, Any]], cols: tuple[str, ...]) -> None:
     width = max([len(k) for k in rows] + [8]) + 2
-    heads = [c.replace("_ms", "").replace("_req_per_s", "") for c in cols]
+    heads = [c.replace("_ms", "").replace("_req_per_s", "").replace("handoff_gap", "gap") for c in cols]
     print(f"{'':<{width}}" + "".join(f"{h:>12}" for h in heads))
     for name, row in rows.items():
         print(f"{name:<{width}}" + "".join(f"{'-' if row.get(c) is None else row[c]:>12}" for c in cols))
 
 
-COLS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p50_ms", "req_per_s",
-        "goodput_req_per_s", "errors")
+COLS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "handoff_gap_p50_ms", "handoff_gap_p99_ms", "tpot_p99_ms",
+        "itl_p99_ms", "e2e_p50_ms", "req_per_s", "goodput_req_per_s", "errors")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -177,7 +177,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     flat: dict[str, Any] = {"report": str(out / "report.md")}
     for c in done:
         for label, row in results["configs"][c]["workloads"].items():
-            for k in COLS + ("transfer_share_p50", "kv_read_share_of_ttft_p50", "offered_rate", "handoff_p50_ms",
+            for k in COLS + ("handoff_gap_over_tpot_p50", "transfer_share_p50", "kv_read_share_of_ttft_p50",
+                             "offered_rate", "handoff_p50_ms",
                              "handoff_p99_ms", "kv_bytes_per_request", "prefill_tokens_computed",
                              "prefix_cache_tokens", "pool_hit_tokens", "pool_get_gbps", "pool_put_gbps"):
                 flat[f"{c}|{label}|{k}"] = row.get(k)

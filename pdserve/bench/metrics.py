@@ -5,6 +5,9 @@ Definitions (the same as vLLM's and SGLang's serving benchmarks):
 - TTFT: request sent -> first content chunk received (client clock).
 - TPOT: (end-to-end latency - TTFT) / (output tokens - 1); undefined for one-token outputs.
 - ITL: gaps between consecutive content chunks (every chunk, across requests).
+- Hand-off gap: first content chunk -> second content chunk of one request (client clock); undefined for answers of
+  fewer than two chunks. In a PD run it spans the hand-off (P streams the first token, D the second); colocated it
+  is one decode step, so set beside TPOT p50 it shows what the hand-off adds.
 - E2E: request sent -> last byte of the stream.
 - Throughput: successful requests and their output tokens per second of wall time (first send -> last end).
 - Goodput: successful requests per second that met *both* the TTFT and the TPOT target (a request without a TPOT,
@@ -57,6 +60,13 @@ class RequestRecord:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
     @property
+    def handoff_gap_s(self) -> float | None:
+        """Second content chunk's arrival - the first's (the hand-off gap); None with fewer than two chunks."""
+        if not self.ok or len(self.chunk_times) < 2:
+            return None
+        return self.chunk_times[1] - self.chunk_times[0]
+
+    @property
     def itls_s(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
@@ -67,7 +77,8 @@ class RequestRecord:
 
         return {"ok": self.ok, "session": self.session, "turn": self.turn, "scheduled_s": self.scheduled_s,
                 "start_s": rel(self.start), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
-                "e2e_s": self.latency_s, "end_s": rel(self.end), "prompt_tokens": self.prompt_tokens,
+                "e2e_s": self.latency_s, "handoff_gap_s": self.handoff_gap_s, "end_s": rel(self.end),
+                "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "itl_s": [round(x, 6) for x in self.itls_s],
                 "error": self.error, "timings": self.timings}
 
@@ -129,15 +140,19 @@ def goodput(records: list[RequestRecord], wall_s: float, slo: SLO) -> dict[str, 
 
 
 def summarize(records: list[RequestRecord], wall_s: float, slo: SLO | None = None) -> dict[str, Any]:
-    """TTFT, TPOT, ITL, E2E mean/p50/p90/p99 in ms; throughput; goodput (when ``slo`` is given); errors."""
+    """TTFT, TPOT, ITL, E2E and the hand-off gap (``handoff_gap_*``) mean/p50/p90/p99 in ms; throughput; goodput
+    (when ``slo`` is given); errors."""
     ok = [r for r in records if r.ok]
     out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
     series: dict[str, list[float | None]] = {
         "ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok],
         "itl": [x for r in ok for x in r.itls_s], "e2e": [r.latency_s for r in ok],
+        "handoff_gap": [r.handoff_gap_s for r in ok],
     }
     for name, vals in series.items():
         out.update(_stats_ms(name, vals))
+    gap, tpot = out.get("handoff_gap_p50_ms"), out.get("tpot_p50_ms")
+    out["handoff_gap_over_tpot_p50"] = round(gap / tpot, 3) if gap is not None and tpot else None
     out["wall_s"] = round(wall_s, 3)
     out["req_per_s"] = round(len(ok) / wall_s, 4) if wall_s > 0 else None
     out["output_tok_per_s"] = round(sum(r.output_tokens for r in ok) / wall_s, 2) if wall_s > 0 else None

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 TABLE_COLS = (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p50_ms", "TPOT p50"),
-              ("tpot_p99_ms", "TPOT p99"), ("itl_p99_ms", "ITL p99"), ("e2e_p50_ms", "E2E p50"),
+              ("handoff_gap_p50_ms", "gap p50"), ("handoff_gap_p99_ms", "gap p99"), ("tpot_p99_ms", "TPOT p99"),
+              ("itl_p99_ms", "ITL p99"), ("e2e_p50_ms", "E2E p50"),
               ("req_per_s", "req/s"), ("output_tok_per_s", "out tok/s"), ("goodput_req_per_s", "goodput"),
               ("slo_attainment", "SLO met"), ("errors", "errors"))
 PHASE_COLS = (("queue_p50_ms", "queue"), ("prefill_p50_ms", "prefill"), ("handoff_p50_ms", "hand-off"),

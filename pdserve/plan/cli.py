@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all-sizes", action="store_true", help="also configurations using fewer workers")
     s.add_argument("--chunk-tokens", type=int, default=8192, help="per-step token budget (max_num_batched_tokens)")
     s.add_argument("--max-seqs", type=int, default=256, help="decodes per step (max_num_seqs)")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="model PD's hand-off sequentially: no early dispatch to D, no layer-wise KV transfer")
     s.add_argument("--top", type=int, default=5, help="candidates shown")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -181,8 +183,8 @@ def _print_kv(kv: dict[str, Any], devices: int, hardware: str, network: str) -> 
 
 
 def _print_table(ranked: Sequence[dict[str, Any]], targets: Targets, top: int) -> None:
-    cols = ["config", "devices", "goodput/s", "SLO %", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p99", "util P/D or C/E", "local/PD/rej"]
+    cols = ["config", "devices", "goodput/s", "SLO %", "TTFT p50", "TTFT p99", "TPOT p50", "gap p50", "gap p99",
+            "TPOT p99", "ITL p99", "util P/D or C/E", "local/PD/rej"]
     rows = []
     shown = list(ranked[:top])
     for kind in ("colocated", "elastic", "pd"):  # the best of each shape is always listed
@@ -195,7 +197,8 @@ def _print_table(ranked: Sequence[dict[str, Any]], targets: Targets, top: int) -
         d = r["decisions"]
         rows.append([r["config"], str(r["devices"]), f"{r['goodput_rps']:.2f}", f"{r['slo_attainment']:.0%}",
                      _ms(r["ttft_s"]["p50"]), _ms(r["ttft_s"]["p99"]), _ms(r["tpot_s"]["p50"]),
-                     _ms(r["tpot_s"]["p99"]), _ms(r["itl_s"]["p99"]), util,
+                     _ms(r["handoff_gap_s"]["p50"]), _ms(r["handoff_gap_s"]["p99"]), _ms(r["tpot_s"]["p99"]),
+                     _ms(r["itl_s"]["p99"]), util,
                      f"{d['local']}/{d['disaggregated']}/{d['reject']}"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     print(f"targets: TTFT <= {targets.ttft_s * 1e3:.0f} ms, TPOT <= {targets.tpot_s * 1e3:.0f} ms; times in ms")
@@ -247,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = _traffic(args)
     targets = Targets(args.ttft, args.tpot)
     settings = SimSettings(targets, policy=args.policy, chunk_tokens=args.chunk_tokens, max_seqs=args.max_seqs,
-                           kv_capacity_tokens=capacity, reject=args.reject)
+                           kv_capacity_tokens=capacity, reject=args.reject, overlap=not args.no_overlap)
     clusters = (parse_clusters(args.configs, par.devices) if args.configs
                 else candidates(args.gpus, par.devices, args.all_sizes, elastic=args.policy == "conductor"))
     ranked = rank(evaluate(clusters, cost, settings, requests))

@@ -68,6 +68,11 @@ class HardwareCostModel:
         self._flops = acc.peak_flops(model.weight_dtype) * acc.mfu * parallel.scale
         self._bw = acc.mem_bw * acc.mbu * parallel.scale
 
+    @property
+    def layers(self) -> int:
+        """Attention layers holding KV: a layer-wise transfer moves this many batches per request."""
+        return max(1, sum(g.layers for g in self.model.groups))
+
     # ---- capacity ----
     def weight_bytes_per_device(self) -> float:
         p = self.parallel

@@ -31,6 +31,7 @@ def summarize(jobs: Sequence[Any], targets: Targets, busy: dict[str, list[tuple[
     tpot = [(j.done_s - j.first_token_s) / (j.req.output_tokens - 1) for j in done if j.req.output_tokens > 1]
     itl = np.concatenate([np.asarray(j.gaps) for j in done if j.gaps]) if any(j.gaps for j in done) else []
     e2e = [j.done_s - j.req.arrival_s for j in done]
+    gap = [j.gaps[0] for j in done if j.gaps]  # first -> second token: the hand-off on PD, a decode step colocated
     arrivals = [j.req.arrival_s for j in jobs]
     span = max(arrivals) - min(arrivals) if len(arrivals) > 1 else 0.0
     end = max((j.done_s for j in done), default=0.0)
@@ -41,7 +42,7 @@ def summarize(jobs: Sequence[Any], targets: Targets, busy: dict[str, list[tuple[
         "requests": len(jobs), "completed": len(done), "rejected": len(rejected),
         "offered_rate": (len(jobs) - 1) / window if span > 0 else 0.0,
         "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl),
-        "e2e_s": percentiles(e2e),
+        "e2e_s": percentiles(e2e), "handoff_gap_s": percentiles(gap),
         "throughput_rps": len(done) / max(end - min(arrivals, default=0.0), 1e-9),
         "output_tps": sum(j.req.output_tokens for j in done) / max(end - min(arrivals, default=0.0), 1e-9),
         "goodput_rps": good / window if span > 0 else float(good),

@@ -86,7 +86,10 @@ def config_kind(label: str) -> str:
 class SimSettings:
     """policy: the conductor policy (round_robin | least_loaded | conductor).
     chunk_tokens: per-step token budget (vLLM max_num_batched_tokens); max_seqs: vLLM max_num_seqs.
-    reject: give the targets to the conductor so it rejects requests predicted to miss them."""
+    reject: give the targets to the conductor so it rejects requests predicted to miss them.
+    overlap: model PD's hand-off with early dispatch (D admits the request when it is placed) and layer-wise KV
+    transfer (each layer's KV leaves P as P computes it); False: the sequential hand-off (whole prefill, then the
+    whole transfer, then the router's hand-off to D). :func:`handoff_ready_s` says how."""
 
     targets: Targets
     policy: str = "round_robin"
@@ -96,6 +99,7 @@ class SimSettings:
     kv_capacity_tokens: int = 1 << 20
     reject: bool = False
     progress_every: int = 4  # tokens between decode_progress calls to the conductor
+    overlap: bool = True  # early dispatch + layer-wise KV transfer (docs/plan.md "The hand-off"); False: sequential
 
 
 class Simulation:
@@ -122,7 +126,8 @@ class Simulation:
         self._seq = itertools.count()
         self._plans: dict[str, Any] = {}
         self._link_free: dict[str, float] = {}
-        self.transfers: list[tuple[int, float]] = []  # (bytes, seconds) of each KV transfer
+        self.transfers: list[tuple[int, float, float]] = []  # (bytes, seconds, seconds after P's last step)
+        self.layers = max(1, int(getattr(cost, "layers", 1)))  # KV layers: layer-wise transfer's granularity
         self.jobs: list[Job] = []
 
     # ---- events ----
@@ -168,6 +173,9 @@ class Simulation:
         if plan is None:
             return
         w.busy_until = self.now + plan.seconds
+        for job, _ in plan.chunks:
+            if job.prefill_start_s is None:
+                job.prefill_start_s = self.now
         self._plans[w.wid] = plan
         self._push(w.busy_until, "step", w.wid)
 
@@ -196,11 +204,13 @@ class Simulation:
                 self._finish(None, job)
                 return
             nbytes = int(self._kv_bytes(job.req.prompt_tokens))
-            start = max(self.now, self._link_free.get(w.wid, 0.0))
             secs = self.cost.transfer_s(nbytes)
-            self._link_free[w.wid] = start + secs
-            self.transfers.append((nbytes, secs))
-            self._push(start + secs + self.cost.handoff_s, "handover", job)
+            landed, ready = handoff_ready_s(self.cost, nbytes, self.layers if self.settings.overlap else 0, self.now,
+                                            job.prefill_start_s or self.now, job.req.arrival_s,
+                                            self._link_free.get(w.wid, 0.0))
+            self._link_free[w.wid] = landed
+            self.transfers.append((nbytes, secs, landed - self.now))
+            self._push(ready, "handover", job)
         elif job.req.output_tokens <= 1:
             self._finish(w, job)
         else:
@@ -256,11 +266,34 @@ class Simulation:
             split = [j.prefill_worker for j in jobs if j.kind == "disaggregated"]
             out["split_prefills"] = {w: split.count(w) for w in self.workers if w in split}
         if self.transfers:
-            out["transfer"] = {"count": len(self.transfers),
-                               "mean_bytes": sum(b for b, _ in self.transfers) / len(self.transfers),
-                               "mean_s": sum(s for _, s in self.transfers) / len(self.transfers),
-                               "handoff_s": self.cost.handoff_s}
+            n = len(self.transfers)
+            moving, exposed = sum(s for _, s, _ in self.transfers), sum(e for _, _, e in self.transfers)
+            out["transfer"] = {"count": n, "mean_bytes": sum(b for b, _, _ in self.transfers) / n,
+                               "mean_s": moving / n, "mean_exposed_s": exposed / n,
+                               "hidden_share": max(0.0, 1.0 - exposed / moving) if moving > 0 else None,
+                               "handoff_s": self.cost.handoff_s, "overlap": self.settings.overlap,
+                               "layers": self.layers}
         return out
+
+
+def handoff_ready_s(cost: CostModel, nbytes: int, layers: int, now: float, prefill_start: float, placed: float,
+                    link_free: float) -> tuple[float, float]:
+    """(when the last KV byte lands on D, when D may run the request's first step) for a request whose prefill
+    ended ``now`` on P.
+
+    Sequential (``layers`` 0): the transfer starts once P has finished and the link is free; the router's hand-off
+    (``cost.handoff_s``: the request's second HTTP trip, D's intake and scheduling) follows it.
+    Overlapped (``layers`` L >= 1): each layer's KV is one batch of ``transfer_s(nbytes / L)`` that leaves as P
+    computes it, spread evenly over P's prefill (from its first chunk's step, ``prefill_start``); the last layer's
+    can only leave when P ends, so at least one layer's transfer stays exposed, and the rest hides behind the
+    prefill while the link keeps up. D got the request when it was ``placed`` (early dispatch), so its intake runs
+    beside P's prefill: D is ready at the later of the last layer's landing and ``placed + handoff_s``."""
+    if layers <= 0:
+        landed = max(now, link_free) + cost.transfer_s(nbytes)
+        return landed, landed + cost.handoff_s
+    per_layer = cost.transfer_s(nbytes / layers)  # type: ignore[arg-type]
+    landed = max(now + per_layer, max(prefill_start, link_free) + layers * per_layer)
+    return landed, max(landed, placed + cost.handoff_s)
 
 
 def simulate(cluster: Cluster, cost: CostModel, settings: SimSettings, requests: Sequence[Request]

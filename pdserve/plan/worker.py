@@ -26,6 +26,7 @@ class Job:
     prefill_worker: str = ""
     decode_worker: str = ""
     cached: int = -1  # prompt tokens found in the prefill worker's cache (-1: not looked up yet)
+    prefill_start_s: float | None = None  # when its first prefill chunk's step began
     computed: int = 0  # prompt tokens computed so far (beyond the cached ones)
     tokens: int = 0  # output tokens produced
     first_token_s: float | None = None

@@ -73,8 +73,8 @@ class Backend(ABC):
         pass
 
     @abstractmethod
-    def supports(self, peer: SegmentDescriptor) -> bool:
-        """True when this backend can reach ``peer``."""
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
+        """True when this backend can reach ``peer`` (asking it at most ``timeout`` seconds, when it must ask)."""
 
     def accepts(self, peer: SegmentDescriptor, entries: list[TransferEntry]) -> bool:
         """True when this backend can move these entries' memory kinds (checked by ``auto``)."""

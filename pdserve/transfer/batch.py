@@ -7,8 +7,10 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .errors import TransferError
 
@@ -61,6 +63,48 @@ def merge_contiguous(entries: Iterable[TransferEntry]) -> list[TransferEntry]:
                 continue
         merged.append(e)
     return merged
+
+
+VECTOR_MIN = 64  # batches of this many entries or more are checked and merged with numpy, as columns
+
+
+def merge_columns(rows: Sequence[Sequence[Any]], local_length: Callable[[str], int],
+                  peer_length: Callable[[str], int]) -> list[TransferEntry] | None:
+    """``merge_contiguous`` of ``rows`` (5-tuples) in a few numpy passes, once every range lies inside its region
+    (``local_length``/``peer_length``: a region's length; they raise for an unknown one). None when a row is
+    malformed or out of bounds: the caller's per-entry path then raises the precise error."""
+    try:
+        local_names, local_offsets, peer_names, peer_offsets, lengths = zip(*rows)
+        local_ids = {x: i for i, x in enumerate(dict.fromkeys(local_names))}
+        peer_ids = {x: i for i, x in enumerate(dict.fromkeys(peer_names))}
+    except (TypeError, ValueError):
+        return None
+    lo, po, n = (np.array(c) for c in (local_offsets, peer_offsets, lengths))
+    if any(a.dtype.kind != "i" for a in (lo, po, n)):
+        return None  # floats, bools, ints past 64 bits: the per-entry path says what is wrong
+    li = np.array([local_ids[x] for x in local_names])
+    pi = np.array([peer_ids[x] for x in peer_names])
+    local_limit = np.array([local_length(x) for x in local_ids], dtype=np.int64)[li]
+    peer_limit = np.array([peer_length(x) for x in peer_ids], dtype=np.int64)[pi]
+    if ((lo < 0) | (po < 0) | (n < 0) | (lo > local_limit - n) | (po > peer_limit - n)).any():
+        return None
+    keep = np.flatnonzero(n > 0)
+    lo, po, n, li, pi = lo[keep], po[keep], n[keep], li[keep], pi[keep]
+    joined = np.zeros(len(keep), dtype=bool)
+    joined[1:] = (li[1:] == li[:-1]) & (pi[1:] == pi[:-1]) & (lo[:-1] + n[:-1] == lo[1:]) & (po[:-1] + n[:-1] == po[1:])
+    starts = np.flatnonzero(~joined)
+    if not len(starts):
+        return []
+    runs = np.add.reduceat(n, starts).tolist()
+    first = keep[starts].tolist()
+    columns = ([local_names[i] for i in first], [local_offsets[i] for i in first], [peer_names[i] for i in first],
+               [peer_offsets[i] for i in first], runs)
+    return list(map(_new_entry, zip(*columns)))
+
+
+def _new_entry(row: tuple[Any, ...]) -> TransferEntry:
+    """A TransferEntry from a 5-tuple without NamedTuple's Python-level ``__new__`` (thousands per batch)."""
+    return tuple.__new__(TransferEntry, row)  # type: ignore[type-var]
 
 
 def split_into_frames(entries: list[TransferEntry], slice_bytes: int) -> list[list[TransferEntry]]:
@@ -124,6 +168,9 @@ class BatchHandle:
 
     The batch fails by its deadline at the latest: workers bound every socket wait by it, and
     ``wait`` marks an overdue batch failed and interrupts its connections.
+
+    A batch that no engine thread has started yet is run by the first thread that waits for it without a timeout
+    (``wait()``, ``result()``): a caller that submits and then waits pays no hand-off to another thread and back.
     """
 
     def __init__(self, batch_id: str, op: Op, total_bytes: int, deadline: float) -> None:
@@ -140,6 +187,18 @@ class BatchHandle:
         self._interrupts: dict[int, Callable[[], None]] = {}
         self.reply: Any = None  # the peer's answer to the batch's notification (TransferEngine.on_notify)
         self.on_frame: FrameHook | None = None  # READ: told each frame once its bytes are in local memory
+        self._job: Callable[[], None] | None = None  # the work, until a thread claims it
+
+    def attach(self, job: Callable[[], None]) -> None:
+        """The work that moves this batch; whichever thread claims it first runs it (engine thread or waiter)."""
+        self._job = job
+
+    def run_claimed(self) -> None:
+        """Run the batch's work here unless another thread claimed it already."""
+        with self._lock:
+            job, self._job = self._job, None
+        if job is not None:
+            job()
 
     def frame_arrived(self, frame: list[TransferEntry]) -> None:
         """A data path read ``frame`` (its local ranges now hold the peer's bytes): tell ``on_frame``. A hook that
@@ -159,7 +218,10 @@ class BatchHandle:
         return self._status
 
     def wait(self, timeout: float | None = None) -> BatchStatus:
-        """Block until done, the deadline, or ``timeout`` seconds; return the status then."""
+        """Block until done, the deadline, or ``timeout`` seconds; return the status then. Without a timeout, a batch
+        that no engine thread has started yet runs in this thread."""
+        if timeout is None and self._job is not None:
+            self.run_claimed()
         limit = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
         self._done.wait(max(0.0, limit - time.monotonic()))
         return self.poll()

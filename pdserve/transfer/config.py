@@ -38,6 +38,11 @@ class TransferConfig:
     staging_chunk_bytes: device memory (CUDA) crosses sockets through two pinned host buffers of this
     size: one is copied while the other is sent. Staging runs per frame, so it is a fraction of
     slice_bytes (4 chunks per default frame) for the copies to overlap the socket.
+    local_direct: same-host batches of host memory are copied by the initiator under the owner's grant
+    (:mod:`pdserve.transfer.direct`), with no request per batch; off, the owner copies each frame on request.
+    inline_bytes: a same-host direct batch of at most this many bytes, with no notification and no frame hook, to a
+    peer whose grant is already known and current, is copied inside ``submit`` (which returns it finished): below
+    about 1 MiB the copy costs about what handing it to an engine thread and back costs. 0: never.
     piece_bytes, tail_slice_bytes: a tcp READ whose caller reads the bytes as they arrive (``submit(on_frame=...)``,
     D's checksum) receives and reports each frame in pieces of at most ``piece_bytes``, so the reader finds them
     in this core's cache; the pieces of a lane's last frame halve down to ``tail_slice_bytes``, so what is left to
@@ -52,6 +57,8 @@ class TransferConfig:
     streams: int = 4
     slice_bytes: int = 4 << 20
     local_slice_bytes: int = 16 << 20
+    local_direct: bool = True
+    inline_bytes: int = 1 << 20
     staging_chunk_bytes: int = 1 << 20
     piece_bytes: int = 1 << 20
     tail_slice_bytes: int = 256 << 10
@@ -77,6 +84,8 @@ class TransferConfig:
         for name in ("slice_bytes", "local_slice_bytes", "staging_chunk_bytes", "piece_bytes", "tail_slice_bytes"):
             if getattr(self, name) < 4096:
                 raise TransferConfigError(f"{name}={getattr(self, name)}: use at least 4096 bytes")
+        if self.inline_bytes < 0:
+            raise TransferConfigError(f"inline_bytes={self.inline_bytes}: use 0 (never) or a size in bytes")
         if not 1 <= self.max_iov <= 1024:
             raise TransferConfigError(f"max_iov={self.max_iov}: use 1 to 1024 (the kernel's IOV_MAX)")
         if self.connect_timeout_s <= 0 or self.default_deadline_s <= 0:

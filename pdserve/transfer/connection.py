@@ -36,13 +36,18 @@ def tune(sock: socket.socket, buffer_bytes: int) -> None:
 class Connection:
     """One authenticated connection to a peer engine, used by one stream at a time."""
 
-    def __init__(self, address: Address, config: TransferConfig) -> None:
+    def __init__(self, address: Address, config: TransferConfig, timeout: float | None = None) -> None:
+        """Connect and authenticate within ``timeout`` seconds (at most the config's ``connect_timeout_s``)."""
         self.address = address
         self.max_iov = config.max_iov
+        wait = config.connect_timeout_s if timeout is None else max(1e-3, min(timeout, config.connect_timeout_s))
+        # out of the caller's time (a batch's deadline) rather than the peer's connect budget: "deadline"
+        late = "deadline" if wait < config.connect_timeout_s else "peer"
         try:
-            self.sock = _connect(address, config.connect_timeout_s)
+            self.sock = _connect(address, wait)
         except OSError as exc:
-            raise TransferError("peer", f"cannot connect to engine at {address}: {exc}") from exc
+            code = late if isinstance(exc, TimeoutError) else "peer"
+            raise TransferError(code, f"cannot connect to engine at {address}: {exc}") from exc
         try:
             tune(self.sock, config.socket_buffer_bytes)
             wire.client_handshake(self.sock, config.secret)
@@ -50,7 +55,8 @@ class Connection:
             self.close()
             if isinstance(exc, TransferError):
                 raise
-            raise TransferError("peer", f"handshake with {address} failed: {exc}") from exc
+            code = late if isinstance(exc, TimeoutError) else "peer"
+            raise TransferError(code, f"handshake with {address} failed: {exc}") from exc
 
     def call(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one header-only request and return the (non-error) reply."""
@@ -91,7 +97,7 @@ class PeerPool:
             if self._idle:
                 return self._idle.pop()
         try:
-            return Connection(self.address, self.config)
+            return Connection(self.address, self.config, timeout)
         except BaseException:
             with self._cond:
                 self._in_use -= 1

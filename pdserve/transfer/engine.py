@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from . import wire
 from .backend import Backend, EngineContext, batch_connection
-from .batch import BatchHandle, FrameHook, Op, TransferEntry, merge_contiguous
+from .batch import VECTOR_MIN, BatchHandle, FrameHook, Op, TransferEntry, merge_columns, merge_contiguous
 from .config import TransferConfig
 from .descriptor import SegmentDescriptor, host_identity
 from .errors import TransferError
@@ -115,18 +115,41 @@ class TransferEngine:
                backend: str | None = None, on_frame: FrameHook | None = None) -> BatchHandle:
         """Start a batch; return at once with its handle. Bad ranges raise here, synchronously.
 
+        The batch runs on an engine thread, or in the thread that waits for it without a timeout if that comes first
+        (:meth:`BatchHandle.wait`); a small same-host batch without ``notify`` or ``on_frame`` to a peer already
+        granted is copied here and returned finished (``TransferConfig.inline_bytes``).
+
         ``on_frame`` (READ): called on a transfer thread with each frame's entries once their bytes are in local
         memory (tcp and local paths; others, and CUDA IPC, call it never), before the notification is sent: so a
         caller may check the bytes while the rest is still moving. It must be quick (hand the work to a thread)."""
         peer = peer if isinstance(peer, SegmentDescriptor) else SegmentDescriptor.from_wire(peer)
         op = Op(op)
-        merged = merge_contiguous(self._checked(peer, entries))
+        merged = self._merged(peer, entries)
         seconds = self.config.default_deadline_s if deadline_s is None else deadline_s
         handle = BatchHandle(f"{self.engine_id}:{next(self._ids)}", op, sum(e.length for e in merged),
                              time.monotonic() + seconds)
         handle.on_frame = on_frame
-        self._batch_runner.submit(self._execute, handle, peer, op, merged, notify, backend)
+        if notify is None and on_frame is None and 0 < handle.total_bytes <= self.config.inline_bytes \
+                and self._run_now(handle, peer, op, merged, backend):
+            return handle
+        handle.attach(lambda: self._execute(handle, peer, op, merged, notify, backend))
+        self._batch_runner.submit(handle.run_claimed)
         return handle
+
+    def _run_now(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry],
+                 requested: str | None) -> bool:
+        """A small same-host batch copied inside ``submit`` (``TransferConfig.inline_bytes``); False: not here."""
+        if (requested or self.config.backend) not in ("auto", "local"):
+            return False
+        local = self._backends["local"]
+        try:
+            if not local.run_now(handle, peer, op, entries):  # type: ignore[attr-defined]
+                return False
+        except TransferError as exc:
+            handle.fail(exc)
+            return True
+        handle.succeed()
+        return True
 
     def write(self, peer: PeerLike, entries: Iterable[EntryLike], notify: bytes | str | None = None,
               deadline_s: float | None = None) -> BatchHandle:
@@ -142,6 +165,17 @@ class TransferEngine:
         handle.result()
         return handle
 
+    def _merged(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
+        """Entries checked against our regions and the peer's, contiguous neighbours merged: as columns for large
+        batches (one numpy pass, no per-entry Python but the merged entries'), entry by entry otherwise and for
+        whatever the columns refuse (which raises the precise error)."""
+        rows = entries if isinstance(entries, list) else list(entries)
+        if len(rows) >= VECTOR_MIN:
+            merged = merge_columns(rows, lambda name: self._regions.get(name).length, peer.region_length)
+            if merged is not None:
+                return merged
+        return merge_contiguous(self._checked(peer, rows))
+
     def _checked(self, peer: SegmentDescriptor, entries: Iterable[EntryLike]) -> list[TransferEntry]:
         """Entries as TransferEntry, every range checked against our regions and the peer's."""
         out = [e if isinstance(e, TransferEntry) else TransferEntry(*e) for e in entries]
@@ -155,23 +189,25 @@ class TransferEngine:
         return out
 
     def choose_backend(self, peer: SegmentDescriptor, requested: str | None = None,
-                       entries: list[TransferEntry] | None = None) -> Backend:
+                       entries: list[TransferEntry] | None = None, timeout: float | None = None) -> Backend:
+        """The backend for ``peer`` (and ``entries``' memory kinds); a first contact asks the peer for at most
+        ``timeout`` seconds (the batch's time left)."""
         name = requested or self.config.backend
         if name == "auto":
             local = self._backends["local"]
-            usable = local.supports(peer) and (entries is None or local.accepts(peer, entries))
+            usable = local.supports(peer, timeout) and (entries is None or local.accepts(peer, entries))
             return local if usable else self._backends["tcp"]
         backend = self._backends.get(name)
         if backend is None:
             raise TransferError("config", f"backend {name!r} not enabled in this engine's config")
-        if not backend.supports(peer) or (entries is not None and not backend.accepts(peer, entries)):
+        if not backend.supports(peer, timeout) or (entries is not None and not backend.accepts(peer, entries)):
             raise TransferError("unavailable", f"backend {name!r} cannot reach peer {peer.engine_id}")
         return backend
 
     def _execute(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op,
                  entries: list[TransferEntry], notify: Any, requested: str | None) -> None:
         try:
-            backend = self.choose_backend(peer, requested, entries)
+            backend = self.choose_backend(peer, requested, entries, handle.remaining())
             if entries:
                 backend.run(handle, peer, op, entries)
             if notify is not None:
@@ -181,6 +217,8 @@ class TransferEngine:
                 handle.reply = reply.get("r")
             handle.succeed()
         except TransferError as exc:
+            if exc.code != "deadline" and time.monotonic() >= handle.deadline:  # it ran out of time on the way
+                exc = TransferError("deadline", f"batch {handle.batch_id} missed its deadline ({exc.message})")
             handle.fail(exc)
         except Exception as exc:  # never leave a batch pending on a bug
             log.exception("batch %s crashed", handle.batch_id)

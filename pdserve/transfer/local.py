@@ -1,5 +1,7 @@
-"""Same-host data path: the memory owner copies directly between its registered range and the
-initiator's, with process_vm_readv/writev (one copy end to end, no staging, no socket payload).
+"""Same-host data path: one copy end to end with process_vm_readv/writev, no staging, no socket payload.
+By default the initiator copies itself under the owner's grant (:mod:`pdserve.transfer.direct`: no request or
+reply per batch); without a grant the memory owner copies between its registered range and the initiator's, one
+request per frame.
 
 CUDA regions on both sides move by CUDA IPC instead: the owner exports each CUDA region's IPC handle in
 its descriptor, the initiator opens it once and copies device to device itself; the owner only gets the
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import procmem, wire
+from . import direct, procmem, wire
 from .backend import Backend, run_lanes
 from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 32
 _MIN_LANE_BYTES = 4 << 20  # below this a second parallel copy costs more than it saves
+_CPUS = os.cpu_count() or 1
 
 
 def _copy_request(kind: str, batch_id: str, frame: list[TransferEntry], addrs: dict[str, int]) -> dict[str, Any]:
@@ -73,6 +76,8 @@ class LocalBackend(Backend):
         self.uds_name: str | None = None  # set by the engine once its server listens
         self._ipc: dict[str, list[Any]] = {}  # our CUDA regions' IPC records, by region name
         self._opened: Any = None  # peers' CUDA regions opened through IPC (cuda.IpcCache), made on first use
+        self._issuer = direct.GrantIssuer()  # owner side: what same-host initiators may copy directly
+        self._grants: dict[str, direct.Grant | None] = {}  # initiator side, by peer engine id (None: refused)
 
     def describe(self) -> dict[str, Any] | None:
         if not self.uds_name:
@@ -98,6 +103,7 @@ class LocalBackend(Backend):
             self._ipc[region.name] = record
 
     def on_unregister(self, region: Region) -> None:
+        self._issuer.bump()  # grants naming it are stale: initiators fetch new ones before their next copy
         with self._lock:
             self._ipc.pop(region.name, None)
 
@@ -115,33 +121,39 @@ class LocalBackend(Backend):
     def control_address(self, peer: SegmentDescriptor) -> Address:
         return peer.backends["local"]["uds"]
 
-    def supports(self, peer: SegmentDescriptor) -> bool:
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
         """Same kernel and PID namespace, a reachable Unix socket, and the copy permitted (probed once)."""
         if not peer.backends.get("local") or not peer.is_same_host(self.ctx.host_id):
             return False
         with self._lock:
             known = self._verdicts.get(peer.engine_id)
         if known is None:
-            known = self._probe(peer)
+            known = self._probe(peer, timeout)
+            if known is None:  # out of time, not refused: no verdict kept, the next batch asks again
+                return False
             with self._lock:
                 self._verdicts[peer.engine_id] = known
         return known
 
-    def _probe(self, peer: SegmentDescriptor) -> bool:
+    def _probe(self, peer: SegmentDescriptor, timeout: float | None) -> bool | None:
+        """Whether this engine's owner-side copies reach ``peer``; None when the probe ran out of time."""
         msg = {"t": "lprobe", "addr": ctypes.addressof(self._probe_token), "n": _PROBE_BYTES}
+        wait = self.ctx.config.connect_timeout_s if timeout is None else min(timeout, self.ctx.config.connect_timeout_s)
         try:
-            reply = self.ctx.pool(self.control_address(peer)).call(msg, self.ctx.config.connect_timeout_s)
-        except TransferError:
-            return False
+            reply = self.ctx.pool(self.control_address(peer)).call(msg, wait)
+        except TransferError as exc:
+            return None if exc.code == "deadline" or "timed out" in exc.message else False
         return reply.get("data") == self._probe_token.raw
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
-        if not self.accepts(peer, entries):
-            raise TransferError("unavailable", "same-host path moves host<->host or CUDA<->CUDA (via IPC) only")
+        # the engine chose this backend for these entries (choose_backend checked ``accepts``)
         if self.ctx.regions.get(entries[0].local_region).kind == "cuda":
             return self._run_ipc(handle, peer, op, entries)
+        grant = self._grant(peer, handle) if self.ctx.config.local_direct else None
+        if grant is not None:
+            return self._run_direct(handle, grant, op, entries)
         config = self.ctx.config
-        lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(entries))
+        lanes = stripe(split_into_frames(entries, config.local_slice_bytes), self._lane_count(handle.total_bytes))
         kind = "lw" if op is Op.WRITE else "lr"
 
         addrs = {name: self.ctx.regions.get(name).addr for name in {e.local_region for e in entries}}
@@ -157,6 +169,74 @@ class LocalBackend(Backend):
                     h.frame_arrived(frame)
 
         run_lanes(self.ctx, handle, self.control_address(peer), lanes, job)
+
+    def run_now(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> bool:
+        """Copy ``entries`` now, in the calling thread, when nothing has to be asked of the peer: direct copies on,
+        its probe verdict and grant known, the grant current, host memory on both sides. False: not done (run the
+        batch the usual way); raises TransferError when the copy failed."""
+        if not self.ctx.config.local_direct or not entries:
+            return False
+        with self._lock:
+            verdict, grant = self._verdicts.get(peer.engine_id), self._grants.get(peer.engine_id)
+        if not verdict or grant is None or not peer.is_same_host(self.ctx.host_id) or not self.accepts(peer, entries):
+            return False
+        if self.ctx.regions.get(entries[0].local_region).kind != "cpu" or not direct.current(grant):
+            return False
+        self._run_direct(handle, grant, op, entries)
+        return True
+
+    def _grant(self, peer: SegmentDescriptor, handle: BatchHandle) -> direct.Grant | None:
+        """The owner's grant, fetched once per peer and again once its epoch moved; None when it gives none."""
+        with self._lock:
+            known = self._grants.get(peer.engine_id, False)
+        if known is None:
+            return None
+        if known is not False and direct.current(known):  # type: ignore[arg-type]
+            return known  # type: ignore[return-value]
+        try:
+            reply = self.ctx.pool(self.control_address(peer)).call({"t": "lgrant"}, handle.remaining())
+            grant: direct.Grant | None = direct.parse_grant(reply)
+        except TransferError as exc:
+            if exc.code not in ("protocol", "unavailable"):
+                raise
+            log.info("peer %s gives no direct-copy grant (%s); it copies for us", peer.engine_id, exc)
+            grant = None
+        with self._lock:
+            self._grants[peer.engine_id] = grant
+        return grant
+
+    def _run_direct(self, handle: BatchHandle, grant: direct.Grant, op: Op, entries: list[TransferEntry]) -> None:
+        """Copy under ``grant``: frames of ``local_slice_bytes`` (``piece_bytes`` for a READ with a frame hook, told
+        each piece as it lands), dealt over as many parallel lanes as ``_lane_count`` allows."""
+        config = self.ctx.config
+        size = config.piece_bytes if handle.on_frame is not None and op is Op.READ else config.local_slice_bytes
+        frames = [entries] if handle.total_bytes <= size else split_into_frames(entries, size)
+        lanes = stripe(frames, self._lane_count(handle.total_bytes))
+        pull = op is Op.READ
+
+        def lane(frames: list[list[TransferEntry]]) -> None:
+            for frame in frames:
+                handle.remaining()  # raises once the batch is aborted or overdue
+                direct.copy(grant, self.ctx.regions, frame, pull)
+                if pull:
+                    handle.frame_arrived(frame)
+
+        futures = [self.ctx.executor.submit(lane, frames) for frames in lanes[1:]]
+        first: TransferError | None = None
+        try:
+            lane(lanes[0])
+        except TransferError as exc:
+            first = exc
+            handle.fail(exc)  # the other lanes stop before their next frame
+        for fut in futures:
+            try:
+                fut.result()
+            except TransferError as exc:
+                if first is None:
+                    first = exc
+                    handle.fail(exc)
+        if first is not None:
+            raise first
 
     def _run_ipc(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
         from .cuda import IpcCache, device_copy
@@ -178,16 +258,20 @@ class LocalBackend(Backend):
         for device, pairs in by_device.items():
             device_copy(pairs, device, handle.remaining)
 
-    def _lane_count(self, entries: list[TransferEntry]) -> int:
+    def _lane_count(self, total: int) -> int:
         """No more parallel copies than cores to run them, and none for small batches, where a
         second copy costs more than it saves. Each lane still sends several frames, so the owner
         parses one frame while it copies another."""
-        total = sum(e.length for e in entries)
-        return max(1, min(self.ctx.config.streams, os.cpu_count() or 1, total // _MIN_LANE_BYTES))
+        return max(1, min(self.ctx.config.streams, _CPUS, total // _MIN_LANE_BYTES))
 
     # ---- owner side ----
     def server_handlers(self) -> dict[str, Handler]:
-        return {"lw": self._serve_copy, "lr": self._serve_copy, "lprobe": self._serve_probe}
+        return {"lw": self._serve_copy, "lr": self._serve_copy, "lprobe": self._serve_probe,
+                "lgrant": self._serve_grant}
+
+    def _serve_grant(self, ctx: PeerContext, msg: dict[str, Any]) -> None:
+        self._require_pid(ctx)  # a same-host peer, authenticated, on the Unix socket
+        wire.send_msg(ctx.sock, self._issuer.message(self.ctx.regions))
 
     @staticmethod
     def _require_pid(ctx: PeerContext) -> int:

@@ -81,7 +81,7 @@ class MooncakeBackend(Backend):
         if region.length:
             self._te.unregister_memory(region.addr)
 
-    def supports(self, peer: SegmentDescriptor) -> bool:
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
         return "session" in peer.backends.get("mooncake", {})
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:

@@ -72,7 +72,7 @@ class NixlBackend(Backend):
             if reg is not None:
                 self._agent.deregister_memory(reg)
 
-    def supports(self, peer: SegmentDescriptor) -> bool:
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
         return "metadata" in peer.backends.get("nixl", {})
 
     def _remote_agent(self, peer: SegmentDescriptor) -> str:

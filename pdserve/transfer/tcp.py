@@ -29,7 +29,7 @@ def _peer_rows(frame: list[TransferEntry]) -> list[list[Any]]:
 class TcpBackend(Backend):
     name = "tcp"
 
-    def supports(self, peer: SegmentDescriptor) -> bool:
+    def supports(self, peer: SegmentDescriptor, timeout: float | None = None) -> bool:
         return True
 
     def run(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:

@@ -32,6 +32,23 @@ def test_itl_are_gaps_between_chunks():
     assert rec(0, 1.0, 1.6, 3, [1.0, 1.25, 1.6]).itls_s == pytest.approx([0.25, 0.35])
 
 
+def test_handoff_gap_is_first_to_second_chunk_beside_tpot():
+    # a PD answer: P's token at 1.0 s, D's first at 1.3 s (the hand-off), then 50 ms a token
+    pd = rec(0, 1.0, 1.45, 5, [1.0, 1.3, 1.35, 1.4, 1.45])
+    assert pd.handoff_gap_s == pytest.approx(0.3) and pd.tpot_s == pytest.approx(0.1125)
+    assert rec(0, 1.0, 1.0, 1, [1.0]).handoff_gap_s is None  # one chunk: no gap
+    assert rec(0, 1.0, 1.3, 2, [1.0, 1.3], ok=False).handoff_gap_s is None
+    colocated = [rec(0, 0.5, 0.5 + 0.05 * 4, 5, [0.5 + 0.05 * i for i in range(5)]) for _ in range(3)]
+    gaps = [rec(0, 1.0, 2.0, 5, [1.0, 1.0 + g, 1.5, 1.8, 2.0]) for g in (0.1, 0.2, 0.3, 0.4)]
+    s = summarize(gaps + [rec(0, 0.2, 0.2, 1, [0.2])], wall_s=2.0)
+    assert s["handoff_gap_p50_ms"] == pytest.approx(250.0) and s["handoff_gap_mean_ms"] == pytest.approx(250.0)
+    assert s["handoff_gap_p99_ms"] == pytest.approx(397.0)  # rank 2.97 -> 0.3 + 0.97 * 0.1
+    assert s["handoff_gap_over_tpot_p50"] == pytest.approx(1.0)  # TPOT 250 ms each
+    c = summarize(colocated, wall_s=1.0)
+    assert c["handoff_gap_p50_ms"] == pytest.approx(50.0) and c["handoff_gap_over_tpot_p50"] == pytest.approx(1.0)
+    assert summarize([rec(0, 0.2, 0.2, 1, [0.2])], 1.0)["handoff_gap_p50_ms"] is None
+
+
 def test_percentiles_interpolate_linearly():
     p = percentiles([1, 2, 3, 4, None, 5, 6, 7, 8, 9, 10])
     assert p[50] == pytest.approx(5.5)

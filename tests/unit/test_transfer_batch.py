@@ -79,3 +79,29 @@ def test_wait_with_timeout_returns_pending_without_failing():
     assert h.wait(0.01) is BatchStatus.PENDING
     with pytest.raises(TimeoutError):
         h.result(0.01)
+
+
+def test_merge_columns_equals_merge_contiguous_on_random_batches():
+    import random
+
+    from pdserve.transfer.batch import merge_columns
+
+    rng = random.Random(0)
+    lengths = {"a": 1 << 30, "b": 1 << 20}
+    for trial in range(200):
+        rows, lo, po = [], 0, 0
+        for _ in range(rng.randint(64, 300)):
+            n = rng.choice([0, 16, 4096, 4096])
+            if rng.random() < 0.3:
+                lo = rng.randrange(1000) * 16
+            if rng.random() < 0.3:
+                po = rng.randrange(1000) * 16
+            rows.append((rng.choice("ab"), lo, rng.choice("ab"), po, n))
+            lo, po = lo + n, po + n
+        got = merge_columns(rows, lengths.__getitem__, lengths.__getitem__)
+        assert got == merge_contiguous([TransferEntry(*r) for r in rows]), trial
+        assert all(type(e) is TransferEntry for e in got)
+    ok = [("a", 0, "b", 0, 16)] * 70
+    for bad in (ok + [("a", 0, "b", (1 << 20) - 8, 16)], ok + [("a", -1, "b", 0, 16)], ok + [("a", 0.5, "b", 0, 1)],
+                ok + [("a", 0, "b", 0)], ok + [("a", 0, "b", 0, 1 << 70)]):
+        assert merge_columns(bad, lengths.__getitem__, lengths.__getitem__) is None  # the per-entry path says why

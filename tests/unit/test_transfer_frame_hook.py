@@ -1,7 +1,8 @@
 """Issue 27, checking a read while it lands: the hook of a READ submitted with ``on_frame`` sees every byte once,
 after it is in local memory and before the batch's notification is sent. tcp moves the same frames as without a
 hook and reports them in pieces as they land (each lane's last pieces halving to a small tail); the same-host path
-(the owner's process_vm_writev) reports its frames as the owner answers them."""
+reports each piece it copied itself under the owner's grant, or (without a grant) each frame as the owner answers
+it."""
 
 from __future__ import annotations
 
@@ -37,10 +38,13 @@ def test_cut_frames_cuts_entries_into_consecutive_sizes():
     assert [sum(e.length for e in f) for f in frames][-3:] == [16384, 8192, 8192]
 
 
-@pytest.mark.parametrize("backend", ["tcp", "local"])
+@pytest.mark.parametrize("backend", ["tcp", "local", "local-owner"])
 def test_on_frame_sees_every_frame_landed_before_the_notification(backend):
+    """local: the reader copies under the owner's grant, in pieces of piece_bytes; local-owner (no grant taken):
+    the owner copies each frame on request."""
     conf = TransferConfig(secret=SECRET, slice_bytes=MiB, local_slice_bytes=MiB, piece_bytes=256 << 10,
-                          tail_slice_bytes=64 << 10)
+                          tail_slice_bytes=64 << 10, local_direct=backend != "local-owner")
+    backend = backend.split("-")[0]
     owner, reader = TransferEngine(conf), TransferEngine(conf)
     try:
         src = np.random.default_rng(0).integers(0, 255, 8 * MiB, dtype=np.uint8)
@@ -70,6 +74,8 @@ def test_on_frame_sees_every_frame_landed_before_the_notification(backend):
         sizes = [sum(e.length for e in f) for f in frames]
         if backend == "tcp":  # pieces of the same 1 MiB frames, each lane's last ones halving to 64 KiB
             assert max(sizes) <= 256 << 10 and sizes.count(64 << 10) >= 2 * conf.streams
+        elif conf.local_direct:  # the reader's own copies, a piece at a time
+            assert sizes == [256 << 10] * 32
         else:  # the owner's frames, as without a hook
             assert sizes == [MiB] * 8
         assert order[-1] == "notify" and order.count("notify") == 1
