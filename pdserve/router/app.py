@@ -90,7 +90,7 @@ class Router:
         self.calibration = Calibration()
         self.intake = Intake(config, self.tokenizer, self.models, self.tools, self.metrics, self.placement,
                              protocol_for(config.kv_connector, config.mooncake_bootstrap_port,
-                                          config.mooncake_bootstrap), self.workers)
+                                          config.mooncake_bootstrap, config.early_dispatch), self.workers)
         self._tasks: list[asyncio.Task] = []
         self.registry.subscribe(self.kv)
         if self.conducted is not None:

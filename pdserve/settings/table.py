@@ -210,6 +210,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
             "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
             "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
+    Setting("early_dispatch", bool, True, "pdserve's connector: send D its request as soon as P and D are chosen, "
+            "with a hand-off id P announces its blocks under once its prompt is computed (D waits in vLLM's "
+            "WAITING_FOR_REMOTE_KVS, regenerates the first token, and the router checks it equals P's); off: D is sent "
+            "after P's answer (the serial hand-off)", (L, R), off_flag="--no-early-dispatch", group="placement",
+            argv="changed"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -344,6 +349,9 @@ SETTINGS: tuple[Setting, ...] = (
             group="connector"),
     Setting("transfer_deadline_s", float, 30.0, "longest a READ batch may take before D gives up and recomputes",
             (W,), unit="s", minimum=0.1, maximum=3600, on_cli=False, group="connector"),
+    Setting("handoff_wait_s", float, 60.0, "longest D waits for P's prefill in an early hand-off (the router sent D "
+            "while P prefills) before it computes the prompt itself", (W,), unit="s", minimum=0.1, maximum=3600,
+            on_cli=False, group="connector"),
     Setting("clock_margin_s", float, 0.5, "D stops trusting P's blocks this long before P's lease deadline (clock "
             "skew)", (W,), unit="s", minimum=0, maximum=60, on_cli=False, group="connector"),
     Setting("on_load_failure", str, "recompute", "recompute (D recomputes the prompt) or fail (the request errors)",

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from ...settings.table import MOONCAKE_BOOTSTRAP_PORT
 from ..config import parse_bootstrap_ports
 from ..errors import RouterError, upstream_failed
+from .early_dispatch import EngineBook
 from .mooncake import BootstrapBook
 
 KV_CONNECTORS = ("pdserve", "nixl", "mooncake")
@@ -70,10 +71,15 @@ class KVProtocol:
 
 
 class PdserveProtocol(KVProtocol):
-    """pdserve's own connector: P's first token streams at once, D continues from prompt + [t1]."""
+    """pdserve's own connector: P's first token streams at once, D continues from prompt + [t1]; with early
+    dispatch (:mod:`.early_dispatch`, on unless ``early`` is False) D gets its request while P prefills, from the
+    second request to each P on (``book``: where each P's engine is)."""
 
     name = "pdserve"
     first_from_prefill = True
+
+    def __init__(self, early: bool = True) -> None:
+        self.book: EngineBook | None = EngineBook() if early else None
 
     def prefill_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
@@ -84,6 +90,7 @@ class PdserveProtocol(KVProtocol):
         out = super().options(constrained)
         if out["first_from_prefill"]:
             out["prefill_kv_params"] = {**out["prefill_kv_params"], "lease_on_stop": False}
+        out["early"] = self.book
         return out
 
     def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None) -> dict[str, Any] | None:
@@ -195,13 +202,16 @@ def new_transfer_id() -> str:
     return f"xfer-{uuid.uuid4().hex}"
 
 
-PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(), "nixl": NixlProtocol()}
+PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(early=False), "nixl": NixlProtocol()}
 
 
-def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = ""
-                 ) -> KVProtocol:
-    """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids): build it once per router.
-    Raises ValueError for an unknown name or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
+def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = "",
+                 early_dispatch: bool = True) -> KVProtocol:
+    """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids), and so does pdserve's with
+    ``early_dispatch`` (each P's engine address): build it once per router. Raises ValueError for an unknown name
+    or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
+    if name == "pdserve":
+        return PdserveProtocol(early=early_dispatch)
     if name == "mooncake":
         return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)))
     try:
