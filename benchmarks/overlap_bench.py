@@ -103,9 +103,7 @@ def measure(rec: dict[str, Any], stamps: list[dict[str, Any]]) -> dict[str, floa
 
 
 def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path) -> tuple[Any, str]:
-    from pdserve.launch.procs import free_port
-    from tests.integration.test_pd_exactness import Server  # noqa: F401  (same helpers the tests use)
-    from tests.integration.elastic_moves import spawn_healthy
+    from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
