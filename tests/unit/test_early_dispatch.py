@@ -8,6 +8,7 @@ No vLLM: the scheduler output and requests are the fakes of the scheduler tests.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -206,3 +207,100 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
         assert notes[-1] == "p9" and "waited_ms" in stats
     else:  # never read: D recomputes, and P is told by the hand-off id (its board maps it to P's request)
         assert not seen and "another prompt" in stats["error"] and notes[-1] == hid
+
+
+# ---- the router's run: P and D at once, D's first token checked against P's ----
+P0, D0 = "http://p0", "http://d0"
+
+
+class PDClient:
+    """P answers one token (``t1``) with its kv_transfer_params; D streams ``d_tokens`` one per event."""
+
+    def __init__(self, t1: int = 7, d_first: int = 7, out: int = 4) -> None:
+        self.t1, self.d_first, self.out = t1, d_first, out
+        self.calls: list[tuple[str, dict]] = []
+        self.closed: list[str] = []
+
+    async def check(self, url: str, timeout_s: float) -> Any:
+        from pdserve.router.workers.client import Probe
+        return Probe(True, "HTTP 200")
+
+    async def complete(self, url: str, body: dict, wait: Any) -> dict:
+        self.calls.append((url, body))
+        return {"choices": [{"text": "a", "token_ids": [self.t1], "finish_reason": "length"}],
+                "kv_transfer_params": p_answer(remote_request_id="p-req")}
+
+    async def stream(self, url: str, body: dict, wait: Any) -> Any:
+        self.calls.append((url, body))
+        regenerates = len(body["prompt"]) == 40  # the prompt alone: D's first token is its own
+        tokens = ([self.d_first] if regenerates else []) + [100 + i for i in range(body["max_tokens"]
+                                                                                   - (1 if regenerates else 0))]
+        try:
+            for i, t in enumerate(tokens):
+                await asyncio.sleep(0)
+                last = i == len(tokens) - 1
+                yield {"choices": [{"text": "b", "token_ids": [t], "finish_reason": "length" if last else None}]}
+        finally:
+            self.closed.append(url)
+
+
+def pd_run(client: PDClient, rid: str, book: EngineBook, temperature: float = 0.0) -> Any:
+    from pdserve.router.api.protocol import parse_completion
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.run.generation import Generation, GenerationOptions
+    from pdserve.router.run.timings import Timings
+    from tests.unit.test_router_ticket import PROMPT, make
+
+    pl = book_placement.get("pl")
+    if pl is None:
+        pl = book_placement["pl"] = make("round_robin", members=(("prefill", P0), ("decode", D0)))[0]
+    req = parse_completion({"prompt": PROMPT, "max_tokens": client.out, "temperature": temperature})
+    req.request_id = rid
+    opts = GenerationOptions(prefill_kv_params={"do_remote_decode": True, "lease_on_stop": False}, early=book)
+    return Generation(req, PROMPT, client.out, pl, client, RouterMetrics(), Timings(arrive=0.0),  # type: ignore[arg-type]
+                      "disaggregated", None, opts)
+
+
+book_placement: dict[str, Any] = {}
+
+
+async def run_all(gen: Any) -> list[int]:
+    from contextlib import aclosing
+    async with aclosing(gen.run()) as deltas:
+        return [t async for d in deltas for t in d.token_ids]
+
+
+def test_the_first_request_to_a_p_is_serial_and_the_next_one_early_with_the_same_output():
+    book_placement.clear()
+    book, client = EngineBook(), PDClient()
+    first = pd_run(client, "r1", book)
+    assert asyncio.run(run_all(first)) == [7, 100, 101, 102]
+    assert first.t.d_first is not None  # D's first event started the attempt (its timing, a whole one's prefill)
+    (_, p1), (_, d1) = client.calls
+    assert "pdserve_handoff" not in p1["kv_transfer_params"] and d1["prompt"][-1] == 7  # serial: prompt + [t1]
+    client.calls.clear()
+    gen = pd_run(client, "r2", book)
+    assert asyncio.run(run_all(gen)) == [7, 100, 101, 102]  # D's own first token dropped, its stream from token 2
+    calls = dict(client.calls)
+    hid = calls[P0]["kv_transfer_params"]["pdserve_handoff"]
+    assert calls[D0]["kv_transfer_params"]["pdserve_handoff"] == hid and len(calls[D0]["prompt"]) == 40
+    assert calls[D0]["max_tokens"] == 4 and gen.ticket is not None and gen.ticket.prefilled
+
+
+def test_a_d_whose_first_token_differs_gives_way_to_the_serial_hand_off():
+    book_placement.clear()
+    book, client = EngineBook(), PDClient(d_first=9)
+    book.learn(P0, p_answer())
+    assert asyncio.run(run_all(pd_run(client, "r1", book))) == [7, 100, 101, 102]
+    d_calls = [b for u, b in client.calls if u == D0]
+    assert len(d_calls) == 2 and "pdserve_handoff" in d_calls[0]["kv_transfer_params"]
+    assert d_calls[1]["prompt"][-1] == 7 and d_calls[1]["kv_transfer_params"]["remote_request_id"] == "p-req"
+    assert client.closed.count(D0) == 2  # the early stream was closed (vLLM aborts it)
+
+
+def test_unseeded_random_sampling_stays_serial():
+    book_placement.clear()
+    book, client = EngineBook(), PDClient()
+    book.learn(P0, p_answer())
+    asyncio.run(run_all(pd_run(client, "r1", book, temperature=0.8)))
+    assert all("pdserve_handoff" not in b.get("kv_transfer_params", {}) for _, b in client.calls)

@@ -208,6 +208,7 @@ class Attempt:
                             self._start()
                             started = True
                             continue
+                    if not started and (ids or c0.get("text")):
                         started = True
                         self._start()
                     if keep_prompt_logprobs and out.prompt_logprobs is None and c0.get("prompt_logprobs"):
