@@ -12,15 +12,20 @@ worker's last answer (its ``kv_transfer_params``). A P the book does not know ye
 failed) goes the serial way and teaches it. A P that restarted since has another engine id: D's connector refuses
 the old address at once (the engine at that port names itself) and computes the prompt; P's next answer corrects
 the book.
+
+Each data plane that allows it has an :class:`EarlyDispatch` (``params``: what P's and D's ``kv_transfer_params``
+get for one early hand-off, or None: serial; ``learn`` / ``forget``: P's answers and failures). pdserve's is
+:class:`EngineBook`; vLLM's MooncakeConnector's is :class:`~.kv_protocol.MooncakeEarly` (D's pull waits for P's
+transfer id: vLLM's ``send_kv_to_decode``); vLLM's NixlConnector allows none (D needs P's block ids).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["HANDOFF_PREFIX", "EngineBook", "early_allowed", "new_handoff_id"]
+__all__ = ["HANDOFF_PREFIX", "EarlyDispatch", "EngineBook", "early_allowed", "new_handoff_id"]
 
 HANDOFF_PREFIX = "hoff-"  # pdserve.vllm.params.HANDOFF_PREFIX: the connector tells hand-off ids by it
 GREEDY_BELOW = 1e-5  # vLLM 0.32 samples greedily below this temperature (SamplingParams._MAX_TEMP's twin)
@@ -41,6 +46,19 @@ def early_allowed(sampling: Mapping[str, Any], first_from_prefill: bool) -> bool
         return True
     temperature = sampling.get("temperature")
     return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < GREEDY_BELOW
+
+
+class EarlyDispatch(Protocol):
+    """One data plane's early hand-off (see the module docstring)."""
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(what P's ``kv_transfer_params`` get besides the usual, D's ``kv_transfer_params``) for one early hand-off
+        of a prompt of ``num_tokens`` from P ``prefill_url``; None: the serial hand-off."""
+        ...
+
+    def learn(self, url: str, kvp: Any) -> None: ...
+
+    def forget(self, url: str) -> None: ...
 
 
 class EngineBook:
@@ -68,6 +86,11 @@ class EngineBook:
             return None
         return {"do_remote_prefill": True, "do_remote_decode": False, **address, "remote_block_ids": [],
                 "remote_num_tokens": num_tokens, "remote_request_id": handoff, "pdserve_handoff": handoff}
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        handoff = new_handoff_id()
+        d = self.decode_params(prefill_url, handoff, num_tokens)
+        return None if d is None else ({"pdserve_handoff": handoff}, d)
 
     def __contains__(self, url: object) -> bool:
         return url in self._book

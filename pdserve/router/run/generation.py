@@ -38,7 +38,7 @@ from ..workers.client import WorkerClient
 from .attempt import Attempt, AttemptContext, Diverged
 from .deadline import Deadline, within
 from .delta import Delta
-from .early_dispatch import EngineBook, early_allowed, new_handoff_id
+from .early_dispatch import EarlyDispatch, early_allowed
 from .failures import Migrate, Retry
 from .output import Output
 from .stops import StopStrings
@@ -71,7 +71,7 @@ class GenerationOptions:
     request_timeout_s: float | None = None
     handoff_timeout_s: float | None = None
     probe_timeout_s: float = default("health_timeout_s", "router")
-    early: EngineBook | None = None  # early dispatch to D (pdserve's connector): where each P's engine is
+    early: EarlyDispatch | None = None  # early dispatch to D (the data plane's, where it allows one)
 
 
 class Generation:
@@ -363,17 +363,17 @@ class Generation:
         yield Delta(c0.get("text") or "", list(c0.get("token_ids") or []), c0.get("finish_reason") or "length",
                     c0.get("stop_reason"), c0.get("logprobs"))
 
-    def _early_params(self, ticket: PlacementTicket) -> dict[str, Any] | None:
-        """D's ``kv_transfer_params`` for an early hand-off on this ticket (:mod:`.early_dispatch`), or None: the
-        serial hand-off (early dispatch off, P's engine not known yet, P's token the whole output, or sampling under
-        which D's first token need not be P's)."""
+    async def _early_params(self, ticket: PlacementTicket) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(P's extra, D's) ``kv_transfer_params`` for an early hand-off on this ticket (:mod:`.early_dispatch`), or
+        None: the serial hand-off (early dispatch off, P's engine not known yet, P's token the whole output, or
+        sampling under which D's first token need not be P's)."""
         if self.early is None or ticket.prefill is None or ticket.decode is None:
             return None
         if self.first_from_prefill and self._left < 2:
             return None
         if not early_allowed(self.req.sampling, self.first_from_prefill):
             return None
-        return self.early.decode_params(ticket.prefill.url, new_handoff_id(), len(self._prompt))
+        return await self.early.params(ticket.prefill.url, len(self._prompt))
 
     async def _prefill(self, ticket: PlacementTicket, p: Attempt, body: dict[str, Any]) -> tuple[dict, Any]:
         """P's call: its answer's first choice and its ``kv_transfer_params`` (the book learns P's engine from them;
@@ -411,7 +411,7 @@ class Generation:
 
     async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncGenerator[Delta, None]:
         """P's one-token prefill, then D's stream (the hand-off); early dispatch where it applies."""
-        early = self._early_params(ticket)
+        early = await self._early_params(ticket)
         if early is not None:
             async with aclosing(self._pd_early(ticket, exclude, early)) as deltas:
                 async for delta in deltas:
@@ -443,18 +443,18 @@ class Generation:
             async for delta in deltas:
                 yield delta
 
-    async def _pd_early(self, ticket: PlacementTicket, exclude: set[str], early: dict[str, Any]
-                        ) -> AsyncGenerator[Delta, None]:
+    async def _pd_early(self, ticket: PlacementTicket, exclude: set[str],
+                        early: tuple[dict[str, Any], dict[str, Any]]) -> AsyncGenerator[Delta, None]:
         """P's prefill and D's request at once (:mod:`.early_dispatch`). P's first token goes to the client as soon
         as P answers; D's stream follows from its second token (D's first must be P's). D failing or diverging before
         it streamed anything: the serial hand-off (prompt + [t1], P's lease) takes over."""
         p = self._attempt(ticket, "prefill", "prefill")
         body = self._prefill_body()
-        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), "pdserve_handoff": early["pdserve_handoff"]}
+        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **early[0]}
         after_first = self.first_from_prefill
         own_text = after_first or self._done > 0
         d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=not after_first)
-        d_body["kv_transfer_params"] = early
+        d_body["kv_transfer_params"] = early[1]
         assert ticket.decode is not None
         self.t.decode_worker = ticket.decode.url
         d = Attempt(self.ctx, ticket, ticket.decode, "decode", "decode")
@@ -480,6 +480,14 @@ class Generation:
                     raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
                 expect.set_result(t1)
                 yield first
+            elif await self._decode_params(ticket, kvp, c0.get("finish_reason")) is None:
+                # P kept nothing for D (MooncakeConnector: its token did not end by length): D would wait for KV that
+                # never comes, so it gets the serial request instead (it computes the prompt)
+                await self._close_early(d_first, d_deltas)
+                async with aclosing(self._serial_after_early(ticket, exclude, c0, kvp)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
             self.attempt = d
             try:
                 delta = await self._early_first(d_first)

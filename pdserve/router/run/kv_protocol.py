@@ -162,18 +162,20 @@ class MooncakeProtocol(KVProtocol):
     name = "mooncake"
     first_from_prefill = False
 
-    def __init__(self, book: BootstrapBook | None = None) -> None:
+    def __init__(self, book: BootstrapBook | None = None, early: bool = True) -> None:
         self.book = book or BootstrapBook(MOONCAKE_BOOTSTRAP_PORT)
+        self.early = early
 
     def prefill_params(self, transfer_id: str = "") -> dict[str, Any]:
         return {"do_remote_decode": True, "do_remote_prefill": False,
                 "transfer_id": transfer_id or new_transfer_id()}
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
-        """One transfer id per request: P's params and D's reading of P's answer share it."""
+        """One transfer id per request: P's params and D's reading of P's answer share it (and an early D's)."""
         transfer_id = new_transfer_id()
         return {"first_from_prefill": False, "prefill_kv_params": self.prefill_params(transfer_id),
-                "decode_kv_params": functools.partial(self.decode_for, transfer_id)}
+                "decode_kv_params": functools.partial(self.decode_for, transfer_id),
+                "early": MooncakeEarly(self, transfer_id) if self.early else None}
 
     def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None
                       ) -> Awaitable[dict[str, Any] | None]:
@@ -197,6 +199,29 @@ class MooncakeProtocol(KVProtocol):
                 "remote_bootstrap_addr": self.book.address(prefill_url), "transfer_id": transfer_id}
 
 
+class MooncakeEarly:
+    """Early dispatch over vLLM's MooncakeConnector (:mod:`.early_dispatch`): D is sent its pull of the request's
+    transfer id at once. vLLM allows it: P's sender, asked for a transfer id it has not finished yet, waits for it
+    (``send_kv_to_decode``: a placeholder and its ``ready`` event, up to ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``).
+    What vLLM does not do, and pdserve cannot from outside: end that wait when P's request ends without keeping its
+    blocks (a stop or an abort: ``record_send_reqs`` drops the transfer, nobody tells D) or when P dies (D's ZMQ
+    socket waits ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` + 60 s): D's blocks stay allocated that long, then D
+    computes the prompt. The router closes such a D and sends the serial request."""
+
+    def __init__(self, protocol: MooncakeProtocol, transfer_id: str) -> None:
+        self.protocol, self.transfer_id = protocol, transfer_id
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        d = await self.protocol.decode_for(self.transfer_id, prefill_url, None, "length")
+        return None if d is None else ({}, d)
+
+    def learn(self, url: str, kvp: Any) -> None:
+        return None
+
+    def forget(self, url: str) -> None:
+        return None
+
+
 def new_transfer_id() -> str:
     """A transfer id no other request shares (P's sender and D's pull meet on it)."""
     return f"xfer-{uuid.uuid4().hex}"
@@ -213,7 +238,8 @@ def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PO
     if name == "pdserve":
         return PdserveProtocol(early=early_dispatch)
     if name == "mooncake":
-        return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)))
+        return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)),
+                                early=early_dispatch)
     try:
         return PROTOCOLS[name]
     except KeyError:
