@@ -348,8 +348,10 @@ class SchedulerSide:
             self._sync.add(request.request_id)
         else:
             self._sync.discard(request.request_id)
+        digest = remote.prompt_hash or (prompt_hash(request.prompt_token_ids or [], remote.num_tokens)
+                                        if remote.handoff else "")  # (early: P's digest of the same prompt)
         self.stamps.admit(request.request_id, getattr(request, "arrival_time", None), sync, remote.request_id,
-                          remote.prompt_hash, count)
+                          digest, count)
         return count, not sync
 
     def _sync_load(self, request: Request, remote: RemoteParams, hit: int, count: int) -> bool:
