@@ -136,18 +136,18 @@ def main() -> None:
                                max_position_embeddings=max(8192, max_len))
     cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
                                                   run_dir=str(tmp / "run")))
-    cfg = dataclasses.replace(cfg, pool=False)
+    cfg = dataclasses.replace(cfg, pool=False, served_model_name="m")
     rng = random.Random(a.seed)
     recs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     t0 = time.monotonic()
     with Cluster(cfg) as c:
         p, d = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
-        child, serial = second_router(str(model), cfg.served_model_name or "", max_len, p, d, tmp / "serial.log")
+        child, serial = second_router(str(model), "m", max_len, p, d, tmp / "serial.log")
         try:
             routers = {"early": c.router_url, "serial": serial}
 
             def body(n: int) -> dict[str, Any]:
-                return {"model": cfg.served_model_name or str(model), "max_tokens": a.output, "temperature": 0,
+                return {"model": "m", "max_tokens": a.output, "temperature": 0,
                         "ignore_eos": True, "prompt": [rng.randrange(1000, 40000) for _ in range(n)]}
 
             for url in routers.values():  # warm-up; the early router learns P's engine from P's first answer

