@@ -210,11 +210,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("indexer", str, "", "URL of a KV indexer service (pdserve indexer): at start the router seeds its "
             "prefix index from the indexer's snapshot and resumes each worker's KV events from there, so it knows "
             "prefixes older than the workers' replay buffers", (R,), metavar="URL", group="placement"),
-    Setting("early_dispatch", bool, True, "pdserve's connector: send D its request as soon as P and D are chosen, "
-            "with a hand-off id P announces its blocks under once its prompt is computed (D waits in vLLM's "
-            "WAITING_FOR_REMOTE_KVS, regenerates the first token, and the router checks it equals P's); off: D is sent "
-            "after P's answer (the serial hand-off)", (L, R), off_flag="--no-early-dispatch", group="placement",
-            argv="changed"),
+    Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
+            "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
+            "hand-off id once its prompt is computed, regenerates the first token, and the router checks it equals "
+            "P's; vLLM's MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
+            off_flag="--no-early-dispatch", group="placement", argv="changed"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
