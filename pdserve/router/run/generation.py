@@ -452,16 +452,8 @@ class Generation:
         body = self._prefill_body()
         body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **early[0]}
         after_first = self.first_from_prefill
-        own_text = after_first or self._done > 0
-        d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=not after_first)
-        d_body["kv_transfer_params"] = early[1]
-        assert ticket.decode is not None
-        self.t.decode_worker = ticket.decode.url
-        d = Attempt(self.ctx, ticket, ticket.decode, "decode", "decode")
         expect: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        d_deltas = d.deltas(d_body, own_text, answered=own_text, relay=self._relay(),
-                            keep_prompt_logprobs=not own_text, sync=self._sync(own_text),
-                            skip_first=expect if after_first else None)
+        d, d_deltas = self._early_decode(ticket, early[1], expect if after_first else None)
         d_first = asyncio.ensure_future(d_deltas.__anext__())
         self.metrics.handoffs.labels("early").inc()
         try:
@@ -507,6 +499,20 @@ class Generation:
             if not expect.done():
                 expect.cancel()
             await self._close_early(d_first, d_deltas)
+
+    def _early_decode(self, ticket: PlacementTicket, kv_params: dict[str, Any], expect: asyncio.Future[int] | None
+                      ) -> tuple[Attempt, AsyncGenerator[Delta, None]]:
+        """D's attempt of an early hand-off and its (not yet started) stream: the prompt alone, all that is left of
+        ``max_tokens``; ``expect``: P's first token, which D's first must equal (None: D's stream is the output)."""
+        after_first = expect is not None
+        own_text = after_first or self._done > 0
+        d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=not after_first)
+        d_body["kv_transfer_params"] = kv_params
+        assert ticket.decode is not None
+        self.t.decode_worker = ticket.decode.url
+        d = Attempt(self.ctx, ticket, ticket.decode, "decode", "decode")
+        return d, d.deltas(d_body, own_text, answered=own_text, relay=self._relay(), keep_prompt_logprobs=not own_text,
+                           sync=self._sync(own_text), skip_first=expect)
 
     async def _early_first(self, d_first: asyncio.Future[Delta]) -> Delta:
         """D's first delta after P's answer, within the hand-off deadline (as a serial D's first event)."""
