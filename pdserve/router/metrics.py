@@ -40,7 +40,8 @@ class RouterMetrics:
         self.completion_tokens = Counter("pdserve_router_completion_tokens_total",
                                          "Completion tokens of finished requests.", registry=r)
         self.handoffs = Counter("pdserve_router_handoffs_total", "P->D hand-offs by outcome (kv: P returned "
-                                "kv_transfer_params; no_kv: it did not, D recomputes; skipped: done after t1).",
+                                "kv_transfer_params; no_kv: it did not, D recomputes; skipped: done after t1; early: "
+                                "D sent while P prefills; early_fallback: such a D gave way to the serial hand-off).",
                                 ("outcome",), registry=r)
         self.worker_errors = Counter("pdserve_router_worker_errors_total", "Failed worker calls.", ("role", "kind"),
                                      registry=r)

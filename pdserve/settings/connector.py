@@ -58,6 +58,7 @@ class ConnectorConfig:
         a fixed port P binds P + tensor-parallel rank.
     backend: transfer-engine data path (auto = same-host copy when possible, else TCP).
     transfer_deadline_s: longest a READ batch may take before D gives up and recomputes.
+    handoff_wait_s: longest D waits for P's prefill in an early hand-off before it computes the prompt itself.
     clock_margin_s: D stops trusting P's blocks this long before P's lease deadline (clock skew).
     on_load_failure: recompute (default: D recomputes the prompt) or fail (the request errors).
     allow_test_faults: honour ``pdserve_test_fault`` in kv_transfer_params (tests only).
@@ -90,6 +91,7 @@ class ConnectorConfig:
     backend: str = setting("backend").default
     streams: int = setting("streams").default
     transfer_deadline_s: float = setting("transfer_deadline_s").default
+    handoff_wait_s: float = setting("handoff_wait_s").default
     clock_margin_s: float = setting("clock_margin_s").default
     on_load_failure: str = setting("on_load_failure").default
     allow_test_faults: bool = setting("allow_test_faults").default
@@ -105,7 +107,8 @@ class ConnectorConfig:
     kv_checksum: bool = setting("kv_checksum").default
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
-            "transfer_deadline_s", "clock_margin_s", "on_load_failure", "allow_test_faults", "idle_wait_ms",
+            "transfer_deadline_s", "handoff_wait_s", "clock_margin_s", "on_load_failure", "allow_test_faults",
+            "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
             "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum")
 

@@ -212,6 +212,11 @@ SETTINGS: tuple[Setting, ...] = (
             "prefixes older than the workers' replay buffers; with --policy conductor it shares its placements "
             "through the indexer as placeholders, and applies the other replicas' (the launcher sets it with "
             "--start-indexer)", (R,), metavar="URL", group="placement", argv="set"),
+    Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
+            "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
+            "hand-off id once its prompt is computed, regenerates the first token, and the router checks it equals "
+            "P's; vLLM's MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
+            off_flag="--no-early-dispatch", group="placement", argv="changed"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),
@@ -374,6 +379,9 @@ SETTINGS: tuple[Setting, ...] = (
             group="connector"),
     Setting("transfer_deadline_s", float, 30.0, "longest a READ batch may take before D gives up and recomputes",
             (W,), unit="s", minimum=0.1, maximum=3600, on_cli=False, group="connector"),
+    Setting("handoff_wait_s", float, 60.0, "longest D waits for P's prefill in an early hand-off (the router sent D "
+            "while P prefills) before it computes the prompt itself", (W,), unit="s", minimum=0.1, maximum=3600,
+            on_cli=False, group="connector"),
     Setting("clock_margin_s", float, 0.5, "D stops trusting P's blocks this long before P's lease deadline (clock "
             "skew)", (W,), unit="s", minimum=0, maximum=60, on_cli=False, group="connector"),
     Setting("on_load_failure", str, "recompute", "recompute (D recomputes the prompt) or fail (the request errors)",

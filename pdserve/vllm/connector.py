@@ -186,7 +186,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.worker is not None and isinstance(meta, PdserveMeta):
-            self.worker.seal_after_forward(meta)  # checksums of the prompts this forward completed
+            self.worker.after_forward(meta)  # seals, and early hand-offs announced, of prompts this forward completed
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None

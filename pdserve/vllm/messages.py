@@ -45,6 +45,41 @@ class RecvJob:
     error: str = ""
     sync: bool = False
     traceparent: str = ""  # the request's trace (spans.py: the read's span joins it)
+    # an early hand-off (``remote.handoff``): P's block ids are not known yet; ``plan.remote`` is empty and D's
+    # ``plan.local`` takes P's blocks from position ``first_block`` on, once P answers the rendezvous
+    # (pdserve.vllm.handoff_board); D checks P's answer against its own prompt digest and fingerprint
+    first_block: int = 0
+    expect_hash: str = ""
+    expect_fingerprint: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ReadyNote:
+    """P, scheduler -> worker: the prompt of an early hand-off is computed in ``blocks`` (by this step's forward);
+    what D needs to read it, answered to D's rendezvous (pdserve.vllm.handoff_board)."""
+
+    req_id: str  # P's request id: D's READ notification names it, which ends the lease
+    blocks: tuple[int, ...]
+    num_tokens: int
+    prompt_hash: str
+    lease_deadline: float  # wall clock; the lease itself starts when P's request finishes, a little later
+    fingerprint: dict[str, str] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"req": self.req_id, "blocks": list(self.blocks), "n": self.num_tokens, "ph": self.prompt_hash,
+                "dl": self.lease_deadline, "fp": dict(self.fingerprint) if self.fingerprint else None}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReadyNote:
+        """Raises ValueError on anything but :meth:`to_wire`'s shape."""
+        try:
+            blocks = tuple(int(b) for b in raw["blocks"])
+            fp = raw.get("fp")
+            if fp is not None and not (isinstance(fp, dict) and all(isinstance(v, str) for v in fp.values())):
+                raise ValueError("fingerprint")
+            return cls(str(raw["req"]), blocks, int(raw["n"]), str(raw["ph"]), float(raw["dl"]), fp)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed hand-off answer: {exc!r}") from None
 
 
 @dataclass(frozen=True)
@@ -73,6 +108,9 @@ class PdserveMeta:
     seal_now: dict[str, tuple[int, ...]] = field(default_factory=dict)
     unseal: list[str] = field(default_factory=list)
     faults: dict[str, str] = field(default_factory=dict)  # P request id -> its test fault (allow_test_faults)
+    # P, early hand-offs: hand-off id -> its prompt's blocks, announced after this step's forward (and seal); None:
+    # P's request ended before its prompt was computed, so D stops waiting (pdserve.vllm.handoff_board)
+    ready: dict[str, ReadyNote | None] = field(default_factory=dict)
 
 
 @dataclass

@@ -30,6 +30,8 @@ from pdserve.settings.connector import (  # noqa: F401  (re-exported: the connec
 )
 from pdserve.vllm.fingerprint import parse as parse_fingerprint
 
+HANDOFF_PREFIX = "hoff-"  # an early hand-off's id (pdserve.vllm.handoff_board imports it from here)
+
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
 # the read and its checksum check (real corruption of the KV D uses: the negative control); "fail" fails the read
 # (D must recompute); "flip" flips a byte of the first received block before the check (corruption in transit);
@@ -89,6 +91,9 @@ class RemoteParams:
     # hybrid KV cache (vLLM's HMA, several KV cache groups): per group, (first block position, block ids from
     # there) as pdserve.vllm.groups.hand_off names them; block_ids is then every group's ids, flat
     groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # an early hand-off (the router sent D while P prefills): its id; P's block ids, request id, prompt digest,
+    # lease and fingerprint then come from P's answer to D's rendezvous (pdserve.vllm.handoff_board), not from here
+    handoff: str = ""
 
     @property
     def tp(self) -> int:
@@ -135,7 +140,11 @@ class RemoteParams:
         if num_tokens < 0 or any(b < 0 for b in blocks) or not 0 < port < 65536:
             raise ValueError("kv_transfer_params: negative block id/token count or bad port")
         groups = parse_groups(params["remote_group_blocks"]) if params.get("remote_group_blocks") else ()
-        if not groups and len(blocks) < -(-num_tokens // block_size):
+        handoff = params.get("pdserve_handoff") or ""
+        if handoff and (not isinstance(handoff, str) or not handoff.startswith(HANDOFF_PREFIX) or groups):
+            raise ValueError(f"kv_transfer_params.pdserve_handoff={handoff!r}: a router's hand-off id "
+                             f"({HANDOFF_PREFIX}...), for a model without KV cache groups")
+        if not groups and not handoff and len(blocks) < -(-num_tokens // block_size):
             raise ValueError(f"kv_transfer_params: {len(blocks)} remote blocks cannot hold {num_tokens} "
                              f"tokens of {block_size} per block (P and D must use the same block size)")
         fault = params.get("pdserve_test_fault") or ""
@@ -149,7 +158,7 @@ class RemoteParams:
         return cls(str(params["remote_engine_id"]), str(params["remote_host"]), port, blocks, num_tokens,
                    str(params["remote_request_id"]), str(params.get("remote_kv_layout") or ""),
                    str(params.get("remote_prompt_hash") or ""), deadline, str(fault), ranks, heads,
-                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None, groups)
+                   str(params.get("remote_kv_unit") or ""), load, fingerprint or None, groups, handoff)
 
 
 def parse_groups(raw: Any, count: int = 0) -> tuple[tuple[int, tuple[int, ...]], ...]:

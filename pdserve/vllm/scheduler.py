@@ -31,8 +31,17 @@ from pdserve.store import ClientConfig, StoreClient, StoreError
 from pdserve.vllm.fingerprint import differences
 from pdserve.vllm.groups import MAMBA, SLIDING, GroupSpec, flat, hand_off, is_hybrid, pair
 from pdserve.vllm.logs import connector_log
-from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob, merge_reads
+from pdserve.vllm.messages import (
+    PdserveHandshake,
+    PdserveMeta,
+    PdserveWorkerMeta,
+    PoolJob,
+    ReadyNote,
+    RecvJob,
+    merge_reads,
+)
 from pdserve.vllm.params import (
+    HANDOFF_PREFIX,
     BlockPlan,
     ConnectorConfig,
     RemoteParams,
@@ -62,6 +71,7 @@ COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 # a stopped prefill is leased too, for a caller whose D regenerates the first token (structured outputs).
 LEASE_ON_STOP = "lease_on_stop"
 MAX_READ_STATS = 10000  # D reads whose stats wait for their request to finish (aborted ones never do)
+EARLY_PACE_MS = 1.0  # D's empty steps while only early reads wait for P's prefill
 
 
 class PoolLookup(Protocol):
@@ -129,6 +139,14 @@ class SchedulerSide:
         self._faults: dict[str, str] = {}  # P: test faults for the worker (allow_test_faults)
         self.prefill_seals = PrefillSeals(block_size)  # P: seal the prompt's blocks right after its last forward
         self._unseal: list[str] = []  # P: early seals for the worker to forget
+        # P, early hand-offs (the router sent D while P prefills): request id -> (hand-off id, its lease seconds),
+        # followed until the step that completes the prompt, whose blocks the worker then announces to D
+        self.prefill_ready = PrefillSeals(block_size)
+        self._early: dict[str, tuple[str, float]] = {}
+        self._requests: dict[str, Request] = {}  # those requests, until they finish
+        self._announced: set[str] = set()  # P requests whose blocks D may be reading already: always leased
+        self._ready: dict[str, ReadyNote | None] = {}
+        self._early_reads: set[str] = set()  # D: early reads in flight (they wait for P's prefill)
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
         self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.reading = 0  # D reads and pool loads in flight
@@ -253,7 +271,7 @@ class SchedulerSide:
                         "computing locally", request.request_id, m, request.num_prompt_tokens,
                         request.num_prompt_tokens - n)
             return 0
-        refused = self._refuse_fingerprint(remote, request)
+        refused = "" if remote.handoff else self._refuse_fingerprint(remote, request)  # (early: the worker checks)
         if refused:
             log.error("request %s: refused P's KV: %s; computing locally", request.request_id, refused)
             self._keep_read(request.request_id, {"ok": False, "bytes": 0, "ms": 0.0, "blocks": 0,
@@ -328,13 +346,15 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._matched[request.request_id] = num_computed_tokens
-        sync = self._sync_load(request, remote, num_computed_tokens, count)
+        sync = not remote.handoff and self._sync_load(request, remote, num_computed_tokens, count)
         if sync:
             self._sync.add(request.request_id)
         else:
             self._sync.discard(request.request_id)
+        digest = remote.prompt_hash or (prompt_hash(request.prompt_token_ids or [], remote.num_tokens)
+                                        if remote.handoff else "")  # (early: P's digest of the same prompt)
         self.stamps.admit(request.request_id, getattr(request, "arrival_time", None), sync, remote.request_id,
-                          remote.prompt_hash, count)
+                          digest, count)
         return count, not sync
 
     def _sync_load(self, request: Request, remote: RemoteParams, hit: int, count: int) -> bool:
@@ -366,6 +386,8 @@ class SchedulerSide:
             fault = str(params.get("pdserve_test_fault") or "") if self.config.allow_test_faults else ""
             if self.prefill_seals.watch(request.request_id, request.num_prompt_tokens, fault):
                 self._unseal.append(request.request_id)  # sealed before a preemption: the worker forgets it first
+        if params and params.get("do_remote_decode") and params.get("pdserve_handoff"):
+            self._watch_early(request, params)
         if not params or not params.get("do_remote_prefill"):
             if request.request_id in self._pool_hits:
                 self._pool_plan_load(request, blocks, num_external_tokens)
@@ -401,6 +423,10 @@ class SchedulerSide:
                         if block.block_hash is None:
                             break
                         hit += self.block_size
+                if remote.handoff:
+                    self._recv.append(self._early_job(request, remote, blocks.get_block_ids()[0], hit,
+                                                      num_external_tokens))
+                    return
                 plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
                                    self.block_size)
             self._recv.append(RecvJob(request.request_id, remote, plan, sync=sync, traceparent=traceparent_of(request)))
@@ -425,14 +451,17 @@ class SchedulerSide:
         """vLLM's ``request_finished_all_groups``: the request's blocks per KV cache group (one without HMA)."""
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
-        delay, out = self._hand_off(request, block_ids)
+        delay, out = self._hand_off(request, block_ids, self._settle_early(request.request_id))
         self._settle_seal(request.request_id)
         if self.pool is not None and self._pool_plan_save(request, list(block_ids[0]) if block_ids else []):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
         return delay, out
 
-    def _hand_off(self, request: Request, groups: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
-        """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks."""
+    def _hand_off(self, request: Request, groups: Sequence[Sequence[int]],
+                  announced: bool = False) -> tuple[bool, dict[str, Any] | None]:
+        """P: lease the prompt's blocks to a decode; D: answer the read's stats or release P's blocks.
+        ``announced``: an early hand-off's blocks were announced to D, which may be reading them: leased whatever
+        way the request ended (D's notification or the lease's end frees them)."""
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
         self._sync.discard(request.request_id)
@@ -449,9 +478,10 @@ class SchedulerSide:
         reads = self._reads.pop(request.request_id, None)
         if not params.get("do_remote_decode"):
             return False, ({"pdserve": reads} if reads else None)
-        if not completed(request):
+        if not completed(request) and not announced:
             return False, None  # aborted or errored prefill: nothing to hand off, free now
-        if params.get(LEASE_ON_STOP) is False and getattr(request.status, "name", None) == "FINISHED_STOPPED":
+        stopped = getattr(request.status, "name", None) == "FINISHED_STOPPED"
+        if not announced and params.get(LEASE_ON_STOP) is False and stopped:
             return False, None  # the caller continues only a prompt P ended by length: a stopped one is over
         if self.handshake is None or (self.tp > 1 and len(self.ranks) != self.tp):
             log.error("request %s asked for remote decode but not every worker rank published its transfer "
@@ -510,6 +540,56 @@ class SchedulerSide:
                 pass
         return self.config.lease_s
 
+    # ---- early hand-offs ----
+    def _watch_early(self, request: Request, params: dict[str, Any]) -> None:
+        """P: follow a request D already has (``pdserve_handoff``) until its prompt is computed."""
+        handoff = params.get("pdserve_handoff")
+        if not isinstance(handoff, str) or not handoff.startswith(HANDOFF_PREFIX) or self.hybrid:
+            return  # (D then waits until P's answer says the hand-off is gone, or its wait ends: it computes)
+        self._early[request.request_id] = (handoff, self._lease_s(params))
+        self.prefill_ready.watch(request.request_id, request.num_prompt_tokens)
+        self._requests[request.request_id] = request
+
+    def _announce(self, scheduler_output: SchedulerOutput) -> None:
+        """P: the early hand-offs whose prompt this step's forward completes, for the worker to announce."""
+        for req_id, blocks in self.prefill_ready.step(scheduler_output, {}).items():
+            early, request = self._early.get(req_id), self._requests.get(req_id)
+            if early is None or request is None:
+                continue
+            n = request.num_prompt_tokens
+            self._ready[early[0]] = ReadyNote(req_id, blocks, n, prompt_hash(request.prompt_token_ids or [], n),
+                                              time.time() + early[1],
+                                              request_fingerprint(self.handshake.fingerprint if self.handshake
+                                                                  else None, request))
+            self._announced.add(req_id)
+
+    def _settle_early(self, req_id: str) -> bool:
+        """P's request ended: whether D was told its blocks (so they must be leased); if not, D is told it is gone."""
+        early = self._early.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        if early is None:
+            return False
+        self.prefill_ready.finished(req_id, None)
+        if req_id in self._announced:
+            self._announced.discard(req_id)
+            return True
+        self._ready[early[0]] = None
+        return False
+
+    def _early_job(self, request: Request, remote: RemoteParams, local_ids: Sequence[int], hit: int,
+                   num_external_tokens: int) -> RecvJob:
+        """D: the read of an early hand-off: D's blocks from ``hit`` on, P's at the same positions once P answers."""
+        if hit % self.block_size:
+            raise ValueError(f"local hit of {hit} tokens is not a multiple of {self.block_size}")
+        first, end = hit // self.block_size, -(-(hit + num_external_tokens) // self.block_size)
+        if end > len(local_ids):
+            raise ValueError(f"early read needs D's blocks [{first}, {end}) of {len(local_ids)}")
+        self._early_reads.add(request.request_id)
+        mine = request_fingerprint(self.handshake.fingerprint if self.handshake is not None else None, request)
+        return RecvJob(request.request_id, remote, BlockPlan(tuple(local_ids[first:end]), ()), first_block=first,
+                       expect_hash=prompt_hash(request.prompt_token_ids or [], remote.num_tokens),
+                       expect_fingerprint=mine)
+
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
@@ -520,12 +600,21 @@ class SchedulerSide:
             # empty-step loop that busy-spins the engine, worker and API processes (~1.5 cores here)
             # for up to a lease. Pace those steps; a request arriving meanwhile waits at most this.
             time.sleep(self.config.idle_wait_ms / 1e3)
+        elif (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens and not self._recv
+              and self._early_reads and self.config.idle_wait_ms > 0):
+            # D's early reads wait for P's prefill (seconds, on the cores P computes on): pace the empty steps
+            # more finely, so that a read that landed is seen within about a millisecond
+            time.sleep(min(self.config.idle_wait_ms, EARLY_PACE_MS) / 1e3)
         if scheduler_output is not None:
             self.stamps.step(getattr(r, "req_id", "") for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
         self.reading += sum(1 for job in self._recv if job.load)
         seal_now = self.prefill_seals.step(scheduler_output, self._faults) if scheduler_output is not None else {}
-        meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, seal_now, self._unseal, self._faults)
+        if scheduler_output is not None:
+            self._announce(scheduler_output)
+        meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, seal_now, self._unseal, self._faults,
+                           self._ready)
         self._recv, self._send, self._pool_jobs, self._seal, self._unseal, self._faults = [], {}, [], {}, [], {}
+        self._ready = {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -541,6 +630,7 @@ class SchedulerSide:
                     self._partial.popitem(last=False)
                 continue
             self._keep_read(req_id, merged)
+            self._early_reads.discard(req_id)
             self.stamps.read(req_id, merged)
             reads_done += 1
         loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))

@@ -32,18 +32,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
-from pdserve.vllm.fingerprint import digest, worker_fingerprint
+from pdserve.vllm.fingerprint import differences, digest, worker_fingerprint
 from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
+from pdserve.vllm.handoff_board import HandoffBoard, is_handoff, parse_wait, wait_message
 from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
 from pdserve.vllm.logs import connector_log
-from pdserve.vllm.messages import LEASE, NOTIFIED, PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
+from pdserve.vllm.messages import (
+    LEASE,
+    NOTIFIED,
+    PdserveHandshake,
+    PdserveMeta,
+    PdserveWorkerMeta,
+    PoolJob,
+    ReadyNote,
+    RecvJob,
+)
 from pdserve.vllm.metrics import PdserveStats
 from pdserve.vllm.params import (
     PEER_BLOCKS_SEP,
+    BlockPlan,
     ConnectorConfig,
     LayerGeometry,
     RemoteParams,
@@ -137,6 +148,9 @@ class WorkerSide:
         self._pool_io: PoolIO | None = None
         self._peers: dict[tuple[str, int], Any] = {}
         self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
+        # P: early hand-offs' rendezvous; a notification naming a hand-off id counts toward its lease once known
+        self._board = HandoffBoard(self.engine.engine_id, lambda req_id, sender, readers: self._ledger.notify(
+            req_id, sender=sender, readers=readers), ttl_s=max(600.0, 4 * config.lease_s))
         self.engine.on_notify(self._on_notify)
         self._lock = threading.Lock()
         self._inflight: dict[str, RecvJob] = {}
@@ -268,14 +282,19 @@ class WorkerSide:
         for th in now:  # this step's forward uses these blocks: the reads end (or fail) before it starts
             th.join()
 
-    def seal_after_forward(self, meta: PdserveMeta) -> None:
+    def after_forward(self, meta: PdserveMeta) -> None:
         """P, in ``wait_for_save``: checksum the prompts this step's forward completed (before P answers, so D's
-        notification finds them). Device memory: the checksums wait for an event recorded after the forward."""
-        if not meta.seal_now:
-            return
-        ready = forward_done_event(self._memory)
-        for req_id, blocks in meta.seal_now.items():
-            self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
+        notification finds them; device memory: the checksums wait for an event recorded after the forward), then
+        announce the early hand-offs among them to the D that waits (a D asking for the sums waits for the seal)."""
+        if meta.seal_now:
+            ready = forward_done_event(self._memory)
+            for req_id, blocks in meta.seal_now.items():
+                self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
+        for handoff, note in meta.ready.items():
+            if note is None:
+                self._board.gone(handoff, "P's request ended before its prompt was computed")
+            else:
+                self._board.ready(handoff, note)
 
     def _fault(self, meta: PdserveMeta, req_id: str) -> str:
         return meta.faults.get(req_id, "") if self.config.allow_test_faults else ""
@@ -331,6 +350,11 @@ class WorkerSide:
         try:
             if job.error:
                 raise TransferError("plan", job.error)
+            if remote.handoff:
+                job = self._rendezvous(job)
+                remote = job.remote
+                stats["waited_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+                t0, stats["t0"] = time.perf_counter(), time.time()  # the read's own time from here
             batches = self._batches(remote, job)
             deadline_s = self.config.sync_load_deadline_s if job.sync else self.config.transfer_deadline_s
             if remote.lease_deadline:
@@ -360,6 +384,42 @@ class WorkerSide:
             log.info("request %s: rank %d read %d blocks (%d B, %s) from %s in %.2f ms (%.2f GB/s)", job.req_id,
                      self.rank, len(plan), stats["bytes"], stats["mode"], remote.request_id, stats["ms"],
                      stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
+
+    def _rendezvous(self, job: RecvJob) -> RecvJob:
+        """D, an early hand-off: wait for P's answer (each P rank this rank reads from, once its forward wrote the
+        prompt), check it against our prompt and fingerprint, and return the job with P's blocks and request id.
+        Raises TransferError (the read fails: vLLM recomputes) when P is gone, restarted, or does not answer in time."""
+        remote = job.remote
+        wait_s = self.config.handoff_wait_s
+        ranks = [self.rank] if remote.tp == self.tp else list(range(remote.tp))
+        note: ReadyNote | None = None
+        for p in ranks:
+            handle = self.engine.submit(self._peer(remote, p), [], "read",
+                                        notify=wait_message(remote.handoff, remote.rank(p)[0], wait_s),
+                                        deadline_s=wait_s + self.config.clock_margin_s + 1.0)
+            handle.result()
+            reply = handle.reply if isinstance(handle.reply, dict) else {}
+            if not reply.get("ok"):
+                raise TransferError("handoff", f"P rank {p} has no KV for hand-off {remote.handoff}: "
+                                               f"{reply.get('why') or 'no answer'}")
+            try:
+                note = note or ReadyNote.from_wire(reply)
+            except ValueError as exc:
+                raise TransferError("handoff", str(exc)) from None
+        assert note is not None
+        if note.num_tokens != remote.num_tokens or note.prompt_hash != job.expect_hash:
+            raise TransferError("handoff", f"P prefilled another prompt ({note.num_tokens} tokens, digest "
+                                           f"{note.prompt_hash}) than ours ({remote.num_tokens}, {job.expect_hash})")
+        if job.expect_fingerprint:
+            diff = differences(note.fingerprint or {}, job.expect_fingerprint) if note.fingerprint else ["none sent"]
+            if diff:
+                raise TransferError("handoff", f"fingerprint mismatch: {'; '.join(diff)}")
+        end = job.first_block + len(job.plan.local)
+        if end > len(note.blocks):
+            raise TransferError("handoff", f"P holds {len(note.blocks)} blocks, the read needs {end}")
+        remote = replace(remote, block_ids=note.blocks, request_id=note.req_id, prompt_hash=note.prompt_hash,
+                         lease_deadline=note.lease_deadline, fingerprint=note.fingerprint)
+        return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]))
 
     def _read(self, job: RecvJob, batches: dict[int, list[tuple[str, int, str, int, int]]],
               counts: dict[int, int], notified: set[int], deadline_s: float,
@@ -491,8 +551,15 @@ class WorkerSide:
         """D's READ notification: counts toward the lease's end; after a read (the batch moved bytes) it is answered
         with the lease's checksums (kv_checksum on)."""
         msg = note.message
-        text, heads = split_heads(msg.decode() if isinstance(msg, bytes) else str(msg))
+        text = msg.decode() if isinstance(msg, bytes) else str(msg)
+        wait = parse_wait(text)
+        if wait is not None:  # D's rendezvous of an early hand-off: answered once the blocks are announced
+            return self._board.wait(*wait)
+        text, heads = split_heads(text)
         req_id, sender, readers, read = parse_notify(text)
+        if is_handoff(req_id):  # D read nothing and never learnt our request id: the board maps it
+            self._board.note(req_id, sender, readers)
+            return None
         self._ledger.notify(req_id, sender=sender, readers=readers)
         if not self.config.kv_checksum or not getattr(note, "nbytes", 0):
             return None
@@ -504,6 +571,7 @@ class WorkerSide:
         failed: set[str] = set()
         self._pool_results(recving, failed)
         released = self._ledger.step()
+        self._board.expire()
         self._account_releases(released)
         self._read_results(recving, failed)
         return KVConnectorTransferResults(finished_sending=released.finished_sending, finished_recving=recving,

@@ -79,6 +79,24 @@ def test_router_pd_output_equals_one_worker(cluster, length):
     assert _metric(cluster.worker_urls("decode")[0], "vllm:pdserve_kv_reads_total") >= reads_before + 2
 
 
+def test_early_dispatch_with_shared_prefixes_equals_one_worker(cluster):
+    """Early dispatch (issue 37): prompts that share a prefix, each sent to D while P prefills it (D waits for P's
+    blocks, reads the ones its prefix cache lacks, regenerates t1 and the router checks it equals P's); greedy fp32
+    output equals the decode worker's alone, token for token, and no D gave way to the serial hand-off."""
+    rng = random.Random(37)
+    prefix = [rng.randrange(1000, 40000) for _ in range(600)]
+    bodies = [{"model": "rl", "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(n)], "max_tokens": 16,
+               "temperature": 0, "ignore_eos": True} for n in (5, 130, 260, 131)]
+    _post(cluster.router_url + "/v1/completions", {**bodies[0], "prompt": bodies[0]["prompt"][:40]})  # P is known
+    before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    for body in bodies:
+        out = _post(cluster.router_url + "/v1/completions", body)
+        assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", body)["choices"][0]["text"]
+    after = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert grew == {'pdserve_router_handoffs_total{outcome="early"}': float(len(bodies))}, grew
+
+
 def test_router_pd_chat_equals_one_worker(cluster):
     body = {"model": "rl", "messages": [{"role": "user", "content": "Name three colours, please."}],
             "max_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -69,7 +69,8 @@ def _queued_on(cluster: Cluster, url: str) -> float:
 
 def test_prefill_killed_under_concurrent_streams_every_request_completes_exactly(cluster):
     """Six streams decode on D, two more wait on P (stopped), then P is SIGKILLed: the two migrate (whole on D),
-    the six go on, every output equals D's alone, token for token."""
+    the six go on, every output equals D's alone, token for token. With early dispatch the two wait on D as well,
+    for P's blocks: D's wait ends with P, and D holds no block and no request afterwards."""
     reference = _post(cluster.worker_urls("decode")[0] + "/v1/completions", BODY)["choices"][0]["text"]
     # the shared stack's earlier tests may have migrated requests too: this test counts its own
     before = scrape(cluster.router_url, "pdserve_router_migrations_total", labels=True)
@@ -105,3 +106,21 @@ def test_prefill_killed_under_concurrent_streams_every_request_completes_exactly
     after = scrape(cluster.router_url, "pdserve_router_migrations_total", labels=True)
     migrated = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
     assert migrated == {'pdserve_router_migrations_total{role="prefill"}': 2.0}, (migrated, log[-6000:])
+    # early dispatch (issue 37): the two were on D too, waiting for P's prefill when P died; D's waits ended (P's
+    # engine gone: the read failed), their requests were aborted and every block on D is free again
+    early = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    # (the first six may have gone the serial way on a fresh stack, before the router knew P's engine; the two P
+    # held were sent after P had answered them)
+    assert early.get('pdserve_router_handoffs_total{outcome="early"}', 0.0) >= 2, early
+    d_url = cluster.worker_urls("decode")[0]
+    deadline = time.monotonic() + 30  # inside a lease and far inside D's 60 s wait: the wait ended on P's death
+
+    def held() -> tuple[float, float, float]:
+        m = scrape(d_url, "vllm:")
+        return (m.get("vllm:kv_cache_usage_perc", 0.0), m.get("vllm:num_requests_waiting", 0.0),
+                m.get("vllm:num_requests_running", 0.0))
+
+    while held() != (0.0, 0.0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    d_log = (cluster.run_dir / "decode0.log").read_text()[-6000:] if cluster.run_dir else ""
+    assert held() == (0.0, 0.0, 0.0), (held(), d_log)

@@ -325,7 +325,7 @@ def test_a_prompt_sealed_after_its_forward_answers_d_before_p_hears_of_the_lease
     with no wait for the step that tells P of the lease; a write after it still shows."""
     p, d = pair()
     p._seals.wait_s = 5.0  # a wait would show in the read's time
-    p.seal_after_forward(PdserveMeta(seal_now={"req": (3, 4)}, faults={"req": fault} if fault else {}))
+    p.after_forward(PdserveMeta(seal_now={"req": (3, 4)}, faults={"req": fault} if fault else {}))
     if fault:
         time.sleep(0.2)  # P sealed, then wrote into the block; D reads afterwards
     t0 = time.perf_counter()

@@ -211,6 +211,8 @@ def worker(engine: FakeEngine, **extra: Any) -> Any:
     w.stats = PdserveStats()
     from pdserve.vllm.integrity import SealTable
     w._seals = SealTable()
+    from pdserve.vllm.handoff_board import HandoffBoard
+    w._board = HandoffBoard("engine-p", lambda *a: None)
     w._batches = lambda remote, job: {0: [("layer", 0, "layer", 0, 3000)]}
     return w
 

@@ -34,6 +34,11 @@ from .textsync import TextSync
 from .timings import Timings, transfer_stats
 
 log = logging.getLogger("pdserve.router")
+
+
+class Diverged(Exception):
+    """An early-dispatched D's first token (regenerated from P's KV) is not P's: the caller falls back to the serial
+    hand-off (D continues from prompt + [P's token])."""
 _rechecks: set[asyncio.Task] = set()  # the probes in flight (held so they are not collected)
 
 
@@ -170,13 +175,15 @@ class Attempt:
 
     # ---- the streamed call ----
     async def deltas(self, body: dict[str, Any], own_text: bool, answered: bool, relay: bool = False,
-                     keep_prompt_logprobs: bool = False, sync: TextSync | None = None
-                     ) -> AsyncGenerator[Delta, None]:
+                     keep_prompt_logprobs: bool = False, sync: TextSync | None = None,
+                     skip_first: asyncio.Future[int] | None = None) -> AsyncGenerator[Delta, None]:
         """Stream the body: one delta per worker event, the finish last (its text made only when it goes out).
         ``own_text``: the router's detokenizer makes the text (P -> D, a migrated attempt); ``sync``: only until
         the worker's own text is settled (:mod:`.textsync`), then the worker's text as it is; ``answered``: the
         client has output of this request already (its failure is then a mid-request one); ``relay``: plain
-        events may pass through as bytes (:mod:`.relay`) once the text is the worker's own and one delta is out."""
+        events may pass through as bytes (:mod:`.relay`) once the text is the worker's own and one delta is out.
+        ``skip_first``: an early-dispatched D regenerates the first token, which the client has from P already: its
+        first token must equal the future's (P's), else :class:`Diverged`; it is dropped, not yielded."""
         t, out = self.t, self.ctx.output
         now = time.perf_counter()
         if t.dispatch is None:
@@ -201,6 +208,13 @@ class Attempt:
                         continue  # usage chunk
                     c0 = choices[0]
                     ids = list(c0.get("token_ids") or [])
+                    if skip_first is not None and ids:
+                        ids = await self._drop_first(ids, c0, skip_first)
+                        skip_first = None
+                        if not ids and c0.get("finish_reason") is None:
+                            self._start()
+                            started = True
+                            continue
                     if not started and (ids or c0.get("text")):
                         started = True
                         self._start()
@@ -227,6 +241,15 @@ class Attempt:
             if t.d_end is None:
                 t.d_end = time.perf_counter()
             self._closed()
+
+    async def _drop_first(self, ids: list[int], c0: dict[str, Any], expected: asyncio.Future[int]) -> list[int]:
+        """D's first event without its first token, which must be P's (awaited: D may be faster than P's answer)."""
+        first = await asyncio.shield(expected)
+        if ids[0] != first:
+            raise Diverged(f"D's first token {ids[0]} is not P's {first}")
+        if len(ids) > 1 and c0.get("logprobs") is not None:  # (logprobs per token: not cut here)
+            raise Diverged("D's first event holds several tokens with logprobs")
+        return ids[1:]
 
     def _start(self) -> None:
         self.started = True

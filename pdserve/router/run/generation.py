@@ -29,15 +29,16 @@ from ...hashing import domain_root
 from ...settings import default
 from ..api.protocol import GenerationRequest, seeded_random
 from ..api.tokenizer import IncrementalDetokenizer
-from ..errors import RouterError, upstream_failed
+from ..errors import RouterError, deadline_exceeded, upstream_failed
 from ..fleet.move import MovableRun, Moved, wait_moves
 from ..fleet.placement import Placement
 from ..fleet.ticket import PlacementTicket
 from ..metrics import RouterMetrics
 from ..workers.client import WorkerClient
-from .attempt import Attempt, AttemptContext
-from .deadline import Deadline
+from .attempt import Attempt, AttemptContext, Diverged
+from .deadline import Deadline, within
 from .delta import Delta
+from .early_dispatch import EarlyDispatch, early_allowed
 from .failures import Migrate, Retry
 from .output import Output
 from .stops import StopStrings
@@ -72,6 +73,7 @@ class GenerationOptions:
     request_timeout_s: float | None = None
     handoff_timeout_s: float | None = None
     probe_timeout_s: float = default("health_timeout_s", "router")
+    early: EarlyDispatch | None = None  # early dispatch to D (the data plane's, where it allows one)
 
 
 class Generation:
@@ -102,6 +104,7 @@ class Generation:
         self.first_from_prefill = o.first_from_prefill
         self.prefill_kv_params = dict(o.prefill_kv_params or {"do_remote_decode": True})
         self.decode_kv_params = o.decode_kv_params
+        self.early = o.early
         self.migration_limit = o.migration_limit
         self.migrations = 0
         # P -> D: text from the router's own detokenizer (see IncrementalDetokenizer); colocated: the worker's
@@ -366,28 +369,62 @@ class Generation:
         yield Delta(c0.get("text") or "", list(c0.get("token_ids") or []), c0.get("finish_reason") or "length",
                     c0.get("stop_reason"), c0.get("logprobs"))
 
-    async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncGenerator[Delta, None]:
-        """P's one-token prefill, then D's stream (the hand-off)."""
-        p = self._attempt(ticket, "prefill", "prefill")
+    async def _early_params(self, ticket: PlacementTicket) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(P's extra, D's) ``kv_transfer_params`` for an early hand-off on this ticket (:mod:`.early_dispatch`), or
+        None: the serial hand-off (early dispatch off, P's engine not known yet, P's token the whole output, or
+        sampling under which D's first token need not be P's)."""
+        if self.early is None or ticket.prefill is None or ticket.decode is None:
+            return None
+        if self.first_from_prefill and self._left < 2:
+            return None
+        if not early_allowed(self.req.sampling, self.first_from_prefill):
+            return None
+        return await self.early.params(ticket.prefill.url, len(self._prompt))
+
+    async def _prefill(self, ticket: PlacementTicket, p: Attempt, body: dict[str, Any]) -> tuple[dict, Any]:
+        """P's call: its answer's first choice and its ``kv_transfer_params`` (the book learns P's engine from them;
+        a P that failed is forgotten)."""
+        now = time.perf_counter()
+        if self.t.dispatch is None:
+            self.t.dispatch = now
+        self.t.p_sent = now
+        try:
+            resp = await p.complete(body, streamed_client=self.req.stream)
+        except (Retry, Migrate):
+            if self.early is not None:
+                self.early.forget(p.worker.url)
+            raise
+        self.t.p_done = time.perf_counter()
+        self.ctx.handoff_since = asyncio.get_running_loop().time()
+        ticket.prefill_done()
+        c0 = self._prefill_answer(p, resp)
+        kvp = resp.get("kv_transfer_params")
+        if self.early is not None:
+            self.early.learn(p.worker.url, kvp)
+        transfer_stats(resp, self.t)
+        if not self._done:
+            self.output.prompt_logprobs = c0.get("prompt_logprobs")
+        return c0, kvp
+
+    def _prefill_body(self) -> dict[str, Any]:
         body = self._body(self._prompt, 1, False)
         if not self.first_from_prefill:  # P's token is thrown away: no grammar for P to compile
             body.pop("structured_outputs", None)
             body.pop("response_format", None)
         if not (self.first_from_prefill and self._left == 1):  # else P's token is the whole output: no lease
             body["kv_transfer_params"] = dict(self.prefill_kv_params)
-        now = time.perf_counter()
-        if self.t.dispatch is None:
-            self.t.dispatch = now
-        self.t.p_sent = now
-        resp = await p.complete(body, streamed_client=self.req.stream)
-        self.t.p_done = time.perf_counter()
-        self.ctx.handoff_since = asyncio.get_running_loop().time()
-        ticket.prefill_done()
-        c0 = self._prefill_answer(p, resp)
-        kvp = resp.get("kv_transfer_params")
-        transfer_stats(resp, self.t)
-        if not self._done:
-            self.output.prompt_logprobs = c0.get("prompt_logprobs")
+        return body
+
+    async def _pd(self, ticket: PlacementTicket, exclude: set[str]) -> AsyncGenerator[Delta, None]:
+        """P's one-token prefill, then D's stream (the hand-off); early dispatch where it applies."""
+        early = await self._early_params(ticket)
+        if early is not None:
+            async with aclosing(self._pd_early(ticket, exclude, early)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
+        p = self._attempt(ticket, "prefill", "prefill")
+        c0, kvp = await self._prefill(ticket, p, self._prefill_body())
         if not self.first_from_prefill:  # D gets the prompt alone and produces the whole output itself
             kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=True)
@@ -406,6 +443,117 @@ class Generation:
             yield first
             d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
         self.metrics.handoffs.labels("kv" if isinstance(kvp, dict) else "no_kv").inc()
+        if isinstance(kvp, dict):
+            d_body["kv_transfer_params"] = kvp
+        async with aclosing(self._hand_to_decode(ticket, exclude, d_body)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _pd_early(self, ticket: PlacementTicket, exclude: set[str],
+                        early: tuple[dict[str, Any], dict[str, Any]]) -> AsyncGenerator[Delta, None]:
+        """P's prefill and D's request at once (:mod:`.early_dispatch`). P's first token goes to the client as soon
+        as P answers; D's stream follows from its second token (D's first must be P's). D failing or diverging before
+        it streamed anything: the serial hand-off (prompt + [t1], P's lease) takes over."""
+        p = self._attempt(ticket, "prefill", "prefill")
+        body = self._prefill_body()
+        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **early[0]}
+        after_first = self.first_from_prefill
+        expect: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        d, d_deltas = self._early_decode(ticket, early[1], expect if after_first else None)
+        d_first = asyncio.ensure_future(d_deltas.__anext__())
+        self.metrics.handoffs.labels("early").inc()
+        try:
+            c0, kvp = await self._prefill(ticket, p, body)
+            if d.started:
+                self.ctx.handoff_since = None
+            if after_first:
+                t1, finish = c0["token_ids"][0], c0.get("finish_reason")
+                first = Delta(self.output.delta([t1], c0, True).text, [t1], logprobs=c0.get("logprobs"))
+                if finish == "stop" or self._left == 1:  # the output ends with P's token: D is closed below
+                    first.finish_reason, first.stop_reason = finish or "length", c0.get("stop_reason")
+                    yield first
+                    return
+                if finish != "length":
+                    p.end("error", f"finished with {finish!r} after one token")
+                    raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
+                expect.set_result(t1)
+                yield first
+            elif await self._decode_params(ticket, kvp, c0.get("finish_reason")) is None:
+                # P kept nothing for D (MooncakeConnector: its token did not end by length): D would wait for KV that
+                # never comes, so it gets the serial request instead (it computes the prompt)
+                await self._close_early(d_first, d_deltas)
+                async with aclosing(self._serial_after_early(ticket, exclude, c0, kvp)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            self.attempt = d
+            try:
+                delta = await self._early_first(d_first)
+            except (Diverged, Retry, Migrate) as e:
+                log.info("request %s: early hand-off to %s gave way to the serial one (%s)", self.req.request_id,
+                         d.worker.url, e)
+                self.metrics.handoffs.labels("early_fallback").inc()
+                await self._close_early(d_first, d_deltas)
+                async with aclosing(self._serial_after_early(ticket, exclude, c0, kvp)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            yield delta
+            async for delta in d_deltas:
+                yield delta
+        finally:
+            if not expect.done():
+                expect.cancel()
+            await self._close_early(d_first, d_deltas)
+
+    def _early_decode(self, ticket: PlacementTicket, kv_params: dict[str, Any], expect: asyncio.Future[int] | None
+                      ) -> tuple[Attempt, AsyncGenerator[Delta, None]]:
+        """D's attempt of an early hand-off and its (not yet started) stream: the prompt alone, all that is left of
+        ``max_tokens``; ``expect``: P's first token, which D's first must equal (None: D's stream is the output)."""
+        after_first = expect is not None
+        own_text = after_first or self._done > 0
+        d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=not after_first)
+        d_body["kv_transfer_params"] = kv_params
+        assert ticket.decode is not None
+        self.t.decode_worker = ticket.decode.url
+        d = Attempt(self.ctx, ticket, ticket.decode, "decode", "decode")
+        return d, d.deltas(d_body, own_text, answered=own_text, relay=self._relay(), keep_prompt_logprobs=not own_text,
+                           sync=self._sync(own_text), skip_first=expect)
+
+    async def _early_first(self, d_first: asyncio.Future[Delta]) -> Delta:
+        """D's first delta after P's answer, within the hand-off deadline (as a serial D's first event)."""
+        ctx = self.ctx
+        if ctx.handoff_timeout_s is None or ctx.handoff_since is None:
+            return await d_first
+        try:
+            return await within(d_first, ctx.handoff_since + ctx.handoff_timeout_s)
+        except asyncio.TimeoutError:
+            ctx.metrics.deadlines.labels("handoff").inc()
+            raise deadline_exceeded(f"the decode worker did not start within the hand-off deadline of "
+                                    f"{ctx.handoff_timeout_s:g} s after the prefill (router --handoff-timeout-s)",
+                                    "handoff_timeout") from None
+
+    @staticmethod
+    async def _close_early(d_first: asyncio.Future[Delta], d_deltas: AsyncGenerator[Delta, None]) -> None:
+        """End D's early stream: its pending first read cancelled, then the stream closed (vLLM aborts the request;
+        its connector's wait for P ends by P's answer or its bound, and frees D's blocks)."""
+        if not d_first.done():
+            d_first.cancel()
+        try:
+            await d_first
+        except BaseException:  # its outcome is the caller's no more (cancelled, failed, diverged)
+            pass
+        await d_deltas.aclose()
+
+    async def _serial_after_early(self, ticket: PlacementTicket, exclude: set[str], c0: dict[str, Any], kvp: Any
+                                  ) -> AsyncGenerator[Delta, None]:
+        """The serial hand-off after an early one gave way: D gets prompt + [t1] with P's kv_transfer_params (what D
+        read already is in its prefix cache), or, where D regenerates the first token, the prompt alone."""
+        if self.first_from_prefill:
+            d_body = self._body(self._prompt + [c0["token_ids"][0]], self._left - 1, True, computes_prompt=False)
+        else:
+            kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
+            d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=True)
         if isinstance(kvp, dict):
             d_body["kv_transfer_params"] = kvp
         async with aclosing(self._hand_to_decode(ticket, exclude, d_body)) as deltas:

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from ...settings.table import MOONCAKE_BOOTSTRAP_PORT
 from ..config import parse_bootstrap_ports
 from ..errors import RouterError, upstream_failed
+from .early_dispatch import EngineBook
 from .mooncake import BootstrapBook
 
 KV_CONNECTORS = ("pdserve", "nixl", "mooncake")
@@ -70,10 +71,15 @@ class KVProtocol:
 
 
 class PdserveProtocol(KVProtocol):
-    """pdserve's own connector: P's first token streams at once, D continues from prompt + [t1]."""
+    """pdserve's own connector: P's first token streams at once, D continues from prompt + [t1]; with early
+    dispatch (:mod:`.early_dispatch`, on unless ``early`` is False) D gets its request while P prefills, from the
+    second request to each P on (``book``: where each P's engine is)."""
 
     name = "pdserve"
     first_from_prefill = True
+
+    def __init__(self, early: bool = True) -> None:
+        self.book: EngineBook | None = EngineBook() if early else None
 
     def prefill_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
@@ -84,6 +90,7 @@ class PdserveProtocol(KVProtocol):
         out = super().options(constrained)
         if out["first_from_prefill"]:
             out["prefill_kv_params"] = {**out["prefill_kv_params"], "lease_on_stop": False}
+        out["early"] = self.book
         return out
 
     def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None) -> dict[str, Any] | None:
@@ -155,18 +162,20 @@ class MooncakeProtocol(KVProtocol):
     name = "mooncake"
     first_from_prefill = False
 
-    def __init__(self, book: BootstrapBook | None = None) -> None:
+    def __init__(self, book: BootstrapBook | None = None, early: bool = True) -> None:
         self.book = book or BootstrapBook(MOONCAKE_BOOTSTRAP_PORT)
+        self.early = early
 
     def prefill_params(self, transfer_id: str = "") -> dict[str, Any]:
         return {"do_remote_decode": True, "do_remote_prefill": False,
                 "transfer_id": transfer_id or new_transfer_id()}
 
     def options(self, constrained: bool = False) -> dict[str, Any]:
-        """One transfer id per request: P's params and D's reading of P's answer share it."""
+        """One transfer id per request: P's params and D's reading of P's answer share it (and an early D's)."""
         transfer_id = new_transfer_id()
         return {"first_from_prefill": False, "prefill_kv_params": self.prefill_params(transfer_id),
-                "decode_kv_params": functools.partial(self.decode_for, transfer_id)}
+                "decode_kv_params": functools.partial(self.decode_for, transfer_id),
+                "early": MooncakeEarly(self, transfer_id) if self.early else None}
 
     def decode_params(self, prefill_url: str, kvp: Any, finish: str | None = None
                       ) -> Awaitable[dict[str, Any] | None]:
@@ -190,20 +199,47 @@ class MooncakeProtocol(KVProtocol):
                 "remote_bootstrap_addr": self.book.address(prefill_url), "transfer_id": transfer_id}
 
 
+class MooncakeEarly:
+    """Early dispatch over vLLM's MooncakeConnector (:mod:`.early_dispatch`): D is sent its pull of the request's
+    transfer id at once. vLLM allows it: P's sender, asked for a transfer id it has not finished yet, waits for it
+    (``send_kv_to_decode``: a placeholder and its ``ready`` event, up to ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``).
+    What vLLM does not do, and pdserve cannot from outside: end that wait when P's request ends without keeping its
+    blocks (a stop or an abort: ``record_send_reqs`` drops the transfer, nobody tells D) or when P dies (D's ZMQ
+    socket waits ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` + 60 s): D's blocks stay allocated that long, then D
+    computes the prompt. The router closes such a D and sends the serial request."""
+
+    def __init__(self, protocol: MooncakeProtocol, transfer_id: str) -> None:
+        self.protocol, self.transfer_id = protocol, transfer_id
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        d = await self.protocol.decode_for(self.transfer_id, prefill_url, None, "length")
+        return None if d is None else ({}, d)
+
+    def learn(self, url: str, kvp: Any) -> None:
+        return None
+
+    def forget(self, url: str) -> None:
+        return None
+
+
 def new_transfer_id() -> str:
     """A transfer id no other request shares (P's sender and D's pull meet on it)."""
     return f"xfer-{uuid.uuid4().hex}"
 
 
-PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(), "nixl": NixlProtocol()}
+PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(early=False), "nixl": NixlProtocol()}
 
 
-def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = ""
-                 ) -> KVProtocol:
-    """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids): build it once per router.
-    Raises ValueError for an unknown name or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
+def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = "",
+                 early_dispatch: bool = True) -> KVProtocol:
+    """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids), and so does pdserve's with
+    ``early_dispatch`` (each P's engine address): build it once per router. Raises ValueError for an unknown name
+    or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
+    if name == "pdserve":
+        return PdserveProtocol(early=early_dispatch)
     if name == "mooncake":
-        return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)))
+        return MooncakeProtocol(BootstrapBook(mooncake_bootstrap_port, parse_bootstrap_ports(mooncake_bootstrap)),
+                                early=early_dispatch)
     try:
         return PROTOCOLS[name]
     except KeyError:

@@ -1,0 +1,96 @@
+"""Early dispatch to D (pdserve's connector): D gets its request while P prefills, not after P's answer.
+
+The router mints a hand-off id per P -> D attempt and sends it to P (``pdserve_handoff`` in P's
+``kv_transfer_params``) and, at the same time, to D with P's transfer-engine address. D admits the request, allocates
+its blocks and waits for the KV as an async load; its connector asks P's engine for the id and P answers once the
+forward that completes the prompt has written (and sealed) it (pdserve/vllm/handoff_board.py). D regenerates the first
+token from P's KV; the router checks it equals P's, which the client already has (:class:`~.attempt.Diverged`
+otherwise: the serial hand-off takes over).
+
+Where P's engine is, before P answers: :class:`EngineBook` keeps, per prefill worker, the address part of that
+worker's last answer (its ``kv_transfer_params``). A P the book does not know yet (its first request, or after it
+failed) goes the serial way and teaches it. A P that restarted since has another engine id: D's connector refuses
+the old address at once (the engine at that port names itself) and computes the prompt; P's next answer corrects
+the book.
+
+Each data plane that allows it has an :class:`EarlyDispatch` (``params``: what P's and D's ``kv_transfer_params``
+get for one early hand-off, or None: serial; ``learn`` / ``forget``: P's answers and failures). pdserve's is
+:class:`EngineBook`; vLLM's MooncakeConnector's is :class:`~.kv_protocol.MooncakeEarly` (D's pull waits for P's
+transfer id: vLLM's ``send_kv_to_decode``); vLLM's NixlConnector allows none (D needs P's block ids).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+__all__ = ["HANDOFF_PREFIX", "EarlyDispatch", "EngineBook", "early_allowed", "new_handoff_id"]
+
+HANDOFF_PREFIX = "hoff-"  # pdserve.vllm.params.HANDOFF_PREFIX: the connector tells hand-off ids by it
+GREEDY_BELOW = 1e-5  # vLLM 0.32 samples greedily below this temperature (SamplingParams._MAX_TEMP's twin)
+# the address part of P's answer: where its engine (and each tensor-parallel rank's) listens, and its KV layout
+_ADDRESS = ("remote_engine_id", "remote_host", "remote_port", "remote_ranks", "remote_kv_layout", "remote_kv_heads",
+            "remote_kv_unit")
+
+
+def new_handoff_id() -> str:
+    return f"{HANDOFF_PREFIX}{uuid.uuid4().hex}"
+
+
+def early_allowed(sampling: Mapping[str, Any], first_from_prefill: bool) -> bool:
+    """Whether D's regenerated first token can be P's: greedy sampling (``temperature`` below vLLM's greedy bound), or
+    D produces every token itself (``first_from_prefill`` False: structured outputs, seeded sampling), so no
+    comparison is needed. Unseeded random sampling would differ: it takes the serial hand-off."""
+    if not first_from_prefill:
+        return True
+    temperature = sampling.get("temperature")
+    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < GREEDY_BELOW
+
+
+class EarlyDispatch(Protocol):
+    """One data plane's early hand-off (see the module docstring)."""
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(what P's ``kv_transfer_params`` get besides the usual, D's ``kv_transfer_params``) for one early hand-off
+        of a prompt of ``num_tokens`` from P ``prefill_url``; None: the serial hand-off."""
+        ...
+
+    def learn(self, url: str, kvp: Any) -> None: ...
+
+    def forget(self, url: str) -> None: ...
+
+
+class EngineBook:
+    """Prefill worker URL -> the address part of its last ``kv_transfer_params`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._book: dict[str, dict[str, Any]] = {}
+
+    def learn(self, url: str, kvp: Any) -> None:
+        """P answered ``kvp``: keep where its engine is (a hybrid KV cache's hand-off is not early: forgotten)."""
+        if not isinstance(kvp, Mapping) or not kvp.get("do_remote_prefill") or kvp.get("remote_group_blocks"):
+            return
+        if not all(kvp.get(k) is not None for k in ("remote_engine_id", "remote_host", "remote_port")):
+            return
+        self._book[url] = {k: kvp[k] for k in _ADDRESS if kvp.get(k) is not None}
+
+    def forget(self, url: str) -> None:
+        self._book.pop(url, None)
+
+    def decode_params(self, url: str, handoff: str, num_tokens: int) -> dict[str, Any] | None:
+        """D's ``kv_transfer_params`` for an early hand-off from P ``url`` of a prompt of ``num_tokens``; None while
+        the book does not know ``url``."""
+        address = self._book.get(url)
+        if address is None:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, **address, "remote_block_ids": [],
+                "remote_num_tokens": num_tokens, "remote_request_id": handoff, "pdserve_handoff": handoff}
+
+    async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        handoff = new_handoff_id()
+        d = self.decode_params(prefill_url, handoff, num_tokens)
+        return None if d is None else ({"pdserve_handoff": handoff}, d)
+
+    def __contains__(self, url: object) -> bool:
+        return url in self._book

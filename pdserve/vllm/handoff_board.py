@@ -1,0 +1,138 @@
+"""P, worker side: the rendezvous of an early hand-off (docs/architecture.md, section 3, "Early dispatch").
+
+The router sends D its request while P is still prefilling, with a hand-off id (``pdserve_handoff``, minted by the
+router, also in P's ``kv_transfer_params``). D's worker asks P's transfer engine for that id (a notification that P
+answers, :data:`WAIT_PREFIX`); P's worker answers once its scheduler has said, in the step whose forward completes
+the prompt, which blocks hold it (:class:`~pdserve.vllm.messages.ReadyNote`, after their seal when checksums are
+on): P's request id, the block ids, the prompt's digest and P's fingerprint. D then reads as after a serial
+hand-off, and its READ notification (naming P's request id) ends P's lease.
+
+:class:`HandoffBoard` is that table: ids announced ready (or gone: P's request ended before its prompt was
+computed), the waiters, and the notifications that named an id instead of P's request id (D gave up, or was
+aborted, before it learnt P's request id): those end the lease as soon as the id is known. Entries expire after
+``ttl_s``. Thread-safe: ``wait`` and ``note`` run on the transfer engine's connection threads, ``ready`` and
+``gone`` on the worker's step.
+
+No vLLM or torch import.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.vllm.messages import ReadyNote
+from pdserve.vllm.params import HANDOFF_PREFIX  # every hand-off id starts so: not a P request id
+
+__all__ = ["HANDOFF_PREFIX", "MAX_WAIT_S", "WAIT_PREFIX", "HandoffBoard", "is_handoff", "parse_wait",
+           "wait_message"]
+WAIT_PREFIX = "?wait|"  # D's question: "?wait|<hand-off id>|<P's engine id>|<seconds>"
+MAX_WAIT_S = 600.0  # P never holds a question longer than this, whatever D asks
+
+
+def is_handoff(name: str) -> bool:
+    return name.startswith(HANDOFF_PREFIX)
+
+
+def wait_message(handoff: str, engine_id: str, wait_s: float) -> str:
+    return f"{WAIT_PREFIX}{handoff}|{engine_id}|{wait_s:.3f}"
+
+
+def parse_wait(msg: str) -> tuple[str, str, float] | None:
+    """(hand-off id, P engine id D expects, seconds) of a question, or None when ``msg`` is not one."""
+    if not msg.startswith(WAIT_PREFIX):
+        return None
+    parts = msg[len(WAIT_PREFIX):].split("|")
+    if len(parts) != 3 or not is_handoff(parts[0]):
+        return None
+    try:
+        wait_s = float(parts[2])
+    except ValueError:
+        return None
+    return parts[0], parts[1], min(max(wait_s, 0.0), MAX_WAIT_S)
+
+
+@dataclass
+class _Entry:
+    since: float
+    note: ReadyNote | None = None
+    gone: str = ""  # why P will never announce it
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (sender, readers) of notes naming the id
+
+
+class HandoffBoard:
+    """One per P worker rank (see the module docstring). ``on_note(p_request_id, sender, readers)``: how a
+    notification that named a hand-off id reaches the lease ledger once P's request id is known."""
+
+    def __init__(self, engine_id: str, on_note: Callable[[str, int, int], None], ttl_s: float = 600.0) -> None:
+        self.engine_id = engine_id
+        self.on_note = on_note
+        self.ttl_s = ttl_s
+        self._entries: dict[str, _Entry] = {}
+        self._cond = threading.Condition()
+
+    def _entry(self, handoff: str, now: float) -> _Entry:
+        entry = self._entries.get(handoff)
+        if entry is None:
+            entry = self._entries[handoff] = _Entry(now)
+        return entry
+
+    # ---- the worker's step ----
+    def ready(self, handoff: str, note: ReadyNote) -> None:
+        """P's prompt of ``handoff`` is computed (and sealed) in ``note.blocks``: answer its waiters."""
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            entry.note, pending, entry.pending = note, entry.pending, []
+            self._cond.notify_all()
+        for sender, readers in pending:  # D gave up or was aborted before it knew P's request id
+            self.on_note(note.req_id, sender, readers)
+
+    def gone(self, handoff: str, why: str) -> None:
+        """P's request of ``handoff`` ended before its prompt was computed: its waiters are answered at once."""
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            if entry.note is None:
+                entry.gone = why or "P's request ended"
+            self._cond.notify_all()
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._cond:
+            for handoff in [h for h, e in self._entries.items() if now - e.since > self.ttl_s]:
+                del self._entries[handoff]
+
+    # ---- the engine's threads ----
+    def wait(self, handoff: str, engine_id: str, wait_s: float) -> dict[str, Any]:
+        """D's question: P's blocks of ``handoff`` once announced, else why not (this engine is not the one D
+        expects: P restarted; P's request ended first; ``wait_s`` ran out)."""
+        if engine_id != self.engine_id:
+            return {"ok": False, "why": f"engine {self.engine_id} is not {engine_id} (P restarted?)"}
+        end = time.monotonic() + wait_s
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            while entry.note is None and not entry.gone:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return {"ok": False, "why": f"not ready within {wait_s:g} s"}
+                self._cond.wait(left)
+                entry = self._entry(handoff, time.monotonic())  # (expired meanwhile: a fresh one)
+            if entry.note is None:
+                return {"ok": False, "why": entry.gone}
+            return {"ok": True, **entry.note.to_wire()}
+
+    def note(self, handoff: str, sender: int, readers: int) -> None:
+        """A notification that names the hand-off id (D read nothing): ends P's lease now or once it is known."""
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            if entry.note is None:
+                entry.pending.append((sender, readers))
+                return
+            req_id = entry.note.req_id
+        self.on_note(req_id, sender, readers)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)
