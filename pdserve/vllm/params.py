@@ -31,6 +31,7 @@ from pdserve.settings.connector import (  # noqa: F401  (re-exported: the connec
 from pdserve.vllm.fingerprint import parse as parse_fingerprint
 
 HANDOFF_PREFIX = "hoff-"  # an early hand-off's id (pdserve.vllm.handoff_board imports it from here)
+NO_EARLY = "pdserve_no_early"  # in P's answer: this fleet's engines cannot continue an early hand-off exactly
 
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
 # the read and its checksum check (real corruption of the KV D uses: the negative control); "fail" fails the read

@@ -42,6 +42,7 @@ from pdserve.vllm.messages import (
 )
 from pdserve.vllm.params import (
     HANDOFF_PREFIX,
+    NO_EARLY,
     BlockPlan,
     ConnectorConfig,
     RemoteParams,
@@ -519,7 +520,13 @@ class SchedulerSide:
                               prompt_hash(request.prompt_token_ids or [], num_tokens), deadline, "", ranks,
                               hs.kv_heads, hs.unit, fingerprint=request_fingerprint(hs.fingerprint, request),
                               groups=handed)
-        return True, remote.to_params()
+        out = remote.to_params()
+        if not self.prefix_caching:
+            # an engine without prefix caching (vLLM's MLA on CPU) computes a prompt in one pass: a D like it can
+            # continue only P's whole prompt (its next step is t1), never an early hand-off, where it would compute
+            # the last prompt token on top of loaded KV (_loadable_tokens); the router then keeps hand-offs serial
+            out[NO_EARLY] = True
+        return True, out
 
     def _settle_seal(self, req_id: str) -> None:
         """P: a seal made at the prefill's last forward stands for the lease when it covers the same blocks; else

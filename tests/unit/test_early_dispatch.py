@@ -48,6 +48,19 @@ def test_the_book_knows_a_p_only_after_its_answer_and_forgets_it_when_it_fails()
     book.learn(P_URL, p_answer(remote_group_blocks=[[0, [1]]]))  # a hybrid KV cache: never early
     book.learn(P_URL, None)
     assert P_URL not in book
+    book.learn(P_URL, p_answer())
+    book.learn(P_URL, p_answer(pdserve_no_early=True))  # an engine without prefix caching (MLA on CPU): serial
+    assert P_URL not in book
+
+
+def test_p_without_prefix_caching_says_its_hand_offs_are_serial():
+    """vLLM's MLA on CPU runs without prefix caching: a D like it continues only P's whole prompt exactly, so P's
+    answer tells the router to keep its hand-offs serial (D would otherwise compute the early prompt itself)."""
+    from tests.unit.test_vllm_scheduler import p_finished, side
+
+    for caching, flagged in ((True, False), (False, True)):
+        delay, params = p_finished(side(prefix_caching=caching))
+        assert delay and params is not None and bool(params.get("pdserve_no_early")) is flagged
 
 
 def test_only_sampling_under_which_d_s_first_token_is_p_s_goes_early():

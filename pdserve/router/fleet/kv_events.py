@@ -206,6 +206,7 @@ class KVEventFeed:
         try:
             events = decode_batch(payload)
         except ValueError:  # its events are unknown: the worker's entries cannot be trusted; go on from it
+            log.info("KV events from %s: batch %d cannot be decoded; clearing its index entries", worker, seq)
             self.bad_batches += 1
             self.clears += 1
             self._clear(worker, st.translator)
@@ -262,6 +263,8 @@ class KVEventFeed:
         first = replayed[0][0] if replayed else (held[0][0] if held else start)
         if start == 0 or first != start:
             if st.translator.last_seq is not None or any(st.translator.tiers.values()):
+                log.info("KV events of %s: replay from %d began at %s (held live batches from %s); clearing its "
+                         "index entries", worker, start, first, held[0][0] if held else None)
                 self.clears += 1
                 self._clear(worker, st.translator)
             st.translator = EventTranslator(self.block_size)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 __all__ = ["HANDOFF_PREFIX", "EarlyDispatch", "EngineBook", "early_allowed", "new_handoff_id"]
 
 HANDOFF_PREFIX = "hoff-"  # pdserve.vllm.params.HANDOFF_PREFIX: the connector tells hand-off ids by it
+NO_EARLY = "pdserve_no_early"  # pdserve.vllm.params.NO_EARLY: P's engine (prefix caching off) takes no early hand-off
 GREEDY_BELOW = 1e-5  # vLLM 0.32 samples greedily below this temperature (SamplingParams._MAX_TEMP's twin)
 # the address part of P's answer: where its engine (and each tensor-parallel rank's) listens, and its KV layout
 _ADDRESS = ("remote_engine_id", "remote_host", "remote_port", "remote_ranks", "remote_kv_layout", "remote_kv_heads",
@@ -68,8 +69,12 @@ class EngineBook:
         self._book: dict[str, dict[str, Any]] = {}
 
     def learn(self, url: str, kvp: Any) -> None:
-        """P answered ``kvp``: keep where its engine is (a hybrid KV cache's hand-off is not early: forgotten)."""
+        """P answered ``kvp``: keep where its engine is (a hybrid KV cache's hand-off is not early, nor one from an
+        engine without prefix caching, which says so: forgotten)."""
         if not isinstance(kvp, Mapping) or not kvp.get("do_remote_prefill") or kvp.get("remote_group_blocks"):
+            return
+        if kvp.get(NO_EARLY):
+            self._book.pop(url, None)
             return
         if not all(kvp.get(k) is not None for k in ("remote_engine_id", "remote_host", "remote_port")):
             return
