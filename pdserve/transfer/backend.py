@@ -6,7 +6,7 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,13 +132,19 @@ def run_lanes(ctx: EngineContext, handle: BatchHandle, address: Address,
     """Run each lane on its own pooled connection in parallel; raise the first lane's error.
     The first lane runs in the calling thread, so a one-lane batch pays no thread hand-off."""
     futures = [ctx.executor.submit(_run_lane, ctx, handle, address, lane, job) for lane in lanes[1:]]
+    join_lanes(handle, lambda: _run_lane(ctx, handle, address, lanes[0], job), futures)
+
+
+def join_lanes(handle: BatchHandle, first_lane: Callable[[], None], others: list[Future[Any]]) -> None:
+    """Run ``first_lane`` here while ``others`` run on the engine's threads, then wait for them all; the first
+    TransferError fails the batch at once (the other lanes stop before their next frame) and is raised."""
     first: TransferError | None = None
     try:
-        _run_lane(ctx, handle, address, lanes[0], job)
+        first_lane()
     except TransferError as exc:
         first = exc
-        handle.fail(exc)  # interrupts the other lanes at once
-    for fut in futures:
+        handle.fail(exc)
+    for fut in others:
         try:
             fut.result()
         except TransferError as exc:

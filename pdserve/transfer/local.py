@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import direct, procmem, wire
-from .backend import Backend, run_lanes
+from .backend import Backend, join_lanes, run_lanes
 from .batch import BatchHandle, Op, TransferEntry, split_into_frames, stripe
 from .connection import Address, Connection
 from .descriptor import SegmentDescriptor
@@ -221,22 +221,7 @@ class LocalBackend(Backend):
                 if pull:
                     handle.frame_arrived(frame)
 
-        futures = [self.ctx.executor.submit(lane, frames) for frames in lanes[1:]]
-        first: TransferError | None = None
-        try:
-            lane(lanes[0])
-        except TransferError as exc:
-            first = exc
-            handle.fail(exc)  # the other lanes stop before their next frame
-        for fut in futures:
-            try:
-                fut.result()
-            except TransferError as exc:
-                if first is None:
-                    first = exc
-                    handle.fail(exc)
-        if first is not None:
-            raise first
+        join_lanes(handle, lambda: lane(lanes[0]), [self.ctx.executor.submit(lane, frames) for frames in lanes[1:]])
 
     def _run_ipc(self, handle: BatchHandle, peer: SegmentDescriptor, op: Op, entries: list[TransferEntry]) -> None:
         from .cuda import IpcCache, device_copy

@@ -429,16 +429,12 @@ class Generation:
             kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=True)
         else:
-            t1, finish = c0["token_ids"][0], c0.get("finish_reason")
-            first = Delta(self.output.delta([t1], c0, True).text, [t1], logprobs=c0.get("logprobs"))
-            if finish == "stop" or self._left == 1:
+            first = self._first_token(p, c0)
+            if first.finish_reason is not None:
                 self.metrics.handoffs.labels("skipped").inc()
-                first.finish_reason, first.stop_reason = finish or "length", c0.get("stop_reason")
                 yield first
                 return
-            if finish != "length":
-                p.end("error", f"finished with {finish!r} after one token")
-                raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
+            t1 = first.token_ids[0]
             kvp = await self._decode_params(ticket, kvp, c0.get("finish_reason"))
             yield first
             d_body = self._body(self._prompt + [t1], self._left - 1, True, computes_prompt=False)
@@ -448,6 +444,18 @@ class Generation:
         async with aclosing(self._hand_to_decode(ticket, exclude, d_body)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    def _first_token(self, p: Attempt, c0: dict[str, Any]) -> Delta:
+        """P's first token as the client's first delta; finished (``finish_reason`` set) when it ends the output
+        (a stop, or the last token asked). A prefill that ended otherwise than by length is P's failure (raised)."""
+        t1, finish = c0["token_ids"][0], c0.get("finish_reason")
+        first = Delta(self.output.delta([t1], c0, True).text, [t1], logprobs=c0.get("logprobs"))
+        if finish == "stop" or self._left == 1:
+            first.finish_reason, first.stop_reason = finish or "length", c0.get("stop_reason")
+        elif finish != "length":
+            p.end("error", f"finished with {finish!r} after one token")
+            raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
+        return first
 
     async def _pd_early(self, ticket: PlacementTicket, exclude: set[str],
                         early: tuple[dict[str, Any], dict[str, Any]]) -> AsyncGenerator[Delta, None]:
@@ -467,15 +475,11 @@ class Generation:
             if d.started:
                 self.ctx.handoff_since = None
             if after_first:
-                t1, finish = c0["token_ids"][0], c0.get("finish_reason")
-                first = Delta(self.output.delta([t1], c0, True).text, [t1], logprobs=c0.get("logprobs"))
-                if finish == "stop" or self._left == 1:  # the output ends with P's token: D is closed below
-                    first.finish_reason, first.stop_reason = finish or "length", c0.get("stop_reason")
+                first = self._first_token(p, c0)
+                if first.finish_reason is not None:  # the output ends with P's token: D is closed below
                     yield first
                     return
-                if finish != "length":
-                    p.end("error", f"finished with {finish!r} after one token")
-                    raise upstream_failed(f"prefill worker {p.worker.url} finished with {finish!r} after one token")
+                t1 = first.token_ids[0]
                 expect.set_result(t1)
                 yield first
             elif await self._decode_params(ticket, kvp, c0.get("finish_reason")) is None:
