@@ -310,11 +310,12 @@ def _wait_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen) -
     raise RuntimeError(f"port {port} did not answer {path} within {timeout_s} s")
 
 
-def _start_router(root: Path, model: Path, workers: dict[str, list[str]], log: Path) -> tuple[subprocess.Popen, int]:
+def _start_router(root: Path, model: Path, workers: dict[str, list[str]], log: Path, extra: tuple[str, ...] = ()
+                  ) -> tuple[subprocess.Popen, int]:
     port = _free_port()
     argv = [sys.executable, "-m", "pdserve.router", "--model-dir", str(model), "--port", str(port),
             "--log-level", "error", "--max-inflight", "100000", "--max-inflight-per-worker", "100000",
-            "--health-interval-s", "2", "--no-calibrate"]
+            "--health-interval-s", "2", "--no-calibrate", *extra]
     for role, urls in workers.items():
         argv += [f"--{role}", *urls]
     with open(log, "ab") as f:

@@ -37,16 +37,7 @@ CASES = {"off": [], "on_100": ["--otlp-traces-sample-ratio", "1"], "on_0": ["--o
 def start_router(model: Path, workers: dict[str, list[str]], extra: list[str], log: Path, root: Path = ROOT
                  ) -> tuple[subprocess.Popen, int]:
     """router_ceiling_bench's router command line, plus ``extra``."""
-    port = rc._free_port()
-    argv = [sys.executable, "-m", "pdserve.router", "--model-dir", str(model), "--port", str(port),
-            "--log-level", "error", "--max-inflight", "100000", "--max-inflight-per-worker", "100000",
-            "--health-interval-s", "2", "--no-calibrate", *extra]
-    for role, urls in workers.items():
-        argv += [f"--{role}", *urls]
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, cwd=str(root), env=dict(os.environ, PYTHONPATH=str(root)), stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, port
+    return rc._start_router(root, model, workers, log, tuple(extra))
 
 
 def start_collector(out: Path) -> tuple[subprocess.Popen, int]:
