@@ -100,8 +100,8 @@ FIELDS: dict[str, dict[str, tuple[Use, str]]] = {
         "include_reasoning": ("router", "false with --tool-call-parser: the answer's token ids and logprobs are "
                                         "left out (not its text), as vLLM does with a parser; the router runs no "
                                         "reasoning parser, so there is no reasoning field to leave out"),
-        "media_io_kwargs": ("ignored_as_vllm", "multimodal loading only: a text prompt has no media"),
-        "mm_processor_kwargs": ("ignored_as_vllm", "the multimodal processor's only: a text prompt has none"),
+        "media_io_kwargs": ("refused", "multimodal inputs are not served"),
+        "mm_processor_kwargs": ("refused", "multimodal inputs are not served"),
         "return_prompt_text": ("router", "the chat template's rendered prompt (vLLM's prompt_text)"),
     },
 }
