@@ -129,6 +129,30 @@ def test_snapshot_resume_is_exact_even_when_the_buffer_moved_on(tmp_path):
     asyncio.run(main())
 
 
+def test_a_snapshot_taken_after_the_workers_first_batch_resumes_from_it(tmp_path):
+    """The snapshot's point is batch 0 (the worker published one batch while the indexer ran): the restart's
+    replay from 0 is that point, proved by its digest, not a fresh start; nothing is cleared (a fresh-clone CI run
+    and the shared-stack integration run cleared such a worker's restored entries)."""
+    async def main() -> None:
+        payloads = stream(40, 1)
+        a = _service(tmp_path, Worker(payloads[:1]))
+        await _run(a, payloads, 1, 1)  # batch 0 only, by the joining replay
+        await a.snapshot_now()
+        await a.close(final_snapshot=False)
+        worker = Worker(payloads[:20])
+        b = _service(tmp_path, worker)
+        await _run(b, payloads, 20, 40)
+        assert worker.asked == [0]
+        assert b.feed is not None and b.feed.clears == 0, b.feed.clears
+        ref = _service(tmp_path, Worker(payloads[:1]), "ref")
+        await _run(ref, payloads, 1, 40)
+        assert view(b) == view(ref)
+        for svc in (b, ref):
+            await svc.close(final_snapshot=False)
+
+    asyncio.run(main())
+
+
 def test_a_worker_restarted_since_the_snapshot_is_relearned(tmp_path):
     async def main() -> None:
         old, new = stream(120, 2), stream(80, 3)

@@ -249,7 +249,9 @@ class KVEventFeed:
         once and in order. Starting over (``start`` 0: a replica joining, a publisher restarted) or a replay
         that does not begin at ``start`` (the worker's buffer moved on) drops the worker's entries first. A
         resumed stream (:meth:`resume`) whose replay does not begin with the snapshot's own last batch starts
-        over from 0."""
+        over from 0; one whose replay does goes on from it, even when that batch is the worker's first (``start``
+        0 is then the snapshot's point, not a fresh start: read as one, it cleared the restored entries)."""
+        resumed = st.verify is not None  # from a snapshot's batch (start: that batch, 0 included)
         if st.verify is not None:
             want, st.verify = st.verify, None
             if not replayed or (replayed[0][0], batch_digest(replayed[0][1])) != want:
@@ -261,7 +263,7 @@ class KVEventFeed:
                 self._catch_up(worker, st, 0)
                 return
         first = replayed[0][0] if replayed else (held[0][0] if held else start)
-        if start == 0 or first != start:
+        if not resumed and (start == 0 or first != start):
             if st.translator.last_seq is not None or any(st.translator.tiers.values()):
                 log.info("KV events of %s: replay from %d began at %s (held live batches from %s); clearing its "
                          "index entries", worker, start, first, held[0][0] if held else None)
