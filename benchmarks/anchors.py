@@ -80,6 +80,19 @@ def _nixl_target(conn, size: int) -> None:
     os._exit(0)
 
 
+def nixl_write(agent, local_rows: list[tuple[int, int, int]], peer_rows: list[tuple[int, int, int]], remote) -> None:
+    """One NIXL WRITE batch of host-memory rows (address, bytes, device), polled to its end."""
+    local = agent.get_xfer_descs(local_rows, "DRAM")
+    peer = agent.get_xfer_descs(peer_rows, "DRAM")
+    handle = agent.initialize_xfer("WRITE", local, peer, remote, b"")
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"NIXL transfer ended {state}")
+
+
 def _nixl_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
     agent = _nixl_agent("bench-initiator")
     metadata, raddr = target_info
@@ -89,15 +102,7 @@ def _nixl_initiator(conn, target_info, sizes: list[int], reps: int) -> None:
     out = {}
     for size in sizes:
         def once(size: int = size) -> None:
-            local = agent.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM")
-            peer = agent.get_xfer_descs([(raddr, size, 0)], "DRAM")
-            handle = agent.initialize_xfer("WRITE", local, peer, remote, b"")
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL transfer ended {state}")
+            nixl_write(agent, [(src.ctypes.data, size, 0)], [(raddr, size, 0)], remote)
         out[size] = median_gbps(size, once, reps)
     conn.send(out)
     os._exit(0)

@@ -65,7 +65,7 @@ def nixl_worker() -> tuple[object, object]:
     import multiprocessing as mp
 
     sys.path.insert(0, HERE)
-    from anchors import _nixl_agent, _nixl_target
+    from anchors import _nixl_agent, _nixl_target, nixl_write
 
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
@@ -80,15 +80,7 @@ def nixl_worker() -> tuple[object, object]:
 
     def once(size: int, blocks: int) -> None:
         rows = entries(size, blocks)
-        local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in rows], "DRAM")
-        peer = agent.get_xfer_descs([(raddr + po, n, 0) for _, po, n in rows], "DRAM")
-        handle = agent.initialize_xfer("WRITE", local, peer, remote, b"")
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"NIXL transfer ended {state}")
+        nixl_write(agent, [(base + lo, n, 0) for lo, _, n in rows], [(raddr + po, n, 0) for _, po, n in rows], remote)
 
     return once, (agent, src, target, t_conn)
 
