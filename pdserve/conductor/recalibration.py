@@ -49,8 +49,10 @@ class Recalibration:
 
     def factor(self, worker: str, kind: str) -> float:
         """What the conductor multiplies its ``kind`` prediction for ``worker`` by (1: no correction)."""
+        if self.rate <= 0:  # off (the default): nothing to look up on the placement path
+            return 1.0
         f = self.factors.get((worker, kind))
-        if f is None or f.n < self.min_obs or self.rate <= 0:
+        if f is None or f.n < self.min_obs:
             return 1.0
         return math.exp(f.log)
 

@@ -76,14 +76,14 @@ def skip_new_requests(runner: Any, new_reqs: list[Any]) -> int:
     """Advance the generator of each request in ``new_reqs`` (vLLM's ``NewRequestData``, just added to ``runner``)
     whose sampling params ask for a skip; the number advanced."""
     done = 0
+    how = "" if getattr(runner, "speculative_config", None) is not None else \
+        consumption(runner.sampler.topk_topp_sampler)
     for data in new_reqs:
         k = skip_of(getattr(data, "sampling_params", None))
         state = runner.requests.get(data.req_id) if k else None
         gen = getattr(state, "generator", None)
         if gen is None:
             continue
-        how = "" if getattr(runner, "speculative_config", None) is not None else \
-            consumption(runner.sampler.topk_topp_sampler)
         if advance(gen, k, how, int(runner.input_batch.vocab_size)):
             done += 1
         elif how not in _warned:

@@ -25,11 +25,12 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ..api.sampling_refusals import GREEDY_EPS
+
 __all__ = ["HANDOFF_PREFIX", "EarlyDispatch", "EngineBook", "early_allowed", "new_handoff_id"]
 
 HANDOFF_PREFIX = "hoff-"  # pdserve.vllm.params.HANDOFF_PREFIX: the connector tells hand-off ids by it
 NO_EARLY = "pdserve_no_early"  # pdserve.vllm.params.NO_EARLY: P's engine (prefix caching off) takes no early hand-off
-GREEDY_BELOW = 1e-5  # vLLM 0.32 samples greedily below this temperature (SamplingParams._MAX_TEMP's twin)
 # the address part of P's answer: where its engine (and each tensor-parallel rank's) listens, and its KV layout
 _ADDRESS = ("remote_engine_id", "remote_host", "remote_port", "remote_ranks", "remote_kv_layout", "remote_kv_heads",
             "remote_kv_unit")
@@ -46,7 +47,7 @@ def early_allowed(sampling: Mapping[str, Any], first_from_prefill: bool) -> bool
     if not first_from_prefill:
         return True
     temperature = sampling.get("temperature")
-    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < GREEDY_BELOW
+    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < GREEDY_EPS
 
 
 class EarlyDispatch(Protocol):
