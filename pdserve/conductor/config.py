@@ -52,6 +52,10 @@ class ConductorConfig:
         decodes but measured a worse TPOT tail on the 2-core mixed workload (docs/bench.md, "Retuning").
     recalibration_rate: how fast each worker's predicted TTFT and TPOT are corrected by their measured error
         (:mod:`.recalibration`; 0: off).
+    tier_pricing: how a prefill worker's start is priced (:meth:`~.view.FleetView.prefill_options`): ``priced``,
+        each tier at its own bandwidth (:mod:`.tier_costs`); ``flat``, as before tiers: the ``fetchable``
+        holders alike at the pool memory's price, no offload or store tiers; ``device``, the worker's own device
+        prefix only (nothing fetchable counted).
     replicas: router replicas placing on the same workers. Above 1, what a worker reports (vLLM /metrics: running
         and waiting requests) beyond what this replica placed there counts as the other replicas' load
         (:meth:`pdserve.conductor.load.WorkerLoad.merge_report`, docs/conductor.md "Router replicas").
@@ -72,6 +76,7 @@ class ConductorConfig:
     split_harm_handoffs: float = _d("split_harm_handoffs")
     replicas: int = _d("replicas")
     recalibration_rate: float = _d("recalibration_rate")
+    tier_pricing: str = _d("tier_pricing")
 
     def __post_init__(self) -> None:
         check_fields(self, _SETTINGS, ConductorConfigError)

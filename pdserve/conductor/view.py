@@ -22,7 +22,7 @@ from .index import PrefixIndex
 from .load import WorkerLoad
 from .recalibration import Recalibration
 from .tier_costs import TierCosts
-from .tiers import DISK, HOST, SEP, STORE, TIERS, holder_of, split_holder
+from .tiers import DISK, HOST, POOL_MEMORY, SEP, STORE, TIERS, holder_of, split_holder
 
 STORE_SUFFIX = SEP + STORE  # a worker's puts into a remote store: "W#store"
 
@@ -60,16 +60,17 @@ class FleetView:
         """For each worker of ``prefill``, how ``req``'s prefill would run there, from the cheapest start: its own
         device prefix, or a longer one loaded from a tier (its own host or disk offload, the pool, a store) when
         the load (:class:`~.tier_costs.TierCosts`, at the tier's bandwidth) plus computing the rest is predicted
-        faster; TTFT = queue + load + prefill."""
+        faster; TTFT = queue + load + prefill. ``tier_pricing`` flat / device narrow the starts (the config)."""
         bs = self.config.block_size
         limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
         shared = self._shared_sources(prefix)
+        own_tiers = (HOST, DISK) if self.config.tier_pricing == "priced" else ()
         out = []
         for p in prefill:
             own = min(prefix.get(p.worker_id, 0) * bs, limit)
             cached, fetched, fetch_s, source = own, 0, 0.0, ""
             best = self.cost.prefill_s(req.prompt_tokens - own, own)
-            sources = shared + [(t, prefix[h]) for t in (HOST, DISK) if (h := holder_of(p.worker_id, t)) in prefix]
+            sources = shared + [(t, prefix[h]) for t in own_tiers if (h := holder_of(p.worker_id, t)) in prefix]
             for tier, blocks in sources:
                 have = min(blocks * bs, limit)
                 if have - own < self.config.min_fetch_blocks * bs:
@@ -85,13 +86,19 @@ class FleetView:
 
     def _shared_sources(self, prefix: dict[str, int]) -> list[tuple[str, int]]:
         """(tier, leading blocks) of the holders every prefill worker can load from: the ``fetchable`` ones (the
-        pool's tiers) and any worker's puts into a remote store; the longest per tier."""
+        pool's tiers) and any worker's puts into a remote store; the longest per tier. ``flat`` (as before tiers):
+        the fetchable holders as one, at the pool memory's price, and no store; ``device``: none."""
+        mode = self.config.tier_pricing
+        if mode == "device":
+            return []
         best: dict[str, int] = {}
         for h in self.config.fetchable:
             n = prefix.get(h, 0)
             if n:
-                tier = split_holder(h)[1]
+                tier = split_holder(h)[1] if mode == "priced" else POOL_MEMORY
                 best[tier] = max(best.get(tier, 0), n)
+        if mode != "priced":
+            return list(best.items())
         for h in self.store_holders:
             n = prefix.get(h, 0)
             if n > best.get(STORE, 0):

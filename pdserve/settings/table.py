@@ -24,6 +24,7 @@ POOL_BACKENDS = ("pdserve", "mooncake")  # the KV pool: pdserve's store, or Moon
 MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: P's bootstrap server on its host
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
+TIER_PRICING = ("priced", "flat", "device")  # the conductor's pricing of a prefill's start (docs/conductor.md, "Tiers")
 LEASE_MIN_S = 0.1
 LEASE_MAX_S = 3600.0
 MIN_BODY_BYTES = 4096  # room for any small request
@@ -212,6 +213,12 @@ SETTINGS: tuple[Setting, ...] = (
             "prefixes older than the workers' replay buffers; with --policy conductor it shares its placements "
             "through the indexer as placeholders, and applies the other replicas' (the launcher sets it with "
             "--start-indexer)", (R,), metavar="URL", group="placement", argv="set"),
+    Setting("tier_pricing", str, "priced", "conductor: how a prefill worker's start is priced. priced: its device "
+            "prefix, or a longer one loaded from its own host or disk offload, the pool's memory or disk or a store, "
+            "each at its tier's bandwidth; flat: as before tiers (the pool's memory and disk alike at the pool's "
+            "transfer price, no offload or store tiers); device: its device prefix only (the pool is not counted)",
+            (L, R, C), choices=TIER_PRICING, group="placement", argv="changed",
+            targets=(Target("conductor", "tier_pricing"),), advice="priced, flat or device"),
     Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
             "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
             "hand-off id once its prompt is computed, regenerates the first token, and the router checks it equals "

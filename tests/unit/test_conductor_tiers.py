@@ -20,11 +20,11 @@ KEYS = block_hashes(PROMPT, BS)
 KV = 1000  # bytes per token
 
 
-def make(clock=None, **bandwidth: float) -> Conductor:
+def make(clock=None, pricing: str = "priced", **bandwidth: float) -> Conductor:
     # 1 ms per new token, 1 GB/s pool transfers, no overheads
     cost = OnlineCostModel(KV, Priors(prefill=(0.0, 0.001, 0.0), decode=(0.01, 0.001, 0.0), bandwidth_bytes_s=1e9,
                                       transfer_overhead_s=0.0, handoff_s=0.05))
-    c = Conductor(ConductorConfig(block_size=BS, local_prefill_tokens=0), cost, clock or Clock())
+    c = Conductor(ConductorConfig(block_size=BS, local_prefill_tokens=0, tier_pricing=pricing), cost, clock or Clock())
     c.tier_costs.overhead_s = 0.0
     c.tier_costs.bandwidth.update(bandwidth)
     for w in ("p0", "p1"):
@@ -100,3 +100,31 @@ def test_a_worker_that_leaves_takes_every_tier():
         c.blocks_stored(h, KEYS[:4])
     c.remove_worker("p0")
     assert c.index.prefix_lengths(KEYS) == {} and not c.store_holders
+
+
+def test_flat_pricing_is_placement_before_tiers():
+    """tier_pricing=flat: the pool's memory and disk count as one pool at the transfer price (1 GB/s here, the
+    cost model's), a worker's own offload and the store are not starts."""
+    c = make(pricing="flat", pool_disk=1e4, host=1e10, store=1e10)
+    c.blocks_stored("pool", KEYS[:3])
+    c.blocks_stored("pool#pool_disk", KEYS[:8])
+    c.blocks_stored("p0#host", KEYS[:9])
+    c.blocks_stored("p1#store", KEYS[:9])
+    d = c.place(req("r"))
+    # priced, the pool disk at 10 KB/s would not be worth loading; flat prices it as the pool's memory
+    assert (d.prefill, d.fetch_tier, d.cached_tokens, d.fetch_tokens) == ("p0", "pool_memory", 128, 128)
+    assert d.ttft_s == pytest.approx(128 * KV / 1e9 + 0.032)
+
+
+def test_device_pricing_counts_only_device_hits():
+    c = make(pricing="device", host=1e10, pool_disk=1e10, store=1e10)
+    c.blocks_stored("p1", KEYS[:2])
+    for h in ("pool", "pool#pool_disk", "p0#host", "p1#store"):
+        c.blocks_stored(h, KEYS[:9])
+    d = c.place(req("r"))
+    assert (d.prefill, d.cached_tokens, d.fetch_tokens, d.fetch_tier) == ("p1", 32, 0, "")
+
+
+def test_tier_pricing_is_checked():
+    with pytest.raises(ValueError, match="tier_pricing.*priced, flat or device"):
+        ConductorConfig(tier_pricing="none")
