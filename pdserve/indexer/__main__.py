@@ -2,6 +2,8 @@
 
     python -m pdserve.indexer --kv-events http://127.0.0.1:8001=ipc:///run/p0.kvpub,ipc:///run/p0.kvrpl \\
         --indexer-snapshot /var/lib/pdserve/index.snap --pool-master 127.0.0.1:7000
+    python -m pdserve.indexer --prefill-dns pd-pdserve-prefill.llm.svc:8000 \\
+        --decode-dns pd-pdserve-decode.llm.svc:8000 --kv-events-port 5557     # the chart's indexer pod
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 from aiohttp import web
 
+from ..kube.dns_follow import pools
 from ..router.fleet.kv_events import Publisher
 from ..settings.errors import ConfigError
 from ..settings.flags import add_flags, values_from_args
@@ -45,7 +48,11 @@ def config_from(a: argparse.Namespace) -> tuple[IndexerConfig, str, int]:
     cfg = IndexerConfig(block_size=v["block_size"], snapshot_path=v["indexer_snapshot"],
                         snapshot_interval_s=v["indexer_snapshot_interval_s"],
                         placeholder_ttl_s=v["placeholder_ttl_s"], pool_master=v["pool_master"], pool_secret=secret,
-                        workers=workers)
+                        workers=workers, dns=pools(v["prefill_dns"], v["decode_dns"]),
+                        kv_events_port=v["kv_events_port"], discovery_interval_s=v["discovery_interval_s"])
+    if cfg.dns and not cfg.kv_events_port:
+        raise ConfigError("--prefill-dns / --decode-dns need --kv-events-port: the port every worker's vLLM binds "
+                          "its KV event publisher on (the chart's router.kvEventsPort, 5557)")
     return cfg, v["indexer_host"], v["indexer_port"]
 
 

@@ -18,8 +18,11 @@ from typing import Any
 from ..conductor.tiers import POOL, holder_of
 from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
 from ..router.fleet.kv_replay import replay
+from ..kube.discovery import PoolTarget
+from ..kube.dns_follow import follow_dns
 from ..router.fleet.pool_index import PoolIndexFollower
 from . import snapshot
+from .discovery import FeedMembership
 from .expect_log import ExpectLog
 from .table import TieredIndex
 
@@ -35,6 +38,9 @@ class IndexerConfig:
     pool_master: str = ""
     pool_secret: str = ""
     workers: list[tuple[str, Publisher]] = field(default_factory=list)  # (worker URL = its topic, publisher)
+    dns: tuple[PoolTarget, ...] = ()  # pools whose ready pods are followed (.discovery), at kv_events_port
+    kv_events_port: int = 0
+    discovery_interval_s: float = 5.0
 
 
 @dataclass
@@ -59,6 +65,7 @@ class IndexerService:
         self.pool: PoolIndexFollower | None = None
         self.stats = SnapshotStats()
         self._task: asyncio.Task[None] | None = None
+        self._dns_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -82,6 +89,10 @@ class IndexerService:
                 self.resume_pool(self.pool, doc)
         if self.config.snapshot_path and self.config.snapshot_interval_s > 0:
             self._task = asyncio.create_task(self._every())
+        if self.config.dns:
+            members = FeedMembership(self, self.config.kv_events_port, tuple(t.role for t in self.config.dns))
+            self._dns_task = asyncio.create_task(follow_dns(members, self.config.dns,
+                                                            self.config.discovery_interval_s))
 
     def _restore(self, doc: dict[str, Any]) -> set[str]:
         assert self.feed is not None
@@ -121,6 +132,11 @@ class IndexerService:
     def register(self, worker: str, publisher: Publisher) -> None:
         assert self.feed is not None
         self.feed.follow(worker, publisher)
+
+    def followed(self) -> list[str]:
+        """The workers whose KV events are followed (registered, resumed or given at start)."""
+        assert self.feed is not None
+        return [w for w, st in self.feed.streams.items() if st.publisher is not None]
 
     def unregister(self, worker: str) -> bool:
         assert self.feed is not None
@@ -185,8 +201,9 @@ class IndexerService:
                 "pool_resyncs": self.pool.resyncs if self.pool else 0}
 
     async def close(self, final_snapshot: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._dns_task):
+            if task is not None:
+                task.cancel()
         if final_snapshot and self.config.snapshot_path and self.feed is not None:
             try:
                 await self.snapshot_now()

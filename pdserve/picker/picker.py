@@ -33,7 +33,7 @@ from ..router.fleet.registry import WorkerRegistry
 from ..router.fleet.ticket import PlacementTicket
 from ..router.workers.client import Worker, WorkerClient
 from ..settings.targets import handed_on
-from .discovery import follow_dns
+from .discovery import RegistryMembership, follow_dns
 
 log = logging.getLogger("pdserve.picker")
 
@@ -86,7 +86,8 @@ class Picker:
             self.registry.subscribe(self)  # follows every worker's events, those discovery adds later too
         self._tasks.append(asyncio.create_task(self._load_loop()))
         if self.dns:
-            self._tasks.append(asyncio.create_task(follow_dns(self.registry, self.dns, self.discovery_interval_s)))
+            self._tasks.append(asyncio.create_task(follow_dns(RegistryMembership(self.registry), self.dns,
+                                                                     self.discovery_interval_s)))
         if self.config.health_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._health_loop()))
 

@@ -151,7 +151,7 @@ SETTINGS: tuple[Setting, ...] = (
             (R,), metavar="ENDPOINT", group="placement", argv="set"),
     Setting("kv_events_port", int, 0, "subscribe to the KV events of every worker with no --kv-events entry (one "
             "discovery or the membership API added) at tcp://<its host>:PORT, replay at PORT+1 (its vLLM binds "
-            "tcp://*:PORT; the chart does); 0: only the workers --kv-events names", (R,), minimum=0,
+            "tcp://*:PORT; the chart does); 0: only the workers --kv-events names", (R, IX), minimum=0,
             maximum=65534, metavar="PORT", group="placement", advice="use a TCP port 1-65534, or 0 for none"),
     Setting("ttft_slo_ms", float, None, "conductor: reject (429) requests predicted to miss this TTFT",
             (L, R, C), unit="ms", minimum=0, above=True, optional=True, advice=_SLO, group="placement",
@@ -338,11 +338,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
     Setting("prefill_dns", str, "", "follow the prefill pool's ready workers under this DNS NAME:PORT (a headless "
             "Service): added as they appear, removed when gone (pdserve.kube.discovery's rules; empty: --prefill "
-            "only)", (PK,), metavar="NAME:PORT", group="picker"),
+            "only)", (PK, IX), metavar="NAME:PORT", group="picker"),
     Setting("decode_dns", str, "", "follow the decode pool's ready workers under this DNS NAME:PORT (as "
-            "--prefill-dns)", (PK,), metavar="NAME:PORT", group="picker"),
+            "--prefill-dns)", (PK, IX), metavar="NAME:PORT", group="picker"),
     Setting("discovery_interval_s", float, 5.0, "seconds between two DNS reconciliations of --prefill-dns / "
-            "--decode-dns", (PK,), unit="s", minimum=0, above=True, metavar="S", advice=_SECONDS, group="picker"),
+            "--decode-dns", (PK, IX), unit="s", minimum=0, above=True, metavar="S", advice=_SECONDS, group="picker"),
     # ---------------------------------------------------------------- supervision (the launcher)
     Setting("restart", bool, True, "restart processes that exit, with backoff", (L,), off_flag="--no-restart",
             advice="use true (restart processes that exit) or false", group="supervision"),

@@ -25,7 +25,8 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
                {"vllm", "torch"}),
     # the KV indexer service: the conductor's index and translators, the router's KV event feed and pool follower
     # (they stay in router/fleet/ while that package is restructured), the pool's RPC client through them
-    "indexer": ({"conductor", "hashing", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),
+    # and kube's DNS discovery rules (--prefill-dns / --decode-dns: the chart's indexer pod)
+    "indexer": ({"conductor", "hashing", "kube", "router", "settings", "store", "transfer"}, {"vllm", "torch"}),
     # the endpoint picker: the router's placement without its HTTP front; kube's DNS discovery rules
     # (--prefill-dns / --decode-dns) applied to its own registry
     "picker": ({"conductor", "hashing", "indexer", "kube", "router", "settings"}, {"vllm", "torch", "aiohttp.web"}),

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.kube.discovery import DiscoveryConfigError
-from pdserve.picker.discovery import follow_dns, pools
+from pdserve.picker.discovery import RegistryMembership, follow_dns, pools
 from pdserve.router.fleet.registry import WorkerRegistry
 
 
@@ -21,7 +21,7 @@ def test_dns_membership_follows_the_pools():
 
     async def main() -> None:
         reg = WorkerRegistry()
-        task = asyncio.create_task(follow_dns(reg, pools("p.svc:8000", "d.svc:8001"), 0.01, resolver))
+        task = asyncio.create_task(follow_dns(RegistryMembership(reg), pools("p.svc:8000", "d.svc:8001"), 0.01, resolver))
         await asyncio.sleep(0.05)
         assert {w.url: w.roles for w in reg} == {"http://10.0.0.5:8000": {"prefill"},
                                                  "http://10.0.0.6:8000": {"prefill"},
