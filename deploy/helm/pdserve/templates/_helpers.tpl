@@ -98,6 +98,11 @@ device) or when elastic.extraArgs sets it. */}}
 {{- printf "%s-router-peers.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{/* The KV indexer pod's URL (indexer.enabled), for the routers' and pickers' --indexer. */}}
+{{- define "pdserve.indexerUrl" -}}
+{{- printf "http://%s-indexer.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.indexer.port) -}}
+{{- end -}}
+
 {{- define "pdserve.storeMaster" -}}
 {{- printf "%s-store-master.%s.svc:%d" (include "pdserve.fullname" .) .Release.Namespace (int .Values.store.master.port) -}}
 {{- end -}}
