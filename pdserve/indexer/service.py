@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..conductor.tiers import POOL, holder_of
-from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
-from ..router.fleet.kv_replay import replay
 from ..kube.discovery import PoolTarget
 from ..kube.dns_follow import follow_dns
+from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
+from ..router.fleet.kv_replay import replay
 from ..router.fleet.pool_index import PoolIndexFollower
 from . import snapshot
 from .discovery import FeedMembership
