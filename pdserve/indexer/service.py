@@ -20,7 +20,7 @@ from ..kube.discovery import PoolTarget
 from ..kube.dns_follow import follow_dns
 from ..router.fleet.kv_events import KVEventFeed, Publisher, Replayer
 from ..router.fleet.kv_replay import replay
-from ..router.fleet.pool_index import PoolIndexFollower
+from ..router.fleet.pool_index import DISK_HOLDER, PoolIndexFollower
 from . import snapshot
 from .discovery import FeedMembership
 from .expect_log import ExpectLog
@@ -112,9 +112,10 @@ class IndexerService:
             resumed.add(s["worker"])
         pool = doc.get("pool")
         if pool and self.config.pool_master:
-            keys = snapshot.pool_keys(pool)
+            keys, disk = snapshot.pool_keys(pool), snapshot.pool_disk_keys(pool)
             self.table.blocks_stored(POOL, keys)
-            n += len(keys)
+            self.table.blocks_stored(DISK_HOLDER, disk)
+            n += len(keys) + len(disk)
         self.stats.restored_blocks = n
         self.stats.restore_s = time.perf_counter() - t0
         log.info("restored %d blocks of %d streams from %s in %.3f s", n, len(resumed), self.config.snapshot_path,
@@ -158,7 +159,8 @@ class IndexerService:
                                                    st.translator))
         pool = None
         if self.pool is not None and self.pool.epoch is not None:
-            pool = snapshot.capture_pool(self.pool.epoch, self.pool.since, self.table.index.keys_of(POOL))
+            pool = snapshot.capture_pool(self.pool.epoch, self.pool.since, self.table.index.keys_of(POOL),
+                                         self.table.index.keys_of(DISK_HOLDER))
         return snapshot.document(streams, pool)
 
     async def snapshot_now(self) -> SnapshotStats:

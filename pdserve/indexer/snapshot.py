@@ -86,12 +86,18 @@ def restore_translator(stream: dict[str, Any]) -> EventTranslator:
     return tr
 
 
-def capture_pool(epoch: str | None, since: int, keys: set[int]) -> dict[str, Any]:
-    return {"epoch": epoch, "since": since, "keys": _keys(list(keys))}
+def capture_pool(epoch: str | None, since: int, keys: set[int], disk_keys: set[int]) -> dict[str, Any]:
+    """The pool's log position and its keys per tier (memory; ``disk_keys``: on a node's SSD only)."""
+    return {"epoch": epoch, "since": since, "keys": _keys(list(keys)), "disk_keys": _keys(list(disk_keys))}
 
 
 def pool_keys(pool: dict[str, Any]) -> list[int]:
     return list(np.frombuffer(pool["keys"], dtype="<u8").tolist())
+
+
+def pool_disk_keys(pool: dict[str, Any]) -> list[int]:
+    """The pool's disk-tier keys (none in a snapshot taken before the pool's tiers were logged)."""
+    return list(np.frombuffer(pool.get("disk_keys", b""), dtype="<u8").tolist())
 
 
 def document(streams: list[dict[str, Any]], pool: dict[str, Any] | None) -> dict[str, Any]:

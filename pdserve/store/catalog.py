@@ -41,7 +41,7 @@ class Catalog(Eviction):
         self.objects: dict[int, Obj] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # visible objects, least recently used first
         self.counters = {k: 0 for k in METRIC_COUNTERS}
-        self.events: deque = deque(maxlen=events_kept)  # (seq, "stored" | "removed", key)
+        self.events: deque = deque(maxlen=events_kept)  # (seq, "stored" | "removed" | "spilled" | "promoted", key)
         self.event_seq = 0
         self.epoch = uuid.uuid4().hex[:12]  # changes when the master restarts: event readers resync
 
@@ -71,12 +71,15 @@ class Catalog(Eviction):
                 else:
                     rejected += 1
                     continue
+                new = obj is None
                 if obj is None:
                     obj = Obj(key, size, [], self.clock(), committed=True)
                     self.objects[key] = obj
                     self.lru[key] = None
                     self._event("stored", key)
+                had_mem = new or any(r.tier == MEM for r in obj.replicas)
                 obj.replicas.append(Replica(node_id, tier, offset))
+                self._tier_event(obj, had_mem)  # an SSD-only object adopted: stored, then spilled
                 adopted += 1
             self.cond.notify_all()
             return {"adopted": adopted, "rejected": rejected}
@@ -106,7 +109,9 @@ class Catalog(Eviction):
             self.counters["nodes_dropped"] += 1
         for key, obj in list(self.objects.items()):
             before = len(obj.replicas)
+            had_mem = any(r.tier == MEM for r in obj.replicas)
             obj.replicas = [r for r in obj.replicas if r.node != node_id]
+            self._tier_event(obj, had_mem)
             if obj.promoting == node_id:
                 obj.promoting = ""
             if before and not obj.replicas:
@@ -236,7 +241,9 @@ class Catalog(Eviction):
             if obj is not None and obj.promoting == node_id:
                 obj.promoting = ""
             if good and obj is not None and node is not None:  # (good implies both; said again for the checker)
+                had_mem = any(r.tier == MEM for r in obj.replicas)
                 obj.replicas.append(Replica(node_id, MEM, offset))
+                self._tier_event(obj, had_mem)
                 node.log("add", key, MEM, offset, obj.size)
                 self.lru.move_to_end(key)
                 self.counters["hits"] += 1
@@ -319,8 +326,15 @@ class Catalog(Eviction):
         with self.lock:
             return [k for k in self.lru if self._visible(k)]
 
+    def disk_keys(self) -> list[int]:
+        """Visible keys held on SSD only (the pool's disk tier; the rest of :meth:`keys` is in memory)."""
+        with self.lock:
+            return [k for k in self.lru if self._visible(k) and
+                    not any(r.tier == MEM for r in self.objects[k].replicas)]
+
     def events_since(self, since: int, limit: int = 10000) -> dict[str, Any]:
-        """Stored/removed events with seq > since. ``reset``: events were dropped since then; re-read
+        """Stored/removed events with seq > since, and spilled/promoted (a pooled object now on SSD only, or back
+        in memory). ``reset``: events were dropped since then; re-read
         :meth:`keys` and continue from ``next``. ``epoch`` changes when the master restarts (its sequence
         starts again): a reader that sees a new epoch resyncs the same way."""
         with self.lock:

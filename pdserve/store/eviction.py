@@ -31,6 +31,13 @@ class Eviction:
     def _event(self, kind: str, key: int) -> None:
         raise NotImplementedError
 
+    def _tier_event(self, obj: Obj, had_mem: bool) -> None:
+        """Log an object still in the pool whose host-memory presence changed: ``spilled`` (now on SSD only) or
+        ``promoted`` (back in a node's memory), so readers of the log know its tier."""
+        has_mem = any(r.tier == MEM for r in obj.replicas)
+        if obj.committed and obj.replicas and has_mem != had_mem:
+            self._event("promoted" if has_mem else "spilled", obj.key)
+
     def plan_evictions(self) -> list[Spill]:
         """Bring every node's tiers from above ``high`` down to ``low``: least recently used unleased objects
         first. Host-memory copies whose SSD copy exists (or that cannot spill) are dropped here; the returned
@@ -101,6 +108,7 @@ class Eviction:
 
     def _drop_replica(self, obj: Obj, rep: Replica) -> None:
         node = self.nodes[rep.node]
+        had_mem = any(r.tier == MEM for r in obj.replicas)
         obj.replicas.remove(rep)
         if rep.tier == MEM:
             node.mem.free(rep.offset, obj.size)
@@ -114,6 +122,8 @@ class Eviction:
             self.lru.pop(obj.key, None)
             self.counters["evictions"] += 1
             self._event("removed", obj.key)
+        else:
+            self._tier_event(obj, had_mem)
 
     def finish_spill(self, spill: Spill, ok: bool) -> None:
         with self.lock:

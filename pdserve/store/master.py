@@ -15,7 +15,9 @@ release        ``keys``: the reader is done (ends the lease early)
 exists/prefix  ``keys`` -> [bool] / number of leading keys present
 remove         ``keys`` -> removed count (leased ones go when their lease ends)
 keys           every visible key (the conductor's full resync)
-events         ``since`` -> ``{"events": [[seq, "stored"|"removed", key], ...], "next", "reset"}``
+disk_keys      the visible keys on SSD only (the pool's disk tier, for the same resync)
+events         ``since`` -> ``{"events": [[seq, "stored"|"removed"|"spilled"|"promoted", key], ...], "next",
+               "reset"}`` (spilled: now on SSD only; promoted: back in memory)
 stats          counters and gauges (also Prometheus text on ``metrics_port``)
 =============  =====================================================================================
 """
@@ -55,6 +57,7 @@ class Master:
             "register": self._register, "heartbeat": self._heartbeat, "put_start": self._put_start,
             "put_end": self._put_end, "get": self._get, "release": self._release, "exists": self._exists,
             "prefix": self._prefix, "remove": self._remove, "keys": self._keys, "events": self._events,
+            "disk_keys": lambda a: self.catalog.disk_keys(),
             "stats": lambda a: self.catalog.stats(), "ping": lambda a: "pong",
         }
         self.server = RpcServer(config.host, config.port, config.secret, handlers, "pdserve-store-master")

@@ -245,7 +245,7 @@ def test_the_pool_log_resumes_from_the_snapshot_position(tmp_path):
     """The pool master's event log: a snapshot keeps its epoch, position and the pooled keys; a restart resumes
     the log from there under the same epoch (each event once), and resyncs when the master restarted."""
     from pdserve.conductor.tiers import POOL
-    from pdserve.router.fleet.pool_index import PoolIndexFollower
+    from pdserve.router.fleet.pool_index import DISK_HOLDER, PoolIndexFollower
     from tests.unit.test_router_pool_index import FakeMaster
 
     def follower(master: FakeMaster, svc: IndexerService) -> PoolIndexFollower:
@@ -263,22 +263,27 @@ def test_the_pool_log_resumes_from_the_snapshot_position(tmp_path):
         a.pool = follower(m, a)
         a.pool.poll_once()  # first contact: resync
         m.do("removed", 2)
+        m.do("spilled", 3)  # on a node's SSD only: the pool's disk tier
         a.pool.poll_once()
         doc = a.capture()
-        assert doc["pool"]["epoch"] == "e1" and sorted(snapshot.pool_keys(doc["pool"])) == [1, 3]
+        assert doc["pool"]["epoch"] == "e1" and sorted(snapshot.pool_keys(doc["pool"])) == [1]
+        assert snapshot.pool_disk_keys(doc["pool"]) == [3]
         a.pool = None  # a scripted follower: no polling task to stop
         await a.close(final_snapshot=False)
         m.do("stored", 4)  # while the indexer is down
         m.do("removed", 1)
         b = IndexerService(IndexerConfig(block_size=BS))  # what start() does with a snapshot, minus the RPC client
         b.table.blocks_stored(POOL, snapshot.pool_keys(doc["pool"]))
+        b.table.blocks_stored(DISK_HOLDER, snapshot.pool_disk_keys(doc["pool"]))
         f = follower(m, b)
         b.resume_pool(f, doc)
         f.poll_once()
-        assert f.resyncs == 0 and sorted(b.table.index.keys_of(POOL)) == [3, 4]
+        assert f.resyncs == 0 and sorted(b.table.index.keys_of(POOL)) == [4]
+        assert b.table.index.keys_of(DISK_HOLDER) == {3}
         m.epoch = "e2"  # the master restarted: the next poll resyncs from its keys
         f.poll_once()
-        assert f.resyncs == 1 and sorted(b.table.index.keys_of(POOL)) == sorted(m.keys)
+        assert f.resyncs == 1 and b.table.index.keys_of(POOL) == m.keys - m.disk
+        assert b.table.index.keys_of(DISK_HOLDER) == m.disk == {3}
 
     asyncio.run(main())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.conductor import Conductor, ConductorConfig, OnlineCostModel
-from pdserve.router.fleet.pool_index import HOLDER, PoolIndexFollower
+from pdserve.router.fleet.pool_index import DISK_HOLDER, HOLDER, PoolIndexFollower
 
 
 class FakeMaster:
@@ -13,18 +13,25 @@ class FakeMaster:
         self.epoch = "e1"
         self.log: list[tuple[int, str, int]] = []
         self.keys: set[int] = set()
+        self.disk: set[int] = set()  # of keys, those on a node's SSD only
         self.reset = False
         self.down = False
 
     def do(self, kind: str, key: int) -> None:
         self.log.append((len(self.log), kind, key))
-        (self.keys.add if kind == "stored" else self.keys.discard)(key)
+        if kind in ("stored", "removed"):
+            (self.keys.add if kind == "stored" else self.keys.discard)(key)
+            self.disk.discard(key)
+        else:
+            (self.disk.add if kind == "spilled" else self.disk.discard)(key)
 
     def call(self, method: str, **kw):
         if self.down:
             raise OSError("connection refused")
         if method == "keys":
             return sorted(self.keys)
+        if method == "disk_keys":
+            return sorted(self.disk)
         since = kw["since"]
         return {"events": [list(e) for e in self.log if e[0] >= since], "next": len(self.log),
                 "reset": self.reset, "epoch": self.epoch}
@@ -73,3 +80,27 @@ def test_master_unreachable_forgets_pool():
 
     asyncio.run(one_round())
     assert c.index.blocks_of(HOLDER) == 0 and f.epoch is None and not f.reachable
+
+
+def test_spilled_and_promoted_objects_change_tier():
+    """The master logs an object spilled to SSD only and promoted back: the index moves it between the pool's
+    memory (``pool``) and disk (``pool#pool_disk``) holders, and a resync reads both tiers."""
+    m = FakeMaster()
+    for k in (1, 2, 3):
+        m.do("stored", k)
+    f, c = _follower(m)
+    f.poll_once()
+    m.do("spilled", 1)
+    m.do("spilled", 2)
+    m.do("promoted", 1)
+    m.do("removed", 2)
+    m.do("spilled", 3)
+    f.poll_once()
+    assert c.index.keys_of(HOLDER) == {1} and c.index.keys_of(DISK_HOLDER) == {3}
+    assert c.index.prefix_lengths([1]) == {HOLDER: 1}
+    m.epoch = "e2"  # a resync splits the pool's keys by tier
+    f.poll_once()
+    assert c.index.keys_of(HOLDER) == {1} and c.index.keys_of(DISK_HOLDER) == {3} and f.resyncs == 2
+    m.log.append((len(m.log), "moved_to_mars", 1))  # a kind this follower does not know: dropped, never kept
+    f.poll_once()
+    assert c.index.keys_of(HOLDER) == set()

@@ -168,3 +168,23 @@ def test_promotion_into_a_full_arena_makes_room_instead_of_missing() -> None:
     for s in cat.make_room("a", 6400):
         cat.finish_spill(s, ok=True)
     assert cat.get_start([1], nospace=True)[0]["s"] == "promote"
+
+
+def test_tier_moves_are_logged() -> None:
+    """An object spilled to SSD only is logged ``spilled``, one promoted back ``promoted``; a master restart that
+    adopts an SSD-only object logs it stored then spilled; ``disk_keys`` lists the SSD-only ones."""
+    cat, _ = make((("a", 1000, 1000),))
+    put(cat, *range(1, 11))
+    for s in cat.plan_evictions():
+        cat.finish_spill(s, ok=True)
+    seq = cat.event_seq
+    assert cat.disk_keys() == [1, 2, 3, 4, 5]
+    r = cat.get_start([2])[0]
+    cat.finish_promote(2, "a", r["offset"], r["size"], ok=True)
+    ev = cat.events_since(0)["events"]
+    assert [(k, key) for _, k, key in ev if k != "stored"] == [("spilled", i) for i in range(1, 6)] + [("promoted", 2)]
+    assert cat.event_seq == seq + 1 and cat.disk_keys() == [1, 3, 4, 5]
+    fresh, _ = make(nodes=())
+    fresh.register_node("b", ("h", 1), {}, 64000, 64000, [[7, SSD, -1, 6400], [8, MEM, 0, 6400]])
+    assert [(k, key) for _, k, key in fresh.events_since(0)["events"]] == [("stored", 7), ("spilled", 7),
+                                                                           ("stored", 8)]
