@@ -109,10 +109,17 @@ def test_spill_to_ssd_and_promote_back_byte_exact(pool) -> None:
     stored = [k for k, s in zip(keys, statuses) if s == "stored"]
     present = [k for k, e in zip(stored, c.exists(stored)) if e]
     oldest = present[:20]  # least recently used: spilled to SSD
+    # the master's log and disk_keys say which pooled objects are on SSD only (the index's pool_disk tier)
+    on_disk = set(c.master.call("disk_keys"))
+    since = c.events(0, limit=100000)
+    spilled = {k for _, kind, k in since["events"] if kind == "spilled"}
+    assert set(oldest) <= on_disk <= spilled and on_disk <= set(stored)
     pool["dst"][:] = 0
     assert c.get_into(items(oldest, "dst")) == [True] * 20
     assert blocks_equal(pool, oldest)
     assert c.stats()["promotes"] > 0
+    promoted = {k for _, kind, k in c.events(since["next"], limit=100000)["events"] if kind == "promoted"}
+    assert set(oldest) <= promoted and not set(oldest) & set(c.master.call("disk_keys"))
 
 
 def test_killed_node_objects_reported_missing_without_hanging(pool) -> None:
