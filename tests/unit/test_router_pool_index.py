@@ -104,3 +104,21 @@ def test_spilled_and_promoted_objects_change_tier():
     m.log.append((len(m.log), "moved_to_mars", 1))  # a kind this follower does not know: dropped, never kept
     f.poll_once()
     assert c.index.keys_of(HOLDER) == set()
+
+
+def test_a_master_without_tier_events_still_counts_its_pool():
+    """A master older than its tier log (no disk_keys call, no spilled events): every pooled object is the pool's
+    memory tier, as before tiers, rather than the pool being dropped."""
+    from pdserve.store.rpc import StoreError
+
+    class OldMaster(FakeMaster):
+        def call(self, method: str, **kw):
+            if method == "disk_keys":
+                raise StoreError("protocol", "unknown call 'disk_keys'; this is pdserve-store-master")
+            return super().call(method, **kw)
+
+    m = OldMaster()
+    m.do("stored", 1)
+    f, c = _follower(m)
+    f.poll_once()
+    assert c.index.keys_of(HOLDER) == {1} and f.resyncs == 1

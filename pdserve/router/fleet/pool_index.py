@@ -11,12 +11,14 @@ is unreachable the pool's entries are dropped: the conductor then assumes nothin
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from ...conductor.events import IndexLike
 from ...conductor.tiers import POOL, POOL_DISK, holder_of
 from .follower import Follower
 
+log = logging.getLogger("pdserve.router.pool_index")
 HOLDER = "pool"  # the pool's memory tier
 DISK_HOLDER = holder_of(POOL, POOL_DISK)  # "pool#pool_disk": pooled objects on a node's SSD only
 
@@ -43,7 +45,7 @@ class PoolIndexFollower(Follower):
         if r.get("epoch") != self.epoch or r.get("reset"):
             # resync: everything pooled now; events after r["next"] (read before keys()) are applied next round
             keys = [int(k) for k in self.rpc.call("keys")]
-            disk = {int(k) for k in self.rpc.call("disk_keys")}
+            disk = self._disk_keys()
             self.forget_tiers()
             self.conductor.blocks_stored(HOLDER, [k for k in keys if k not in disk])
             self.conductor.blocks_stored(DISK_HOLDER, [k for k in keys if k in disk])
@@ -63,6 +65,19 @@ class PoolIndexFollower(Follower):
         if run:
             self.conductor.blocks_stored(HOLDER, run)
         self.since = int(r.get("next", self.since))
+
+    def _disk_keys(self) -> set[int]:
+        """The master's keys on SSD only; none from a master older than its tier events (it logs no spills, so
+        its pooled objects all count as memory, as before tiers)."""
+        from ...store.rpc import StoreError
+
+        try:
+            return {int(k) for k in self.rpc.call("disk_keys")}
+        except StoreError as e:
+            if e.code != "protocol":
+                raise
+            log.warning("KV pool master has no disk tier log (%s): its objects all count as its memory tier", e)
+            return set()
 
     def _apply(self, kind: str, key: int) -> None:
         """A tier move or a removal. An unknown kind drops the key from both tiers (the index may under-state
