@@ -3,7 +3,7 @@
 asked, placement as it was before tiers (``flat``), on the conversation trace with pdserve's KV pool, in one run.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/tier_placement_bench.py [--requests 40] [--rate 1.0]
-        [--configs priced,device] [--pool-mem 24MiB] [--pool-disk 1GiB]
+        [--configs priced,flat,device] [--pool-mem 24MiB] [--pool-disk 1GiB]
 
 One launch: 2 prefill workers and 1 decode worker (a small random Llama in fp32, pdserve's connector), the KV pool
 (a master and a node with ``--pool-mem`` of memory and ``--pool-disk`` of SSD tier, so older prefixes spill to
@@ -20,9 +20,11 @@ pass every worker's prefix cache is emptied (vLLM's ``/reset_prefix_cache``; the
 is removed, so each pass starts from the same empty caches. The machine's load may still differ between the passes
 (``uptime`` before and after each is printed); run with ``--configs device,priced`` to swap the order.
 
-Per config: prompt tokens the prefill workers computed (vLLM's ``prompt_tokens_by_source{source="local_compute"}``)
-and took from their own prefix cache or the pool (``local_cache_hit``, ``external_kv_transfer``), the pool master's
-hits from memory and from disk, TTFT p50 / p99 at the client. Prints a table and one JSON line with the ratios
+Per config: what the placements expected (their decision records: decisions per tier they meant to load from,
+the tokens they expected to load or find cached), the prompt tokens the prefill workers computed (vLLM's
+``prompt_tokens_by_source{source="local_compute"}``) and took from their own prefix cache or the pool
+(``local_cache_hit``, ``external_kv_transfer``), the pool master's hits (objects) from memory and from disk, TTFT
+p50 / p99 at the client. Prints a table and one JSON line with the ratios
 against the first config.
 """
 
@@ -58,8 +60,8 @@ def _load() -> str:
     return os.getloadavg().__repr__()
 
 
-async def _one(session: aiohttp.ClientSession, url: str, ids: list[int], out: int) -> float:
-    """TTFT (s) of one streamed request; nan when it fails."""
+async def _one(session: aiohttp.ClientSession, url: str, ids: list[int], out: int) -> tuple[float, str]:
+    """TTFT (s) of one streamed request (nan when it fails) and its X-Request-Id."""
     body = {"model": "m", "prompt": ids, "max_tokens": out, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     first = float("nan")
@@ -68,14 +70,34 @@ async def _one(session: aiohttp.ClientSession, url: str, ids: list[int], out: in
             line = raw.decode().strip()
             if first != first and line.startswith("data:") and line != "data: [DONE]" and '"error"' not in line:
                 first = time.perf_counter() - t0
-    return first if r.status == 200 else float("nan")
+    return (first if r.status == 200 else float("nan")), r.headers.get("X-Request-Id", "")
 
 
-async def _pass(url: str, prompts: list[tuple[float, list[int], int]]) -> list[float]:
+async def _decided(url: str, ids: list[str]) -> dict[str, Any]:
+    """What the placements expected to load, from their decision records: decisions per fetch tier and the
+    prompt tokens they expected to load (``fetch_tokens``) or to find cached (``cached_tokens``)."""
+    tiers: dict[str, int] = {}
+    fetch = cached = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for rid in ids:
+            async with s.get(f"{url}/v1/pdserve/decisions/{rid}") as r:
+                if r.status != 200:
+                    continue
+                rec = await r.json()
+            for p in rec.get("placements", [])[:1]:
+                hit = p.get("prefix_hit") or {}
+                tier = hit.get("fetch_tier") or "none"
+                tiers[tier] = tiers.get(tier, 0) + 1
+                fetch += int(hit.get("fetch_tokens") or 0)
+                cached += int(hit.get("cached_tokens") or 0)
+    return {"decided_fetch_tier": tiers, "decided_fetch_tokens": fetch, "decided_cached_tokens": cached}
+
+
+async def _pass(url: str, prompts: list[tuple[float, list[int], int]]) -> list[tuple[float, str]]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         t0 = time.monotonic()
 
-        async def go(arrival: float, ids: list[int], out: int) -> float:
+        async def go(arrival: float, ids: list[int], out: int) -> tuple[float, str]:
             await asyncio.sleep(max(0.0, arrival - (time.monotonic() - t0)))
             return await _one(s, url, ids, out)
 
@@ -126,10 +148,12 @@ def _run(name: str, url: str, prefill: list[str], workers: list[str], pool: Stor
     load0 = _load()
     before, pool0 = _scrape(prefill), pool.stats()
     t0 = time.monotonic()
-    ttfts = asyncio.run(_pass(url, prompts))
+    answers = asyncio.run(_pass(url, prompts))
     wall = time.monotonic() - t0
     time.sleep(6.0)  # vLLM publishes its counters with its periodic stats
     after, pool1 = _scrape(prefill), pool.stats()
+    decided = asyncio.run(_decided(url, [rid for _, rid in answers if rid]))
+    ttfts = [t for t, _ in answers]
     ok = [t for t in ttfts if t == t]
     src = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     row = {"ok": len(ok), "of": len(ttfts), "wall_s": round(wall, 1),
@@ -137,7 +161,8 @@ def _run(name: str, url: str, prefill: list[str], workers: list[str], pool: Stor
            "loaded_tokens": src.get("external_kv_transfer", 0.0),
            **{f"pool_{k}": pool1.get(k, 0) - pool0.get(k, 0) for k in POOL_KEYS},
            "ttft_p50_ms": round(1e3 * statistics.median(ok), 1) if ok else None,
-           "ttft_p99_ms": round(1e3 * _pct(ok, 99), 1) if ok else None, "load_before": load0, "load_after": _load()}
+           "ttft_p99_ms": round(1e3 * _pct(ok, 99), 1) if ok else None, **decided, "load_before": load0,
+           "load_after": _load()}
     print(f"[tiers] {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
     return row
 
@@ -162,7 +187,7 @@ def main() -> int:
     ap.add_argument("--model", default="", help="model folder (default: a random 2-layer Llama, fp32)")
     ap.add_argument("--requests", type=int, default=40, help="trace requests per pass")
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
-    ap.add_argument("--configs", default="priced,device", help="tier pricings, in pass order (priced, flat, device)")
+    ap.add_argument("--configs", default="priced,flat,device", help="tier pricings, in pass order (priced, flat, device)")
     ap.add_argument("--pool-mem", default="24MiB", help="the pool node's memory tier (small: prefixes spill)")
     ap.add_argument("--pool-disk", default="1GiB", help="the pool node's SSD tier")
     ap.add_argument("--start", type=int, default=0, help="first trace row")
