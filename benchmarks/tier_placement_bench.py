@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--model", default="", help="model folder (default: a random 2-layer Llama, fp32)")
     ap.add_argument("--requests", type=int, default=40, help="trace requests per pass")
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
-    ap.add_argument("--configs", default="priced,flat,device", help="tier pricings, in pass order (priced, flat, device)")
+    ap.add_argument("--configs", default="priced,flat,device", help="tier pricings, in pass order")
     ap.add_argument("--pool-mem", default="24MiB", help="the pool node's memory tier (small: prefixes spill)")
     ap.add_argument("--pool-disk", default="1GiB", help="the pool node's SSD tier")
     ap.add_argument("--start", type=int, default=0, help="first trace row")
