@@ -216,7 +216,7 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
     """Two pickers (no leader) seeded from one indexer and following the same workers place the same prefix on
     the same prefill worker; the picked P and D serve the request end to end (the test is the gateway's sidecar:
     P's one-token prefill, then D with P's kv_transfer_params, as llm-d's decode sidecar does), token for token
-    what the router answers."""
+    what the router answers; and the picked D alone, as a gateway without a sidecar sends it, answers the same."""
     from pdserve.launch.commands import kv_publisher_entry
     from pdserve.launch.ports import free_port
 
@@ -262,6 +262,11 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
                           {"model": "rl", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                            "return_token_ids": True})
             assert [t1] + rest["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+            # what a gateway does today (no decode sidecar is shipped): the request as the client sent it, to the
+            # picked D alone, which serves it whole (its own prefill): the same tokens
+            whole = _post(d + "/v1/completions", {"model": "rl", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True, "return_token_ids": True})
+            assert whole["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
             outs.append(p)
             if i == 0:  # the second picker learns P's blocks from P's own events before it places the same prefix
                 deadline = time.monotonic() + 30
