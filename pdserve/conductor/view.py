@@ -13,7 +13,7 @@ moves (:mod:`.moves`) decide with it, so they depend on this module and not on e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .config import ConductorConfig
 from .cost_model import CostModel
@@ -22,7 +22,7 @@ from .index import PrefixIndex
 from .load import WorkerLoad
 from .recalibration import Recalibration
 from .tier_costs import TierCosts
-from .tiers import DISK, HOST, POOL_MEMORY, SEP, STORE, TIERS, holder_of, split_holder
+from .tiers import DISK, HOST, POOL_DISK, POOL_MEMORY, SEP, STORE, TIERS, holder_of, split_holder
 
 STORE_SUFFIX = SEP + STORE  # a worker's puts into a remote store: "W#store"
 
@@ -63,19 +63,20 @@ class FleetView:
         faster; TTFT = queue + load + prefill. ``tier_pricing`` flat / device narrow the starts (the config)."""
         bs = self.config.block_size
         limit = max(0, req.prompt_tokens - 1)  # vLLM computes at least the last prompt token
-        shared = self._shared_sources(prefix)
+        shared = self._shared_sources(req.block_keys, prefix)
         own_tiers = (HOST, DISK) if self.config.tier_pricing == "priced" else ()
         out = []
         for p in prefill:
             own = min(prefix.get(p.worker_id, 0) * bs, limit)
             cached, fetched, fetch_s, source = own, 0, 0.0, ""
             best = self.cost.prefill_s(req.prompt_tokens - own, own)
-            sources = shared + [(t, prefix[h]) for t in own_tiers if (h := holder_of(p.worker_id, t)) in prefix]
-            for tier, blocks in sources:
+            sources = shared + [(t, prefix[h], None) for t in own_tiers
+                                if (h := holder_of(p.worker_id, t)) in prefix]
+            for tier, blocks, chain in sources:
                 have = min(blocks * bs, limit)
                 if have - own < self.config.min_fetch_blocks * bs:
                     continue
-                f_s = self.tier_costs.load_s(tier, (have - own) * self.cost.kv_bytes_per_token)
+                f_s = self._load_s(tier, chain, own, have)
                 total = f_s + self.cost.prefill_s(req.prompt_tokens - have, have)
                 if total < best:
                     best, cached, fetched, fetch_s, source = total, have, have - own, f_s, tier
@@ -84,26 +85,52 @@ class FleetView:
             out.append(PrefillOption(p, ttft, cached, fetched, req.prompt_tokens - cached, source))
         return out
 
-    def _shared_sources(self, prefix: dict[str, int]) -> list[tuple[str, int]]:
-        """(tier, leading blocks) of the holders every prefill worker can load from: the ``fetchable`` ones (the
-        pool's tiers) and any worker's puts into a remote store; the longest per tier. ``flat`` (as before tiers):
-        the fetchable holders as one, at the pool memory's price, and no store; ``device``: none."""
+    def _load_s(self, tier: str, chain: list[str] | None, own: int, have: int) -> float:
+        """Seconds to load prompt tokens [own, have) from a start: at ``tier``'s cost, or for the pool's chain at
+        each block's own tier's cost (its share of the tokens per tier)."""
+        kv = self.cost.kv_bytes_per_token
+        if not chain:
+            return self.tier_costs.load_s(tier, (have - own) * kv)
+        bs = self.config.block_size
+        part = chain[own // bs:-(-have // bs)] or [tier]
+        return sum(self.tier_costs.load_s(t, (have - own) * part.count(t) // len(part) * kv) for t in set(part))
+
+    def _pool_chain(self, keys: Sequence[int]) -> list[str]:
+        """The tier of each leading block the ``fetchable`` holders (the pool's memory and disk) hold between them,
+        memory first: a pooled prefix may start in memory and go on on SSD (the LRU spills a chain's later blocks
+        first), and the pool's connector loads it whole."""
+        out = []
+        for k in keys:
+            tier = next((split_holder(h)[1] for h in self.config.fetchable if self.index.holds(h, k)), None)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def _shared_sources(self, keys: Sequence[int], prefix: dict[str, int]
+                        ) -> list[tuple[str, int, list[str] | None]]:
+        """(tier, leading blocks, the pool's per-block tiers or None) of the starts every prefill worker can load
+        from: the pool's chain (named after its slowest tier; also its leading memory-only part when the chain goes
+        on to SSD) and the longest of any worker's puts into a remote store. ``flat`` (as before tiers): the pool's
+        chain all at the pool memory's price, and no store; ``device``: none."""
         mode = self.config.tier_pricing
         if mode == "device":
             return []
-        best: dict[str, int] = {}
-        for h in self.config.fetchable:
-            n = prefix.get(h, 0)
+        out: list[tuple[str, int, list[str] | None]] = []
+        if any(prefix.get(h, 0) for h in self.config.fetchable):
+            chain = self._pool_chain(keys)
+            if mode != "priced":
+                chain = [POOL_MEMORY] * len(chain)
+            mem = next((i for i, t in enumerate(chain) if t != POOL_MEMORY), len(chain))
+            if mem < len(chain):
+                out.append((POOL_DISK, len(chain), chain))
+            if mem:
+                out.append((POOL_MEMORY, mem, chain[:mem]))
+        if mode == "priced":
+            n = max((prefix.get(h, 0) for h in self.store_holders), default=0)
             if n:
-                tier = split_holder(h)[1] if mode == "priced" else POOL_MEMORY
-                best[tier] = max(best.get(tier, 0), n)
-        if mode != "priced":
-            return list(best.items())
-        for h in self.store_holders:
-            n = prefix.get(h, 0)
-            if n > best.get(STORE, 0):
-                best[STORE] = n
-        return list(best.items())
+                out.append((STORE, n, None))
+        return out
 
     def tpot_s(self, d: WorkerLoad, now: float, at: float, req: PlacementRequest) -> float:
         """The decode step ``req`` would see on d from time ``at``: d's decodes predicted to still run then, plus

@@ -128,3 +128,25 @@ def test_device_pricing_counts_only_device_hits():
 def test_tier_pricing_is_checked():
     with pytest.raises(ValueError, match="tier_pricing.*priced, flat or device"):
         ConductorConfig(tier_pricing="none")
+
+
+def test_a_pooled_chain_going_on_to_disk_counts_whole_at_each_blocks_price():
+    """The pool's LRU spills a chain's later blocks first: its first blocks in memory, the rest on SSD only. The
+    pool's connector loads the chain whole, so the start is all of it, each block at its own tier's price (before,
+    only the memory-only part counted once the disk tier was logged)."""
+    c = make(pool_disk=1e8)
+    c.blocks_stored("pool", KEYS[:3])
+    c.blocks_stored("pool#pool_disk", KEYS[3:8])
+    d = c.place(req("r"))
+    assert (d.cached_tokens, d.fetch_tokens, d.fetch_tier) == (128, 128, "pool_disk")
+    assert d.ttft_s == pytest.approx(48 * KV / 1e9 + 80 * KV / 1e8 + 0.032)
+    slow = make(pool_disk=1e3)  # an SSD too slow to be worth it: the memory part alone
+    slow.blocks_stored("pool", KEYS[:3])
+    slow.blocks_stored("pool#pool_disk", KEYS[3:8])
+    d = slow.place(req("r"))
+    assert (d.cached_tokens, d.fetch_tier) == (48, "pool_memory")
+    flat = make(pricing="flat", pool_disk=1e3)  # before tiers: the whole pool at the memory's price
+    flat.blocks_stored("pool", KEYS[:3])
+    flat.blocks_stored("pool#pool_disk", KEYS[3:8])
+    d = flat.place(req("r"))
+    assert (d.cached_tokens, d.fetch_tier) == (128, "pool_memory")
