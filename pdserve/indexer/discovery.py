@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..kube.discovery import RouterApiError
 from ..router.fleet.kv_events import Publisher, default_publisher
 
 
@@ -38,7 +39,7 @@ class FeedMembership:
     def add_worker(self, url: str, role: str) -> None:
         pub = default_publisher(url, self.port)
         if pub is None:
-            raise ValueError(f"{url}: no host to follow its KV events at")
+            raise RouterApiError(f"{url}: no host or KV events port to follow its events at")  # logged, skipped
         self.service.register(url, pub)
         self.roles.setdefault(url, set()).add(role)
 
