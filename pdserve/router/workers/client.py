@@ -91,6 +91,12 @@ class WorkerClient:
         except aiohttp.ClientError as e:  # connected, then dropped before the answer: it died with the request
             raise WorkerError(url, "closed", f"connection lost before the answer: {e}") from None
 
+    async def post(self, url: str, path: str, body: dict, headers: Mapping[str, str] | None = None
+                   ) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``path`` of the worker at ``url`` and return its answer unread (the caller reads and
+        closes it: a relay); raises WorkerError when the worker never answered (``connect``: it never took it)."""
+        return await self._post(url, path, body, headers)
+
     @staticmethod
     async def _error_from(url: str, resp: aiohttp.ClientResponse) -> WorkerError:
         try:
