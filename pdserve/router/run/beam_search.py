@@ -94,6 +94,9 @@ class BeamSearch:
         try:
             if resp.status >= 500:
                 raise upstream_failed(f"worker {url} answered HTTP {resp.status} to the beam search request")
+            if not ctype.startswith((_SSE, "application/json")):
+                raise upstream_failed(f"worker {url} answered the beam search request with HTTP {resp.status} "
+                                      f"({ctype or 'no content type'}), not vLLM's JSON")
             if not ctype.startswith(_SSE):
                 raw = await resp.read()
                 return web.Response(body=raw, status=resp.status, headers={"Content-Type": ctype})
