@@ -140,6 +140,8 @@ def lora_argv(worker: WorkerConfig) -> list[str]:
 # KV pull steps continuously and its spinning reader starved the co-located P's connector threads: every
 # MooncakeConnector hand-off from that P timed out (21-80 s, then recomputed) while the other P's took 0.1 s;
 # with the model in the engine core, all took 0.05-0.1 s (docs/bench.md, "Pools"). Same model code and hooks.
+# pdserve/vllm/rng_skip.py's ENV (not imported: that module imports torch, which the launcher does not load)
+RNG_SKIP_ENV = "PDSERVE_RNG_SKIP"
 UNI_EXECUTOR_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 # vLLM 0.32 pins a CPU worker's OpenMP threads only in its multiprocess executor, which sets these per worker
@@ -177,6 +179,9 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
         env[RUNTIME_UPDATES_ENV] = "True"
     env["PDSERVE_WORKER_NAME"] = worker.name
+    # seeded sampling continues across a migration on every data plane: vLLM's plugin entry point installs
+    # pdserve/vllm/rng_skip.py in the worker's processes (NixlConnector and MooncakeConnector load no pdserve code)
+    env[RNG_SKIP_ENV] = "1"
     if worker.otlp_traces_endpoint and "OTEL_SERVICE_NAME" not in os.environ:  # its spans name the worker
         env.setdefault("OTEL_SERVICE_NAME", f"pdserve-{worker.name}")
     if worker.connector and worker.kv_connector == "nixl":
