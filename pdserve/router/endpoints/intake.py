@@ -82,7 +82,8 @@ class Intake:
         self.placement = placement
         self.kv_protocol = kv_protocol  # the data plane's P -> D hand-off (Mooncake's keeps P's engine ids)
         self.workers = workers
-        self.beam = BeamSearch(placement, workers.started, self.beam_prompt_ids)  # use_beam_search: one worker
+        self.beam = BeamSearch(placement, workers.started, self.beam_prompt_ids,  # use_beam_search: one worker
+                               config.request_timeout_s)
 
     # ---- admission and metrics ----
     @asynccontextmanager

@@ -12,6 +12,7 @@ never took the request is left out and the request placed again; a server error 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..errors import RouterError, upstream_failed
+from ..errors import bad_request, deadline_exceeded, upstream_failed
 from ..fleet.placement import Placement
 from ..workers.client import WorkerClient, WorkerError
 
@@ -47,18 +48,33 @@ class BeamSearch:
     placement's prediction, or [] when the router cannot read it (the worker answers for it)."""
 
     def __init__(self, placement: Placement, client: Callable[[], WorkerClient],
-                 prompt_ids: Callable[[str, dict[str, Any]], Awaitable[list[int]]]) -> None:
+                 prompt_ids: Callable[[str, dict[str, Any]], Awaitable[list[int]]],
+                 request_timeout_s: float | None = None) -> None:
         self.placement = placement
         self.client = client
         self.prompt_ids = prompt_ids
+        self.request_timeout_s = request_timeout_s  # the router's --request-timeout-s: 504 past it
 
     async def answer(self, request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
-        """Place ``body`` whole, send it to that worker's endpoint of ``kind`` and relay the answer."""
+        """Place ``body`` whole, send it to that worker's endpoint of ``kind`` and relay the answer, within the
+        request's deadline (504 ``request_timeout`` past it, before the answer starts; a streamed answer that
+        started is cut there). vLLM says nothing until its beams are done, so no idle timeout applies."""
+        started: list[web.StreamResponse] = []  # a streamed answer once its head went out
+        try:
+            return await asyncio.wait_for(self._answer(request, kind, body, started), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            if started:  # the client has the stream's head: it ends here, unfinished
+                log.warning("beam search stream cut at the request deadline (%g s)", self.request_timeout_s)
+                return started[0]
+            raise deadline_exceeded(f"the beam search request did not finish within the request deadline of "
+                                    f"{self.request_timeout_s:g} s (router --request-timeout-s)") from None
+
+    async def _answer(self, request: web.Request, kind: str, body: dict[str, Any],
+                      started: list[web.StreamResponse]) -> web.StreamResponse:
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex  # the conductor's id
         for name in OWNED:
             if body.get(name) not in (None, False, [], {}):
-                raise RouterError(400, f"'{name}' is not supported by the pdserve router", param=name,
-                                  code="unsupported_parameter")
+                raise bad_request(f"'{name}' is not supported by the pdserve router", name, "unsupported_parameter")
         ids = await self.prompt_ids(kind, body)
         asked = body.get("max_tokens")
         max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else 16
@@ -68,7 +84,7 @@ class BeamSearch:
             url = ticket.decode.url
             try:
                 try:
-                    resp = await self.client().post(url, PATHS[kind], body)
+                    resp = await self.client().post(url, PATHS[kind], body, idle=False)
                 except WorkerError as e:
                     if e.kind != "connect":
                         raise upstream_failed(f"worker {url} failed with the beam search request: {e}") from None
@@ -80,14 +96,15 @@ class BeamSearch:
                     continue
                 ticket.prefill_done()
                 try:
-                    return await self._relay(request, resp, url)
+                    return await self._relay(request, resp, url, started)
                 finally:
                     resp.close()
             finally:
                 ticket.close()
 
     @staticmethod
-    async def _relay(request: web.Request, resp: aiohttp.ClientResponse, url: str) -> web.StreamResponse:
+    async def _relay(request: web.Request, resp: aiohttp.ClientResponse, url: str,
+                     started: list[web.StreamResponse]) -> web.StreamResponse:
         """The worker's answer as the client's: a 4xx and a 200 as they are (an SSE answer chunk by chunk), a server
         error or a lost connection as a 502."""
         ctype = resp.headers.get("Content-Type", "application/json")
@@ -104,6 +121,7 @@ class BeamSearch:
             raise upstream_failed(f"worker {url} was lost during the beam search request: {e}") from None
         out = web.StreamResponse(status=resp.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
         await out.prepare(request)
+        started.append(out)
         try:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
