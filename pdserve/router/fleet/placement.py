@@ -82,7 +82,8 @@ class ConductorPlacement:
                max_tokens: int = 16, domain: int = ROOT_KEY, whole: bool = False) -> PlacementTicket:
         """A ticket for the request (close it whatever happens), or RouterError 503 / 429. ``domain``: the root of
         the request's block keys (:func:`pdserve.hashing.domain_root` of its cache salt and adapter), so it is
-        placed by the blocks of its own domain only."""
+        placed by the blocks of its own domain only. ``whole``: the request runs whole on one worker that decodes
+        (beam search, :mod:`..run.beam_search`; the conductor's ``PlacementRequest.whole``)."""
         t0 = time.perf_counter()
         c = self.conductor
         rid = request_id or f"req-{next(self._ids)}"
