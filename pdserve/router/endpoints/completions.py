@@ -31,8 +31,8 @@ class GenerateEndpoint:
                 try:
                     body = parse_json(await door.read_body(request))
                     if wants_beam_search(body):  # vLLM's serving layer runs it: the whole request on one worker
-                        door.models.adapter(body.get("model"))  # 404 for an unknown model, as on every request
-                        resp = await door.beam.answer(request, self.kind, body)
+                        lora = door.models.adapter(body.get("model"))  # 404 for an unknown model, as always
+                        resp = await door.beam.answer(request, self.kind, body, lora)
                         visit.status = str(resp.status)
                         return resp
                     req = parse_chat(body) if self.kind == "chat" else parse_completion(body)

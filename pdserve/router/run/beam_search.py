@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ...hashing import domain_root
 from ..errors import bad_request, deadline_exceeded, upstream_failed
 from ..fleet.placement import Placement
 from ..workers.client import WorkerClient, WorkerError
@@ -55,13 +56,14 @@ class BeamSearch:
         self.prompt_ids = prompt_ids
         self.request_timeout_s = request_timeout_s  # the router's --request-timeout-s: 504 past it
 
-    async def answer(self, request: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
+    async def answer(self, request: web.Request, kind: str, body: dict[str, Any], lora: str | None = None
+                     ) -> web.StreamResponse:
         """Place ``body`` whole, send it to that worker's endpoint of ``kind`` and relay the answer, within the
         request's deadline (504 ``request_timeout`` past it, before the answer starts; a streamed answer that
         started is cut there). vLLM says nothing until its beams are done, so no idle timeout applies."""
         started: list[web.StreamResponse] = []  # a streamed answer once its head went out
         try:
-            return await asyncio.wait_for(self._answer(request, kind, body, started), self.request_timeout_s)
+            return await asyncio.wait_for(self._answer(request, kind, body, lora, started), self.request_timeout_s)
         except asyncio.TimeoutError:
             if started:  # the client has the stream's head: it ends here, unfinished
                 log.warning("beam search stream cut at the request deadline (%g s)", self.request_timeout_s)
@@ -69,7 +71,7 @@ class BeamSearch:
             raise deadline_exceeded(f"the beam search request did not finish within the request deadline of "
                                     f"{self.request_timeout_s:g} s (router --request-timeout-s)") from None
 
-    async def _answer(self, request: web.Request, kind: str, body: dict[str, Any],
+    async def _answer(self, request: web.Request, kind: str, body: dict[str, Any], lora: str | None,
                       started: list[web.StreamResponse]) -> web.StreamResponse:
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex  # the conductor's id
         for name in OWNED:
@@ -78,9 +80,11 @@ class BeamSearch:
         ids = await self.prompt_ids(kind, body)
         asked = body.get("max_tokens")
         max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else 16
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        domain = domain_root(salt, lora)  # placed by the blocks of its own key domain, as any request
         excluded: set[str] = set()
         while True:
-            ticket = self.placement.choose(ids, frozenset(excluded), request_id, max_tokens, whole=True)
+            ticket = self.placement.choose(ids, frozenset(excluded), request_id, max_tokens, domain, whole=True)
             url = ticket.decode.url
             try:
                 try:
