@@ -19,6 +19,12 @@ bytes flipped at random offsets of one to four units, any block and layer, on P 
 the read and as it lands), TP 2 -> 1 and 1 -> 2, late writes into P's sealed blocks, and objects on the KV pool's
 disk tier): the connector's worker half over real transfer engines and a real pool master and node, KV bytes made
 up (no vLLM forward; test_kv_integrity.py's random cases run through vLLM).
+
+    python benchmarks/corruption_tally.py --placements 60 --tp-vllm 40
+
+adds tests/integration/test_fault_placements_tp_vllm.py (path ``p2p_tp_vllm``): that many random placements in TP 2 ->
+1 reads through real vLLM workers (a TP 2 P and a TP 1 D server, ``kv_checksum`` on), each answer compared with D's
+own (``--tp-vllm`` alone runs only those).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def main() -> None:
                                                                   "$PDSERVE_CORRUPTION_TALLY) instead of running")
     ap.add_argument("--placements", type=int, default=0, help="run test_fault_placements.py with this many random "
                                                                   "placements per path instead")
+    ap.add_argument("--tp-vllm", type=int, default=0, help="also run test_fault_placements_tp_vllm.py with this many "
+                                                          "random placements (TP 2 -> 1 through real vLLM)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="kill the test run after this many seconds (its "
                                                                    "unfinished cases count as stalled)")
     args = ap.parse_args()
@@ -49,13 +57,14 @@ def main() -> None:
     if args.source:
         rows = [json.loads(line) for line in open(args.source)]
     else:
-        rc, rows = run_tests(args.pool, args.placements, args.timeout)
+        rc, rows = run_tests(args.pool, args.placements, args.timeout, args.tp_vllm)
     summarize(rows, rc)
 
 
-def run_tests(pool: bool, placements: int, timeout: float) -> tuple[int, list[dict]]:
-    if placements:
-        tests = ["tests/integration/test_fault_placements.py"]
+def run_tests(pool: bool, placements: int, timeout: float, tp_vllm: int = 0) -> tuple[int, list[dict]]:
+    if placements or tp_vllm:
+        tests = (["tests/integration/test_fault_placements.py"] if placements else []) + \
+                (["tests/integration/test_fault_placements_tp_vllm.py"] if tp_vllm else [])
     else:
         tests = ["tests/integration/test_kv_integrity.py"] + (["tests/integration/test_store_vllm.py"] if pool
                                                                else [])
@@ -64,6 +73,8 @@ def run_tests(pool: bool, placements: int, timeout: float) -> tuple[int, list[di
         env = dict(os.environ, PDSERVE_CORRUPTION_TALLY=tally, PYTHONPATH=ROOT)
         if placements:
             env["PDSERVE_FAULT_PLACEMENTS"] = str(placements)
+        if tp_vllm:
+            env.update(PDSERVE_TP_FAULT_PLACEMENTS=str(tp_vllm), PDSERVE_TEST_SLOW="1")
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)

@@ -1,7 +1,7 @@
 """Issue 41's measure for seeded sampling: the share of seeded requests whose tokens through P and D equal one vLLM
 worker's, per sampling parameter, one request at a time (docs/seeded-sampling.md).
 
-    python benchmarks/seeded_sampling.py [--seeds 8] [--tokens 16] [--temperature 1]
+    python benchmarks/seeded_sampling.py [--seeds 8] [--tokens 16] [--temperature 1] [--kv-connector nixl]
 
 Starts a 1P1D launch of a small random Llama (fp32) and sends each case, with ``seed`` set and ``ignore_eos``, to
 the router and to the decode worker's own endpoint (one worker), one request at a time; the baseline in the same
@@ -15,7 +15,9 @@ A migrated seeded request (issue 41): the worker that continues it gets the prom
 and skips as many draws of the request's seeded stream (``vllm_xargs.pdserve_rng_skip``, pdserve/vllm/rng_skip.py).
 Per parameter, ``continued`` is the share of cases where one worker, continuing after ``--continue-at`` tokens that
 way, gives exactly the tokens it gave after them in one go; ``restarted`` is the same without the skip (the old
-behaviour, the baseline in the same run).
+behaviour, the baseline in the same run). ``--kv-connector nixl`` (or ``mooncake``) runs the launch on that data
+plane, whose workers load no pdserve connector: the skip is installed there by vLLM's plugin entry point
+(``PDSERVE_RNG_SKIP``, set by the launcher for every worker).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--continue-at", type=int, default=5, help="tokens output before the continued request")
+    ap.add_argument("--kv-connector", default="pdserve", choices=("pdserve", "nixl", "mooncake"),
+                    help="the launch's data plane")
     args = ap.parse_args()
     model = args.model
     if not model:
@@ -73,7 +77,7 @@ def main() -> None:
 
         model = str(build_random_llama(os.path.join(".pdserve", "models", "random-llama-flat"), lm_head_std=0.05))
     cfg = LauncherConfig(model=model, prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
-                         served_model_name="m", worker_timeout_s=600, pool=False)
+                         served_model_name="m", worker_timeout_s=600, pool=False, kv_connector=args.kv_connector)
     rows: dict[str, dict[str, float]] = {}
     with Cluster(cfg, log=lambda s: print(f"[seeded] {s}", file=sys.stderr, flush=True)) as cluster:
         one = cluster.worker_urls("decode")[0]
@@ -103,7 +107,8 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<20}{r['cases']:>6}{r['first_equal']:>13}{r['all_equal']:>11}{r['mean_equal_prefix']:>14}"
               f"{r['one_worker_repeat_equal']:>13}{r['continued']:>11}{r['restarted']:>11}")
-    print(json.dumps({"bench": "seeded_sampling", "tokens": args.tokens, "temperature": args.temperature,
+    print(json.dumps({"bench": "seeded_sampling", "kv_connector": args.kv_connector, "tokens": args.tokens,
+                      "temperature": args.temperature,
                       "continue_at": args.continue_at, "rows": rows}))
 
 

@@ -27,6 +27,7 @@ class PlacementRequest:
     prompt_tokens: int
     block_keys: Sequence[int] = ()
     max_tokens: int = 16
+    whole: bool = False  # the whole request on one worker that decodes (beam search: vLLM's own loop over steps)
 
 
 class Candidate(NamedTuple):

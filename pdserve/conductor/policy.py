@@ -150,7 +150,7 @@ class Conductor(FleetView):
 
         Policy ``conductor`` over fixed roles weighs only the prefix holders and the least-loaded few of each role
         (:meth:`_bounded`), so one placement does not grow with the fleet."""
-        d = self._bounded(req, exclude)
+        d = self._whole_only(req, exclude) if req.whole else self._bounded(req, exclude)
         if d is None:
             d = self._place_all(req, exclude)
         self.counts[d.kind] += 1
@@ -215,6 +215,20 @@ class Conductor(FleetView):
                 else:
                     d = self._conduct(req, fp, fd)
         return d
+
+    def _whole_only(self, req: PlacementRequest, exclude: frozenset[str]) -> Decision:
+        """A request that must run whole on one worker (``req.whole``): on a worker that decodes (decode, colocated
+        or elastic) picked as a whole request is (:meth:`_whole`); with none live, on a prefill worker (a survivor)."""
+        live = [w for w in self.workers.values() if w.healthy and w.worker_id not in exclude]
+        if not live:
+            raise NoWorker("any", "no live worker")
+        decoders = [w for w in live if w.can_decode or w.role == "colocated"]
+        ws = decoders or live
+        free = self._free(ws)
+        if not free:
+            return self._busy(req, ws)
+        return self._whole(req, free, "decode", lambda w: f"whole request on {w.role} worker {w.worker_id} "
+                                                          "(it runs on one worker)")
 
     # -- limits and survivors --
     def _free(self, ws: list[WorkerLoad]) -> list[WorkerLoad]:

@@ -134,6 +134,10 @@ def lora_argv(worker: WorkerConfig) -> list[str]:
     return argv
 
 
+# pdserve's seeded-sampling hooks in every vLLM process of a worker (pdserve/vllm/rng_skip.py's ENV; not imported:
+# that module imports torch, which the launcher does not load)
+RNG_SKIP_ENV = "PDSERVE_RNG_SKIP"
+
 # A single-rank CPU worker runs its model inside vLLM's engine-core process ("uni" executor) instead of a third
 # process. That process's executor reader busy-polls its shared-memory queue for a second after every step, on
 # the cores the worker is bound to; where two workers share a core (3 workers on 2 cores), a D waiting for a
@@ -177,6 +181,10 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
     if worker.enable_lora:  # the router's /v1/load_lora_adapter and /v1/unload_lora_adapter reach every worker
         env[RUNTIME_UPDATES_ENV] = "True"
     env["PDSERVE_WORKER_NAME"] = worker.name
+    # seeded sampling continues across a migration, and a chunked seeded prefill survives on CPU, on every data
+    # plane: vLLM's plugin entry points install pdserve/vllm/rng_skip.py and cpu_rewind.py in the worker's processes
+    # (NixlConnector and MooncakeConnector load no pdserve code)
+    env[RNG_SKIP_ENV] = "1"
     if worker.otlp_traces_endpoint and "OTEL_SERVICE_NAME" not in os.environ:  # its spans name the worker
         env.setdefault("OTEL_SERVICE_NAME", f"pdserve-{worker.name}")
     if worker.connector and worker.kv_connector == "nixl":

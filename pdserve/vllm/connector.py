@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from pdserve.vllm import rng_skip
+from pdserve.vllm import cpu_rewind, rng_skip
 from pdserve.vllm.groups import groups_of, is_hybrid
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
@@ -123,6 +123,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker = WorkerSide(vllm_config, self.config, kv_cache_config)
             rng_skip.install()  # seeded requests continue their random stream after a migration
+            cpu_rewind.install()  # and a partial prefill's discarded draw is given back on a CPU generator
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

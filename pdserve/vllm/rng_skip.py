@@ -4,7 +4,9 @@ vLLM seeds one random generator per request (``SamplingParams.seed``) and draws 
 request that migrates after ``k`` tokens is sent again, as prompt + those tokens, to a fresh worker, whose fresh
 generator would give the next token draw 1 where one worker gives it draw ``k + 1``. The router names ``k`` in the
 request's ``vllm_xargs`` (``pdserve_rng_skip``; vLLM puts them in ``SamplingParams.extra_args``), and this module,
-installed in every pdserve worker process by the connector, advances a new request's generator by ``k`` draws the
+installed in every vLLM worker process pdserve launches whatever its data plane (vLLM's ``vllm.general_plugins``
+entry point, :func:`register`, which vLLM runs in each of its processes: it installs the hook where the launcher
+set :data:`ENV`; pdserve's connector installs it too), advances a new request's generator by ``k`` draws the
 way that worker's sampler consumes them, before its first sample:
 
 - vLLM's CPU sampler (``TopKTopPSampler.forward_cpu``, fused Gumbel-max): one ``torch.randint(0, 2**31, (1,))`` per
@@ -25,6 +27,7 @@ PyTorch call on a CUDA generator; it has not run on a GPU.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ import torch
 log = logging.getLogger("pdserve.vllm.rng_skip")
 
 SKIP_KEY = "pdserve_rng_skip"
+ENV = "PDSERVE_RNG_SKIP"  # "1": the plugin installs the hook (the launcher sets it for every worker it starts)
 _INSTALLED = "_pdserve_rng_skip"
 _EXPONENTIAL = ("forward_native", "forward_cuda", "forward_hip", "forward_xpu")
 _warned: set[str] = set()
@@ -115,3 +119,11 @@ def install() -> bool:
     setattr(_update_states, _INSTALLED, True)
     GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
     return True
+
+
+def register() -> None:
+    """vLLM's plugin hook (``vllm.general_plugins``, run in every vLLM process): install the hook in a process the
+    pdserve launcher started (:data:`ENV` = "1"), whatever its KV connector (NixlConnector and MooncakeConnector
+    workers load no pdserve code otherwise); a plain vLLM process is left as it is."""
+    if os.environ.get(ENV) == "1":
+        install()

@@ -202,7 +202,12 @@ def edge_cases() -> list[Case]:
             Case("completions", "max_tokens", 0, {"echo": True}, "score-plain"),
             Case("completions", "n", 16385, {"temperature": 1.0}, "past-vllm-bound"),
             Case("chat", "n", 16385, {"temperature": 1.0}, "past-vllm-bound"),
-            Case("completions", "n", 2, {"prompt": ["a b", "c d"], "temperature": 0.0}, "greedy-prompts")]
+            Case("completions", "n", 2, {"prompt": ["a b", "c d"], "temperature": 0.0}, "greedy-prompts"),
+            # beam search (served whole on one worker, as vLLM's serving layer runs it): 3 beams, a length penalty,
+            # a prompt list; greedy beams are deterministic, so token for token
+            Case("completions", "use_beam_search", True, {"n": 3, "length_penalty": 0.5}, "beams-3"),
+            Case("completions", "use_beam_search", True, {"n": 2, "prompt": ["a b", "c d"]}, "beams-prompts"),
+            Case("chat", "use_beam_search", True, {"n": 3, "length_penalty": 1.5}, "beams-3")]
 
 
 # the quick tier's fields: those the router itself reads, rewrites or refuses (pdserve.router.api.fields); the ones

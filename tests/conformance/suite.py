@@ -17,7 +17,7 @@ from .compare import KNOWN, differences, post, summary
 # fields whose streamed answers the quick tier checks too (the rest: the full tier)
 STREAMED = {"stream", "stream_options", "stream_interval", "logprobs", "top_logprobs", "n", "stop",
             "include_stop_str_in_output", "return_token_ids", "prompt", "messages", "truncate_prompt_tokens",
-            "min_tokens", "bad_words", "tools", "tool_choice", "echo", "response_format", "max_tokens"}
+            "min_tokens", "bad_words", "tools", "tool_choice", "echo", "response_format", "max_tokens", "use_beam_search"}
 # values that make sampling random: the case is seeded, and must be identical to one worker's
 SEEDED = 7
 

@@ -386,11 +386,36 @@ def test_messages_and_responses_apis_equal_one_worker(cluster):
 
 
 def test_unsupported_fields_are_400(client):
-    for kw in ({"suffix": "x"}, {"extra_body": {"use_beam_search": True}}, {"extra_body": {"guided_json": {"type": "object"}}},
+    for kw in ({"suffix": "x"}, {"extra_body": {"guided_json": {"type": "object"}}},
                {"extra_body": {"structured_outputs": {"json": {}, "regex": "a"}}}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="rl", prompt="a", max_tokens=2, **kw)
         assert e.value.status_code == 400
+
+
+def test_beam_search_runs_whole_on_one_worker_as_vllm(cluster, client):
+    """use_beam_search: the whole request on one worker, its beams as D's own answer (greedy beams are
+    deterministic), and vLLM's refusal of a streamed completions beam search as vLLM words it."""
+    body = {"model": "rl", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "n": 3,
+            "use_beam_search": True, "return_token_ids": True}
+    mine, ref = _post(cluster.router_url + "/v1/completions", body), _api_alone(cluster, "/v1/completions", body)
+    beams = [c["token_ids"] for c in mine["choices"]]
+    assert len(beams) == 3 and len({tuple(b) for b in beams}) == 3, beams  # three distinct beams
+    assert beams == [c["token_ids"] for c in ref["choices"]] and mine["usage"] == ref["usage"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="rl", prompt="a", max_tokens=2, stream=True,
+                                  extra_body={"use_beam_search": True})
+    assert e.value.status_code == 400 and "beam search" in str(e.value)
+    chat = {"model": "rl", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6,
+            "temperature": 0, "n": 2, "use_beam_search": True}
+    mine, ref = _post(cluster.router_url + "/v1/chat/completions", chat), _api_alone(cluster, "/v1/chat/completions",
+                                                                                      chat)
+    assert len(mine["choices"]) == 2 and mine["choices"][0]["message"]["content"]
+    assert [c["message"] for c in mine["choices"]] == [c["message"] for c in ref["choices"]]
+    events = [c for c in client.chat.completions.create(**{k: v for k, v in chat.items() if k != "use_beam_search"},
+                                                         stream=True, extra_body={"use_beam_search": True})]
+    text = {i: "".join(ch.delta.content or "" for ev in events for ch in ev.choices if ch.index == i) for i in (0, 1)}
+    assert text == {i: c["message"]["content"] for i, c in enumerate(ref["choices"])}  # vLLM's stream of the beams
 
 
 def _one_token_word(cluster, text: str) -> str:

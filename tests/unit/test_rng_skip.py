@@ -92,3 +92,33 @@ def test_the_router_and_the_worker_name_the_skip_alike():
     from pdserve.router.run.generation import RNG_SKIP_KEY
 
     assert RNG_SKIP_KEY == rng_skip.SKIP_KEY
+
+
+@pytest.mark.parametrize("plane", ["pdserve", "nixl", "mooncake"])
+def test_every_launched_worker_asks_the_plugin_for_the_hook(plane):
+    from pdserve.launch.commands import RNG_SKIP_ENV, worker_env
+    from pdserve.launch.config import WorkerConfig
+
+    w = WorkerConfig(role="decode", index=0, model="/m", port=8100, cores=(0,), kv_connector=plane,
+                     mooncake_bootstrap_port=8998 if plane == "mooncake" else 0,
+                     nixl_side_channel_port=8997 if plane == "nixl" else 0)
+    assert RNG_SKIP_ENV == rng_skip.ENV and worker_env(w)[rng_skip.ENV] == "1"
+
+
+def test_the_plugin_installs_only_where_the_launcher_asked(monkeypatch):
+    from importlib.metadata import entry_points
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("pdserve_rng_skip") == "pdserve.vllm.rng_skip:register"  # pyproject.toml (setup.sh installs)
+    before = GPUModelRunner._update_states
+    try:
+        monkeypatch.delenv(rng_skip.ENV, raising=False)
+        rng_skip.register()  # a plain vLLM process: untouched
+        assert GPUModelRunner._update_states is before
+        monkeypatch.setenv(rng_skip.ENV, "1")
+        rng_skip.register()
+        assert getattr(GPUModelRunner._update_states, "_pdserve_rng_skip", False)
+    finally:
+        GPUModelRunner._update_states = before

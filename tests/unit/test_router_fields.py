@@ -60,7 +60,7 @@ def test_forwarded_fields_reach_the_workers(endpoint):
 def test_refused_fields_name_themselves(endpoint):
     for name in names(endpoint, "refused"):
         with pytest.raises(RouterError) as e:
-            _parse(endpoint, {name: "x" if name != "use_beam_search" else True})
+            _parse(endpoint, {name: "x"})
         assert e.value.status == 400 and e.value.param == name, name
 
 

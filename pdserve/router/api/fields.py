@@ -68,8 +68,9 @@ _COMMON: dict[str, tuple[Use, str]] = {
     "return_mm_kwargs": ("ignored_as_vllm", "render endpoints only"),
     "routed_experts_prompt_start": ("ignored_as_vllm", "only with routed-expert capture, which pdserve does not "
                                                        "enable"),
-    "length_penalty": ("ignored_as_vllm", "beam search only"),
-    "use_beam_search": ("refused", "beam search is not served"),
+    "length_penalty": ("ignored_as_vllm", "beam search only (a beam search request reaches its worker with it)"),
+    "use_beam_search": ("router", "the whole request on one worker, its answer relayed (vLLM runs beam search in "
+                                  "its serving layer: run/beam_search.py)"),
     "kv_transfer_params": ("refused", "the router owns the hand-off"),
     "ec_transfer_params": ("refused", "encoder-cache disaggregation is not served"),
 }

@@ -1,6 +1,6 @@
 """The request schemas of /v1/completions, /v1/chat/completions and /tokenize in the router's OpenAPI document
 (:mod:`.openapi`): the fields :mod:`.protocol` parses, with the ranges and rules it enforces; fields it refuses
-(``suffix``, ``use_beam_search``, ...) take only what reads as "not sent"."""
+(``suffix``, ``kv_transfer_params``, ...) take only what reads as "not sent"."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ COMMON: Fields = [
     ("top_k", {"type": "integer", "minimum": -1}, "top-k sampling (-1: off)"),
     ("seed", {"type": "integer", "minimum": -INT64, "maximum": INT64 - 1}, "sampling seed"),
     ("ignore_eos", BOOL, "keep generating past EOS"),
+    ("use_beam_search", BOOL, "beam search (n beams): the whole request on one worker, its answer relayed as that "
+                              "worker (vLLM) gives it"),
     ("skip_special_tokens", BOOL, "drop special tokens from the text"),
     ("spaces_between_special_tokens", BOOL, "vLLM detokenization option"),
     ("presence_penalty", {"type": "number", "minimum": -2, "maximum": 2}, "penalty on tokens already output"),

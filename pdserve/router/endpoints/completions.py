@@ -10,6 +10,7 @@ from ..api.response import ResponseBuilder
 from ..api.tokenizer import PromptTokenizer
 from ..errors import RouterError
 from ..run.answer import collect, refused_in_stream, stream
+from ..run.beam_search import wants_beam_search
 from .context import RouterContext
 from .intake import Intake
 
@@ -29,6 +30,11 @@ class GenerateEndpoint:
             async with door.admitted(self.kind) as visit:
                 try:
                     body = parse_json(await door.read_body(request))
+                    if wants_beam_search(body):  # vLLM's serving layer runs it: the whole request on one worker
+                        lora = door.models.adapter(body.get("model"))  # 404 for an unknown model, as always
+                        resp = await door.beam.answer(request, self.kind, body, lora)
+                        visit.status = str(resp.status)
+                        return resp
                     req = parse_chat(body) if self.kind == "chat" else parse_completion(body)
                     choices = await door.start(req, request, body, visit)
                 except RouterError as e:

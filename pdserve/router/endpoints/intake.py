@@ -31,7 +31,7 @@ from ..api.limits import read_body
 from ..api.logprobs import LogprobTrack
 from ..api.model_catalog import ModelCatalog
 from ..api.prompt import prompt_chars, prompt_ids, rendered_chat
-from ..api.protocol import GenerationRequest, clamped_max_tokens
+from ..api.protocol import GenerationRequest, clamped_max_tokens, parse_chat, parse_completion
 from ..api.tokenizer import PromptTokenizer
 from ..api.tools import ToolSupport
 from ..api.truncation import truncated_max_tokens
@@ -39,6 +39,7 @@ from ..config import RouterConfig
 from ..errors import RouterError, bad_request
 from ..fleet.placement import Placement
 from ..metrics import RouterMetrics
+from ..run.beam_search import BeamSearch
 from ..run.choices import Choice, choice_seed, sum_usage
 from ..run.generation import Generation, GenerationOptions
 from ..run.kv_protocol import KVProtocol
@@ -49,6 +50,10 @@ from .decision_header import CHOICES_KEY, wants_record
 
 TIMINGS_HEADER = "X-Pdserve-Timings"
 OFFLOAD_CHARS = 16384  # tokenize prompts longer than this in a thread, keeping the event loop responsive
+# the fields that make a body's prompt: what the router reads of a beam search request to place it
+PROMPT_FIELDS = {"completions": ("prompt", "add_special_tokens"),
+                 "chat": ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                          "tools", "documents", "add_special_tokens")}
 
 
 @dataclass
@@ -77,6 +82,8 @@ class Intake:
         self.placement = placement
         self.kv_protocol = kv_protocol  # the data plane's P -> D hand-off (Mooncake's keeps P's engine ids)
         self.workers = workers
+        self.beam = BeamSearch(placement, workers.started, self.beam_prompt_ids,  # use_beam_search: one worker
+                               config.request_timeout_s)
 
     # ---- admission and metrics ----
     @asynccontextmanager
@@ -144,6 +151,20 @@ class Intake:
         if rt is not None:  # the request is traced: its admission span ends here
             rt.admitted(req.request_id, len(visit.choices), sum(len(c.prompt_ids) for c in visit.choices))
         return visit.choices
+
+    async def beam_prompt_ids(self, kind: str, body: dict[str, Any]) -> list[int]:
+        """A beam search body's (first) prompt as token ids, for its placement; [] when the router cannot read
+        it (the worker it goes to answers for the body, in vLLM's words)."""
+        part = {k: body[k] for k in PROMPT_FIELDS[kind] if k in body}
+        try:
+            req = parse_chat(part) if kind == "chat" else parse_completion(part)
+            if req.prompts:
+                first = req.prompts[0]
+                req = replace(req, prompts=None, prompt_text=first if isinstance(first, str) else None,
+                              prompt_ids=None if isinstance(first, str) else first)
+            return await self.prompt_ids(req)
+        except (RouterError, ValueError, TypeError):
+            return []
 
     # ---- choices ----
     async def prompt_ids(self, req: GenerationRequest) -> list[int]:

@@ -36,7 +36,7 @@ class Placement(Protocol):
     registry: WorkerRegistry
 
     def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(), request_id: str = "",
-               max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket: ...
+               max_tokens: int = 16, domain: int = ROOT_KEY, whole: bool = False) -> PlacementTicket: ...
 
 
 def too_busy(d: Decision) -> RouterError:
@@ -79,16 +79,17 @@ class ConductorPlacement:
 
     # ---- the decision ----
     def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(), request_id: str = "",
-               max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket:
+               max_tokens: int = 16, domain: int = ROOT_KEY, whole: bool = False) -> PlacementTicket:
         """A ticket for the request (close it whatever happens), or RouterError 503 / 429. ``domain``: the root of
         the request's block keys (:func:`pdserve.hashing.domain_root` of its cache salt and adapter), so it is
-        placed by the blocks of its own domain only."""
+        placed by the blocks of its own domain only. ``whole``: the request runs whole on one worker that decodes
+        (beam search, :mod:`..run.beam_search`; the conductor's ``PlacementRequest.whole``)."""
         t0 = time.perf_counter()
         c = self.conductor
         rid = request_id or f"req-{next(self._ids)}"
         keys = block_hashes(prompt_ids, c.config.block_size, domain) if c.config.policy == "conductor" else ()
         try:
-            d = c.place(PlacementRequest(rid, len(prompt_ids), keys, max_tokens), exclude)
+            d = c.place(PlacementRequest(rid, len(prompt_ids), keys, max_tokens, whole), exclude)
         except NoWorker as e:
             detail = "; ".join(f"{w.url}: {w.last_error or ('excluded' if w.url in exclude else 'not taking requests')}"
                                for w in self.registry if e.role in w.roles or e.role == "any" or

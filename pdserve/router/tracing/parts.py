@@ -50,14 +50,14 @@ class TracedPlacement:
         return getattr(self.inner, name)
 
     def choose(self, prompt_ids: Sequence[int], exclude: frozenset[str] = frozenset(), request_id: str = "",
-               max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket:
+               max_tokens: int = 16, domain: int = ROOT_KEY, whole: bool = False) -> PlacementTicket:
         rt = self.rt
         span = rt.child("placement", attributes={"pdserve.request_id": request_id,
                                                  "pdserve.prompt_tokens": len(prompt_ids),
                                                  "pdserve.max_tokens": max_tokens,
                                                  "pdserve.excluded": sorted(exclude)})
         try:
-            ticket = self.inner.choose(prompt_ids, exclude, request_id, max_tokens, domain)
+            ticket = self.inner.choose(prompt_ids, exclude, request_id, max_tokens, domain, whole)
         except RouterError as e:
             span.set_attributes({"pdserve.rejection.status": e.status, "pdserve.rejection.code": str(e.code or ""),
                                  "pdserve.rejection.message": e.message})

@@ -75,12 +75,13 @@ class WorkerClient:
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=self.idle_timeout_s)
 
-    async def _post(self, url: str, path: str, body: dict, headers: Mapping[str, str] | None = None
-                    ) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, path: str, body: dict, headers: Mapping[str, str] | None = None,
+                    idle: bool = True) -> aiohttp.ClientResponse:
+        timeout = self._timeout() if idle else aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s)
         try:
             return await self.session.post(url + path, data=json.dumps(body, separators=(",", ":")),
                                            headers=_JSON if headers is None else {**_JSON, **headers},
-                                           timeout=self._timeout())
+                                           timeout=timeout)
         except aiohttp.SocketTimeoutError:  # connected and sent, then no answer (a non-streamed call answers at
             # the end): the worker has the request and is silent, it is not a refused connection
             raise WorkerError(url, "timeout", f"no answer for {self.idle_timeout_s} s") from None
@@ -90,6 +91,14 @@ class WorkerClient:
             raise WorkerError(url, "connect", f"cannot reach: {e}", dead=refused(e)) from None
         except aiohttp.ClientError as e:  # connected, then dropped before the answer: it died with the request
             raise WorkerError(url, "closed", f"connection lost before the answer: {e}") from None
+
+    async def post(self, url: str, path: str, body: dict, headers: Mapping[str, str] | None = None,
+                   idle: bool = True) -> aiohttp.ClientResponse:
+        """POST ``body`` to ``path`` of the worker at ``url`` and return its answer unread (the caller reads and
+        closes it: a relay); raises WorkerError when the worker never answered (``connect``: it never took it).
+        ``idle`` False: no idle timeout on the answer (one that says nothing until it is done: the caller bounds
+        the whole call)."""
+        return await self._post(url, path, body, headers, idle)
 
     @staticmethod
     async def _error_from(url: str, resp: aiohttp.ClientResponse) -> WorkerError:
