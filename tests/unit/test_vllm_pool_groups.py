@@ -11,7 +11,9 @@ import pytest
 
 from pdserve.hashing import block_hashes
 from pdserve.vllm.groups import FULL, MAMBA, SLIDING, GroupSpec
+from pdserve.vllm.messages import PoolJob
 from pdserve.vllm.params import ConnectorConfig
+from pdserve.vllm.pool import loaded_tokens
 from pdserve.vllm.pool_groups import group_key, keys_of, load_groups, longest, needed, pool_refusal, save_items
 from pdserve.vllm.scheduler import SchedulerSide
 
@@ -149,3 +151,10 @@ def test_a_short_window_leaves_nothing_to_load(clock):
     _, jobs = saved(s, 20, ([0, 0, 0, 13, 14], [21, 22, 23, 24, 25], [0, 0, 0, 0, 31]))
     pool.held.update(jobs[0].keys)
     assert s.get_num_new_matched_tokens(Req("b", prompt(12) + prompt(8, base=900), None), 0) == (0, False)
+
+
+def test_a_hybrid_load_is_all_or_none():
+    hybrid = PoolJob("b", (1, 2, 3), (51, 61, 71), False, tokens=12)
+    assert loaded_tokens(hybrid, 3, 4) == (3, 12) and loaded_tokens(hybrid, 2, 4) == (0, 0)
+    plain = PoolJob("b", (1, 2, 3), (51, 52, 53), False)
+    assert loaded_tokens(plain, 2, 4) == (2, 8)
