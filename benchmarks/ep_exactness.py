@@ -8,8 +8,10 @@ sharing a prefix and fresh ones, token for token.
 
 Reported: exact answers / prompts (and which differ), whether every worker logged vLLM's "Expert parallelism is
 enabled", the KV bytes D read from P (the hand-offs happened), and the seconds each part took. ``--no-ep``: the same
-with TP 2 alone (tells an EP difference from a TP one). Prints a table, then one JSON line; exits 1 on any
-difference.
+with TP 2 alone. On CPU workers ``pdserve serve`` refuses expert parallelism (pdserve/launch/config_experts.py:
+vLLM 0.32's CPU MoE kernel ignores the expert map); the run then says so and still starts the plain vLLM worker,
+recording how it fails (its first forward segfaults in cpu_fused_moe.cpp). Prints a table, then one JSON line;
+exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
-from pdserve.launch.config import LauncherConfig
+from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.models_moe import build_random_qwen3_moe
 from pdserve.launch.procs import free_port, spawn_healthy, stop_children
 
@@ -81,6 +83,17 @@ def plain(model: Path, root: Path, ep: bool, gen: int, timeout_s: float = 1200) 
     return {"answers": out, "ep_logged": EP_LOG in log.read_text(errors="replace")}
 
 
+def plain_failure(model: Path, root: Path, ep: bool) -> str:
+    """How the plain vLLM worker with the same flags fares ("serves" or its failure and the log's crash line)."""
+    try:
+        plain(model, root, ep, 1)
+        return "serves"
+    except Exception as exc:
+        log = (root / "plain.log").read_text(errors="replace").splitlines()
+        crash = [line.strip() for line in log if "Segfault" in line or "cpu_fused_moe.cpp" in line][:2]
+        return f"{type(exc).__name__}: {str(exc)[:120]}; log: {' / '.join(crash)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gen", type=int, default=8)
@@ -91,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     model = build_random_qwen3_moe(root / "qwen3moe")
     ep = not args.no_ep
     t0 = time.monotonic()
-    pd = through_pd(model, root, ep, args.gen)
+    try:
+        pd = through_pd(model, root, ep, args.gen)
+    except ConfigError as exc:  # expert parallelism on CPU workers
+        print(f"pdserve serve refused: {exc}", file=sys.stderr)
+        result = {"bench": "ep_exactness", "ep": ep, "refused": str(exc), "plain": plain_failure(model, root, ep)}
+        print(json.dumps(result))
+        return 0
     t1 = time.monotonic()
     ref = plain(model, root, ep, args.gen)
     t2 = time.monotonic()

@@ -265,6 +265,9 @@ pdserve/launch/plane_limits.py's message */}}
 {{- if and $.Values.store.enabled (gt (int (default 1 $p.tensorParallelSize)) 1) -}}
 {{- fail (printf "%s.tensorParallelSize=%v with store.enabled: the KV pool stores one shard per block and supports tensorParallelSize 1 only" $role $p.tensorParallelSize) -}}
 {{- end -}}
+{{- if and $p.expertParallel (eq (int $p.gpus) 0) -}}
+{{- fail (printf "%s.expertParallel on CPU pods (gpus: 0): vLLM 0.32's CPU MoE kernel ignores expert parallelism's expert map (CPUUnquantizedExperts.apply in vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), so a CPU worker with --enable-expert-parallel segfaults in its first forward (cpu_fused_moe.cpp:242) or computes with the wrong experts; drop expertParallel on CPU pods (tensorParallelSize alone shards the experts' weights) or give the pool GPUs" $role) -}}
+{{- end -}}
 {{- $dp := int (default 1 $p.dataParallelSize) -}}
 {{- if gt $dp 1 -}}
 {{- if eq (int $p.gpus) 0 -}}
