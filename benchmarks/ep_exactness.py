@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # expert parallelism on CPU workers
         print(f"pdserve serve refused: {exc}", file=sys.stderr)
         result = {"bench": "ep_exactness", "ep": ep, "refused": str(exc), "plain": plain_failure(model, root, ep)}
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
         return 0
     t1 = time.monotonic()
