@@ -6,8 +6,11 @@ the whole request alone.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
         [--planes pdserve,pdserve+pool,nixl,mooncake] [--tp N] [--json-out FILE]
 
-Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool: a hybrid cache turns the
-pool off on each worker, with a warning, and hands off P -> D as without), ``nixl`` / ``mooncake`` (vLLM's own
+Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool, pdserve/vllm/pool_groups.py;
+the cell also takes a pool hit: P serves a fresh 740-token prompt, then its first 640 tokens alone (a block
+boundary for every family: the state after exactly 640 tokens, the window block before it), and D, sent the
+740-token prompt alone, loads the pooled 640 tokens: its pool-loaded-token counter and its answer against P's first
+one), ``nixl`` / ``mooncake`` (vLLM's own
 NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (and which prompts
 differ), "refused at start-up" where ``pdserve serve`` refuses the combination (pdserve/launch/plane_limits.py), or
 why the stack did not serve (the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and
@@ -67,6 +70,30 @@ def last_error(run_dir: Path) -> str:
     return found
 
 
+def counter(url: str, name: str) -> float:
+    return scrape(url, name).get(name + "_total", 0.0)
+
+
+def pool_probe(cell: dict[str, Any], p_url: str, d_url: str) -> None:
+    """A pool hit on D (the module docstring): ``pool_loaded`` tokens D took from the pool, ``pool_exact``."""
+    rnd = random.Random(3637)
+    longer = [rnd.randrange(1000, 40000) for _ in range(740)]
+    body = {"model": "m", "max_tokens": GEN, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    ref = post(p_url + "/v1/completions", {**body, "prompt": longer})["choices"][0]["token_ids"]
+    saved = counter(p_url, "vllm:pdserve_kv_pool_saved_blocks")
+    post(p_url + "/v1/completions", {**body, "prompt": longer[:640], "max_tokens": 1})
+    deadline = time.monotonic() + 30  # P saves after the request ends; vLLM publishes the counter periodically
+    while counter(p_url, "vllm:pdserve_kv_pool_saved_blocks") <= saved and time.monotonic() < deadline:
+        time.sleep(0.5)
+    loaded = counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens")
+    out = post(d_url + "/v1/completions", {**body, "prompt": longer})["choices"][0]["token_ids"]
+    deadline = time.monotonic() + 30
+    while counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens") <= loaded and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cell["pool_loaded"] = int(counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens") - loaded)
+    cell["pool_exact"] = out == ref
+
+
 def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
     spec = FAMILIES[family]
     model = build_family(family, root / "models" / family)
@@ -97,6 +124,8 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                 cell["exact"] += same
                 if not same:  # which prompts differ (index into prompts(), length)
                     cell.setdefault("differ", []).append([i, len(prompt)])
+            if plane == "pdserve+pool":
+                pool_probe(cell, p_url, d_url)
             if tokens:
                 cell["wire_bytes_per_token"] = round(moved / tokens, 1)
                 cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
@@ -123,6 +152,9 @@ def verdict(cell: dict[str, Any]) -> str:
         text += " (differ: " + ", ".join(f"{n}-token prompt" for _, n in cell["differ"]) + ")"
     if cell.get("pool_off"):
         text += ", pool off"
+    if "pool_loaded" in cell:
+        text += (f", pool hit {cell['pool_loaded']} tokens " + ("exact" if cell["pool_exact"] else "DIFFERS")
+                 if cell["pool_loaded"] else ", no pool hit (" + ("exact" if cell["pool_exact"] else "DIFFERS") + ")")
     if cell.get("wire_bytes_per_token"):
         text += f", {cell['wire_bytes_per_token']:.0f} B/token (plan {cell['plan_bytes_per_token']:.0f})"
     return text
@@ -158,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    return 0 if all("error" not in c and c["exact"] == c["prompts"] for c in cells) else 1  # refused cells pass
+    return 0 if all("error" not in c and c["exact"] == c["prompts"] and c.get("pool_exact", True)
+                    for c in cells) else 1  # refused cells pass
 
 
 if __name__ == "__main__":

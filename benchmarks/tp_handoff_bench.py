@@ -8,7 +8,9 @@ small random fp32 Llama (2 layers, 2 KV heads of 64), then for each pair: P comp
 do_remote_decode), D gets prompt + t1 with P's kv_transfer_params and max_tokens=1. Reported per pair (median
 over reps): D's read bytes in all, the slowest rank's read ms, each rank's bytes and ms, and the hand-off = D's
 request time (read + one decode step), with ratios against 1->1. D's greedy token is checked against 1->1's.
-``--mla``: a tiny random DeepSeek-V3 instead (MLA: one latent per token and layer, which every TP rank holds
+``--exact GEN``: also GEN-token greedy answers of every pair on prompts sharing a prefix against P's TP and
+D's TP serving the whole request alone (no hand-off). ``--mla``: a tiny random DeepSeek-V3 instead (MLA: one latent
+per token and layer, which every TP rank holds
 whole; vLLM's CPU MLA backend, ``--attention-backend CPU_MLA``, block size 16).
 Prints a table, then one JSON line.
 """
@@ -90,6 +92,32 @@ def handoff(p: Server, d: Server, prompt: list[int]) -> dict:
             "per_rank": per_rank, "token": dr["choices"][0]["token_ids"]}
 
 
+def exactness(servers: dict[str, Server], pairs: dict[str, tuple[str, str]], gen: int) -> dict[str, dict]:
+    """Per pair, greedy answers of ``gen`` tokens through P -> D (P's first token, D the rest) on prompts sharing
+    a prefix, against P's TP alone and D's TP alone (servers a: TP 1, p2: TP 2, whole requests, no hand-off)."""
+    rng = random.Random(36)
+    prefix = [rng.randrange(100, 49000) for _ in range(300)]
+    prompts = [prefix + [rng.randrange(100, 49000) for _ in range(n)] for n in (12, 200, 500)]
+    prompts.append([rng.randrange(100, 49000) for _ in range(150)])
+    alone = {tp: [servers[name].complete(p, gen)[0]["choices"][0]["token_ids"] for p in prompts]
+             for tp, name in ((1, "a"), (2, "p2"))}
+    out: dict[str, dict] = {"plain": {"tp1_equals_tp2": sum(x == y for x, y in zip(alone[1], alone[2])),
+                                      "prompts": len(prompts)}}
+    for label, (pn, dn) in pairs.items():
+        p, d = servers[pn], servers[dn]
+        got = []
+        for prompt in prompts:
+            pr, _ = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+            t1 = pr["choices"][0]["token_ids"]
+            dr, _ = d.complete(prompt + t1, gen - 1, kv_transfer_params=pr["kv_transfer_params"])
+            if not ((dr.get("kv_transfer_params") or {}).get("pdserve") or {}).get("ok"):
+                raise RuntimeError(f"{label}: D did not take P's KV: {dr.get('kv_transfer_params')}")
+            got.append(t1 + dr["choices"][0]["token_ids"])
+        out[label] = {"vs_p_tp": sum(g == r for g, r in zip(got, alone[p.tp])),
+                      "vs_d_tp": sum(g == r for g, r in zip(got, alone[d.tp])), "prompts": len(prompts)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1900)
@@ -97,6 +125,8 @@ def main() -> int:
     ap.add_argument("--model", default="", help="model folder (default: a random 2-layer Llama built here)")
     ap.add_argument("--mla", action="store_true", help="a tiny random DeepSeek-V3 (MLA + MoE) instead")
     ap.add_argument("--start-timeout", type=float, default=1200)
+    ap.add_argument("--exact", type=int, default=0, metavar="GEN",
+                    help="also check GEN-token greedy answers of each pair against P's and D's TP alone")
     args = ap.parse_args()
     from pdserve.launch.models import build_random_llama
     from pdserve.launch.models_mla import build_random_deepseek_v3
@@ -127,6 +157,7 @@ def main() -> int:
                 "per_rank": {rk: {"bytes": runs[0]["per_rank"][rk][0],
                                   "ms": statistics.median(r["per_rank"][rk][1] for r in runs)} for rk in ranks},
             }
+        exact = exactness(servers, pairs, args.exact) if args.exact else {}
     finally:
         for s in servers.values():
             stop_children([s.child], timeout_s=30)
@@ -151,6 +182,12 @@ def main() -> int:
         for rk, v in r["per_rank"].items():
             out[f"{key}_rank{rk}_bytes"] = v["bytes"]
             out[f"{key}_rank{rk}_ms"] = round(v["ms"], 3)
+    if exact:
+        print(f"greedy {args.exact}-token answers, exact / prompts: one worker TP 1 = TP 2 on "
+              f"{exact['plain']['tp1_equals_tp2']}/{exact['plain']['prompts']}; " + ", ".join(
+                  f"{label}: vs P's TP {e['vs_p_tp']}/{e['prompts']}, vs D's TP {e['vs_d_tp']}/{e['prompts']}"
+                  for label, e in exact.items() if label != "plain"))
+        out["exact"] = exact
     print(json.dumps(out))
     return 0 if same else 1
 

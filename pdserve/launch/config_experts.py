@@ -4,7 +4,12 @@ workers run vLLM's ``--enable-expert-parallel`` and ``--data-parallel-size``, an
 A wide-EP decode pool: ``--decode-dp D --decode-ep`` (with ``--decode-tp T``) makes each decode worker one vLLM
 server of D data-parallel attention ranks (each its own engine, scheduler and KV cache, T GPUs each) whose routed
 experts are spread over all T x D ranks. Data parallelism needs GPU workers here: on CPU vLLM binds OpenMP threads
-per tensor-parallel rank only, and it was not run. Expert parallelism runs on CPU wherever TP does (EP size = TP).
+per tensor-parallel rank only, and it was not run. Expert parallelism needs GPU workers too: vLLM 0.32's CPU MoE
+experts (``CPUUnquantizedExperts.apply``, vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) ignore the
+``expert_map`` expert parallelism builds and index each rank's half of the experts with global expert ids, so a
+plain vLLM CPU worker with ``--tensor-parallel-size 2 --enable-expert-parallel`` segfaults in its first forward
+(``cpu_fused_moe.cpp:242``, ``fused_moe_impl<float>``; a tiny Qwen3-MoE in fp32, with or without pdserve's
+connector: benchmarks/ep_exactness.py), or reads other memory as weights where it does not crash. TP alone runs.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ def check_experts(cfg: LaunchShape) -> None:
     if given and (cfg.colocated or cfg.elastic):
         raise ConfigError(f"{', '.join(given)} apply to prefill and decode workers: for colocated workers pass "
                           "--worker-args '--enable-expert-parallel --data-parallel-size N'")
+    ep = [name for name in ("prefill_ep", "decode_ep") if moe[name]]
+    if ep and not cfg.gpus:
+        raise ConfigError(f"{', '.join(ep)} on CPU workers: vLLM 0.32's CPU MoE kernel ignores expert parallelism's "
+                          "expert map (CPUUnquantizedExperts.apply in vllm/model_executor/layers/fused_moe/experts/"
+                          "cpu_moe.py), so a CPU worker with --enable-expert-parallel segfaults in its first forward "
+                          "(cpu_fused_moe.cpp:242) or computes with the wrong experts; drop --prefill-ep/--decode-ep "
+                          "on CPU (--decode-tp N alone shards the experts' weights over the TP ranks), or use GPU "
+                          "workers (--gpus)")
     dp = max(cfg.prefill_dp, cfg.decode_dp)
     if dp == 1:
         return

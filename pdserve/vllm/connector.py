@@ -39,6 +39,7 @@ from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import PdserveHandshake, PdserveMeta, PdserveWorkerMeta, PoolJob, RecvJob
 from pdserve.vllm.metrics import PdservePromMetrics, PdserveStats
 from pdserve.vllm.params import ConfigError, ConnectorConfig
+from pdserve.vllm.pool_groups import pool_refusal
 from pdserve.vllm.scheduler import SchedulerSide, pool_client
 from pdserve.vllm.worker import WorkerSide
 
@@ -104,10 +105,10 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
             groups = groups_of(kv_cache_config, vllm_config.cache_config.block_size) if kv_cache_config else ()
         except ValueError as exc:
             raise NotImplementedError(f"PdserveConnector: {exc}") from None
-        if is_hybrid(groups) and self.config.pool_master:
-            log.warning("PdserveConnector: KV pool off on this worker: the pool stores one full-attention KV cache "
-                        "group per block key, and this model has KV cache groups %s (sliding window / Mamba); "
-                        "P -> D hand-offs move every group", [g.kind for g in groups])
+        refusal = pool_refusal(groups) if is_hybrid(groups) and self.config.pool_master else ""
+        if refusal:
+            log.warning("PdserveConnector: KV pool off on this worker: %s (KV cache groups %s); P -> D hand-offs "
+                        "move every group", refusal, [g.kind for g in groups])
             self.config = replace(self.config, pool_master="")
         if par.tensor_parallel_size > 1 and self.config.pool_master:
             raise ValueError("PdserveConnector: the KV pool stores one shard per block key and supports "

@@ -92,6 +92,9 @@ class PoolJob:
     save: bool
     error: str = ""  # the scheduler could not plan it: the worker reports the load failed
     traceparent: str = ""  # the request's trace (spans.py)
+    # a hybrid KV cache's load (every KV cache group's blocks, pdserve.vllm.pool_groups): the tokens it brings,
+    # all or none (0: one group, the tokens of the blocks before the first that did not arrive)
+    tokens: int = 0
 
 
 @dataclass

@@ -24,7 +24,8 @@ from pdserve.transfer.checksum import ALGORITHMS
 from pdserve.vllm.messages import PoolJob
 from pdserve.vllm.params import LayerGeometry
 
-__all__ = ["SEAL_BYTES", "SEAL_REGION", "PoolJob", "SealSlots", "loaded_prefix", "pool_items", "seal_problem"]
+__all__ = ["SEAL_BYTES", "SEAL_REGION", "PoolJob", "SealSlots", "loaded_prefix", "loaded_tokens", "pool_items",
+           "seal_problem"]
 
 SEAL_REGION = "pdserve.seal"
 SEAL_BYTES = 24
@@ -104,3 +105,12 @@ def loaded_prefix(got: Sequence[bool]) -> int:
         if not ok:
             return i
     return len(got)
+
+
+def loaded_tokens(job: PoolJob, good: int, block_size: int) -> tuple[int, int]:
+    """(blocks vLLM may keep, tokens they hold) of a load whose first ``good`` blocks arrived verified. A hybrid
+    cache's load (``job.tokens``: every KV cache group's blocks, pdserve.vllm.pool_groups) is all or none: a
+    window or a state without the rest of its prefix is no prefix, so anything short of all is recomputed."""
+    if job.tokens:
+        return (len(job.block_ids), job.tokens) if good >= len(job.block_ids) else (0, 0)
+    return good, good * block_size

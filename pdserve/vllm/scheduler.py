@@ -51,6 +51,7 @@ from pdserve.vllm.params import (
     prompt_hash,
     same_layout,
 )
+from pdserve.vllm.pool_groups import candidates, load_groups, longest, save_items
 from pdserve.vllm.prefill_seals import PrefillSeals
 from pdserve.vllm.shards import ShardError, plan_slices
 from pdserve.vllm.spans import traceparent_of
@@ -77,6 +78,8 @@ EARLY_PACE_MS = 1.0  # D's empty steps while only early reads wait for P's prefi
 
 class PoolLookup(Protocol):
     def prefix(self, keys: Sequence[int]) -> int: ...
+
+    def exists(self, keys: Sequence[int]) -> list[bool]: ...
 
 
 def completed(request: Request) -> bool:
@@ -194,26 +197,44 @@ class SchedulerSide:
     def _pool_match(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local hit whose blocks the pool holds (whole blocks, a chained prefix)."""
         self._pool_hits.pop(request.request_id, None)
-        if (not self.config.pool_load or not self._pool_usable() or num_computed_tokens % self.block_size
+        bs = self.groups[0].block_size if self.hybrid else self.block_size
+        if (not self.config.pool_load or not self._pool_usable() or num_computed_tokens % bs
                 or request.request_id in self._pool_refused):
             return 0, False
-        keys = block_hashes(request.prompt_token_ids or [], self.block_size, key_domain(request))
-        first = num_computed_tokens // self.block_size
+        keys = block_hashes(request.prompt_token_ids or [], bs, key_domain(request))
+        first = num_computed_tokens // bs
+        if self.hybrid:  # a hybrid prefix leaves vLLM at least one token to compute (its state must be exact)
+            keys = keys[:(request.num_prompt_tokens - 1) // bs]
         if first >= len(keys):
             return 0, False
         try:
-            n = self.pool.prefix(keys[first:])  # type: ignore[union-attr]
+            n = self._pool_prefix(keys, first)
         except StoreError as exc:
             self._pool_failed("lookup", exc)
             return 0, False
         if n < self.config.pool_min_blocks:
             return 0, False
-        self._pool_hits[request.request_id] = (num_computed_tokens, keys[first:first + n])
-        return n * self.block_size, True
+        self._pool_hits[request.request_id] = (num_computed_tokens, keys[:first + n] if self.hybrid
+                                               else keys[first:first + n])
+        return n * bs, True
+
+    def _pool_prefix(self, keys: list[int], first: int) -> int:
+        """Pooled blocks after the first ``first`` of ``keys``: a chained prefix, or for a hybrid cache the longest
+        one whose every KV cache group is pooled as a continuation needs it (pdserve.vllm.pool_groups)."""
+        assert self.pool is not None
+        if not self.hybrid:
+            return self.pool.prefix(keys[first:])
+        asked = candidates(self.groups, keys, first)
+        pooled = [k for k, ok in zip(asked, self.pool.exists(asked)) if ok]
+        end = longest(self.groups, keys, first, pooled)
+        return end - first if end else 0
 
     def _pool_plan_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         hit, keys = self._pool_hits.pop(request.request_id)
         if num_external_tokens <= 0:
+            return
+        if self.hybrid:
+            self._pool_plan_groups(request, blocks, hit, num_external_tokens, keys)
             return
         n = num_external_tokens // self.block_size
         first = hit // self.block_size
@@ -227,17 +248,45 @@ class SchedulerSide:
         self._pool_jobs.append(PoolJob(request.request_id, tuple(keys[:n]), tuple(local), False,
                                        traceparent=traceparent_of(request)))
 
-    def _pool_plan_save(self, request: Request, block_ids: list[int]) -> bool:
-        """Queue a save of the request's full computed blocks; True when its blocks must stay held."""
-        if not self.config.pool_save or not self._pool_usable():
+    def _pool_plan_groups(self, request: Request, blocks: KVCacheBlocks, hit: int, num_external_tokens: int,
+                          keys: list[int]) -> None:
+        """A hybrid cache's pool load: every group's pooled blocks paired with D's allocated ones, all or none."""
+        bs = self.groups[0].block_size
+        first, end = hit // bs, (hit + num_external_tokens) // bs
+        self.reading += 1
+        try:
+            if (hit + num_external_tokens) % bs or end > len(keys):
+                raise ValueError(f"{num_external_tokens} tokens after {hit} are not the {len(keys) - first} "
+                                 "pooled blocks looked up")
+            plan = pair(self.groups, blocks.blocks, load_groups(self.groups, keys, first, end), end * bs, hit)
+        except ValueError as exc:
+            log.error("request %s: cannot plan a pool load of %d tokens over KV cache groups %s: %s",
+                      request.request_id, num_external_tokens, [g.kind for g in self.groups], exc)
+            local = tuple(b.block_id for spec, group in zip(self.groups, blocks.blocks)
+                          for b in group[first:] if not getattr(b, "is_null", False) and b.block_id)
+            self._pool_jobs.append(PoolJob(request.request_id, (), local, False, error="plan",
+                                           tokens=num_external_tokens))
+            return
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(plan.remote), tuple(plan.local), False,
+                                       traceparent=traceparent_of(request), tokens=num_external_tokens))
+
+    def _pool_plan_save(self, request: Request, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Queue a save of the request's full computed blocks (every KV cache group's, pdserve.vllm.pool_groups);
+        True when its blocks must stay held."""
+        if not self.config.pool_save or not self._pool_usable() or not block_ids:
             return False
         if not completed(request):
             return False  # aborted or failed: do not pool what may be partial
         tokens = list(request.all_token_ids[:request.num_computed_tokens])
-        keys = block_hashes(tokens, self.block_size, key_domain(request))
-        if not keys or len(block_ids) < len(keys):
+        bs = self.groups[0].block_size if self.hybrid else self.block_size
+        chain = block_hashes(tokens, bs, key_domain(request))
+        if self.hybrid:
+            keys, ids = save_items(self.groups, block_ids, chain, request.num_computed_tokens)
+        else:
+            keys, ids = tuple(chain), tuple(block_ids[0][:len(chain)])
+        if not keys or len(ids) < len(keys):
             return False
-        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), tuple(block_ids[:len(keys)]), True,
+        self._pool_jobs.append(PoolJob(request.request_id, tuple(keys), ids, True,
                                        traceparent=traceparent_of(request)))
         self._pool_saving.add(request.request_id)
         return True
@@ -454,7 +503,7 @@ class SchedulerSide:
         self._pool_refused.pop(request.request_id, None)
         delay, out = self._hand_off(request, block_ids, self._settle_early(request.request_id))
         self._settle_seal(request.request_id)
-        if self.pool is not None and self._pool_plan_save(request, list(block_ids[0]) if block_ids else []):
+        if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
         return delay, out
 

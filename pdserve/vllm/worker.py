@@ -65,7 +65,7 @@ from pdserve.vllm.params import (
     same_layout,
     with_blocks,
 )
-from pdserve.vllm.pool import SEAL_REGION, SealSlots
+from pdserve.vllm.pool import SEAL_REGION, SealSlots, loaded_tokens
 from pdserve.vllm.pool_io import PoolIO
 from pdserve.vllm.regions import join
 from pdserve.vllm.release import Released, ReleaseLedger
@@ -513,9 +513,10 @@ class WorkerSide:
                 data["pool_save_seconds"] += stats.get("io_s", 0.0)
                 continue
             recving.add(job.req_id)
+            good, tokens = loaded_tokens(job, good, self.block_size)
             data["pool_loads"] += 1
             data["checksum_failures_pool"] += stats.get("seal_failures", 0)
-            data["pool_loaded_tokens"] += good * self.block_size
+            data["pool_loaded_tokens"] += tokens
             data["pool_load_bytes"] += stats["bytes"]
             data["pool_load_seconds"] += stats.get("io_s", 0.0)
             if good < len(job.block_ids):  # the rest is recomputed: vLLM keeps the valid prefix

@@ -37,6 +37,8 @@ def test_wide_ep_decode_pool_gets_its_ranks_gpus_and_transfer_ports():
     (("decode.dataParallelSize=2", "decode.gpus=1", "store.enabled=false", "router.policy=conductor"),
      "with the conductor"),
     (("decode.extraArgs={--data-parallel-size,2}", "store.enabled=false"), "set decode.dataParallelSize instead"),
+    (("decode.expertParallel=true", "decode.gpus=0", "decode.tensorParallelSize=2", "store.enabled=false"),
+     "decode.expertParallel on CPU pods"),
 ])
 def test_refused(sets, words):
     out = helm_template(sets=sets)

@@ -24,11 +24,11 @@ def _flags(worker) -> dict[str, str | bool]:
     return out
 
 
-def test_cpu_decode_pool_with_expert_parallelism_over_its_tp_ranks(model_dir):
-    cfg = _cfg(["--gpus", "none", "--model", str(model_dir), "--decode-tp", "2", "--decode-ep", "--no-pool"])
+def test_gpu_decode_pool_with_expert_parallelism_over_its_tp_ranks(model_dir):
+    cfg = _cfg(["--gpus", "0,1,2,3", "--model", str(model_dir), "--gpus-per-worker", "2", "--decode-ep", "--no-pool"])
     p, d = plan_workers(cfg, model_dir, ports=[9001, 9002], cores=(0, 1))
-    assert _flags(p) == {"gpus": "", "--tensor-parallel-size": "1", "--data-parallel-size": "1", "ep": False}
-    assert _flags(d) == {"gpus": "", "--tensor-parallel-size": "2", "--data-parallel-size": "1", "ep": True}
+    assert _flags(p) == {"gpus": "0,1", "--tensor-parallel-size": "2", "--data-parallel-size": "1", "ep": False}
+    assert _flags(d) == {"gpus": "2,3", "--tensor-parallel-size": "2", "--data-parallel-size": "1", "ep": True}
 
 
 def test_wide_ep_decode_pool_on_gpus_gets_tp_x_dp_gpus(model_dir):
@@ -46,6 +46,8 @@ def test_wide_ep_decode_pool_on_gpus_gets_tp_x_dp_gpus(model_dir):
      "--policy least_loaded"),
     (["--gpus", "0,1,2", "--decode-dp", "2", "--gpus-per-worker", "1", "--no-pool"], "TP x DP"),
     (["--gpus", "none", "--colocated", "1", "--decode-ep"], "--worker-args"),
+    (["--gpus", "none", "--decode-tp", "2", "--decode-ep", "--no-pool"], "segfaults in its first forward"),
+    (["--gpus", "none", "--prefill-tp", "2", "--prefill-ep", "--no-pool"], "drop --prefill-ep/--decode-ep on CPU"),
 ])
 def test_refused_with_what_to_do(model_dir, argv, words):
     with pytest.raises(ConfigError, match=words.replace("-", "\\-")):

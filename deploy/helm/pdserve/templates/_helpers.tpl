@@ -203,10 +203,36 @@ Mooncake Store: include "pdserve.withMooncakeStore" (list $root $cfg) -> JSON */
 {{- default "pdserve" .Values.kvConnector -}}
 {{- end -}}
 
+{{/* What names the model's Mamba / linear-attention layers ("" none): model.stateLayers true, or with auto (the
+default) model.name matching an architecture of such layers (pdserve/launch/plane_limits.py reads config.json,
+which the chart cannot) */}}
+{{- define "pdserve.stateLayers" -}}
+{{- $v := .Values.model.stateLayers -}}
+{{- if kindIs "bool" $v -}}
+{{- if $v -}}model.stateLayers=true{{- end -}}
+{{- else if regexMatch "(qwen3-next|qwen3[.]5|granite-4[.0]*-h|mamba|jamba|bamba|zamba|nemotron-h|falcon-h1|lfm2|minimax-text-01|minimax-m1|plamo-?2)" (lower .Values.model.name) -}}
+model.name {{ .Values.model.name }}, by its name; model.stateLayers=false if it has none
+{{- end -}}
+{{- end -}}
+
+{{/* vLLM's NixlConnector / MooncakeConnector hand a state model off one token short: refused in half precision, with
+pdserve/launch/plane_limits.py's message */}}
+{{- define "pdserve.checkPlane" -}}
+{{- $plane := include "pdserve.kvConnector" . -}}
+{{- $state := include "pdserve.stateLayers" . -}}
+{{- if and (has $plane (list "nixl" "mooncake")) $state (not (has (lower (toString (.Values.model.dtype | default ""))) (list "float32" "float" "fp32"))) -}}
+{{- $conn := ternary "NixlConnector" "MooncakeConnector" (eq $plane "nixl") -}}
+{{- $where := ternary "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py:379-435 (_prefill_backoff, _truncate_request_for_prefill)" "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py:946-990 (_get_remote_prefill_token_count, _truncate_mamba_request_for_prefill)" (eq $plane "nixl") -}}
+{{- $dtype := .Values.model.dtype | default "vLLM's auto dtype (half precision on GPUs)" -}}
+{{- fail (printf "--kv-connector %s with %s in %s: the model has Mamba / linear-attention layers (%s), and vLLM 0.32's %s hands such a model off one token short (P computes the prompt less its last token, D continues the state from there: %s); in half precision that split answers otherwise than one worker (wrong tokens with HTTP 200). Use pdserve's connector (--kv-connector pdserve, the default), which hands off the state after the whole prompt, or --dtype float32 where the model's kernels run in it (vLLM's CPU gated delta-net kernel, Qwen3-Next, does not) [chart: kvConnector=%s, model.dtype]" $plane (base .Values.model.name) $dtype $state $conn $where $plane) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.checkValues" -}}
 {{- if not (has (include "pdserve.kvConnector" .) (list "pdserve" "nixl" "mooncake")) -}}
 {{- fail (printf "kvConnector=%q: choose pdserve (pdserve's KV connector), nixl (vLLM's NixlConnector) or mooncake (vLLM's MooncakeConnector)" .Values.kvConnector) -}}
 {{- end -}}
+{{- include "pdserve.checkPlane" . -}}
 {{- if and (ne (include "pdserve.kvConnector" .) "pdserve") .Values.store.enabled (ne .Values.store.backend "mooncake") -}}
 {{- fail (printf "store.enabled with kvConnector=%s: pdserve's KV pool saves and loads through pdserve's connector; use store.backend=mooncake (Mooncake Store), turn the store off or use kvConnector=pdserve" (include "pdserve.kvConnector" .)) -}}
 {{- end -}}
@@ -243,6 +269,9 @@ Mooncake Store: include "pdserve.withMooncakeStore" (list $root $cfg) -> JSON */
 {{- end -}}
 {{- if and $.Values.store.enabled (gt (int (default 1 $p.tensorParallelSize)) 1) -}}
 {{- fail (printf "%s.tensorParallelSize=%v with store.enabled: the KV pool stores one shard per block and supports tensorParallelSize 1 only" $role $p.tensorParallelSize) -}}
+{{- end -}}
+{{- if and $p.expertParallel (eq (int $p.gpus) 0) -}}
+{{- fail (printf "%s.expertParallel on CPU pods (gpus: 0): vLLM 0.32's CPU MoE kernel ignores expert parallelism's expert map (CPUUnquantizedExperts.apply in vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), so a CPU worker with --enable-expert-parallel segfaults in its first forward (cpu_fused_moe.cpp:242) or computes with the wrong experts; drop expertParallel on CPU pods (tensorParallelSize alone shards the experts' weights) or give the pool GPUs" $role) -}}
 {{- end -}}
 {{- $dp := int (default 1 $p.dataParallelSize) -}}
 {{- if gt $dp 1 -}}
