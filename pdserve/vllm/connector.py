@@ -183,8 +183,9 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        if self.worker is not None:  # P: the layer is written; D pulls it (layer-wise early hand-offs)
-            self.worker.layer_saved(layer_name)
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, PdserveMeta):  # P: the layer is written; D may pull it
+            self.worker.layer_saved(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

@@ -157,6 +157,7 @@ class WorkerSide:
         self.engine.on_notify(self._on_notify)
         # P, layer-wise (issue 37): the layers the running forward has saved for the hand-offs it completes
         self._marks = LayerMarks()
+        self._marks_meta: PdserveMeta | None = None  # the step whose forward the marks are of
         self._lock = threading.Lock()
         self._inflight: dict[str, RecvJob] = {}
         self._done: list[tuple[RecvJob, bool, dict[str, Any]]] = []
@@ -266,7 +267,6 @@ class WorkerSide:
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
-        self._begin_layers(meta)
         for req_id, deadline in meta.send.items():
             self._ledger.lease(req_id, deadline)
         self._seals.forget(meta.unseal)
@@ -291,21 +291,28 @@ class WorkerSide:
             th.join()
 
     def _begin_layers(self, meta: PdserveMeta) -> None:
-        """P, before the forward: the early hand-offs whose prompt it completes, announced layer by layer as it
-        writes them (layerwise_kv; host memory only: on a device the layer's kernels may still be queued when
-        vLLM calls save_kv_layer, so those wait for the forward's end, as with layerwise_kv off)."""
-        if not meta.ready or not self.config.layerwise_kv:
-            return  # (the last forward's marks ended in its after_forward)
-        live = [h for h, note in meta.ready.items() if note is not None] if self.sums.alg == XXH3U else []
+        """P, at the forward's first saved layer (vLLM binds the step's metadata before the forward but calls
+        ``start_load_kv`` after it unless a load is synchronous): the early hand-offs whose prompt this forward
+        completes, announced layer by layer as it writes them (layerwise_kv; host memory only: on a device the
+        layer's kernels may still be queued when vLLM calls save_kv_layer, so those wait for the forward's end,
+        as with layerwise_kv off)."""
+        self._marks_meta = meta
+        if not meta.ready or not self.config.layerwise_kv or self.sums.alg != XXH3U:
+            self._marks.end()
+            return
+        live = [h for h, note in meta.ready.items() if note is not None]
         for handoff in live:
             note = meta.ready[handoff]
             assert note is not None
             self._board.begin(handoff, note)
         self._marks.begin(live)
 
-    def layer_saved(self, layer_name: str) -> None:
+    def layer_saved(self, layer_name: str, meta: PdserveMeta) -> None:
         """P, the model's thread (vLLM's ``save_kv_layer``, after the layer's attention wrote its KV): mark it
-        ready for the hand-offs this forward completes. A bit under a lock: the forward never waits for the wire."""
+        ready for the hand-offs this forward (``meta``: its step's) completes. A bit under a lock: the forward
+        never waits for the wire."""
+        if meta is not self._marks_meta:
+            self._begin_layers(meta)
         region = self._marks.saved(layer_name)
         if region is not None:
             self._board.layer(self._marks.live, region)
@@ -315,6 +322,7 @@ class WorkerSide:
         notification finds them; device memory: the checksums wait for an event recorded after the forward), then
         announce the early hand-offs among them to the D that waits (a D asking for the sums waits for the seal)."""
         self._marks.end()
+        self._marks_meta = None
         if meta.seal_now:
             ready = forward_done_event(self._memory)
             for req_id, blocks in meta.seal_now.items():
@@ -498,7 +506,9 @@ class WorkerSide:
         out = pull.run(job, self.config.handoff_wait_s, deadline, lambda paired: self._flips(fault, paired.plan.local),
                        self.config.clock_margin_s + 1.0)
         job, remote = out.job, out.job.remote
-        self._release_remote(remote, counts, notified, self.config.transfer_deadline_s)  # ends P's lease
+        # ends P's lease; off the read's path (D's first step need not wait for it; unheard, the lease ends it)
+        threading.Thread(target=self._release_remote, args=(remote, counts, notified, self.config.transfer_deadline_s),
+                         name=f"pdserve-release-{job.req_id[:24]}", daemon=True).start()
         if fault_hits(fault, "zero", self.rank):
             zero_ranges(self._memory, out.entries)
             log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",

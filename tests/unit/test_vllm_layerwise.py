@@ -173,12 +173,12 @@ def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair):
     reader, meta = _forward(p, d, hid)
     time.sleep(0.1)
     assert not any(_landed(d, p, name) for name in LAYERS)  # nothing written yet: nothing moves
-    p.layer_saved(LAYERS[0])
+    p.layer_saved(LAYERS[0], meta)
     _wait(lambda: _landed(d, p, LAYERS[0]))  # layer 0 landed while the forward goes on
     assert not _landed(d, p, LAYERS[1])
-    p.layer_saved(LAYERS[1])
+    p.layer_saved(LAYERS[1], meta)
     _wait(lambda: _landed(d, p, LAYERS[1]))
-    p.layer_saved(LAYERS[2])
+    p.layer_saved(LAYERS[2], meta)
     reader.join(10)
     assert not reader.is_alive()  # D's load is over, and P's forward has not ended yet
     res = d.results()
@@ -197,7 +197,7 @@ def test_a_flipped_byte_in_one_layer_fails_the_read(pair):
     hid = new_handoff_id()
     reader, meta = _forward(p, d, hid, fault="flip")
     for name in LAYERS:
-        p.layer_saved(name)
+        p.layer_saved(name, meta)
     p.after_forward(meta)
     reader.join(10)
     res = d.results()
@@ -211,7 +211,7 @@ def test_layerwise_off_on_d_reads_the_whole_prompt_after_the_forward(pair):
     hid = new_handoff_id()
     reader, meta = _forward(p, d, hid)
     for name in LAYERS:
-        p.layer_saved(name)
+        p.layer_saved(name, meta)
     time.sleep(0.2)
     assert not any(_landed(d, p, name) for name in LAYERS)  # the whole-request path waits for the forward's end
     p.after_forward(meta)
@@ -224,8 +224,8 @@ def test_layerwise_off_on_d_reads_the_whole_prompt_after_the_forward(pair):
 def test_p_that_stops_or_dies_mid_layers_ends_d_s_wait_and_the_read_fails(pair, how):
     p, d = pair(d_extra={"handoff_wait_s": 0.5 if how == "stops" else 30.0})
     hid = new_handoff_id()
-    reader, _ = _forward(p, d, hid)
-    p.layer_saved(LAYERS[0])
+    reader, meta = _forward(p, d, hid)
+    p.layer_saved(LAYERS[0], meta)
     _wait(lambda: _landed(d, p, LAYERS[0]))
     t0 = time.monotonic()
     if how == "dies":
