@@ -22,6 +22,11 @@ several); P's ``hand-off ready {json}`` lines give when the forward that complet
 the share of the read's transfer time that was over before P's forward ended (the transfer hidden behind P's
 prefill; early paths only: a serial read starts after P answered).
 
+P's own cost of layer-wise sends, which the stacks' TTFTs show only through the load on a shared machine: the CPU time
+P's engine threads spent answering D's layer questions (``vllm:pdserve_kv_layer_answer_seconds_total`` on P, per
+request), over the serial path's TTFT p50 on the same stack (``p_answer_cpu_over_serial_ttft``). The copies
+themselves cost P nothing on the same host (D copies with ``process_vm_readv``).
+
 Prints a table (p50 / p99 ms per length and path) and the ratios (each early path over its own stack's serial;
 layer-wise over early raw and normalised by each stack's serial), then one JSON line.
 """
@@ -92,6 +97,20 @@ def d_stamps(log: Path) -> list[dict[str, Any]]:
     return out
 
 
+def counter(url: str, name: str) -> float:
+    """The sum of a Prometheus counter's series on ``url``'s /metrics."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#") and (line[len(name)] in " {"))
+
+
+ANSWER_CPU = "vllm:pdserve_kv_layer_answer_seconds_total"
+
+
 def p_ready(log: Path) -> dict[str, float]:
     """Hand-off id -> when P's forward that completed its prompt ended (P's ``hand-off ready`` lines)."""
     out: dict[str, float] = {}
@@ -142,8 +161,10 @@ KEYS = ("ttft", "gap", "tpot", "read", "busy", "hidden", "prefill_tps", "batches
 
 
 def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests: int, output: int, early: str,
-              serial: str, rng: random.Random, tmp: Path) -> dict[tuple[int, str], list[dict[str, float]]]:
-    """One stack's requests, alternating between its early and serial routers; the rows of each (length, path)."""
+              serial: str, rng: random.Random, tmp: Path, p_cpu: dict[int, float]
+              ) -> dict[tuple[int, str], list[dict[str, float]]]:
+    """One stack's requests, alternating between its early and serial routers; the rows of each (length, path).
+    ``p_cpu[n]``: the CPU ms per request P's engine spent answering layer questions at ``n`` tokens (layer-wise)."""
     from pdserve.launch import Cluster
     from pdserve.launch.procs import stop_children
 
@@ -162,10 +183,14 @@ def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests:
                 stream(url, body(64))
                 stream(url, body(min(lengths)))
             for n in lengths:
+                cpu0 = counter(p, ANSWER_CPU)
                 for i in range(requests):
                     order = (early, serial) if i % 2 == 0 else (serial, early)
                     for path in order:
                         recs.setdefault((n, path), []).append(stream(routers[path], body(n)))
+                time.sleep(1.5)  # vLLM's stats interval: the last answers' time reaches /metrics
+                if early == "layerwise":
+                    p_cpu[n] = (counter(p, ANSWER_CPU) - cpu0) * 1e3 / requests
             stamps = d_stamps(Path(c.run_dir) / "decode0.log")
             ready = p_ready(Path(c.run_dir) / "prefill0.log")
         finally:
@@ -210,11 +235,12 @@ def main() -> None:
     rows: dict[tuple[int, str], list[dict[str, float]]] = {}
     t0 = time.monotonic()
     loads = []
+    p_cpu: dict[int, float] = {}
     for stack, (layerwise, early, serial) in STACKS.items():
         cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
                                                       run_dir=str(tmp / f"run-{stack}")))
         cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise)
-        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp))
+        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp, p_cpu))
         loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
@@ -240,11 +266,17 @@ def main() -> None:
             "prefill_tps_layerwise_over_early_normalised": ratio(
                 lw["prefill_tps_p50"] / se["prefill_tps_p50"], ea["prefill_tps_p50"] / so["prefill_tps_p50"]),
         }
+        # P's own cost of layer-wise sends, load-independent: its engine's CPU time answering D's layer questions
+        # (checksums of each layer as it is written), against the serial prefill's time on the same stack
+        per["p_answer_cpu_ms"] = round(p_cpu.get(n, float("nan")), 3)
+        per["ratios"]["p_answer_cpu_over_serial_ttft"] = ratio(per["p_answer_cpu_ms"], se["ttft_p50"])
         r = per["ratios"]
         print(f"{n:>6}  gap p50 layerwise/serial {r['gap_p50_layerwise_over_serial']:.2f}, early/serial_off "
               f"{r['gap_p50_early_over_serial_off']:.2f}, layerwise/early {r['gap_p50_layerwise_over_early']:.2f}; "
               f"P prefill tok/s layerwise/early {r['prefill_tps_layerwise_over_early']:.3f} (normalised by each "
-              f"stack's serial {r['prefill_tps_layerwise_over_early_normalised']:.3f})")
+              f"stack's serial {r['prefill_tps_layerwise_over_early_normalised']:.3f}); P's CPU answering layer "
+              f"questions {per['p_answer_cpu_ms']:.2f} ms per request = "
+              f"{r['p_answer_cpu_over_serial_ttft']:.4f} of the serial TTFT p50")
         out["lengths"][str(n)] = per
     print(json.dumps(out))
 

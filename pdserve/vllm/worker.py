@@ -675,6 +675,7 @@ class WorkerSide:
         answer = self._board.wait_layers(q)
         if not answer.get("ok"):
             return answer
+        cpu = time.thread_time()  # P's own cost of layer-wise sends (this thread's CPU; the wait above used none)
         full = (1 << len(self.layers)) - 1
         ready = full if answer["done"] else int(answer["layers"], 16) & full
         new = ready & ~q.have
@@ -684,6 +685,8 @@ class WorkerSide:
             regions = [i for i in range(len(self.layers)) if new >> i & 1]
             answer.update(sums={f"{new:x}": self.sums.region_sums(blocks, regions)}, alg=self.sums.alg,
                           fpd=self.fp_digest)  # ("fp" is the note's fingerprint)
+        with self._lock:
+            self.stats.data["layer_answer_seconds"] += time.thread_time() - cpu
         return answer
 
     def results(self) -> KVConnectorTransferResults:
@@ -733,9 +736,10 @@ class WorkerSide:
                     data["checksum_failures_p2p"] += 1 if stats.get("checksum_failed") else 0
 
     def take_stats(self) -> PdserveStats | None:
-        if self.stats.is_empty():
-            return None
-        out, self.stats = self.stats, PdserveStats()
+        with self._lock:  # (the engine's threads add P's layer-answer time)
+            if self.stats.is_empty():
+                return None
+            out, self.stats = self.stats, PdserveStats()
         return out
 
     def take_invalid_blocks(self) -> set[int]:

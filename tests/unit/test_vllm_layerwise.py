@@ -190,6 +190,7 @@ def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair):
     assert counters["layerwise_reads"] == 1 and counters["layers_early"] == 2
     p.after_forward(meta)
     assert all(_landed(d, p, name) for name in LAYERS)
+    assert p.take_stats().data["layer_answer_seconds"] > 0  # P's own CPU for the answers (their checksums)
 
 
 def test_a_flipped_byte_in_one_layer_fails_the_read(pair):
