@@ -237,3 +237,18 @@ def test_p_that_stops_or_dies_mid_layers_ends_d_s_wait_and_the_read_fails(pair, 
     assert res.failed_recving == {"dreq"} and d.take_invalid_blocks() == {0, 1}
     error = d.take_worker_meta().reads["dreq"]["error"]
     assert ("not ready within" in error) if how == "stops" else ("TransferError" in error), error
+
+
+def test_only_an_early_read_of_the_same_tp_and_layout_goes_layer_by_layer(pair):
+    p, d = pair()
+    remote = _early(p, new_handoff_id()).remote
+    assert d._layerwise(remote)
+    d.tp = 2  # P's TP unlike ours: the read reshards heads, the whole-request path
+    assert not d._layerwise(remote)
+    d.tp = 1
+    assert not d._layerwise(RemoteParams(**{**remote.__dict__, "layout": "float32/bs16/L1/other"}))
+    off = _side(False, layerwise_kv=False)
+    try:
+        assert not off._layerwise(remote)
+    finally:
+        off.close()
