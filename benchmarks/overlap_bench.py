@@ -97,6 +97,21 @@ def d_stamps(log: Path) -> list[dict[str, Any]]:
     return out
 
 
+def complete(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> list[int]:
+    """One non-streamed completion's token ids (``return_token_ids``)."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "return_token_ids": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:500]!r}")
+    choice = json.loads(data)["choices"][0]
+    return list(choice.get("token_ids") or []) or [hash(choice.get("text"))]
+
+
 def counter(url: str, name: str) -> float:
     """The sum of a Prometheus counter's series on ``url``'s /metrics."""
     host, _, port = url.removeprefix("http://").partition(":")
@@ -161,7 +176,7 @@ KEYS = ("ttft", "gap", "tpot", "read", "busy", "hidden", "prefill_tps", "batches
 
 
 def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests: int, output: int, early: str,
-              serial: str, rng: random.Random, tmp: Path, p_cpu: dict[int, float]
+              serial: str, rng: random.Random, tmp: Path, p_cpu: dict[int, float], exact: dict[str, bool]
               ) -> dict[tuple[int, str], list[dict[str, float]]]:
     """One stack's requests, alternating between its early and serial routers; the rows of each (length, path).
     ``p_cpu[n]``: the CPU ms per request P's engine spent answering layer questions at ``n`` tokens (layer-wise)."""
@@ -191,6 +206,10 @@ def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests:
                 time.sleep(1.5)  # vLLM's stats interval: the last answers' time reaches /metrics
                 if early == "layerwise":
                     p_cpu[n] = (counter(p, ANSWER_CPU) - cpu0) * 1e3 / requests
+            for n in lengths:  # exactness: one prompt of each length through both paths and D alone, greedy
+                one = body(n)
+                outs = [complete(u, one) for u in (routers[early], routers[serial], d)]
+                exact[f"{early}_{n}"] = outs[0] == outs[1] == outs[2]
             stamps = d_stamps(Path(c.run_dir) / "decode0.log")
             ready = p_ready(Path(c.run_dir) / "prefill0.log")
         finally:
@@ -236,16 +255,18 @@ def main() -> None:
     t0 = time.monotonic()
     loads = []
     p_cpu: dict[int, float] = {}
+    exact: dict[str, bool] = {}
     for stack, (layerwise, early, serial) in STACKS.items():
         cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
                                                       run_dir=str(tmp / f"run-{stack}")))
         cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise)
-        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp, p_cpu))
+        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp, p_cpu,
+                              exact))
         loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
                            "requests": a.requests, "wall_s": round(wall, 1), "loadavg_after_each_stack": loads,
-                           "lengths": {}}
+                           "exact": exact, "lengths": {}}
     print(f"{'tokens':>6} {'path':>10} | {'ttft p50':>8} {'gap p50':>8} {'gap p99':>8} {'tpot p50':>8} "
           f"{'gap/tpot':>8} {'read p50':>8} {'busy p50':>8} {'batches':>7} {'hidden':>6} {'P tok/s':>8}")
     for n in lengths:
@@ -278,6 +299,7 @@ def main() -> None:
               f"questions {per['p_answer_cpu_ms']:.2f} ms per request = "
               f"{r['p_answer_cpu_over_serial_ttft']:.4f} of the serial TTFT p50")
         out["lengths"][str(n)] = per
+    print(f"exact (the path = its serial path = D alone, token for token): {exact}")
     print(json.dumps(out))
 
 
