@@ -167,8 +167,9 @@ def _forward(p: Any, d: Any, hid: str, fault: str = "") -> tuple[threading.Threa
     return reader, meta
 
 
-def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair):
-    p, d = pair()
+@pytest.mark.parametrize("backend", ["auto", "tcp", "local", "nixl", "mooncake"])  # every transport of the engine
+def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair, backend):
+    p, d = pair({"backend": backend}, {"backend": backend})
     hid = new_handoff_id()
     reader, meta = _forward(p, d, hid)
     time.sleep(0.1)
