@@ -1,25 +1,34 @@
-"""Early dispatch on vs off (issue 37): the hand-off gap at the client, in one run, on the same workers.
+"""Serial vs early dispatch vs early dispatch + layer-wise KV (issue 37): the hand-off gap at the client, in one run.
 
     PYTHONPATH=$PWD python benchmarks/overlap_bench.py [--lengths 500,2000,8000] [--requests 8] [--output 32]
 
-One real 1P1D stack through the launcher (router, P and D vLLM CPU workers, one core each, KV pool off) on a random
-fp32 Llama from ``pdserve.launch.models`` (``--layers``, ``--hidden``), and a second router over the same two workers
-started with ``--no-early-dispatch``: the serial hand-off. The requests alternate between the two routers (which one
-goes first alternates too), one at a time, each with its own random prompt (no prefix-cache hit on P or D), greedy,
-``ignore_eos``, streamed. Per request, at the client:
+Two real 1P1D stacks through the launcher, one after the other (router, P and D vLLM CPU workers, one core each, KV
+pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``): the first with layer-wise
+KV on (the default), the second with ``--no-layerwise-kv``. Each stack also gets a second router over the same two
+workers started with ``--no-early-dispatch``: the serial hand-off, that stack's baseline. On each stack the requests
+alternate between its two routers (which one goes first alternates too), one at a time, each with its own random
+prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has four paths:
+``serial`` and ``layerwise`` (early + layer-wise) on the first stack, ``serial_off`` and ``early`` (early, whole-prompt
+read) on the second. Per request, at the client:
 
-* ``ttft``: send -> the first token (P's, streamed at once on both paths);
+* ``ttft``: send -> the first token (P's, streamed at once on every path); P's prefill throughput is the prompt's
+  tokens over it;
 * ``gap``: the first token -> the second (the hand-off: D's first token);
 * ``tpot``: the mean time per token after the second.
 
-And from D's connector (its ``hand-off {json}`` log lines, same host, same wall clock, matched to the request by
-time): ``read`` (the READ of P's blocks) and, for the early path, ``read_hidden``: the share of the read that was
-over before the client had P's first token. Layer-wise sends (issue 37 item 2) are not built, so no byte moves
-before P's last forward ends: the read overlaps P's answer (its HTTP path to the router and the client), not P's
-compute, and P's prefill throughput is the same code on both paths (not measured here).
+And from the connectors' logs (same host, same wall clock): D's ``hand-off {json}`` lines (matched to the request by
+time) give the read (``read``: first byte to last; ``busy``: the transfer batches' own time, layer-wise reads move in
+several); P's ``hand-off ready {json}`` lines give when the forward that completed the prompt ended, so ``hidden`` is
+the share of the read's transfer time that was over before P's forward ended (the transfer hidden behind P's
+prefill; early paths only: a serial read starts after P answered).
 
-Prints a table (p50 / p99 ms per length and path), the ratio early / serial of the gap p50 and the gap p50 over TPOT
-p50, then one JSON line.
+P's own cost of layer-wise sends, which the stacks' TTFTs show only through the load on a shared machine: the CPU time
+P's engine threads spent answering D's layer questions (``vllm:pdserve_kv_layer_answer_seconds_total`` on P, per
+request), over the serial path's TTFT p50 on the same stack (``p_answer_cpu_over_serial_ttft``). The copies
+themselves cost P nothing on the same host (D copies with ``process_vm_readv``).
+
+Prints a table (p50 / p99 ms per length and path) and the ratios (each early path over its own stack's serial;
+layer-wise over early raw and normalised by each stack's serial), then one JSON line.
 """
 
 from __future__ import annotations
@@ -88,17 +97,63 @@ def d_stamps(log: Path) -> list[dict[str, Any]]:
     return out
 
 
-def measure(rec: dict[str, Any], stamps: list[dict[str, Any]]) -> dict[str, float]:
+def complete(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> list[int]:
+    """One non-streamed completion's token ids (``return_token_ids``)."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "return_token_ids": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:500]!r}")
+    choice = json.loads(data)["choices"][0]
+    return list(choice.get("token_ids") or []) or [hash(choice.get("text"))]
+
+
+def counter(url: str, name: str) -> float:
+    """The sum of a Prometheus counter's series on ``url``'s /metrics."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#") and (line[len(name)] in " {"))
+
+
+ANSWER_CPU = "vllm:pdserve_kv_layer_answer_seconds_total"
+
+
+def p_ready(log: Path) -> dict[str, float]:
+    """Hand-off id -> when P's forward that completed its prompt ended (P's ``hand-off ready`` lines)."""
+    out: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        at = line.find("hand-off ready {")
+        if at >= 0:
+            with contextlib.suppress(ValueError, KeyError):
+                obj = json.loads(line[at + len("hand-off ready "):])
+                out[obj["handoff"]] = float(obj["t"])
+    return out
+
+
+def measure(rec: dict[str, Any], stamps: list[dict[str, Any]], ready: dict[str, float], n: int) -> dict[str, float]:
     a = rec["arrivals"]
     row = {"ttft": (a[0] - rec["send"]) * 1e3, "gap": (a[1] - a[0]) * 1e3,
            "tpot": (a[-1] - a[1]) / max(1, len(a) - 2) * 1e3}
+    row["prefill_tps"] = n / max(a[0] - rec["send"], 1e-9)
     mine = [s for s in stamps if rec["send"] <= (s.get("arrive") or 0) <= rec["end"]]
     if len(mine) == 1 and mine[0].get("read_start") and mine[0].get("read_end"):
         s = mine[0]
-        read = s["read_end"] - s["read_start"]
-        row["read"] = read * 1e3
-        if read > 0:
-            row["read_hidden"] = max(0.0, min(s["read_end"], a[0]) - s["read_start"]) / read
+        row["read"] = (s["read_end"] - s["read_start"]) * 1e3
+        spans = s.get("spans") or [[s["read_start"], s["read_end"]]]
+        busy = sum(b - a0 for a0, b in spans)
+        row["busy"] = busy * 1e3
+        row["batches"] = len(spans)
+        t_end = ready.get(str(s.get("p_req")))
+        if t_end is not None and busy > 0:
+            row["hidden"] = sum(max(0.0, min(b, t_end) - a0) for a0, b in spans) / busy
     return row
 
 
@@ -114,6 +169,69 @@ def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path
     return child, url
 
 
+# stack -> (layerwise_kv, its early router's path name, its serial router's path name)
+STACKS = {"on": (True, "layerwise", "serial"), "off": (False, "early", "serial_off")}
+PATHS = ("serial", "layerwise", "serial_off", "early")
+KEYS = ("ttft", "gap", "tpot", "read", "busy", "hidden", "prefill_tps", "batches")
+
+
+def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests: int, output: int, early: str,
+              serial: str, rng: random.Random, tmp: Path, p_cpu: dict[int, float], exact: dict[str, bool]
+              ) -> dict[tuple[int, str], list[dict[str, float]]]:
+    """One stack's requests, alternating between its early and serial routers; the rows of each (length, path).
+    ``p_cpu[n]``: the CPU ms per request P's engine spent answering layer questions at ``n`` tokens (layer-wise)."""
+    from pdserve.launch import Cluster
+    from pdserve.launch.procs import stop_children
+
+    recs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    with Cluster(cfg) as c:
+        p, d = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
+        child, serial_url = second_router(str(model), "m", max_len, p, d, tmp / f"{serial}.log")
+        try:
+            routers = {early: c.router_url, serial: serial_url}
+
+            def body(n: int) -> dict[str, Any]:
+                return {"model": "m", "max_tokens": output, "temperature": 0,
+                        "ignore_eos": True, "prompt": [rng.randrange(1000, 40000) for _ in range(n)]}
+
+            for url in routers.values():  # warm-up; the early router learns P's engine from P's first answer
+                stream(url, body(64))
+                stream(url, body(min(lengths)))
+            for n in lengths:
+                cpu0 = counter(p, ANSWER_CPU)
+                for i in range(requests):
+                    order = (early, serial) if i % 2 == 0 else (serial, early)
+                    for path in order:
+                        recs.setdefault((n, path), []).append(stream(routers[path], body(n)))
+                time.sleep(1.5)  # vLLM's stats interval: the last answers' time reaches /metrics
+                if early == "layerwise":
+                    p_cpu[n] = (counter(p, ANSWER_CPU) - cpu0) * 1e3 / requests
+            for n in lengths:  # exactness: one prompt of each length through both paths and D alone, greedy
+                one = body(n)
+                outs = [complete(u, one) for u in (routers[early], routers[serial], d)]
+                exact[f"{early}_{n}"] = outs[0] == outs[1] == outs[2]
+            stamps = d_stamps(Path(c.run_dir) / "decode0.log")
+            ready = p_ready(Path(c.run_dir) / "prefill0.log")
+        finally:
+            stop_children([child])
+    return {(n, path): [measure(r, stamps, ready, n) for r in rs] for (n, path), rs in recs.items()}
+
+
+def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    col = {k: [r[k] for r in rows if k in r] for k in KEYS}
+    s = {"ttft_p50": pct(col["ttft"], .5), "gap_p50": pct(col["gap"], .5), "gap_p99": pct(col["gap"], .99),
+         "tpot_p50": pct(col["tpot"], .5), "read_p50": pct(col["read"], .5), "busy_p50": pct(col["busy"], .5),
+         "hidden_mean": statistics.fmean(col["hidden"]) if col["hidden"] else float("nan"),
+         "batches_p50": pct(col["batches"], .5), "prefill_tps_p50": pct(col["prefill_tps"], .5),
+         "joined": len(col["read"])}
+    s["gap_over_tpot"] = s["gap_p50"] / s["tpot_p50"]
+    return {k: round(v, 3) for k, v in s.items()}
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="500,2000,8000")
@@ -127,63 +245,61 @@ def main() -> None:
     max_len = max(lengths) + a.output + 64
 
     from pdserve.bench.compare import CompareSettings, launcher_config
-    from pdserve.launch import Cluster
     from pdserve.launch.models import build_random_llama
-    from pdserve.launch.procs import stop_children
 
     tmp = Path(tempfile.mkdtemp(prefix="overlap-bench-"))
     model = build_random_llama(tmp / "model", layers=a.layers, hidden=a.hidden,
                                max_position_embeddings=max(8192, max_len))
-    cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
-                                                  run_dir=str(tmp / "run")))
-    cfg = dataclasses.replace(cfg, pool=False, served_model_name="m")
     rng = random.Random(a.seed)
-    recs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    rows: dict[tuple[int, str], list[dict[str, float]]] = {}
     t0 = time.monotonic()
-    with Cluster(cfg) as c:
-        p, d = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
-        child, serial = second_router(str(model), "m", max_len, p, d, tmp / "serial.log")
-        try:
-            routers = {"early": c.router_url, "serial": serial}
-
-            def body(n: int) -> dict[str, Any]:
-                return {"model": "m", "max_tokens": a.output, "temperature": 0,
-                        "ignore_eos": True, "prompt": [rng.randrange(1000, 40000) for _ in range(n)]}
-
-            for url in routers.values():  # warm-up; the early router learns P's engine from P's first answer
-                stream(url, body(64))
-            for n in lengths:
-                for i in range(a.requests):
-                    order = ("early", "serial") if i % 2 == 0 else ("serial", "early")
-                    for path in order:
-                        recs.setdefault((n, path), []).append(stream(routers[path], body(n)))
-            stamps = d_stamps(Path(c.run_dir) / "decode0.log")
-        finally:
-            stop_children([child])
+    loads = []
+    p_cpu: dict[int, float] = {}
+    exact: dict[str, bool] = {}
+    for stack, (layerwise, early, serial) in STACKS.items():
+        cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
+                                                      run_dir=str(tmp / f"run-{stack}")))
+        cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise)
+        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp, p_cpu,
+                              exact))
+        loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
-    load = os.getloadavg()
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
-                           "requests": a.requests, "wall_s": round(wall, 1), "loadavg": [round(x, 2) for x in load],
-                           "lengths": {}}
-    print(f"{'tokens':>6} {'path':>6} | {'ttft p50':>8} {'gap p50':>8} {'gap p99':>8} {'tpot p50':>8} "
-          f"{'gap/tpot':>8} {'read p50':>8} {'hidden':>7}")
+                           "requests": a.requests, "wall_s": round(wall, 1), "loadavg_after_each_stack": loads,
+                           "exact": exact, "lengths": {}}
+    print(f"{'tokens':>6} {'path':>10} | {'ttft p50':>8} {'gap p50':>8} {'gap p99':>8} {'tpot p50':>8} "
+          f"{'gap/tpot':>8} {'read p50':>8} {'busy p50':>8} {'batches':>7} {'hidden':>6} {'P tok/s':>8}")
     for n in lengths:
         per: dict[str, Any] = {}
-        for path in ("serial", "early"):
-            rows = [measure(r, stamps) for r in recs[(n, path)]]
-            col = {k: [r[k] for r in rows if k in r] for k in ("ttft", "gap", "tpot", "read", "read_hidden")}
-            s = {"ttft_p50": pct(col["ttft"], .5), "gap_p50": pct(col["gap"], .5), "gap_p99": pct(col["gap"], .99),
-                 "tpot_p50": pct(col["tpot"], .5), "read_p50": pct(col["read"], .5),
-                 "read_hidden_mean": statistics.fmean(col["read_hidden"]) if col["read_hidden"] else float("nan"),
-                 "joined": len(col["read"])}
-            s["gap_over_tpot"] = s["gap_p50"] / s["tpot_p50"]
-            per[path] = {k: round(v, 3) for k, v in s.items()}
-            print(f"{n:>6} {path:>6} | {s['ttft_p50']:8.1f} {s['gap_p50']:8.1f} {s['gap_p99']:8.1f} "
-                  f"{s['tpot_p50']:8.1f} {s['gap_over_tpot']:8.2f} {s['read_p50']:8.1f} "
-                  f"{s['read_hidden_mean']:7.2f}")
-        per["gap_p50_ratio_early_over_serial"] = round(per["early"]["gap_p50"] / per["serial"]["gap_p50"], 3)
-        print(f"{n:>6}  early / serial gap p50: {per['gap_p50_ratio_early_over_serial']:.2f}")
+        for path in PATHS:
+            s = per[path] = summary(rows.get((n, path), []))
+            print(f"{n:>6} {path:>10} | {s['ttft_p50']:8.1f} {s['gap_p50']:8.1f} {s['gap_p99']:8.1f} "
+                  f"{s['tpot_p50']:8.1f} {s['gap_over_tpot']:8.2f} {s['read_p50']:8.1f} {s['busy_p50']:8.1f} "
+                  f"{s['batches_p50']:7.0f} {s['hidden_mean']:6.2f} {s['prefill_tps_p50']:8.0f}")
+        lw, se, ea, so = per["layerwise"], per["serial"], per["early"], per["serial_off"]
+        per["ratios"] = {
+            "gap_p50_layerwise_over_serial": ratio(lw["gap_p50"], se["gap_p50"]),
+            "gap_p50_early_over_serial_off": ratio(ea["gap_p50"], so["gap_p50"]),
+            "gap_p50_layerwise_over_early": ratio(lw["gap_p50"], ea["gap_p50"]),
+            "prefill_tps_layerwise_over_serial": ratio(lw["prefill_tps_p50"], se["prefill_tps_p50"]),
+            "prefill_tps_early_over_serial_off": ratio(ea["prefill_tps_p50"], so["prefill_tps_p50"]),
+            "prefill_tps_layerwise_over_early": ratio(lw["prefill_tps_p50"], ea["prefill_tps_p50"]),
+            "prefill_tps_layerwise_over_early_normalised": ratio(
+                lw["prefill_tps_p50"] / se["prefill_tps_p50"], ea["prefill_tps_p50"] / so["prefill_tps_p50"]),
+        }
+        # P's own cost of layer-wise sends, load-independent: its engine's CPU time answering D's layer questions
+        # (checksums of each layer as it is written), against the serial prefill's time on the same stack
+        per["p_answer_cpu_ms"] = round(p_cpu.get(n, float("nan")), 3)
+        per["ratios"]["p_answer_cpu_over_serial_ttft"] = ratio(per["p_answer_cpu_ms"], se["ttft_p50"])
+        r = per["ratios"]
+        print(f"{n:>6}  gap p50 layerwise/serial {r['gap_p50_layerwise_over_serial']:.2f}, early/serial_off "
+              f"{r['gap_p50_early_over_serial_off']:.2f}, layerwise/early {r['gap_p50_layerwise_over_early']:.2f}; "
+              f"P prefill tok/s layerwise/early {r['prefill_tps_layerwise_over_early']:.3f} (normalised by each "
+              f"stack's serial {r['prefill_tps_layerwise_over_early_normalised']:.3f}); P's CPU answering layer "
+              f"questions {per['p_answer_cpu_ms']:.2f} ms per request = "
+              f"{r['p_answer_cpu_over_serial_ttft']:.4f} of the serial TTFT p50")
         out["lengths"][str(n)] = per
+    print(f"exact (the path = its serial path = D alone, token for token): {exact}")
     print(json.dumps(out))
 
 

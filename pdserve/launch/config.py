@@ -276,6 +276,7 @@ class LauncherConfig:
     connector: bool | None = _d("connector")
     lease_s: float = _d("lease_s")
     kv_checksum: bool = _d("kv_checksum")
+    layerwise_kv: bool = _d("layerwise_kv")  # an early hand-off's KV moves layer by layer (pdserve's connector)
     early_dispatch: bool = _d("early_dispatch")  # the router sends D its request while P prefills (pdserve's connector)
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()

@@ -280,6 +280,8 @@ def plan_workers(
     extra_config = dict(config.connector_extra)
     if not config.kv_checksum:
         extra_config["kv_checksum"] = False
+    if not config.layerwise_kv:
+        extra_config["layerwise_kv"] = False
     if pool_master:
         extra_config["pool_master"] = pool_master
     role_args = {"prefill": tuple(config.prefill_args), "decode": tuple(config.decode_args), "colocated": (),

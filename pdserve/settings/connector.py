@@ -81,6 +81,8 @@ class ConnectorConfig:
     kv_checksum: checksum every KV block that crosses a process (P's leased blocks, pool objects) and verify it
         before vLLM uses the block (default on; false turns both sides off: P seals nothing and D verifies
         nothing; pool objects still carry their fingerprint).
+    layerwise_kv: an early hand-off's KV moves layer by layer (P announces each layer as its attention writes it;
+        D reads and verifies each one while P computes the rest); false: the whole prompt after P's last forward.
     """
 
     secret: str
@@ -105,12 +107,13 @@ class ConnectorConfig:
     sync_load_max_bytes: int = setting("sync_load_max_bytes").default
     sync_load_deadline_s: float = setting("sync_load_deadline_s").default
     kv_checksum: bool = setting("kv_checksum").default
+    layerwise_kv: bool = setting("layerwise_kv").default
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "handoff_wait_s", "clock_margin_s", "on_load_failure", "allow_test_faults",
             "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
-            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum")
+            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum", "layerwise_kv")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:

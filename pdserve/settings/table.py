@@ -415,6 +415,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kv_checksum", bool, True, "checksum every KV block that crosses a process (P's leased blocks, pool "
             "objects) and verify it before vLLM uses the block (pdserve's connector; kv_connector_extra_config "
             "kv_checksum)", (L, W), flag="--kv-checksum", off_flag="--no-kv-checksum", group="workers"),
+    Setting("layerwise_kv", bool, True, "move an early hand-off's KV layer by layer: P announces each layer as its "
+            "attention writes it, D reads (and verifies) each one while P computes the rest, instead of the whole "
+            "prompt after P's last forward (pdserve's connector, same TP on P and D; kv_connector_extra_config "
+            "layerwise_kv)", (L, W), flag="--layerwise-kv", off_flag="--no-layerwise-kv", group="workers"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

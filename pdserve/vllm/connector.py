@@ -179,11 +179,15 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # whole-request async loads: the request waits in WAITING_FOR_REMOTE_KVS
+        # D's loads are whole requests: a request waits in WAITING_FOR_REMOTE_KVS until its last layer landed
+        # (layer-wise reads included), so no forward ever runs on a layer still in flight
+        return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return None  # pull model: D reads P's blocks in place, nothing to save
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, PdserveMeta):  # P: the layer is written; D may pull it
+            self.worker.layer_saved(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

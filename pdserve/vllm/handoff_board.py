@@ -7,6 +7,12 @@ the prompt, which blocks hold it (:class:`~pdserve.vllm.messages.ReadyNote`, aft
 on): P's request id, the block ids, the prompt's digest and P's fingerprint. D then reads as after a serial
 hand-off, and its READ notification (naming P's request id) ends P's lease.
 
+Layer by layer (``layerwise_kv``): the scheduler's note reaches the worker before the forward that completes the
+prompt (``begin``), and as each layer's attention writes it the model's thread marks that layer ready (``layer``: a
+bit set under the board's lock, nothing else on the forward's path). D asks :data:`LAYERS_PREFIX` with the layers it
+has; P answers as soon as it has others (or the forward ended: ``ready``), with the set of layers ready and whether
+the forward is done; the worker adds the new layers' checksums, computed on the engine's thread that answers.
+
 :class:`HandoffBoard` is that table: ids announced ready (or gone: P's request ended before its prompt was
 computed), the waiters, and the notifications that named an id instead of P's request id (D gave up, or was
 aborted, before it learnt P's request id): those end the lease as soon as the id is known. Entries expire after
@@ -27,9 +33,12 @@ from typing import Any
 from pdserve.vllm.messages import ReadyNote
 from pdserve.vllm.params import HANDOFF_PREFIX  # every hand-off id starts so: not a P request id
 
-__all__ = ["HANDOFF_PREFIX", "MAX_WAIT_S", "WAIT_PREFIX", "HandoffBoard", "is_handoff", "parse_wait",
-           "wait_message"]
+__all__ = ["HANDOFF_PREFIX", "LAYERS_PREFIX", "MAX_WAIT_S", "WAIT_PREFIX", "HandoffBoard", "LayersQuestion",
+           "is_handoff", "layers_message", "parse_layers", "parse_wait", "wait_message"]
 WAIT_PREFIX = "?wait|"  # D's question: "?wait|<hand-off id>|<P's engine id>|<seconds>"
+# D's layer-wise question: "?layers|<hand-off id>|<P's engine id>|<seconds>|<layers D has, hex mask>|<first>|<end>"
+# (first, end: the positions of P's prompt blocks D reads, whose checksums P answers)
+LAYERS_PREFIX = "?layers|"
 MAX_WAIT_S = 600.0  # P never holds a question longer than this, whatever D asks
 
 
@@ -55,12 +64,46 @@ def parse_wait(msg: str) -> tuple[str, str, float] | None:
     return parts[0], parts[1], min(max(wait_s, 0.0), MAX_WAIT_S)
 
 
+@dataclass(frozen=True)
+class LayersQuestion:
+    """D's layer-wise question, parsed: answer once P has layers not in ``have`` (a bit per P layer region)."""
+
+    handoff: str
+    engine_id: str
+    wait_s: float
+    have: int
+    first: int  # D reads P's prompt blocks [first, end)
+    end: int
+
+
+def layers_message(handoff: str, engine_id: str, wait_s: float, have: int, first: int, end: int) -> str:
+    return f"{LAYERS_PREFIX}{handoff}|{engine_id}|{wait_s:.3f}|{have:x}|{first}|{end}"
+
+
+def parse_layers(msg: str) -> LayersQuestion | None:
+    """The question in ``msg``, or None when it is not one (or malformed)."""
+    if not msg.startswith(LAYERS_PREFIX):
+        return None
+    parts = msg[len(LAYERS_PREFIX):].split("|")
+    if len(parts) != 6 or not is_handoff(parts[0]):
+        return None
+    try:
+        wait_s, have, first, end = float(parts[2]), int(parts[3], 16), int(parts[4]), int(parts[5])
+    except ValueError:
+        return None
+    if have < 0 or not 0 <= first <= end:
+        return None
+    return LayersQuestion(parts[0], parts[1], min(max(wait_s, 0.0), MAX_WAIT_S), have, first, end)
+
+
 @dataclass
 class _Entry:
     since: float
     note: ReadyNote | None = None
     gone: str = ""  # why P will never announce it
     pending: list[tuple[int, int]] = field(default_factory=list)  # (sender, readers) of notes naming the id
+    early: ReadyNote | None = None  # known before the forward that completes the prompt (layer-wise)
+    layers: int = 0  # layers that forward has written so far, a bit per layer region
 
 
 class HandoffBoard:
@@ -89,6 +132,23 @@ class HandoffBoard:
             self._cond.notify_all()
         for sender, readers in pending:  # D gave up or was aborted before it knew P's request id
             self.on_note(note.req_id, sender, readers)
+
+    def begin(self, handoff: str, note: ReadyNote) -> None:
+        """The forward that completes ``handoff``'s prompt (into ``note.blocks``) starts: its layers follow."""
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            if entry.note is None and not entry.gone:
+                entry.early, entry.layers = note, 0
+
+    def layer(self, handoffs: list[str], region: int) -> None:
+        """The model's thread: layer region ``region`` of these hand-offs' prompts is written (cheap: no I/O)."""
+        bit = 1 << region
+        with self._cond:
+            for handoff in handoffs:
+                entry = self._entries.get(handoff)
+                if entry is not None:
+                    entry.layers |= bit
+            self._cond.notify_all()
 
     def gone(self, handoff: str, why: str) -> None:
         """P's request of ``handoff`` ended before its prompt was computed: its waiters are answered at once."""
@@ -122,6 +182,27 @@ class HandoffBoard:
             if entry.note is None:
                 return {"ok": False, "why": entry.gone}
             return {"ok": True, **entry.note.to_wire()}
+
+    def wait_layers(self, q: LayersQuestion) -> dict[str, Any]:
+        """D's layer-wise question: as :meth:`wait`, but answered as soon as the forward that completes the prompt
+        has written layers D lacks (``layers``: the hex mask of those written; ``done``: the forward has ended,
+        every layer is final)."""
+        if q.engine_id != self.engine_id:
+            return {"ok": False, "why": f"engine {self.engine_id} is not {q.engine_id} (P restarted?)"}
+        end = time.monotonic() + q.wait_s
+        with self._cond:
+            entry = self._entry(q.handoff, time.monotonic())
+            while entry.note is None and not entry.gone and (entry.early is None or not entry.layers & ~q.have):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return {"ok": False, "why": f"not ready within {q.wait_s:g} s"}
+                self._cond.wait(left)
+                entry = self._entry(q.handoff, time.monotonic())
+            if entry.note is not None:
+                return {"ok": True, **entry.note.to_wire(), "layers": "", "done": True}
+            if entry.gone or entry.early is None:
+                return {"ok": False, "why": entry.gone}
+            return {"ok": True, **entry.early.to_wire(), "layers": f"{entry.layers:x}", "done": False}
 
     def note(self, handoff: str, sender: int, readers: int) -> None:
         """A notification that names the hand-off id (D read nothing): ends P's lease now or once it is known."""

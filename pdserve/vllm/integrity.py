@@ -80,6 +80,39 @@ class BlockSums:
             return self._wsums(block_ids)
         raise ValueError(f"unknown checksum algorithm {alg!r}")
 
+    def region_sums(self, block_ids: Sequence[int], regions: Sequence[int], alg: str = "") -> list[int]:
+        """One checksum per block over only the units of layers ``regions`` (indices into ``layers``), each unit
+        seeded with its index in the whole block, so the sums of disjoint region sets add up (mod 2^64) to
+        :meth:`sums`: what a layer-wise read verifies per batch of layers (``xxh3u`` and ``wsum32`` only)."""
+        alg = alg or self.alg
+        want = sorted(set(regions))
+        if not block_ids:
+            return []
+        if alg == WSUM:
+            return self._wsums(block_ids, set(want))
+        if alg != XXH3U:
+            raise ValueError(f"checksum algorithm {alg!r} has no per-layer sums")
+        starts = self.unit_starts()
+        out = []
+        for b in block_ids:
+            vals = []
+            for i in want:
+                g, k = self.layers[i], starts[i]
+                view, base = self.view(g.name), b * g.block_stride
+                for off, n in g.block_runs:
+                    vals.append(xxh3_unit(view[base + off:base + off + n], k))
+                    k += 1
+            out.append(sum_u64(vals))
+        return out
+
+    def unit_starts(self) -> list[int]:
+        """Per layer, the index of its first unit in a block (units: every run of every layer, in order)."""
+        out, k = [], 0
+        for g in self.layers:
+            out.append(k)
+            k += len(g.block_runs)
+        return out
+
     def _host_spans(self, block: int) -> list[Any]:
         out = []
         for g in self.layers:
@@ -112,13 +145,17 @@ class BlockSums:
         """The block's units in order: (layer region, byte offset, bytes), one per run of each layer."""
         return [(g.name, block * g.block_stride + off, n) for g in self.layers for off, n in g.block_runs]
 
-    def _wsums(self, block_ids: Sequence[int]) -> list[int]:
-        """One batched reduction per (layer, run) over every block; the runs' sums add up per block."""
+    def _wsums(self, block_ids: Sequence[int], only: set[int] | None = None) -> list[int]:
+        """One batched reduction per (layer, run) over every block; the runs' sums add up per block. ``only``: the
+        layers to sum (the others' words still count toward each word's position weight)."""
         import torch
 
         total = None
         word = 0
-        for g in self.layers:
+        for i, g in enumerate(self.layers):
+            if only is not None and i not in only:
+                word += sum(n for _, n in g.block_runs) // 4
+                continue
             mem = self.memory[g.name]
             flat = torch.from_numpy(mem) if _is_host(mem) else mem
             idx = torch.tensor(list(block_ids), dtype=torch.int64, device=flat.device)
@@ -127,7 +164,8 @@ class BlockSums:
                 part = wsum_rows(rows.index_select(0, idx), word)
                 total = part if total is None else total + part
                 word += n // 4
-        assert total is not None
+        if total is None:
+            return [0] * len(block_ids)
         return [to_u64(v) for v in total.tolist()]
 
     def flip_byte(self, block: int, at: int = 0, unit: int = 0, mask: int = 0xFF) -> None:

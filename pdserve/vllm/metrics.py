@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 _COUNTERS = ("reads", "read_failures", "read_bytes", "released_notified", "released_lease",
              "pool_loads", "pool_load_failures", "pool_loaded_tokens", "pool_load_bytes", "pool_load_seconds",
              "pool_saves", "pool_save_failures", "pool_saved_blocks", "pool_save_bytes", "pool_save_seconds",
-             "checksum_failures_p2p", "checksum_failures_pool")
+             "checksum_failures_p2p", "checksum_failures_pool", "layerwise_reads", "layers_early",
+             "layer_answer_seconds")
 CHECKSUM_PATHS = {"checksum_failures_p2p": "p2p", "checksum_failures_pool": "pool"}
 
 
@@ -52,7 +53,8 @@ class PdserveStats(KVConnectorStats):
 
 
 class PdservePromMetrics(KVConnectorPromMetrics):
-    """Counters vllm:pdserve_kv_{reads,read_failures,read_bytes,released_notified,released_lease,pool_*}_total,
+    """Counters vllm:pdserve_kv_{reads,read_failures,read_bytes,released_notified,released_lease,pool_*,
+    layerwise_reads,layers_early,layer_answer_seconds}_total,
     vllm:pdserve_kv_checksum_failures_total{path="p2p"|"pool"} and the histogram vllm:pdserve_kv_read_seconds."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
@@ -76,7 +78,12 @@ class PdservePromMetrics(KVConnectorPromMetrics):
                 "pool_save_failures": "KV pool saves that failed (the pool is a cache: nothing else happens)",
                 "pool_saved_blocks": "KV blocks newly written to the KV pool",
                 "pool_save_bytes": "KV bytes written to the KV pool",
-                "pool_save_seconds": "seconds the KV pool's put calls took (master RPCs and the transfer)"}
+                "pool_save_seconds": "seconds the KV pool's put calls took (master RPCs and the transfer)",
+                "layerwise_reads": "early hand-offs read layer by layer as the prefill worker wrote them",
+                "layers_early": "layers of those reads that landed (and were verified) before the prefill "
+                                "worker's forward that computed them had ended",
+                "layer_answer_seconds": "CPU seconds this prefill worker spent answering decode workers' layer-wise "
+                                        "questions (checksums of each layer as it is written)"}
         self.counters = {key: per_engine(self._counter_cls(name=f"vllm:pdserve_kv_{key}", documentation=doc,
                                                            labelnames=labelnames))
                          for key, doc in docs.items()}

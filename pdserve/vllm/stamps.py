@@ -33,6 +33,9 @@ log = connector_log()
 
 MAX_PENDING = 10000  # requests whose line is not written yet (aborted ones never complete)
 STAMPS = ("arrive", "admit", "alloc", "read_start", "read_end", "seen", "sched", "done")
+# a layer-wise read's extra facts: batches read, layers confirmed landed before P's forward ended, the batches'
+# wall-clock [start, end] spans and their summed time
+LAYERWISE = ("layerwise", "layers_early", "spans", "busy_ms")
 
 
 class HandoffStamps:
@@ -69,6 +72,9 @@ class HandoffStamps:
         st["seen"] = self.clock()
         st["read_start"], st["read_end"] = stats.get("t0"), stats.get("t1")
         st["bytes"], st["read_ms"], st["ok"] = stats.get("bytes"), stats.get("ms"), stats.get("ok")
+        for key in LAYERWISE:  # a layer-wise read (pdserve.vllm.layerwise): its batches, as the worker counted them
+            if key in stats:
+                st[key] = stats[key]
 
     def step(self, scheduled: Iterable[str]) -> None:
         """Called when a step is scheduled: the previous step's output is in (``done``), and ``scheduled`` lists

@@ -21,6 +21,7 @@ rank has.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -32,13 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
+from pdserve.transfer.checksum import XXH3U
 from pdserve.vllm.fingerprint import differences, digest, worker_fingerprint
 from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
-from pdserve.vllm.handoff_board import HandoffBoard, is_handoff, parse_wait, wait_message
+from pdserve.vllm.handoff_board import HandoffBoard, is_handoff, parse_layers, parse_wait, wait_message
 from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
+from pdserve.vllm.layerwise import LayerMarks, LayerPull
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import (
@@ -152,6 +155,9 @@ class WorkerSide:
         self._board = HandoffBoard(self.engine.engine_id, lambda req_id, sender, readers: self._ledger.notify(
             req_id, sender=sender, readers=readers), ttl_s=max(600.0, 4 * config.lease_s))
         self.engine.on_notify(self._on_notify)
+        # P, layer-wise (issue 37): the layers the running forward has saved for the hand-offs it completes
+        self._marks = LayerMarks()
+        self._marks_meta: PdserveMeta | None = None  # the step whose forward the marks are of
         self._lock = threading.Lock()
         self._inflight: dict[str, RecvJob] = {}
         self._done: list[tuple[RecvJob, bool, dict[str, Any]]] = []
@@ -184,6 +190,7 @@ class WorkerSide:
             geo = LayerGeometry(name, stride, sum(n for _, n in runs), runs, kv.interior, scales, kv.num_blocks)
             if t.data_ptr() in seen:  # layers sharing a tensor (HMA groups, cross-layer KV sharing): one region
                 i = seen[t.data_ptr()]
+                self._marks.add(name, i)
                 try:
                     self.layers[i] = join(self.layers[i], replace(geo, name=self.layers[i].name))
                 except ValueError as exc:
@@ -192,6 +199,7 @@ class WorkerSide:
                 self._memory[owner] = byte_region(self._tensors[owner], max(kv.span, len(self._memory[owner])))
                 continue
             seen[t.data_ptr()] = len(self.layers)
+            self._marks.add(name, len(self.layers))
             self._memory[name] = byte_region(t, kv.span)
             self._tensors[name] = t  # keep alive
             self.layers.append(geo)
@@ -282,10 +290,39 @@ class WorkerSide:
         for th in now:  # this step's forward uses these blocks: the reads end (or fail) before it starts
             th.join()
 
+    def _begin_layers(self, meta: PdserveMeta) -> None:
+        """P, at the forward's first saved layer (vLLM binds the step's metadata before the forward but calls
+        ``start_load_kv`` after it unless a load is synchronous): the early hand-offs whose prompt this forward
+        completes, announced layer by layer as it writes them (layerwise_kv; host memory only: on a device the
+        layer's kernels may still be queued when vLLM calls save_kv_layer, so those wait for the forward's end,
+        as with layerwise_kv off)."""
+        self._marks_meta = meta
+        if not meta.ready or not self.config.layerwise_kv or self.sums.alg != XXH3U:
+            self._marks.end()
+            return
+        live = [h for h, note in meta.ready.items() if note is not None]
+        for handoff in live:
+            note = meta.ready[handoff]
+            assert note is not None
+            self._board.begin(handoff, note)
+        self._marks.begin(live)
+
+    def layer_saved(self, layer_name: str, meta: PdserveMeta) -> None:
+        """P, the model's thread (vLLM's ``save_kv_layer``, after the layer's attention wrote its KV): mark it
+        ready for the hand-offs this forward (``meta``: its step's) completes. A bit under a lock: the forward
+        never waits for the wire."""
+        if meta is not self._marks_meta:
+            self._begin_layers(meta)
+        region = self._marks.saved(layer_name)
+        if region is not None:
+            self._board.layer(self._marks.live, region)
+
     def after_forward(self, meta: PdserveMeta) -> None:
         """P, in ``wait_for_save``: checksum the prompts this step's forward completed (before P answers, so D's
         notification finds them; device memory: the checksums wait for an event recorded after the forward), then
         announce the early hand-offs among them to the D that waits (a D asking for the sums waits for the seal)."""
+        self._marks.end()
+        self._marks_meta = None
         if meta.seal_now:
             ready = forward_done_event(self._memory)
             for req_id, blocks in meta.seal_now.items():
@@ -295,6 +332,8 @@ class WorkerSide:
                 self._board.gone(handoff, "P's request ended before its prompt was computed")
             else:
                 self._board.ready(handoff, note)
+                log.info("hand-off ready %s", json.dumps({"handoff": handoff, "req": note.req_id, "t": time.time()},
+                                                         separators=(",", ":")))
 
     def _fault(self, meta: PdserveMeta, req_id: str) -> str:
         return meta.faults.get(req_id, "") if self.config.allow_test_faults else ""
@@ -350,19 +389,19 @@ class WorkerSide:
         try:
             if job.error:
                 raise TransferError("plan", job.error)
-            if remote.handoff:
+            if remote.handoff and self._layerwise(remote):
+                job = self._read_layers(job, counts, notified, stats)
+                remote, plan = job.remote, job.plan
+                t0 = time.perf_counter() - (time.time() - stats["t0"])  # the read's own time: from its first batch
+                ok = True
+            elif remote.handoff:
                 job = self._rendezvous(job)
                 remote = job.remote
                 stats["waited_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
                 t0, stats["t0"] = time.perf_counter(), time.time()  # the read's own time from here
-            batches = self._batches(remote, job)
-            deadline_s = self.config.sync_load_deadline_s if job.sync else self.config.transfer_deadline_s
-            if remote.lease_deadline:
-                deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
-                if deadline_s <= 0:
-                    raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
-            stats["bytes"], stats["peers"] = self._read(job, batches, counts, notified, deadline_s, stats)
-            ok = True
+            if not ok:
+                stats["bytes"], stats["peers"] = self._read_whole(job, counts, notified, stats)
+                ok = True
         except Exception as exc:  # every failure ends in a recompute, never in partial KV
             stats["error"] = f"{type(exc).__name__}: {exc}"
             log.warning("request %s: KV read (rank %d) from %s:%s failed (%s); vLLM will recompute the prompt",
@@ -407,6 +446,13 @@ class WorkerSide:
             except ValueError as exc:
                 raise TransferError("handoff", str(exc)) from None
         assert note is not None
+        return self._paired(job, note)
+
+    @staticmethod
+    def _paired(job: RecvJob, note: ReadyNote) -> RecvJob:
+        """``job`` with P's blocks and request id from P's answer ``note``, once it is checked against our prompt
+        digest, fingerprint and block count (raises TransferError: D recomputes)."""
+        remote = job.remote
         if note.num_tokens != remote.num_tokens or note.prompt_hash != job.expect_hash:
             raise TransferError("handoff", f"P prefilled another prompt ({note.num_tokens} tokens, digest "
                                            f"{note.prompt_hash}) than ours ({remote.num_tokens}, {job.expect_hash})")
@@ -420,6 +466,60 @@ class WorkerSide:
         remote = replace(remote, block_ids=note.blocks, request_id=note.req_id, prompt_hash=note.prompt_hash,
                          lease_deadline=note.lease_deadline, fingerprint=note.fingerprint)
         return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]))
+
+    def _read_whole(self, job: RecvJob, counts: dict[int, int], notified: set[int],
+                    stats: dict[str, Any]) -> tuple[int, list[int]]:
+        """D: read the job's blocks from P in one batch per P rank (the serial path, and early without layers)."""
+        remote = job.remote
+        batches = self._batches(remote, job)
+        deadline_s = self.config.sync_load_deadline_s if job.sync else self.config.transfer_deadline_s
+        if remote.lease_deadline:
+            deadline_s = min(deadline_s, remote.lease_deadline - self.config.clock_margin_s - time.time())
+            if deadline_s <= 0:
+                raise TransferError("deadline", "P's lease on the blocks ran out before the read began")
+        return self._read(job, batches, counts, notified, deadline_s, stats)
+
+    def _layerwise(self, remote: RemoteParams) -> bool:
+        """Whether this early hand-off is read layer by layer: on, P's TP and layout equal ours (a read that
+        reshards heads keeps the whole-request path), host memory with per-layer checksums."""
+        return (self.config.layerwise_kv and remote.tp == self.tp and self.sums.alg == XXH3U
+                and (not remote.layout or same_layout(remote.layout, self.layout)))
+
+    def _read_layers(self, job: RecvJob, counts: dict[int, int], notified: set[int],
+                     stats: dict[str, Any]) -> RecvJob:
+        """D, an early hand-off layer by layer (pdserve.vllm.layerwise): read and verify each layer P announces,
+        then notify P (ends its lease); returns the job with P's blocks. Raises as :meth:`_read` does."""
+        remote = job.remote
+        fault = remote.test_fault if self.config.allow_test_faults else ""
+        if fault_hits(fault, "fail", self.rank):
+            raise TransferError("test", f"pdserve_test_fault={fault} (P rank {self.rank})")
+        pull = LayerPull(self.engine, self._peer(remote, self.rank), remote.rank(self.rank)[0], self.layers,
+                         self.sums, self.fp_digest, self.config.kv_checksum, layout_blocks(remote.layout),
+                         self._paired)
+
+        def deadline(paired: RecvJob) -> float:
+            left = self.config.transfer_deadline_s
+            if paired.remote.lease_deadline:
+                left = min(left, paired.remote.lease_deadline - self.config.clock_margin_s - time.time())
+            return left
+
+        out = pull.run(job, self.config.handoff_wait_s, deadline, lambda paired: self._flips(fault, paired.plan.local),
+                       self.config.clock_margin_s + 1.0)
+        job, remote = out.job, out.job.remote
+        # ends P's lease; off the read's path (D's first step need not wait for it; unheard, the lease ends it)
+        threading.Thread(target=self._release_remote, args=(remote, counts, notified, self.config.transfer_deadline_s),
+                         name=f"pdserve-release-{job.req_id[:24]}", daemon=True).start()
+        if fault_hits(fault, "zero", self.rank):
+            zero_ranges(self._memory, out.entries)
+            log.warning("request %s: pdserve_test_fault=%s: zeroed %d entries read from P rank %d",
+                        remote.request_id, fault, len(out.entries), self.rank)
+        first = out.spans[0][0] if out.spans else time.time()
+        stats.update(bytes=out.nbytes, peers=[self.rank], layerwise=out.batches, layers_early=out.layers_early,
+                     spans=[[round(a, 6), round(b, 6)] for a, b in out.spans],
+                     waited_ms=round((first - stats["t0"]) * 1e3, 3), t0=first, blocks=len(job.plan),
+                     verified=len(job.plan) if self.config.kv_checksum else 0)
+        stats["busy_ms"] = round(sum(b - a for a, b in out.spans) * 1e3, 3)
+        return job
 
     def _read(self, job: RecvJob, batches: dict[int, list[tuple[str, int, str, int, int]]],
               counts: dict[int, int], notified: set[int], deadline_s: float,
@@ -556,6 +656,9 @@ class WorkerSide:
         wait = parse_wait(text)
         if wait is not None:  # D's rendezvous of an early hand-off: answered once the blocks are announced
             return self._board.wait(*wait)
+        layers = parse_layers(text)
+        if layers is not None:  # D's layer-wise rendezvous: answered as layers are written, with their sums
+            return self._layers_answer(layers)
         text, heads = split_heads(text)
         req_id, sender, readers, read = parse_notify(text)
         if is_handoff(req_id):  # D read nothing and never learnt our request id: the board maps it
@@ -566,6 +669,26 @@ class WorkerSide:
             return None
         reply = self._seals.reply(req_id, self.sums.alg, self.fp_digest, read, self.sums.sums)
         return head_reply(reply, self.sums, self.rank_layers, read, heads) if heads else reply
+
+    def _layers_answer(self, q: Any) -> dict[str, Any]:
+        """P's answer to D's layer-wise question (the engine's thread): the board's, plus the checksums of the
+        layers D lacks over the blocks D reads (kv_checksum on), keyed by their mask."""
+        answer = self._board.wait_layers(q)
+        if not answer.get("ok"):
+            return answer
+        cpu = time.thread_time()  # P's own cost of layer-wise sends (this thread's CPU; the wait above used none)
+        full = (1 << len(self.layers)) - 1
+        ready = full if answer["done"] else int(answer["layers"], 16) & full
+        new = ready & ~q.have
+        answer["layers"] = f"{ready:x}"
+        if self.config.kv_checksum and new:
+            blocks = answer["blocks"][q.first:q.end]
+            regions = [i for i in range(len(self.layers)) if new >> i & 1]
+            answer.update(sums={f"{new:x}": self.sums.region_sums(blocks, regions)}, alg=self.sums.alg,
+                          fpd=self.fp_digest)  # ("fp" is the note's fingerprint)
+        with self._lock:
+            self.stats.data["layer_answer_seconds"] += time.thread_time() - cpu
+        return answer
 
     def results(self) -> KVConnectorTransferResults:
         recving: set[str] = set()
@@ -604,6 +727,8 @@ class WorkerSide:
                     data["reads"] += 1
                     data["read_bytes"] += stats["bytes"]
                     data["read_seconds"].append(stats["ms"] / 1e3)
+                    data["layerwise_reads"] += 1 if stats.get("layerwise") else 0
+                    data["layers_early"] += stats.get("layers_early", 0)
                 else:
                     if not job.sync:
                         failed.add(job.req_id)
@@ -612,9 +737,10 @@ class WorkerSide:
                     data["checksum_failures_p2p"] += 1 if stats.get("checksum_failed") else 0
 
     def take_stats(self) -> PdserveStats | None:
-        if self.stats.is_empty():
-            return None
-        out, self.stats = self.stats, PdserveStats()
+        with self._lock:  # (the engine's threads add P's layer-answer time)
+            if self.stats.is_empty():
+                return None
+            out, self.stats = self.stats, PdserveStats()
         return out
 
     def take_invalid_blocks(self) -> set[int]:

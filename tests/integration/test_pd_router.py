@@ -89,12 +89,23 @@ def test_early_dispatch_with_shared_prefixes_equals_one_worker(cluster):
                "temperature": 0, "ignore_eos": True} for n in (5, 130, 260, 131)]
     _post(cluster.router_url + "/v1/completions", {**bodies[0], "prompt": bodies[0]["prompt"][:40]})  # P is known
     before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    d_url = cluster.worker_urls("decode")[0]
+    layered = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
     for body in bodies:
         out = _post(cluster.router_url + "/v1/completions", body)
         assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", body)["choices"][0]["text"]
     after = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
     grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
     assert grew == {'pdserve_router_handoffs_total{outcome="early"}': float(len(bodies))}, grew
+    # layer-wise KV (issue 37 item 2, on by default): every one of them was read layer by layer, and layers landed on
+    # D (verified) while P's forward that computed them was still running (P answered D's next question with its
+    # forward not done); a long prompt makes P's last forward long enough to see it
+    long_body = {**bodies[0], "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(1300)]}
+    out = _post(cluster.router_url + "/v1/completions", long_body)
+    assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", long_body)["choices"][0]["text"]
+    now = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
+    assert now["layerwise_reads"] - layered["layerwise_reads"] == len(bodies) + 1, (layered, now)
+    assert now["layers_early"] > layered["layers_early"], (layered, now)
 
 
 def test_router_pd_chat_equals_one_worker(cluster):

@@ -208,7 +208,7 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
 
     board, hid = HandoffBoard(HS.engine_id, lambda *a: None), new_handoff_id()
     board.ready(hid, note("p9"))
-    w = worker(RendezvousEngine(board))
+    w = worker(RendezvousEngine(board), layerwise_kv=False)  # (layer by layer: tests/unit/test_vllm_layerwise.py)
     seen: list[Any] = []
     w._batches = lambda remote, job: seen.append(job) or {0: [("layer", 0, "layer", 0, 3000)]}
     w._run(early_job(hid, prompt(10) if same_prompt else prompt(10, base=5)))

@@ -155,12 +155,14 @@ def test_stamps_async_written_after_the_first_computed_step():
     st.admit("d", 100.0, False, "p", "h", 10)
     st.alloc("d")
     st.step([])  # the admission step: nothing scheduled for d
-    st.read("d", {"t0": 103.5, "t1": 103.6, "bytes": 1, "ms": 0.1, "ok": True})
+    st.read("d", {"t0": 103.5, "t1": 103.6, "bytes": 1, "ms": 0.1, "ok": True, "layerwise": 2, "layers_early": 1,
+                  "spans": [[103.5, 103.51], [103.59, 103.6]], "busy_ms": 20.0})
     st.step(["d"])
     assert not st.written
     st.step([])
     (line,) = st.written
     assert line["mode"] == "async" and line["seen"] < line["sched"] < line["done"]
+    assert (line["layerwise"], line["layers_early"], len(line["spans"])) == (2, 1, 2)  # a layer-wise read's facts
 
 
 def test_stamps_forget_a_request_never_allocated():
