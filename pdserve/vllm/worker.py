@@ -290,7 +290,11 @@ class WorkerSide:
             ready = forward_done_event(self._memory)
             for req_id, blocks in meta.seal_now.items():
                 self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
-        for handoff, note in meta.ready.items():
+        self.announce(meta.ready)
+
+    def announce(self, ready: dict[str, ReadyNote | None]) -> None:
+        """P: answer the D that waits for each hand-off (None: P's request ended before it could be handed off)."""
+        for handoff, note in ready.items():
             if note is None:
                 self._board.gone(handoff, "P's request ended before its prompt was computed")
             else:
@@ -353,6 +357,8 @@ class WorkerSide:
             if remote.handoff:
                 job = self._rendezvous(job)
                 remote = job.remote
+                if job.first_token is not None:  # D continues after it (pdserve.vllm.continuation)
+                    stats["first_token"] = job.first_token
                 stats["waited_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
                 t0, stats["t0"] = time.perf_counter(), time.time()  # the read's own time from here
             batches = self._batches(remote, job)
@@ -419,7 +425,8 @@ class WorkerSide:
             raise TransferError("handoff", f"P holds {len(note.blocks)} blocks, the read needs {end}")
         remote = replace(remote, block_ids=note.blocks, request_id=note.req_id, prompt_hash=note.prompt_hash,
                          lease_deadline=note.lease_deadline, fingerprint=note.fingerprint)
-        return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]))
+        return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]),
+                       first_token=note.first_token)
 
     def _read(self, job: RecvJob, batches: dict[int, list[tuple[str, int, str, int, int]]],
               counts: dict[int, int], notified: set[int], deadline_s: float,
