@@ -3,10 +3,11 @@
     PYTHONPATH=$PWD python benchmarks/overlap_bench.py [--lengths 500,2000,8000] [--requests 8] [--output 32]
 
 One real 1P1D stack through the launcher (router, P and D vLLM CPU workers, one core each, KV pool off) on a random
-fp32 Llama from ``pdserve.launch.models`` (``--layers``, ``--hidden``), and a second router over the same two workers
-started with ``--no-early-dispatch``: the serial hand-off. The requests alternate between the two routers (which one
-goes first alternates too), one at a time, each with its own random prompt (no prefix-cache hit on P or D), greedy,
-``ignore_eos``, streamed. Per request, at the client:
+fp32 Llama from ``pdserve.launch.models`` (``--layers``, ``--hidden``); its router is ``cont`` (early dispatch, D
+continues after P's first token). Two more routers over the same two workers: ``serial`` (``--no-early-dispatch``)
+and ``early`` (``--no-early-continue``: D regenerates P's first token, the router compares). The requests rotate
+between the three routers (which one goes first rotates too), one at a time, each with its own random prompt (no
+prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. Per request, at the client:
 
 * ``ttft``: send -> the first token (P's, streamed at once on both paths);
 * ``gap``: the first token -> the second (the hand-off: D's first token);
@@ -18,8 +19,8 @@ over before the client had P's first token. Layer-wise sends (issue 37 item 2) a
 before P's last forward ends: the read overlaps P's answer (its HTTP path to the router and the client), not P's
 compute, and P's prefill throughput is the same code on both paths (not measured here).
 
-Prints a table (p50 / p99 ms per length and path), the ratio early / serial of the gap p50 and the gap p50 over TPOT
-p50, then one JSON line.
+Prints a table (p50 / p99 ms per length and path), the ratios early / serial, cont / serial and cont / early of the
+gap p50 and the gap p50 over TPOT p50, then one JSON line.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+PATHS = ("serial", "early", "cont")  # serial hand-off; early dispatch, D regenerates t1; early, D continues after t1
 
 
 def pct(vals: list[float], q: float) -> float:
@@ -102,15 +106,16 @@ def measure(rec: dict[str, Any], stamps: list[dict[str, Any]]) -> dict[str, floa
     return row
 
 
-def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path) -> tuple[Any, str]:
+def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path,
+                  flag: str = "--no-early-dispatch") -> tuple[Any, str]:
     from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    child = spawn_healthy("serial-router", [
+    child = spawn_healthy(f"router{flag}", [
         sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", model,
         "--served-model-name", name, "--max-model-len", str(max_len), "--prefill", p, "--decode", d,
-        "--no-early-dispatch"], url, timeout_s=180, log_path=log)
+        flag], url, timeout_s=180, log_path=log)
     return child, url
 
 
@@ -143,8 +148,10 @@ def main() -> None:
     with Cluster(cfg) as c:
         p, d = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
         child, serial = second_router(str(model), "m", max_len, p, d, tmp / "serial.log")
+        # early dispatch with D regenerating P's first token (issue 37 before D continued after it)
+        regen_child, regen = second_router(str(model), "m", max_len, p, d, tmp / "regen.log", "--no-early-continue")
         try:
-            routers = {"early": c.router_url, "serial": serial}
+            routers = {"cont": c.router_url, "early": regen, "serial": serial}
 
             def body(n: int) -> dict[str, Any]:
                 return {"model": "m", "max_tokens": a.output, "temperature": 0,
@@ -154,12 +161,12 @@ def main() -> None:
                 stream(url, body(64))
             for n in lengths:
                 for i in range(a.requests):
-                    order = ("early", "serial") if i % 2 == 0 else ("serial", "early")
+                    order = PATHS[i % 3:] + PATHS[:i % 3]  # which goes first rotates
                     for path in order:
                         recs.setdefault((n, path), []).append(stream(routers[path], body(n)))
             stamps = d_stamps(Path(c.run_dir) / "decode0.log")
         finally:
-            stop_children([child])
+            stop_children([child, regen_child])
     wall = time.monotonic() - t0
     load = os.getloadavg()
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
@@ -169,7 +176,7 @@ def main() -> None:
           f"{'gap/tpot':>8} {'read p50':>8} {'hidden':>7}")
     for n in lengths:
         per: dict[str, Any] = {}
-        for path in ("serial", "early"):
+        for path in PATHS:
             rows = [measure(r, stamps) for r in recs[(n, path)]]
             col = {k: [r[k] for r in rows if k in r] for k in ("ttft", "gap", "tpot", "read", "read_hidden")}
             s = {"ttft_p50": pct(col["ttft"], .5), "gap_p50": pct(col["gap"], .5), "gap_p99": pct(col["gap"], .99),
@@ -182,7 +189,10 @@ def main() -> None:
                   f"{s['tpot_p50']:8.1f} {s['gap_over_tpot']:8.2f} {s['read_p50']:8.1f} "
                   f"{s['read_hidden_mean']:7.2f}")
         per["gap_p50_ratio_early_over_serial"] = round(per["early"]["gap_p50"] / per["serial"]["gap_p50"], 3)
-        print(f"{n:>6}  early / serial gap p50: {per['gap_p50_ratio_early_over_serial']:.2f}")
+        per["gap_p50_ratio_cont_over_serial"] = round(per["cont"]["gap_p50"] / per["serial"]["gap_p50"], 3)
+        per["gap_p50_ratio_cont_over_early"] = round(per["cont"]["gap_p50"] / per["early"]["gap_p50"], 3)
+        print(f"{n:>6}  gap p50 early / serial: {per['gap_p50_ratio_early_over_serial']:.2f}, cont / serial: "
+              f"{per['gap_p50_ratio_cont_over_serial']:.2f}, cont / early: {per['gap_p50_ratio_cont_over_early']:.2f}")
         out["lengths"][str(n)] = per
     print(json.dumps(out))
 
