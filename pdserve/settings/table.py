@@ -214,8 +214,8 @@ SETTINGS: tuple[Setting, ...] = (
             "--start-indexer)", (R,), metavar="URL", group="placement", argv="set"),
     Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
             "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
-            "hand-off id once its prompt is computed, regenerates the first token, and the router checks it equals "
-            "P's; vLLM's MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
+            "hand-off id once its prompt is computed and continues after P's first token, --no-early-continue; vLLM's "
+            "MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
             off_flag="--no-early-dispatch", group="placement", argv="changed"),
     Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, greedy requests whose first "
             "token P streams: P's answer to D's rendezvous carries that token and D continues after it (its first "
