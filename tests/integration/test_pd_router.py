@@ -48,6 +48,18 @@ def _metric(url: str, name: str) -> float:
     return scrape(url, name).get(name, 0.0)
 
 
+def _settled_metric(url: str, name: str, quiet_s: float = 1.0) -> float:
+    """A counter once it stopped moving for ``quiet_s`` (vLLM counts a request's tokens as its engine's outputs are
+    processed, which may be after the answer, or, for a request stopped by a stop string, for a few steps after)."""
+    last, since = _metric(url, name), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        time.sleep(0.2)
+        now = _metric(url, name)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 LEASE_S = 30.0  # the connector's default lease (a P lease no decode read is freed by then)
 
 
@@ -103,7 +115,7 @@ def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster)
     stop_ref = _alone(cluster, "/v1/completions", stopped)["choices"][0]
     _post(cluster.router_url + "/v1/completions", {**base, "prompt": prefix[:40]})  # P is known
     before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
-    generated = _metric(d_url, "vllm:generation_tokens_total")
+    generated = _settled_metric(d_url, "vllm:generation_tokens_total")
     for body, ref in zip(bodies, refs):
         out = _post(cluster.router_url + "/v1/completions", body)
         for mine, theirs in zip(out["choices"], ref["choices"], strict=True):
@@ -115,7 +127,7 @@ def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster)
                     [round(x, 4) for x in theirs["logprobs"]["token_logprobs"]]
         assert out["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
     choices = sum(b.get("n", 1) for b in bodies)
-    d_generated = _metric(d_url, "vllm:generation_tokens_total") - generated
+    d_generated = _settled_metric(d_url, "vllm:generation_tokens_total") - generated
     assert d_generated == sum(b.get("n", 1) * (len(r["choices"][0]["token_ids"]) - 1) for b, r in zip(bodies, refs))
     out = _post(cluster.router_url + "/v1/completions", stopped)["choices"][0]
     assert (out["text"], out["finish_reason"], out["stop_reason"]) == \

@@ -124,8 +124,8 @@ def test_d_waits_asynchronously_for_the_blocks_it_lacks_with_p_s_ids_unknown():
 DEADLINE = time.time() + 3600  # (the module imports vLLM later: tens of seconds on a busy machine)
 
 
-def note(req_id: str = "p1") -> ReadyNote:
-    return ReadyNote(req_id, (1, 2, 3), 10, prompt_hash(prompt(10), 10), DEADLINE)
+def note(req_id: str = "p1", first_token: int | None = None) -> ReadyNote:
+    return ReadyNote(req_id, (1, 2, 3), 10, prompt_hash(prompt(10), 10), DEADLINE, first_token=first_token)
 
 
 def test_the_board_answers_a_waiting_d_when_p_announces_and_at_once_after():
@@ -207,7 +207,7 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
     from tests.unit.test_vllm_sync_load import worker
 
     board, hid = HandoffBoard(HS.engine_id, lambda *a: None), new_handoff_id()
-    board.ready(hid, note("p9"))
+    board.ready(hid, note("p9", first_token=77))
     w = worker(RendezvousEngine(board))
     seen: list[Any] = []
     w._batches = lambda remote, job: seen.append(job) or {0: [("layer", 0, "layer", 0, 3000)]}
@@ -218,6 +218,7 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
     if same_prompt:  # P's blocks at D's positions 1..2, and the read's notification names P's request
         assert seen[0].plan.remote == (2, 3) and seen[0].remote.request_id == "p9"
         assert notes[-1] == "p9" and "waited_ms" in stats
+        assert stats["first_token"] == 77  # P's first token, for D's scheduler to continue after
     else:  # never read: D recomputes, and P is told by the hand-off id (its board maps it to P's request)
         assert not seen and "another prompt" in stats["error"] and notes[-1] == hid
 

@@ -171,3 +171,11 @@ def test_d_that_reads_nothing_is_marked_at_once():
     s, req = side(), d_request(14, params=params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert req.max_tokens == 1 and req.stop_reason == NO_CONTINUE
+
+
+def test_p_s_token_survives_the_merge_of_tensor_parallel_ranks_reads():
+    from pdserve.vllm.messages import merge_reads
+
+    a = {"bytes": 1, "ms": 1.0, "ok": True, "ranks": 1}
+    for mine, other in ((a, {**a, "first_token": 5}), ({**a, "first_token": 5}, a)):
+        assert merge_reads(mine, other)["first_token"] == 5
