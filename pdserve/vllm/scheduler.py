@@ -614,9 +614,10 @@ class SchedulerSide:
 
     # ---- D: continuing after P's first token ----
     def _refuse_continue(self, request: Request, why: str) -> None:
-        """D: a request asked to continue after P's first token that will not read it: one marked token."""
+        """D: a request asked to continue after P's first token that will not read it: one marked token. (P's
+        request carries the flag too, with ``do_remote_decode``: P announces its token; it is not D's to mark.)"""
         params = request.kv_transfer_params
-        if params and params.pop(CONTINUE, None) is True:
+        if params and not params.get("do_remote_decode") and params.pop(CONTINUE, None) is True:
             cannot_continue(request, why)
 
     def _continue(self, req_id: str, stats: dict[str, Any]) -> None:

@@ -97,12 +97,13 @@ def p_request(hid: str) -> Req:
 def test_p_announces_a_continuing_hand_off_with_its_first_token_once_sampled():
     s, hid = side(), "hoff-" + "a" * 32
     req = p_request(hid)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # (vLLM asks P's connector too: not D's to mark)
     s.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
     meta = s.build_connector_meta(output({"p1": 14}, new=[("p1", [1, 2, 3, 4], 0)]))
     assert meta.ready == {} and meta.announce == {}  # the forward completes the prompt; t1 is not sampled yet
     req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_LENGTH_CAPPED, 14, [77]
     delay, params = s.request_finished(req, [1, 2, 3, 4])
-    assert delay and params is not None  # leased: D reads it
+    assert delay and params is not None and not hasattr(req, "stop_reason")  # leased: D reads it
     note = s.build_connector_meta(None).announce[hid]
     assert note is not None and note.first_token == 77 and note.blocks == (1, 2, 3, 4) and note.num_tokens == 14
     assert ReadyNote.from_wire(note.to_wire()) == note and note.prompt_hash == prompt_hash(prompt(14), 14)
