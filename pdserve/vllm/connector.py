@@ -141,6 +141,10 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
+    def has_pending_push_work(self) -> bool:
+        assert self.scheduler is not None
+        return self.scheduler.has_pending_announcements()  # vLLM steps again even with nothing else to do
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)

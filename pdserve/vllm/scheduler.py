@@ -171,6 +171,11 @@ class SchedulerSide:
         # (a corrupt or foreign object stays pooled: claiming it again would loop)
         self._pool_refused: OrderedDict[str, None] = OrderedDict()
 
+    def has_pending_announcements(self) -> bool:
+        """P: hand-off answers (P's first token known, or the hand-off gone) that only the next step takes to the
+        worker: vLLM must step even when nothing else is left (its request finished, nothing else queued)."""
+        return bool(self._announce_now or self._ready)
+
     @property
     def held(self) -> int:
         """P requests whose lease has not ended (for pacing idle steps)."""
@@ -469,7 +474,11 @@ class SchedulerSide:
         """vLLM's ``request_finished_all_groups``: the request's blocks per KV cache group (one without HMA)."""
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
-        delay, out = self._hand_off(request, block_ids, self._settle_early(request))
+        announced, pending = self._settle_early(request)
+        delay, out = self._hand_off(request, block_ids, announced)
+        if pending is not None:  # D continues after P's first token: its answer, once the blocks are leased
+            leased = out is not None and bool(out.get("do_remote_prefill"))
+            self._announce_now[pending[0]] = pending[1] if leased else None
         self._settle_seal(request.request_id)
         if self.pool is not None and self._pool_plan_save(request, list(block_ids[0]) if block_ids else []):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
@@ -590,27 +599,26 @@ class SchedulerSide:
             self._ready[early[0]] = note
             self._announced.add(req_id)
 
-    def _settle_early(self, request: Request) -> bool:
-        """P's request ended: whether D was told its blocks (so they must be leased); if not, D is told it is gone.
-        A note held for P's first token goes out with it now, when the request ended by length after its prompt
-        (a stop ends the output with P's token: nothing to continue, D is told it is gone)."""
+    def _settle_early(self, request: Request) -> tuple[bool, tuple[str, ReadyNote] | None]:
+        """P's request ended: (whether D was told its blocks, so they must be leased; the answer of a D that continues
+        after P's first token, with that token, to send once the blocks are leased). Else D is told it is gone. That
+        answer exists when the request ended by length after its prompt (a stop ends the output with P's token)."""
         req_id = request.request_id
         early = self._early.pop(req_id, None)
         self._requests.pop(req_id, None)
         held = self._held_notes.pop(req_id, None)
         if early is None:
-            return False
+            return False, None
         self.prefill_ready.finished(req_id, None)
         if req_id in self._announced:
             self._announced.discard(req_id)
-            return True
+            return True, None
         out = list(getattr(request, "output_token_ids", ()) or ())
         if (held is not None and out and getattr(request.status, "name", None) == "FINISHED_LENGTH_CAPPED"
                 and min(request.num_computed_tokens, request.num_prompt_tokens) >= held.num_tokens):
-            self._announce_now[early[0]] = replace(held, first_token=int(out[0]))
-            return True
+            return False, (early[0], replace(held, first_token=int(out[0])))
         (self._announce_now if early[2] else self._ready)[early[0]] = None
-        return False
+        return False, None
 
     # ---- D: continuing after P's first token ----
     def _refuse_continue(self, request: Request, why: str) -> None:

@@ -104,7 +104,9 @@ def test_p_announces_a_continuing_hand_off_with_its_first_token_once_sampled():
     req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_LENGTH_CAPPED, 14, [77]
     delay, params = s.request_finished(req, [1, 2, 3, 4])
     assert delay and params is not None and not hasattr(req, "stop_reason")  # leased: D reads it
+    assert s.has_pending_announcements()  # the connector asks vLLM for a step (has_pending_push_work)
     note = s.build_connector_meta(None).announce[hid]
+    assert not s.has_pending_announcements()  # (vLLM steps until the next step took it to the worker)
     assert note is not None and note.first_token == 77 and note.blocks == (1, 2, 3, 4) and note.num_tokens == 14
     assert ReadyNote.from_wire(note.to_wire()) == note and note.prompt_hash == prompt_hash(prompt(14), 14)
 
@@ -180,3 +182,17 @@ def test_p_s_token_survives_the_merge_of_tensor_parallel_ranks_reads():
     a = {"bytes": 1, "ms": 1.0, "ok": True, "ranks": 1}
     for mine, other in ((a, {**a, "first_token": 5}), ({**a, "first_token": 5}, a)):
         assert merge_reads(mine, other)["first_token"] == 5
+
+
+def test_p_tells_a_continuing_d_it_is_gone_when_it_could_not_lease_the_blocks():
+    from pdserve.vllm.params import ConnectorConfig
+    from pdserve.vllm.scheduler import SchedulerSide
+    from tests.unit.test_vllm_scheduler import SECRET
+
+    s, hid = SchedulerSide(ConnectorConfig.from_extra({"secret": SECRET}), BS), "hoff-" + "e" * 32  # no handshake
+    req = p_request(hid)
+    s.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
+    s.build_connector_meta(output({"p1": 14}, new=[("p1", [1, 2, 3, 4], 0)]))
+    req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_LENGTH_CAPPED, 14, [77]
+    assert s.request_finished(req, [1, 2, 3, 4]) == (False, None)  # not leased: never announced as readable
+    assert s.build_connector_meta(None).announce == {hid: None}
