@@ -177,7 +177,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, PdserveMeta) and connector_metadata.announce:
-            self.worker.announce(connector_metadata.announce)  # P's first token is known: before this step's forward
+            self.worker.announce_tokens(connector_metadata.announce)  # P sampled its first token: before the forward
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None

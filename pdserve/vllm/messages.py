@@ -52,6 +52,7 @@ class RecvJob:
     expect_hash: str = ""
     expect_fingerprint: dict[str, str] | None = None
     first_token: int | None = None  # P's first token, from P's answer to the rendezvous (the read's stats carry it)
+    continues: bool = False  # D continues after P's first token: after the read it asks P for it (TOKEN_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,8 @@ class PdserveMeta:
     # P, early hand-offs: hand-off id -> its prompt's blocks, announced after this step's forward (and seal); None:
     # P's request ended before its prompt was computed, so D stops waiting (pdserve.vllm.handoff_board)
     ready: dict[str, ReadyNote | None] = field(default_factory=dict)
-    # P, early hand-offs whose D continues after P's first token: announced once P sampled it (a step after the
-    # forward that wrote and sealed the blocks), as soon as the worker has this metadata, before this step's forward
+    # P, early hand-offs whose D continues after P's first token: the note again with that token once P sampled it
+    # (None: there is none to continue after), announced as soon as the worker has this metadata, before the forward
     announce: dict[str, ReadyNote | None] = field(default_factory=dict)
 
 

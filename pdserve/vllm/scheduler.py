@@ -146,8 +146,9 @@ class SchedulerSide:
         # followed until the step that completes the prompt, whose blocks the worker then announces to D
         self.prefill_ready = PrefillSeals(block_size)
         self._early: dict[str, tuple[str, float, bool]] = {}  # (hand-off id, lease seconds, D continues after t1)
-        # P: notes of hand-offs whose D continues after P's first token, held from the forward that completed the
-        # prompt until P sampled that token (request_finished), then announced at the start of the next step
+        # P: notes of hand-offs whose D continues after P's first token (announced at the forward that completed the
+        # prompt), kept until P sampled that token (request_finished): the note with it goes out again at the start
+        # of the next step (None: no token to continue after), D's second answer
         self._held_notes: dict[str, ReadyNote] = {}
         self._announce_now: dict[str, ReadyNote | None] = {}
         self._requests: dict[str, Request] = {}  # those requests, until they finish
@@ -427,7 +428,8 @@ class SchedulerSide:
             self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
             return
         self.stamps.alloc(request.request_id)
-        if params.pop(CONTINUE, None) is True:  # decided once the read ends (update_connector_output)
+        continues = params.pop(CONTINUE, None) is True
+        if continues:  # decided once the read ends (update_connector_output)
             self._continuing[request.request_id] = request
         try:
             if self.hybrid:
@@ -448,7 +450,7 @@ class SchedulerSide:
                         hit += self.block_size
                 if remote.handoff:
                     self._recv.append(self._early_job(request, remote, blocks.get_block_ids()[0], hit,
-                                                      num_external_tokens))
+                                                      num_external_tokens, continues))
                     return
                 plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
                                    self.block_size)
@@ -474,11 +476,10 @@ class SchedulerSide:
         """vLLM's ``request_finished_all_groups``: the request's blocks per KV cache group (one without HMA)."""
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
-        announced, pending = self._settle_early(request)
+        announced, token = self._settle_early(request)
         delay, out = self._hand_off(request, block_ids, announced)
-        if pending is not None:  # D continues after P's first token: its answer, once the blocks are leased
-            leased = out is not None and bool(out.get("do_remote_prefill"))
-            self._announce_now[pending[0]] = pending[1] if leased else None
+        if token is not None:  # D continues after P's first token: the second answer, at the next step's start
+            self._announce_now[token[0]] = token[1]
         self._settle_seal(request.request_id)
         if self.pool is not None and self._pool_plan_save(request, list(block_ids[0]) if block_ids else []):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
@@ -593,16 +594,15 @@ class SchedulerSide:
             n = request.num_prompt_tokens
             note = ReadyNote(req_id, blocks, n, prompt_hash(request.prompt_token_ids or [], n), time.time() + early[1],
                              request_fingerprint(self.handshake.fingerprint if self.handshake else None, request))
-            if early[2]:  # D continues after P's first token: announced with it, once sampled (_settle_early)
-                self._held_notes[req_id] = note
-                continue
             self._ready[early[0]] = note
             self._announced.add(req_id)
+            if early[2]:  # D continues after P's first token: it follows once sampled (_settle_early)
+                self._held_notes[req_id] = note
 
-    def _settle_early(self, request: Request) -> tuple[bool, tuple[str, ReadyNote] | None]:
-        """P's request ended: (whether D was told its blocks, so they must be leased; the answer of a D that continues
-        after P's first token, with that token, to send once the blocks are leased). Else D is told it is gone. That
-        answer exists when the request ended by length after its prompt (a stop ends the output with P's token)."""
+    def _settle_early(self, request: Request) -> tuple[bool, tuple[str, ReadyNote | None] | None]:
+        """P's request ended: (whether D was told its blocks, so they must be leased; for a D that continues after
+        P's first token, the second answer: the note with that token, or None when there is none to continue after,
+        the request not ended by length). If D was never told its blocks, it is told the hand-off is gone."""
         req_id = request.request_id
         early = self._early.pop(req_id, None)
         self._requests.pop(req_id, None)
@@ -610,15 +610,15 @@ class SchedulerSide:
         if early is None:
             return False, None
         self.prefill_ready.finished(req_id, None)
-        if req_id in self._announced:
-            self._announced.discard(req_id)
+        if req_id not in self._announced:
+            self._ready[early[0]] = None
+            return False, None
+        self._announced.discard(req_id)
+        if held is None:
             return True, None
         out = list(getattr(request, "output_token_ids", ()) or ())
-        if (held is not None and out and getattr(request.status, "name", None) == "FINISHED_LENGTH_CAPPED"
-                and min(request.num_computed_tokens, request.num_prompt_tokens) >= held.num_tokens):
-            return False, (early[0], replace(held, first_token=int(out[0])))
-        (self._announce_now if early[2] else self._ready)[early[0]] = None
-        return False, None
+        ended = out and getattr(request.status, "name", None) == "FINISHED_LENGTH_CAPPED"
+        return True, (early[0], replace(held, first_token=int(out[0])) if ended else None)
 
     # ---- D: continuing after P's first token ----
     def _refuse_continue(self, request: Request, why: str) -> None:
@@ -642,7 +642,7 @@ class SchedulerSide:
                         f"it cannot continue after {t1!r}")
 
     def _early_job(self, request: Request, remote: RemoteParams, local_ids: Sequence[int], hit: int,
-                   num_external_tokens: int) -> RecvJob:
+                   num_external_tokens: int, continues: bool = False) -> RecvJob:
         """D: the read of an early hand-off: D's blocks from ``hit`` on, P's at the same positions once P answers."""
         if hit % self.block_size:
             raise ValueError(f"local hit of {hit} tokens is not a multiple of {self.block_size}")
@@ -653,7 +653,7 @@ class SchedulerSide:
         mine = request_fingerprint(self.handshake.fingerprint if self.handshake is not None else None, request)
         return RecvJob(request.request_id, remote, BlockPlan(tuple(local_ids[first:end]), ()), first_block=first,
                        expect_hash=prompt_hash(request.prompt_token_ids or [], remote.num_tokens),
-                       expect_fingerprint=mine)
+                       expect_fingerprint=mine, continues=continues)
 
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:

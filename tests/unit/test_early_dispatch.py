@@ -182,9 +182,12 @@ class RendezvousEngine:
         from tests.unit.test_vllm_sync_load import FakeHandle
 
         self.submitted.append((entries, notify))
+        from pdserve.vllm.handoff_board import TOKEN_PREFIX
+
         handle = FakeHandle(False, 0.0)
         wait = parse_wait(notify) if isinstance(notify, str) else None
-        handle.reply = self.board.wait(*wait) if wait else None
+        token = parse_wait(notify, TOKEN_PREFIX) if isinstance(notify, str) else None
+        handle.reply = self.board.wait(*wait) if wait else self.board.wait_token(*token) if token else None
         return handle
 
     def fetch_segment(self, host: str, port: int) -> Any:
@@ -199,7 +202,8 @@ def early_job(hid: str, tokens: list[int]) -> Any:
     book = EngineBook()
     book.learn(P_URL, p_answer())
     remote = RemoteParams.parse(book.decode_params(P_URL, hid, 10), BS)
-    return RecvJob("d1", remote, BlockPlan((21, 22), ()), first_block=1, expect_hash=prompt_hash(tokens, 10))
+    return RecvJob("d1", remote, BlockPlan((21, 22), ()), first_block=1, expect_hash=prompt_hash(tokens, 10),
+                   continues=True)
 
 
 @pytest.mark.parametrize("same_prompt", [True, False])
@@ -207,18 +211,19 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
     from tests.unit.test_vllm_sync_load import worker
 
     board, hid = HandoffBoard(HS.engine_id, lambda *a: None), new_handoff_id()
-    board.ready(hid, note("p9", first_token=77))
+    board.ready(hid, note("p9"))  # at P's forward; its first token once sampled, while D reads (a second answer)
     w = worker(RendezvousEngine(board))
     seen: list[Any] = []
-    w._batches = lambda remote, job: seen.append(job) or {0: [("layer", 0, "layer", 0, 3000)]}
+    w._batches = lambda remote, job: (seen.append(job) or board.ready(hid, note("p9", first_token=77))  # sampled
+                                      or {0: [("layer", 0, "layer", 0, 3000)]})
     w._run(early_job(hid, prompt(10) if same_prompt else prompt(10, base=5)))
     (job, ok, stats), = w._done
     notes = [n for _, n in w.engine.submitted]
     assert ok is same_prompt
     if same_prompt:  # P's blocks at D's positions 1..2, and the read's notification names P's request
         assert seen[0].plan.remote == (2, 3) and seen[0].remote.request_id == "p9"
-        assert notes[-1] == "p9" and "waited_ms" in stats
-        assert stats["first_token"] == 77  # P's first token, for D's scheduler to continue after
+        assert notes[-2] == "p9" and "waited_ms" in stats and notes[-1].startswith("?tok|"), (notes, stats)
+        assert stats["first_token"] == 77  # P's first token, asked after the read, for D's scheduler
     else:  # never read: D recomputes, and P is told by the hand-off id (its board maps it to P's request)
         assert not seen and "another prompt" in stats["error"] and notes[-1] == hid
 

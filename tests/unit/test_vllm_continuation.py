@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -88,37 +89,59 @@ def test_continue_refuses_what_it_cannot_make_exact():
     assert not continue_after(req, 5) and req.num_prompt_tokens == 10  # it generated already
 
 
-# ---- P: the note waits for P's first token ----
+# ---- P: the blocks at the forward, the first token once sampled ----
 def p_request(hid: str) -> Req:
     return Req("p1", prompt(14), {"do_remote_decode": True, "lease_on_stop": False, "pdserve_handoff": hid,
                                   "pdserve_continue": True})
 
 
-def test_p_announces_a_continuing_hand_off_with_its_first_token_once_sampled():
-    s, hid = side(), "hoff-" + "a" * 32
+def p_prefilled(s: Any, hid: str) -> Req:
     req = p_request(hid)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # (vLLM asks P's connector too: not D's to mark)
     s.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
     meta = s.build_connector_meta(output({"p1": 14}, new=[("p1", [1, 2, 3, 4], 0)]))
-    assert meta.ready == {} and meta.announce == {}  # the forward completes the prompt; t1 is not sampled yet
+    note = meta.ready[hid]  # the forward completes the prompt: D may read at once; t1 is not sampled yet
+    assert note is not None and note.first_token is None and meta.announce == {}
+    return req
+
+
+def test_p_announces_the_blocks_at_the_forward_and_its_first_token_once_sampled():
+    s, hid = side(), "hoff-" + "a" * 32
+    req = p_prefilled(s, hid)
     req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_LENGTH_CAPPED, 14, [77]
     delay, params = s.request_finished(req, [1, 2, 3, 4])
     assert delay and params is not None and not hasattr(req, "stop_reason")  # leased: D reads it
     assert s.has_pending_announcements()  # the connector asks vLLM for a step (has_pending_push_work)
     note = s.build_connector_meta(None).announce[hid]
-    assert not s.has_pending_announcements()  # (vLLM steps until the next step took it to the worker)
+    assert not s.has_pending_announcements()
     assert note is not None and note.first_token == 77 and note.blocks == (1, 2, 3, 4) and note.num_tokens == 14
     assert ReadyNote.from_wire(note.to_wire()) == note and note.prompt_hash == prompt_hash(prompt(14), 14)
 
 
-def test_p_tells_a_continuing_d_it_is_gone_when_its_token_stopped_the_request():
+def test_p_says_there_is_no_token_to_continue_after_when_its_token_stopped_the_request():
     s, hid = side(), "hoff-" + "b" * 32
-    req = p_request(hid)
-    s.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
-    s.build_connector_meta(output({"p1": 14}, new=[("p1", [1, 2, 3, 4], 0)]))
+    req = p_prefilled(s, hid)
     req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_STOPPED, 14, [2]
-    assert s.request_finished(req, [1, 2, 3, 4]) == (False, None)  # the output ends with P's token: freed now
+    delay, params = s.request_finished(req, [1, 2, 3, 4])
+    assert delay and params is not None  # announced: leased whatever way it ended (D may be reading)
     assert s.build_connector_meta(None).announce == {hid: None}
+
+
+def test_the_board_answers_d_s_second_question_with_p_s_token_or_why_not():
+    from pdserve.vllm.handoff_board import TOKEN_PREFIX, HandoffBoard, parse_wait, wait_message
+
+    board, hid = HandoffBoard("e", lambda *a: None), "hoff-" + "f" * 32
+    note = ReadyNote("p1", (1,), 4, "h", time.time() + 60)
+    board.ready(hid, note)
+    assert board.wait_token(hid, "e", 0.01)["ok"] is False  # not sampled yet
+    board.ready(hid, replace(note, first_token=9))
+    assert board.wait_token(hid, "e", 0.01) == {"ok": True, "t1": 9}
+    assert board.wait_token(hid, "other", 1.0)["ok"] is False  # P restarted
+    board.ready(hid + "0", note)
+    board.no_token(hid + "0")
+    assert "without a first token" in board.wait_token(hid + "0", "e", 5.0)["why"]  # answered at once
+    assert parse_wait(wait_message(hid, "e", 2.0, TOKEN_PREFIX), TOKEN_PREFIX) == (hid, "e", 2.0)
+    assert parse_wait(wait_message(hid, "e", 2.0, TOKEN_PREFIX)) is None  # not the first question
 
 
 # ---- D: claim the whole prompt, continue once the read ends with t1 ----
@@ -182,17 +205,3 @@ def test_p_s_token_survives_the_merge_of_tensor_parallel_ranks_reads():
     a = {"bytes": 1, "ms": 1.0, "ok": True, "ranks": 1}
     for mine, other in ((a, {**a, "first_token": 5}), ({**a, "first_token": 5}, a)):
         assert merge_reads(mine, other)["first_token"] == 5
-
-
-def test_p_tells_a_continuing_d_it_is_gone_when_it_could_not_lease_the_blocks():
-    from pdserve.vllm.params import ConnectorConfig
-    from pdserve.vllm.scheduler import SchedulerSide
-    from tests.unit.test_vllm_scheduler import SECRET
-
-    s, hid = SchedulerSide(ConnectorConfig.from_extra({"secret": SECRET}), BS), "hoff-" + "e" * 32  # no handshake
-    req = p_request(hid)
-    s.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 0)
-    s.build_connector_meta(output({"p1": 14}, new=[("p1", [1, 2, 3, 4], 0)]))
-    req.status, req.num_computed_tokens, req.output_token_ids = Status.FINISHED_LENGTH_CAPPED, 14, [77]
-    assert s.request_finished(req, [1, 2, 3, 4]) == (False, None)  # not leased: never announced as readable
-    assert s.build_connector_meta(None).announce == {hid: None}
