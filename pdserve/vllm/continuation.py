@@ -1,14 +1,15 @@
 """D, an early hand-off that continues after P's first token (docs/architecture.md, section 3, "Early dispatch").
 
-The router sends D the prompt alone while P prefills, with ``pdserve_continue`` in its ``kv_transfer_params``. P's
-answer to D's rendezvous carries P's first token t1 (P announces it once it sampled it). When D's read of P's KV has
-ended, D's request becomes what a serial D gets, prompt + [t1] with one token less to generate, before vLLM schedules
-it: t1 is appended to the prompt as vLLM's own streaming-input sessions extend one (``Scheduler.
-_update_request_as_session``: the token lists, the block hashes, ``num_prompt_tokens``), ``max_tokens`` and
-``min_tokens`` count it. D's first step then computes t1's position on P's KV and samples t2; D's stream starts at
-t2. Exact as the serial hand-off is (repetition_penalty counts prompt and output alike; what counts output tokens
-only, presence/frequency penalties, bad words, grammars, never comes this way: the router sends such requests with
-``first_from_prefill`` off, D regenerating every token).
+The router sends D the prompt alone while P prefills, with ``pdserve_continue`` in its ``kv_transfer_params``. P
+announces its blocks at the forward that completed the prompt, and its first token t1 once it sampled it; D's worker
+asks for t1 after its READ (pdserve.vllm.handoff_board: the second question). When D's read of P's KV has ended, D's
+request becomes what a serial D gets, prompt + [t1] with one token less to generate, before vLLM schedules it: t1 is
+appended to the prompt as vLLM's own streaming-input sessions extend one (``Scheduler. _update_request_as_session``:
+the token lists, the block hashes, ``num_prompt_tokens``), ``max_tokens`` and ``min_tokens`` count it. D's first
+step then computes t1's position on P's KV and samples t2; D's stream starts at t2. Exact as the serial hand-off is
+(repetition_penalty counts prompt and output alike; what counts output tokens only, presence/frequency penalties,
+bad words, grammars, never comes this way: the router sends such requests with ``first_from_prefill`` off, D
+regenerating every token).
 
 A D that cannot continue (its read ended without t1: P's request ended first, P restarted, P's answer did not come
 in time, a fingerprint or prompt mismatch; or it reads nothing at all) must not stream a first token of its own as
