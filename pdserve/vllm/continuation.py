@@ -4,7 +4,7 @@ The router sends D the prompt alone while P prefills, with ``pdserve_continue`` 
 announces its blocks at the forward that completed the prompt, and its first token t1 once it sampled it; D's worker
 asks for t1 after its READ (pdserve.vllm.handoff_board: the second question). When D's read of P's KV has ended, D's
 request becomes what a serial D gets, prompt + [t1] with one token less to generate, before vLLM schedules it: t1 is
-appended to the prompt as vLLM's own streaming-input sessions extend one (``Scheduler. _update_request_as_session``:
+appended to the prompt as vLLM's own streaming-input sessions extend one (``Scheduler._update_request_as_session``:
 the token lists, the block hashes, ``num_prompt_tokens``), ``max_tokens`` and ``min_tokens`` count it. D's first
 step then computes t1's position on P's KV and samples t2; D's stream starts at t2. Exact as the serial hand-off is
 (repetition_penalty counts prompt and output alike; what counts output tokens only, presence/frequency penalties,
