@@ -218,8 +218,8 @@ SETTINGS: tuple[Setting, ...] = (
             "MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
             off_flag="--no-early-dispatch", group="placement", argv="changed"),
     Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, greedy requests whose first "
-            "token P streams: P's answer to D's rendezvous carries that token and D continues after it (its first "
-            "step samples the second token) instead of regenerating it for the router to compare; off: D "
+            "token P streams: P gives D that token once sampled and D continues after it (its first step samples the "
+            "second token) instead of regenerating it for the router to compare; off: D "
             "regenerates it (for comparison)", (L, R), off_flag="--no-early-continue", group="placement",
             argv="changed"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
