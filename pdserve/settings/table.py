@@ -217,8 +217,8 @@ SETTINGS: tuple[Setting, ...] = (
             "hand-off id once its prompt is computed and continues after P's first token, --no-early-continue; vLLM's "
             "MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
             off_flag="--no-early-dispatch", group="placement", argv="changed"),
-    Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, greedy requests whose first "
-            "token P streams: P gives D that token once sampled and D continues after it (its first step samples the "
+    Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, requests whose first token "
+            "P streams: P gives D that token once sampled and D continues after it (its first step samples the "
             "second token) instead of regenerating it for the router to compare; off: D "
             "regenerates it (for comparison)", (L, R), off_flag="--no-early-continue", group="placement",
             argv="changed"),
