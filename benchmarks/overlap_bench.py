@@ -14,7 +14,8 @@ prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. Per request, at t
 * ``tpot``: the mean time per token after the second.
 
 And from D's connector (its ``hand-off {json}`` log lines, same host, same wall clock, matched to the request by
-time): ``read`` (the READ of P's blocks) and, for the early path, ``read_hidden``: the share of the read that was
+time): ``read`` (the READ of P's blocks; for ``cont`` up to the answer to D's second question, P's first token) and,
+for the early paths, ``read_hidden``: the share of the read that was
 over before the client had P's first token. Layer-wise sends (issue 37 item 2) are not built, so no byte moves
 before P's last forward ends: the read overlaps P's answer (its HTTP path to the router and the client), not P's
 compute, and P's prefill throughput is the same code on both paths (not measured here).
