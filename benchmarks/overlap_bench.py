@@ -4,12 +4,15 @@
 
 Two real 1P1D stacks through the launcher, one after the other (router, P and D vLLM CPU workers, one core each, KV
 pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``): the first with layer-wise
-KV on (the default), the second with ``--no-layerwise-kv``. Each stack also gets a second router over the same two
-workers started with ``--no-early-dispatch``: the serial hand-off, that stack's baseline. On each stack the requests
-alternate between its two routers (which one goes first alternates too), one at a time, each with its own random
-prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has four paths:
-``serial`` and ``layerwise`` (early + layer-wise) on the first stack, ``serial_off`` and ``early`` (early, whole-prompt
-read) on the second. Per request, at the client:
+KV on (the default), the second with ``--no-layerwise-kv``. Each stack gets two more routers over the same two
+workers: one started with ``--no-early-dispatch`` (the serial hand-off, that stack's baseline) and one with
+``--no-early-continue`` (early dispatch where D regenerates P's first token and the router compares). On each stack
+the requests rotate between its three routers (which one goes first rotates too), one at a time, each with its own
+random prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has six paths:
+``all`` (everything on: early dispatch, layer-wise KV, D continuing after P's first token), ``layerwise`` (early +
+layer-wise, D regenerates t1) and ``serial`` on the first stack; ``early_cont`` (early, whole-prompt read, D
+continues), ``early`` (early, whole-prompt read, D regenerates t1) and ``serial_off`` on the second. Per request, at
+the client:
 
 * ``ttft``: send -> the first token (P's, streamed at once on every path); P's prefill throughput is the prompt's
   tokens over it;
@@ -157,28 +160,30 @@ def measure(rec: dict[str, Any], stamps: list[dict[str, Any]], ready: dict[str, 
     return row
 
 
-def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path) -> tuple[Any, str]:
+def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path,
+                  flag: str = "--no-early-dispatch") -> tuple[Any, str]:
     from pdserve.launch.procs import free_port, spawn_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    child = spawn_healthy("serial-router", [
+    child = spawn_healthy(f"router{flag}", [
         sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", model,
         "--served-model-name", name, "--max-model-len", str(max_len), "--prefill", p, "--decode", d,
-        "--no-early-dispatch"], url, timeout_s=180, log_path=log)
+        flag], url, timeout_s=180, log_path=log)
     return child, url
 
 
-# stack -> (layerwise_kv, its early router's path name, its serial router's path name)
-STACKS = {"on": (True, "layerwise", "serial"), "off": (False, "early", "serial_off")}
-PATHS = ("serial", "layerwise", "serial_off", "early")
+# stack -> (layerwise_kv, {path name: the flag of its router; "" is the cluster's own router})
+STACKS = {"on": (True, {"all": "", "layerwise": "--no-early-continue", "serial": "--no-early-dispatch"}),
+          "off": (False, {"early_cont": "", "early": "--no-early-continue", "serial_off": "--no-early-dispatch"})}
+PATHS = ("serial", "layerwise", "all", "serial_off", "early", "early_cont")
 KEYS = ("ttft", "gap", "tpot", "read", "busy", "hidden", "prefill_tps", "batches")
 
 
-def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests: int, output: int, early: str,
-              serial: str, rng: random.Random, tmp: Path, p_cpu: dict[int, float], exact: dict[str, bool]
+def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests: int, output: int,
+              flags: dict[str, str], rng: random.Random, tmp: Path, p_cpu: dict[int, float], exact: dict[str, bool]
               ) -> dict[tuple[int, str], list[dict[str, float]]]:
-    """One stack's requests, alternating between its early and serial routers; the rows of each (length, path).
+    """One stack's requests, rotating between its routers (``flags``); the rows of each (length, path).
     ``p_cpu[n]``: the CPU ms per request P's engine spent answering layer questions at ``n`` tokens (layer-wise)."""
     from pdserve.launch import Cluster
     from pdserve.launch.procs import stop_children
@@ -186,9 +191,15 @@ def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests:
     recs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     with Cluster(cfg) as c:
         p, d = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
-        child, serial_url = second_router(str(model), "m", max_len, p, d, tmp / f"{serial}.log")
+        children, routers = [], {}
+        for path, flag in flags.items():
+            if not flag:
+                routers[path] = c.router_url
+                continue
+            child, routers[path] = second_router(str(model), "m", max_len, p, d, tmp / f"{path}.log", flag)
+            children.append(child)
+        names = list(flags)
         try:
-            routers = {early: c.router_url, serial: serial_url}
 
             def body(n: int) -> dict[str, Any]:
                 return {"model": "m", "max_tokens": output, "temperature": 0,
@@ -200,20 +211,20 @@ def run_stack(cfg: Any, model: Path, max_len: int, lengths: list[int], requests:
             for n in lengths:
                 cpu0 = counter(p, ANSWER_CPU)
                 for i in range(requests):
-                    order = (early, serial) if i % 2 == 0 else (serial, early)
+                    order = names[i % len(names):] + names[:i % len(names)]  # which goes first rotates
                     for path in order:
                         recs.setdefault((n, path), []).append(stream(routers[path], body(n)))
                 time.sleep(1.5)  # vLLM's stats interval: the last answers' time reaches /metrics
-                if early == "layerwise":
+                if cfg.layerwise_kv:
                     p_cpu[n] = (counter(p, ANSWER_CPU) - cpu0) * 1e3 / requests
-            for n in lengths:  # exactness: one prompt of each length through both paths and D alone, greedy
+            for n in lengths:  # exactness: one prompt of each length through every path and D alone, greedy
                 one = body(n)
-                outs = [complete(u, one) for u in (routers[early], routers[serial], d)]
-                exact[f"{early}_{n}"] = outs[0] == outs[1] == outs[2]
+                outs = [complete(u, one) for u in [*routers.values(), d]]
+                exact[f"{names[0]}_{n}"] = all(o == outs[-1] for o in outs)
             stamps = d_stamps(Path(c.run_dir) / "decode0.log")
             ready = p_ready(Path(c.run_dir) / "prefill0.log")
         finally:
-            stop_children([child])
+            stop_children(children)
     return {(n, path): [measure(r, stamps, ready, n) for r in rs] for (n, path), rs in recs.items()}
 
 
@@ -256,12 +267,11 @@ def main() -> None:
     loads = []
     p_cpu: dict[int, float] = {}
     exact: dict[str, bool] = {}
-    for stack, (layerwise, early, serial) in STACKS.items():
+    for stack, (layerwise, flags) in STACKS.items():
         cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
                                                       run_dir=str(tmp / f"run-{stack}")))
         cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise)
-        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, early, serial, rng, tmp, p_cpu,
-                              exact))
+        rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, flags, rng, tmp, p_cpu, exact))
         loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
@@ -277,7 +287,13 @@ def main() -> None:
                   f"{s['tpot_p50']:8.1f} {s['gap_over_tpot']:8.2f} {s['read_p50']:8.1f} {s['busy_p50']:8.1f} "
                   f"{s['batches_p50']:7.0f} {s['hidden_mean']:6.2f} {s['prefill_tps_p50']:8.0f}")
         lw, se, ea, so = per["layerwise"], per["serial"], per["early"], per["serial_off"]
+        al, ec = per["all"], per["early_cont"]
         per["ratios"] = {
+            "gap_p50_all_over_serial": ratio(al["gap_p50"], se["gap_p50"]),
+            "gap_p50_all_over_layerwise": ratio(al["gap_p50"], lw["gap_p50"]),
+            "gap_p50_early_cont_over_early": ratio(ec["gap_p50"], ea["gap_p50"]),
+            "gap_over_tpot_all": al["gap_over_tpot"],
+            "gap_over_tpot_serial": se["gap_over_tpot"],
             "gap_p50_layerwise_over_serial": ratio(lw["gap_p50"], se["gap_p50"]),
             "gap_p50_early_over_serial_off": ratio(ea["gap_p50"], so["gap_p50"]),
             "gap_p50_layerwise_over_early": ratio(lw["gap_p50"], ea["gap_p50"]),
@@ -292,6 +308,9 @@ def main() -> None:
         per["p_answer_cpu_ms"] = round(p_cpu.get(n, float("nan")), 3)
         per["ratios"]["p_answer_cpu_over_serial_ttft"] = ratio(per["p_answer_cpu_ms"], se["ttft_p50"])
         r = per["ratios"]
+        print(f"{n:>6}  gap p50 all/serial {r['gap_p50_all_over_serial']:.2f}, all/layerwise "
+              f"{r['gap_p50_all_over_layerwise']:.2f}, early_cont/early {r['gap_p50_early_cont_over_early']:.2f}; "
+              f"gap/TPOT all {r['gap_over_tpot_all']:.2f}, serial {r['gap_over_tpot_serial']:.2f}")
         print(f"{n:>6}  gap p50 layerwise/serial {r['gap_p50_layerwise_over_serial']:.2f}, early/serial_off "
               f"{r['gap_p50_early_over_serial_off']:.2f}, layerwise/early {r['gap_p50_layerwise_over_early']:.2f}; "
               f"P prefill tok/s layerwise/early {r['prefill_tps_layerwise_over_early']:.3f} (normalised by each "

@@ -91,7 +91,8 @@ class Router:
         self.calibration = Calibration()
         self.intake = Intake(config, self.tokenizer, self.models, self.tools, self.metrics, self.placement,
                              protocol_for(config.kv_connector, config.mooncake_bootstrap_port,
-                                          config.mooncake_bootstrap, config.early_dispatch), self.workers)
+                                          config.mooncake_bootstrap, config.early_dispatch,
+                                          config.early_continue), self.workers)
         self.tracing = Tracing.of(config)  # OpenTelemetry (router/tracing/); None: off, no span is made
         self._tasks: list[asyncio.Task] = []
         self.registry.subscribe(self.kv)

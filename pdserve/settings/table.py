@@ -221,9 +221,14 @@ SETTINGS: tuple[Setting, ...] = (
             targets=(Target("conductor", "tier_pricing"),), advice="priced, flat or device"),
     Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
             "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
-            "hand-off id once its prompt is computed, regenerates the first token, and the router checks it equals "
-            "P's; vLLM's MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
+            "hand-off id once its prompt is computed and continues after P's first token, --no-early-continue; vLLM's "
+            "MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
             off_flag="--no-early-dispatch", group="placement", argv="changed"),
+    Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, requests whose first token "
+            "P streams: P gives D that token once sampled and D continues after it (its first step samples the "
+            "second token) instead of regenerating it for the router to compare; off: D "
+            "regenerates it (for comparison)", (L, R), off_flag="--no-early-continue", group="placement",
+            argv="changed"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),

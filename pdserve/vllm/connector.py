@@ -143,6 +143,10 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
+    def has_pending_push_work(self) -> bool:
+        assert self.scheduler is not None
+        return self.scheduler.has_pending_announcements()  # vLLM steps again even with nothing else to do
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
@@ -171,6 +175,11 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake() if self.worker is not None else None  # type: ignore[return-value]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, PdserveMeta) and connector_metadata.announce:
+            self.worker.announce_tokens(connector_metadata.announce)  # P sampled its first token: before the forward
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None

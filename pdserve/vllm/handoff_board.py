@@ -33,12 +33,15 @@ from typing import Any
 from pdserve.vllm.messages import ReadyNote
 from pdserve.vllm.params import HANDOFF_PREFIX  # every hand-off id starts so: not a P request id
 
-__all__ = ["HANDOFF_PREFIX", "LAYERS_PREFIX", "MAX_WAIT_S", "WAIT_PREFIX", "HandoffBoard", "LayersQuestion",
-           "is_handoff", "layers_message", "parse_layers", "parse_wait", "wait_message"]
+__all__ = ["HANDOFF_PREFIX", "LAYERS_PREFIX", "MAX_WAIT_S", "TOKEN_PREFIX", "WAIT_PREFIX", "HandoffBoard",
+           "LayersQuestion", "is_handoff", "layers_message", "parse_layers", "parse_wait", "wait_message"]
 WAIT_PREFIX = "?wait|"  # D's question: "?wait|<hand-off id>|<P's engine id>|<seconds>"
 # D's layer-wise question: "?layers|<hand-off id>|<P's engine id>|<seconds>|<layers D has, hex mask>|<first>|<end>"
 # (first, end: the positions of P's prompt blocks D reads, whose checksums P answers)
 LAYERS_PREFIX = "?layers|"
+# D's second question, where it continues after P's first token (pdserve.vllm.continuation): the same fields; P
+# answers once it sampled that token (or that there is none to continue after)
+TOKEN_PREFIX = "?tok|"
 MAX_WAIT_S = 600.0  # P never holds a question longer than this, whatever D asks
 
 
@@ -46,15 +49,16 @@ def is_handoff(name: str) -> bool:
     return name.startswith(HANDOFF_PREFIX)
 
 
-def wait_message(handoff: str, engine_id: str, wait_s: float) -> str:
-    return f"{WAIT_PREFIX}{handoff}|{engine_id}|{wait_s:.3f}"
+def wait_message(handoff: str, engine_id: str, wait_s: float, prefix: str = WAIT_PREFIX) -> str:
+    return f"{prefix}{handoff}|{engine_id}|{wait_s:.3f}"
 
 
-def parse_wait(msg: str) -> tuple[str, str, float] | None:
-    """(hand-off id, P engine id D expects, seconds) of a question, or None when ``msg`` is not one."""
-    if not msg.startswith(WAIT_PREFIX):
+def parse_wait(msg: str, prefix: str = WAIT_PREFIX) -> tuple[str, str, float] | None:
+    """(hand-off id, P engine id D expects, seconds) of a question (``prefix``: which one), or None when ``msg`` is
+    not one."""
+    if not msg.startswith(prefix):
         return None
-    parts = msg[len(WAIT_PREFIX):].split("|")
+    parts = msg[len(prefix):].split("|")
     if len(parts) != 3 or not is_handoff(parts[0]):
         return None
     try:
@@ -101,6 +105,7 @@ class _Entry:
     since: float
     note: ReadyNote | None = None
     gone: str = ""  # why P will never announce it
+    token_done: bool = False  # P's first token is in ``note``, or P said there is none (D continues after it)
     pending: list[tuple[int, int]] = field(default_factory=list)  # (sender, readers) of notes naming the id
     early: ReadyNote | None = None  # known before the forward that completes the prompt (layer-wise)
     layers: int = 0  # layers that forward has written so far, a bit per layer region
@@ -129,6 +134,7 @@ class HandoffBoard:
         with self._cond:
             entry = self._entry(handoff, time.monotonic())
             entry.note, pending, entry.pending = note, entry.pending, []
+            entry.token_done = entry.token_done or note.first_token is not None
             self._cond.notify_all()
         for sender, readers in pending:  # D gave up or was aborted before it knew P's request id
             self.on_note(note.req_id, sender, readers)
@@ -156,6 +162,13 @@ class HandoffBoard:
             entry = self._entry(handoff, time.monotonic())
             if entry.note is None:
                 entry.gone = why or "P's request ended"
+            self._cond.notify_all()
+
+    def no_token(self, handoff: str) -> None:
+        """P's request of ``handoff`` ended otherwise than by length after its prompt: no first token to continue
+        after (D's second question is answered at once)."""
+        with self._cond:
+            self._entry(handoff, time.monotonic()).token_done = True
             self._cond.notify_all()
 
     def expire(self, now: float | None = None) -> None:
@@ -203,6 +216,25 @@ class HandoffBoard:
             if entry.gone or entry.early is None:
                 return {"ok": False, "why": entry.gone}
             return {"ok": True, **entry.early.to_wire(), "layers": f"{entry.layers:x}", "done": False}
+
+    def wait_token(self, handoff: str, engine_id: str, wait_s: float) -> dict[str, Any]:
+        """D's second question (it continues after P's first token): ``{"ok": True, "t1": token}`` once P sampled it,
+        else why not (another engine, the hand-off gone, no token to continue after, ``wait_s`` ran out)."""
+        if engine_id != self.engine_id:
+            return {"ok": False, "why": f"engine {self.engine_id} is not {engine_id} (P restarted?)"}
+        end = time.monotonic() + wait_s
+        with self._cond:
+            entry = self._entry(handoff, time.monotonic())
+            while not entry.token_done and not entry.gone:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return {"ok": False, "why": f"no first token within {wait_s:g} s"}
+                self._cond.wait(left)
+                entry = self._entry(handoff, time.monotonic())
+            t1 = entry.note.first_token if entry.note is not None else None
+            if t1 is None:
+                return {"ok": False, "why": entry.gone or "P's request ended without a first token to continue after"}
+            return {"ok": True, "t1": t1}
 
     def note(self, handoff: str, sender: int, readers: int) -> None:
         """A notification that names the hand-off id (D read nothing): ends P's lease now or once it is known."""

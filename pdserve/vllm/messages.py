@@ -51,6 +51,8 @@ class RecvJob:
     first_block: int = 0
     expect_hash: str = ""
     expect_fingerprint: dict[str, str] | None = None
+    first_token: int | None = None  # P's first token, from P's answer to the rendezvous (the read's stats carry it)
+    continues: bool = False  # D continues after P's first token: after the read it asks P for it (TOKEN_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,16 @@ class ReadyNote:
     prompt_hash: str
     lease_deadline: float  # wall clock; the lease itself starts when P's request finishes, a little later
     fingerprint: dict[str, str] | None = None
+    # P's first token (sampled in the step that completed the prompt), for a D that continues after it
+    # (pdserve.vllm.continuation); None: the note went out before P sampled it (D regenerates it)
+    first_token: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"req": self.req_id, "blocks": list(self.blocks), "n": self.num_tokens, "ph": self.prompt_hash,
-                "dl": self.lease_deadline, "fp": dict(self.fingerprint) if self.fingerprint else None}
+        out = {"req": self.req_id, "blocks": list(self.blocks), "n": self.num_tokens, "ph": self.prompt_hash,
+               "dl": self.lease_deadline, "fp": dict(self.fingerprint) if self.fingerprint else None}
+        if self.first_token is not None:
+            out["t1"] = self.first_token
+        return out
 
     @classmethod
     def from_wire(cls, raw: Any) -> ReadyNote:
@@ -77,7 +85,10 @@ class ReadyNote:
             fp = raw.get("fp")
             if fp is not None and not (isinstance(fp, dict) and all(isinstance(v, str) for v in fp.values())):
                 raise ValueError("fingerprint")
-            return cls(str(raw["req"]), blocks, int(raw["n"]), str(raw["ph"]), float(raw["dl"]), fp)
+            t1 = raw.get("t1")
+            if t1 is not None and (not isinstance(t1, int) or isinstance(t1, bool)):
+                raise ValueError("first token")
+            return cls(str(raw["req"]), blocks, int(raw["n"]), str(raw["ph"]), float(raw["dl"]), fp, t1)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed hand-off answer: {exc!r}") from None
 
@@ -114,6 +125,9 @@ class PdserveMeta:
     # P, early hand-offs: hand-off id -> its prompt's blocks, announced after this step's forward (and seal); None:
     # P's request ended before its prompt was computed, so D stops waiting (pdserve.vllm.handoff_board)
     ready: dict[str, ReadyNote | None] = field(default_factory=dict)
+    # P, early hand-offs whose D continues after P's first token: the note again with that token once P sampled it
+    # (None: there is none to continue after), announced as soon as the worker has this metadata, before the forward
+    announce: dict[str, ReadyNote | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,6 +164,8 @@ def merge_reads(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str,
         out["per_rank"] = {**mine.get("per_rank", {}), **other.get("per_rank", {})}
     if "error" in other and "error" not in mine:
         out["error"] = other["error"]
+    if "first_token" in other and "first_token" not in mine:
+        out["first_token"] = other["first_token"]
     if "t0" in mine and "t0" in other:  # wall clock: the first rank's start, the slowest rank's end
         out["t0"], out["t1"] = min(mine["t0"], other["t0"]), max(mine.get("t1", 0.0), other.get("t1", 0.0))
     return out

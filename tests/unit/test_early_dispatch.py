@@ -124,8 +124,8 @@ def test_d_waits_asynchronously_for_the_blocks_it_lacks_with_p_s_ids_unknown():
 DEADLINE = time.time() + 3600  # (the module imports vLLM later: tens of seconds on a busy machine)
 
 
-def note(req_id: str = "p1") -> ReadyNote:
-    return ReadyNote(req_id, (1, 2, 3), 10, prompt_hash(prompt(10), 10), DEADLINE)
+def note(req_id: str = "p1", first_token: int | None = None) -> ReadyNote:
+    return ReadyNote(req_id, (1, 2, 3), 10, prompt_hash(prompt(10), 10), DEADLINE, first_token=first_token)
 
 
 def test_the_board_answers_a_waiting_d_when_p_announces_and_at_once_after():
@@ -182,9 +182,12 @@ class RendezvousEngine:
         from tests.unit.test_vllm_sync_load import FakeHandle
 
         self.submitted.append((entries, notify))
+        from pdserve.vllm.handoff_board import TOKEN_PREFIX
+
         handle = FakeHandle(False, 0.0)
         wait = parse_wait(notify) if isinstance(notify, str) else None
-        handle.reply = self.board.wait(*wait) if wait else None
+        token = parse_wait(notify, TOKEN_PREFIX) if isinstance(notify, str) else None
+        handle.reply = self.board.wait(*wait) if wait else self.board.wait_token(*token) if token else None
         return handle
 
     def fetch_segment(self, host: str, port: int) -> Any:
@@ -199,7 +202,8 @@ def early_job(hid: str, tokens: list[int]) -> Any:
     book = EngineBook()
     book.learn(P_URL, p_answer())
     remote = RemoteParams.parse(book.decode_params(P_URL, hid, 10), BS)
-    return RecvJob("d1", remote, BlockPlan((21, 22), ()), first_block=1, expect_hash=prompt_hash(tokens, 10))
+    return RecvJob("d1", remote, BlockPlan((21, 22), ()), first_block=1, expect_hash=prompt_hash(tokens, 10),
+                   continues=True)
 
 
 @pytest.mark.parametrize("same_prompt", [True, False])
@@ -207,17 +211,19 @@ def test_d_reads_p_s_blocks_at_its_positions_once_p_answers_and_checks_the_promp
     from tests.unit.test_vllm_sync_load import worker
 
     board, hid = HandoffBoard(HS.engine_id, lambda *a: None), new_handoff_id()
-    board.ready(hid, note("p9"))
+    board.ready(hid, note("p9"))  # at P's forward; its first token once sampled, while D reads (a second answer)
     w = worker(RendezvousEngine(board), layerwise_kv=False)  # (layer by layer: tests/unit/test_vllm_layerwise.py)
     seen: list[Any] = []
-    w._batches = lambda remote, job: seen.append(job) or {0: [("layer", 0, "layer", 0, 3000)]}
+    w._batches = lambda remote, job: (seen.append(job) or board.ready(hid, note("p9", first_token=77))  # sampled
+                                      or {0: [("layer", 0, "layer", 0, 3000)]})
     w._run(early_job(hid, prompt(10) if same_prompt else prompt(10, base=5)))
     (job, ok, stats), = w._done
     notes = [n for _, n in w.engine.submitted]
     assert ok is same_prompt
     if same_prompt:  # P's blocks at D's positions 1..2, and the read's notification names P's request
         assert seen[0].plan.remote == (2, 3) and seen[0].remote.request_id == "p9"
-        assert notes[-1] == "p9" and "waited_ms" in stats
+        assert notes[-2] == "p9" and "waited_ms" in stats and notes[-1].startswith("?tok|"), (notes, stats)
+        assert stats["first_token"] == 77  # P's first token, asked after the read, for D's scheduler
     else:  # never read: D recomputes, and P is told by the hand-off id (its board maps it to P's request)
         assert not seen and "another prompt" in stats["error"] and notes[-1] == hid
 
@@ -227,10 +233,12 @@ P0, D0 = "http://p0", "http://d0"
 
 
 class PDClient:
-    """P answers one token (``t1``) with its kv_transfer_params; D streams ``d_tokens`` one per event."""
+    """P answers one token (``t1``) with its kv_transfer_params; D streams one token per event: from the second on
+    where it continues after P's (``pdserve_continue``; ``can_continue`` False: its one token marked
+    ``pdserve_no_continue``), else its own first token (``d_first``) first."""
 
-    def __init__(self, t1: int = 7, d_first: int = 7, out: int = 4) -> None:
-        self.t1, self.d_first, self.out = t1, d_first, out
+    def __init__(self, t1: int = 7, d_first: int = 7, out: int = 4, can_continue: bool = True) -> None:
+        self.t1, self.d_first, self.out, self.can_continue = t1, d_first, out, can_continue
         self.calls: list[tuple[str, dict]] = []
         self.closed: list[str] = []
 
@@ -245,9 +253,17 @@ class PDClient:
 
     async def stream(self, url: str, body: dict, wait: Any) -> Any:
         self.calls.append((url, body))
-        regenerates = len(body["prompt"]) == 40  # the prompt alone: D's first token is its own
-        tokens = ([self.d_first] if regenerates else []) + [100 + i for i in range(body["max_tokens"]
-                                                                                   - (1 if regenerates else 0))]
+        continues = (body.get("kv_transfer_params") or {}).get("pdserve_continue") is True
+        if continues and not self.can_continue:
+            try:
+                yield {"choices": [{"text": "c", "token_ids": [self.d_first], "finish_reason": "length",
+                                    "stop_reason": "pdserve_no_continue"}]}
+            finally:
+                self.closed.append(url)
+            return
+        regenerates = len(body["prompt"]) == 40 and not continues  # the prompt alone: D's first token is its own
+        tokens = ([self.d_first] if regenerates else []) + [100 + i for i in range(
+            body["max_tokens"] - (1 if regenerates or continues else 0))]  # (a continuing D counts P's token)
         try:
             for i, t in enumerate(tokens):
                 await asyncio.sleep(0)
@@ -293,16 +309,33 @@ def test_the_first_request_to_a_p_is_serial_and_the_next_one_early_with_the_same
     assert "pdserve_handoff" not in p1["kv_transfer_params"] and d1["prompt"][-1] == 7  # serial: prompt + [t1]
     client.calls.clear()
     gen = pd_run(client, "r2", book)
-    assert asyncio.run(run_all(gen)) == [7, 100, 101, 102]  # D's own first token dropped, its stream from token 2
+    assert asyncio.run(run_all(gen)) == [7, 100, 101, 102]  # D continues after P's token: its stream from token 2
     calls = dict(client.calls)
     hid = calls[P0]["kv_transfer_params"]["pdserve_handoff"]
     assert calls[D0]["kv_transfer_params"]["pdserve_handoff"] == hid and len(calls[D0]["prompt"]) == 40
-    assert calls[D0]["max_tokens"] == 4 and gen.ticket is not None and gen.ticket.prefilled
+    assert calls[P0]["kv_transfer_params"]["pdserve_continue"] is calls[D0]["kv_transfer_params"]["pdserve_continue"]
+    assert calls[D0]["kv_transfer_params"]["pdserve_continue"] is True  # P announces t1, D continues after it
+    assert calls[D0]["max_tokens"] == 4 and gen.ticket is not None and gen.ticket.prefilled  # (D counts t1 in it)
+
+
+def test_a_d_that_cannot_continue_gives_way_to_the_serial_hand_off():
+    """D's read ended without P's first token (P restarted, its answer came too late...): D's one token, marked,
+    is not output; D gets the serial request (prompt + [t1], P's lease), and the output is the serial one."""
+    book_placement.clear()
+    book, client = EngineBook(), PDClient(d_first=9, can_continue=False)
+    book.learn(P0, p_answer())
+    assert asyncio.run(run_all(pd_run(client, "r1", book))) == [7, 100, 101, 102]
+    d_calls = [b for u, b in client.calls if u == D0]
+    assert len(d_calls) == 2 and d_calls[0]["kv_transfer_params"]["pdserve_continue"] is True
+    assert d_calls[1]["prompt"][-1] == 7 and d_calls[1]["kv_transfer_params"]["remote_request_id"] == "p-req"
+    assert "pdserve_continue" not in d_calls[1]["kv_transfer_params"] and d_calls[1]["max_tokens"] == 3
+    assert client.closed.count(D0) == 2
 
 
 def test_a_d_whose_first_token_differs_gives_way_to_the_serial_hand_off():
+    """Without continuation (router --no-early-continue) D regenerates P's token and the router compares."""
     book_placement.clear()
-    book, client = EngineBook(), PDClient(d_first=9)
+    book, client = EngineBook(continues=False), PDClient(d_first=9)
     book.learn(P0, p_answer())
     assert asyncio.run(run_all(pd_run(client, "r1", book))) == [7, 100, 101, 102]
     d_calls = [b for u, b in client.calls if u == D0]
@@ -311,9 +344,12 @@ def test_a_d_whose_first_token_differs_gives_way_to_the_serial_hand_off():
     assert client.closed.count(D0) == 2  # the early stream was closed (vLLM aborts it)
 
 
-def test_unseeded_random_sampling_stays_serial():
-    book_placement.clear()
-    book, client = EngineBook(), PDClient()
-    book.learn(P0, p_answer())
-    asyncio.run(run_all(pd_run(client, "r1", book, temperature=0.8)))
-    assert all("pdserve_handoff" not in b.get("kv_transfer_params", {}) for _, b in client.calls)
+def test_unseeded_random_sampling_stays_serial_unless_d_continues_after_p_s_token():
+    """D's regenerated token would be a sample of its own; continuing after P's, D is the serial D."""
+    for continues in (False, True):
+        book_placement.clear()
+        book, client = EngineBook(continues), PDClient()
+        book.learn(P0, p_answer())
+        assert asyncio.run(run_all(pd_run(client, "r1", book, temperature=0.8))) == [7, 100, 101, 102]
+        early = ["pdserve_handoff" in b.get("kv_transfer_params", {}) for _, b in client.calls]
+        assert early == ([True, True] if continues else [False, False])

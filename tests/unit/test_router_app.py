@@ -136,6 +136,16 @@ class FakeWorker:
             yield t, text[sent:upto], None, None
             sent = upto
 
+    def continued(self, body: dict) -> Any:
+        """``generate`` for the body: an early D asked to continue after P's first token (``pdserve_continue``, the
+        connector's pdserve/vllm/continuation.py) is the serial D: prompt + [t1], one token less."""
+        prompt, max_tokens = body["prompt"], body.get("max_tokens", 16)
+        kvp = body.get("kv_transfer_params") or {}
+        if kvp.get("pdserve_continue") is True and kvp.get("do_remote_prefill"):  # (P's body has the flag too)
+            t1 = next(self.generate(prompt, 1, [], True))[0]
+            prompt, max_tokens = [*prompt, t1], max_tokens - 1
+        return self.generate(prompt, max_tokens, body.get("stop") or [], body.get("ignore_eos", False))
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
@@ -153,7 +163,7 @@ class FakeWorker:
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             return resp
         prompt = body["prompt"]
-        gen = self.generate(prompt, body.get("max_tokens", 16), body.get("stop") or [], body.get("ignore_eos", False))
+        gen = self.continued(body)
         kvp = None
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             kvp = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_host": "127.0.0.1",
@@ -421,7 +431,8 @@ def test_stop_string_inside_decode_and_in_t1(model_dir, tokenizer):
             n_d = len(d.requests)
             st, out = await env.post("/v1/completions", {"prompt": "sat", "max_tokens": 20, "stop": ["n"]})
             assert out["choices"][0]["text"] == " o" and out["choices"][0]["finish_reason"] == "stop"
-            assert out["usage"]["completion_tokens"] == 1 and len(d.requests) == n_d  # stop in t1: no D call
+            assert out["usage"]["completion_tokens"] == 1  # stop in t1: no serial D call (an early D is closed)
+            assert all("pdserve_handoff" in (r.get("kv_transfer_params") or {}) for r in d.requests[n_d:])
     run(main())
 
 

@@ -26,6 +26,7 @@ from ..tracing import attempt_span, end_attempt, worker_headers
 from ..workers.client import Worker, WorkerClient, WorkerError, WorkerStream
 from .deadline import within
 from .delta import Delta
+from .early_dispatch import NO_CONTINUE
 from .failures import Migrate, Outcome, Retry, classify, refusal
 from .interrupts import Interrupts
 from .output import Output
@@ -37,8 +38,9 @@ log = logging.getLogger("pdserve.router")
 
 
 class Diverged(Exception):
-    """An early-dispatched D's first token (regenerated from P's KV) is not P's: the caller falls back to the serial
-    hand-off (D continues from prompt + [P's token])."""
+    """An early-dispatched D's first token (regenerated from P's KV) is not P's, or a D asked to continue after P's
+    first token could not (its one token marked ``NO_CONTINUE``): the caller falls back to the serial hand-off (D
+    continues from prompt + [P's token])."""
 _rechecks: set[asyncio.Task] = set()  # the probes in flight (held so they are not collected)
 
 
@@ -176,14 +178,17 @@ class Attempt:
     # ---- the streamed call ----
     async def deltas(self, body: dict[str, Any], own_text: bool, answered: bool, relay: bool = False,
                      keep_prompt_logprobs: bool = False, sync: TextSync | None = None,
-                     skip_first: asyncio.Future[int] | None = None) -> AsyncGenerator[Delta, None]:
+                     skip_first: asyncio.Future[int] | None = None,
+                     after_first: asyncio.Future[int] | None = None) -> AsyncGenerator[Delta, None]:
         """Stream the body: one delta per worker event, the finish last (its text made only when it goes out).
         ``own_text``: the router's detokenizer makes the text (P -> D, a migrated attempt); ``sync``: only until
         the worker's own text is settled (:mod:`.textsync`), then the worker's text as it is; ``answered``: the
         client has output of this request already (its failure is then a mid-request one); ``relay``: plain
         events may pass through as bytes (:mod:`.relay`) once the text is the worker's own and one delta is out.
         ``skip_first``: an early-dispatched D regenerates the first token, which the client has from P already: its
-        first token must equal the future's (P's), else :class:`Diverged`; it is dropped, not yielded."""
+        first token must equal the future's (P's), else :class:`Diverged`; it is dropped, not yielded.
+        ``after_first``: an early-dispatched D continues after P's first token (the future's): its stream starts at
+        the second token, and follows P's (awaited); a first event marked ``NO_CONTINUE`` is :class:`Diverged`."""
         t, out = self.t, self.ctx.output
         now = time.perf_counter()
         if t.dispatch is None:
@@ -208,6 +213,9 @@ class Attempt:
                         continue  # usage chunk
                     c0 = choices[0]
                     ids = list(c0.get("token_ids") or [])
+                    if after_first is not None:
+                        await self._after_first(c0, after_first)
+                        after_first = None
                     if skip_first is not None and ids:
                         ids = await self._drop_first(ids, c0, skip_first)
                         skip_first = None
@@ -250,6 +258,14 @@ class Attempt:
         if len(ids) > 1 and c0.get("logprobs") is not None:  # (logprobs per token: not cut here)
             raise Diverged("D's first event holds several tokens with logprobs")
         return ids[1:]
+
+    @staticmethod
+    async def _after_first(c0: dict[str, Any], first: asyncio.Future[int]) -> None:
+        """D's first event once P's first token is out (D may be faster than P's answer): D continued after it, or
+        :class:`Diverged` where D could not (its one token marked ``NO_CONTINUE``)."""
+        await asyncio.shield(first)
+        if c0.get("stop_reason") == NO_CONTINUE:
+            raise Diverged("D could not continue after P's first token (its KV read ended without it)")
 
     def _start(self) -> None:
         self.started = True

@@ -3,9 +3,13 @@
 The router mints a hand-off id per P -> D attempt and sends it to P (``pdserve_handoff`` in P's
 ``kv_transfer_params``) and, at the same time, to D with P's transfer-engine address. D admits the request, allocates
 its blocks and waits for the KV as an async load; its connector asks P's engine for the id and P answers once the
-forward that completes the prompt has written (and sealed) it (pdserve/vllm/handoff_board.py). D regenerates the first
-token from P's KV; the router checks it equals P's, which the client already has (:class:`~.attempt.Diverged`
-otherwise: the serial hand-off takes over).
+forward that completes the prompt has written (and sealed) it (pdserve/vllm/handoff_board.py). Where P's first token
+streams to the client (greedy, no output-counting sampling options: ``first_from_prefill``) and ``continues`` (on
+unless the router's ``--no-early-continue``), P and D get :data:`CONTINUE`: P answers D with its first token t1 once
+sampled, and D continues from prompt + [t1] with one token less (pdserve/vllm/continuation.py), so D's stream starts
+at the second token; a D that could not continue gives one token marked :data:`NO_CONTINUE` instead
+(:class:`~.attempt.Diverged`: the serial hand-off takes over). Without ``continues`` D regenerates the first token from
+P's KV and the router checks it equals P's, which the client already has (:class:`~.attempt.Diverged` otherwise).
 
 Where P's engine is, before P answers: :class:`EngineBook` keeps, per prefill worker, the address part of that
 worker's last answer (its ``kv_transfer_params``). A P the book does not know yet (its first request, or after it
@@ -27,9 +31,14 @@ from typing import Any, Protocol
 
 from ..api.sampling_refusals import GREEDY_EPS
 
-__all__ = ["HANDOFF_PREFIX", "EarlyDispatch", "EngineBook", "early_allowed", "new_handoff_id"]
+__all__ = ["CONTINUE", "HANDOFF_PREFIX", "NO_CONTINUE", "EarlyDispatch", "EngineBook", "early_allowed",
+           "new_handoff_id"]
 
 HANDOFF_PREFIX = "hoff-"  # pdserve.vllm.params.HANDOFF_PREFIX: the connector tells hand-off ids by it
+# pdserve.vllm.continuation: in P's and D's kv_transfer_params, D continues after P's first token; the stop_reason of
+# the one token a D that could not continue gives instead (the serial hand-off takes over)
+CONTINUE = "pdserve_continue"
+NO_CONTINUE = "pdserve_no_continue"
 NO_EARLY = "pdserve_no_early"  # pdserve.vllm.params.NO_EARLY: P's engine (prefix caching off) takes no early hand-off
 # the address part of P's answer: where its engine (and each tensor-parallel rank's) listens, and its KV layout
 _ADDRESS = ("remote_engine_id", "remote_host", "remote_port", "remote_ranks", "remote_kv_layout", "remote_kv_heads",
@@ -40,18 +49,22 @@ def new_handoff_id() -> str:
     return f"{HANDOFF_PREFIX}{uuid.uuid4().hex}"
 
 
-def early_allowed(sampling: Mapping[str, Any], first_from_prefill: bool) -> bool:
-    """Whether D's regenerated first token can be P's: greedy sampling (``temperature`` below vLLM's greedy bound), or
-    D produces every token itself (``first_from_prefill`` False: structured outputs, seeded sampling), so no
-    comparison is needed. Unseeded random sampling would differ: it takes the serial hand-off."""
-    if not first_from_prefill:
+def early_allowed(sampling: Mapping[str, Any], first_from_prefill: bool, continues: bool = False) -> bool:
+    """Whether an early D's output is exact: D continues after P's first token (``continues``: any sampling, as the
+    serial hand-off), D produces every token itself (``first_from_prefill`` False: structured outputs, seeded
+    sampling), or D's regenerated first token can be P's: greedy sampling (``temperature`` below vLLM's greedy bound).
+    Unseeded random sampling would differ there: it takes the serial hand-off."""
+    if not first_from_prefill or continues:
         return True
     temperature = sampling.get("temperature")
     return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < GREEDY_EPS
 
 
 class EarlyDispatch(Protocol):
-    """One data plane's early hand-off (see the module docstring)."""
+    """One data plane's early hand-off (see the module docstring). ``continues``: where P's first token streams, D
+    is given it by P and continues after it (:data:`CONTINUE`); else D regenerates it and the router compares."""
+
+    continues: bool
 
     async def params(self, prefill_url: str, num_tokens: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(what P's ``kv_transfer_params`` get besides the usual, D's ``kv_transfer_params``) for one early hand-off
@@ -66,8 +79,9 @@ class EarlyDispatch(Protocol):
 class EngineBook:
     """Prefill worker URL -> the address part of its last ``kv_transfer_params`` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, continues: bool = True) -> None:
         self._book: dict[str, dict[str, Any]] = {}
+        self.continues = continues
 
     def learn(self, url: str, kvp: Any) -> None:
         """P answered ``kvp``: keep where its engine is (a hybrid KV cache's hand-off is not early, nor one from an

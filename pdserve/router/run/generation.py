@@ -38,7 +38,7 @@ from ..workers.client import WorkerClient
 from .attempt import Attempt, AttemptContext, Diverged
 from .deadline import Deadline, within
 from .delta import Delta
-from .early_dispatch import EarlyDispatch, early_allowed
+from .early_dispatch import CONTINUE, EarlyDispatch, early_allowed
 from .failures import Migrate, Retry
 from .output import Output
 from .stops import StopStrings
@@ -377,7 +377,7 @@ class Generation:
             return None
         if self.first_from_prefill and self._left < 2:
             return None
-        if not early_allowed(self.req.sampling, self.first_from_prefill):
+        if not early_allowed(self.req.sampling, self.first_from_prefill, self.early.continues):
             return None
         return await self.early.params(ticket.prefill.url, len(self._prompt))
 
@@ -460,14 +460,18 @@ class Generation:
     async def _pd_early(self, ticket: PlacementTicket, exclude: set[str],
                         early: tuple[dict[str, Any], dict[str, Any]]) -> AsyncGenerator[Delta, None]:
         """P's prefill and D's request at once (:mod:`.early_dispatch`). P's first token goes to the client as soon
-        as P answers; D's stream follows from its second token (D's first must be P's). D failing or diverging before
-        it streamed anything: the serial hand-off (prompt + [t1], P's lease) takes over."""
+        as P answers; D's stream follows from its second token (D continues after P's, or regenerates it and its
+        first must be P's). D failing, diverging or unable to continue before it streamed anything: the serial
+        hand-off (prompt + [t1], P's lease) takes over."""
         p = self._attempt(ticket, "prefill", "prefill")
         body = self._prefill_body()
-        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **early[0]}
         after_first = self.first_from_prefill
+        continues = after_first and self.early is not None and self.early.continues
+        extra = {**early[0], CONTINUE: True} if continues else early[0]
+        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **extra}
         expect: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        d, d_deltas = self._early_decode(ticket, early[1], expect if after_first else None)
+        d, d_deltas = self._early_decode(ticket, {**early[1], CONTINUE: True} if continues else early[1],
+                                         expect if after_first else None, continues)
         d_first = asyncio.ensure_future(d_deltas.__anext__())
         self.metrics.handoffs.labels("early").inc()
         try:
@@ -510,10 +514,12 @@ class Generation:
                 expect.cancel()
             await self._close_early(d_first, d_deltas)
 
-    def _early_decode(self, ticket: PlacementTicket, kv_params: dict[str, Any], expect: asyncio.Future[int] | None
-                      ) -> tuple[Attempt, AsyncGenerator[Delta, None]]:
+    def _early_decode(self, ticket: PlacementTicket, kv_params: dict[str, Any], expect: asyncio.Future[int] | None,
+                      continues: bool = False) -> tuple[Attempt, AsyncGenerator[Delta, None]]:
         """D's attempt of an early hand-off and its (not yet started) stream: the prompt alone, all that is left of
-        ``max_tokens``; ``expect``: P's first token, which D's first must equal (None: D's stream is the output)."""
+        ``max_tokens`` (a D that continues after P's first token counts it: pdserve.vllm.continuation); ``expect``:
+        P's first token, which D's first must equal, or, ``continues``, which D's stream follows (None: D's stream
+        is the output)."""
         after_first = expect is not None
         own_text = after_first or self._done > 0
         d_body = self._body(self._prompt, self._left, True, computes_prompt=False, whole_output=not after_first)
@@ -522,7 +528,8 @@ class Generation:
         self.t.decode_worker = ticket.decode.url
         d = Attempt(self.ctx, ticket, ticket.decode, "decode", "decode")
         return d, d.deltas(d_body, own_text, answered=own_text, relay=self._relay(), keep_prompt_logprobs=not own_text,
-                           sync=self._sync(own_text), skip_first=expect)
+                           sync=self._sync(own_text), skip_first=None if continues else expect,
+                           after_first=expect if continues else None)
 
     async def _early_first(self, d_first: asyncio.Future[Delta]) -> Delta:
         """D's first delta after P's answer, within the hand-off deadline (as a serial D's first event)."""
