@@ -75,7 +75,6 @@ class Conductor(FleetView):
         still works)."""
         self.workers.pop(worker_id, None)
         self.forget_cache(worker_id)
-        self.recal.forget(worker_id)
         self._rekey(worker_id)
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -153,6 +152,8 @@ class Conductor(FleetView):
         d = self._bounded(req, exclude)
         if d is None:
             d = self._place_all(req, exclude)
+        if self.recal.window > 0:  # the corrections the predictions carry (the record shows both figures)
+            d = replace(d, ttft_factor=self.recal.factor("ttft"), tpot_factor=self.recal.factor("tpot"))
         self.counts[d.kind] += 1
         if d.placement:
             self.placements[d.placement] += 1
@@ -269,7 +270,7 @@ class Conductor(FleetView):
         cached = self.own_cached(req, p)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=(p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached))
-                        * self.recal.factor(p.worker_id, "ttft"),
+                        * self.recal.factor("ttft"),
                         tpot_s=self.tpot_s(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
 
     def _baseline_decode(self, decode: list[WorkerLoad], now: float) -> WorkerLoad:
@@ -479,9 +480,9 @@ class Conductor(FleetView):
         """A closed placement's measured TTFT and TPOT (None: not measured) against ``d``'s predictions: the
         workers' correction factors learn from the error (:mod:`.recalibration`)."""
         if ttft_s is not None:
-            self.recal.observe(d.prefill or d.decode or "", "ttft", ttft_s, d.ttft_s)
+            self.recal.observe("ttft", ttft_s, d.ttft_s / d.ttft_factor)
         if tpot_s is not None:
-            self.recal.observe(d.decode or "", "tpot", tpot_s, d.tpot_s)
+            self.recal.observe("tpot", tpot_s, d.tpot_s / d.tpot_factor)
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed, aborted): release everything reserved for it."""
