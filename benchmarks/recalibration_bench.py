@@ -3,7 +3,7 @@ conversation trace, on the same requests of one run.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/recalibration_bench.py [--requests 90] [--rate 1.5] [--dump F]
 
-One 1P1D launch of a small random Llama (fp32, conductor policy, ``--recalibration-window`` 16 unless
+One 1P1D launch of a small random Llama (fp32, conductor policy, ``--recalibration-window`` 24 unless
 ``--recal-window`` says otherwise). The conversation trace (pdserve/bench/data), scaled to this machine (prompts x0.1
 up to 1,500 tokens, outputs x0.25 up to 24), is replayed through its router at ``--rate`` requests/s. Each
 request's decision record (``GET /v1/pdserve/decisions/{X-Request-Id}``) holds the measured TTFT and TPOT of its
@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=90, help="trace requests replayed")
     ap.add_argument("--warmup", type=int, default=15, help="first requests left out of the error")
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second")
-    ap.add_argument("--recal-window", type=int, default=16, help="the router's --recalibration-window")
+    ap.add_argument("--recal-window", type=int, default=24, help="the router's --recalibration-window")
     ap.add_argument("--dump", default="", help="write every decision record here (JSON lines)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="recal-bench-"))

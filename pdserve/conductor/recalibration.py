@@ -9,7 +9,7 @@ whatever the prompt (docs/conductor.md). Each closed placement measures its TTFT
 (:mod:`pdserve.router.fleet.ticket`); this module turns the recent ones into one factor per kind that multiplies
 the conductor's predicted TTFT and TPOT.
 
-    factor(kind) = exp(median of log(measured / uncorrected prediction) over the last ``window`` placements)
+    factor(kind) = exp(gain x median of log(measured / uncorrected prediction) over the last ``window`` placements)
 
 - **Against the uncorrected prediction.** The window holds what the model alone got wrong, so the factor never
   learns from its own earlier value (a tracker of the corrected error overshot: its first value, the median of the
@@ -22,6 +22,11 @@ the conductor's predicted TTFT and TPOT.
 - **Only when the error is one-sided.** The factor stays 1 until the window holds ``min_obs`` measurements, and
   while the signs of its errors are balanced (a sign test: |over - under| < 2 sqrt(n), i.e. no bias at ~95%), so
   noise around an unbiased prediction is never "corrected".
+- **Half way** (``gain`` 0.5). Measurements arrive only as placements close, so a burst of requests is placed with
+  the factor the previous burst left, and the queueing part of the error changes from burst to burst (a deep queue
+  is over-predicted more than a short one). Applying half the measured bias hedges between "it persists" and "it
+  is gone by now": on three measured runs replayed offline it kept most of the gain where the bias lasted and
+  stopped the correction from overshooting where it flipped between bursts (docs/conductor.md).
 - **Bounded**: the factor within ``[1 / bound, bound]``; one measurement moves the median by at most one rank.
 
 ``window`` 0 turns it off (the factor is always 1).
@@ -42,6 +47,7 @@ class Recalibration:
     """Fleet-wide correction factors of predicted TTFT and TPOT (see the module docstring)."""
 
     window: int = 0
+    gain: float = 0.5
     bound: float = 4.0
     min_obs: int = 8
     errors: dict[str, deque[float]] = field(default_factory=dict)  # kind -> recent log(measured / uncorrected)
@@ -70,7 +76,7 @@ class Recalibration:
         if abs(over - under) < 2.0 * math.sqrt(n):  # no bias the window can tell from noise
             return 1.0
         limit = math.log(self.bound)
-        return math.exp(min(max(statistics.median(errs), -limit), limit))
+        return math.exp(min(max(self.gain * statistics.median(errs), -limit), limit))
 
     def snapshot(self) -> dict[str, float]:
         """{kind: factor} in force (for /v1/pdserve/workers and the decision record)."""

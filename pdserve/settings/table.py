@@ -232,12 +232,12 @@ SETTINGS: tuple[Setting, ...] = (
             "its harm to the decodes it stalls is over this many hand-offs", (C,), minimum=0, above=True,
             advice="a positive number of hand-offs (1, the default: split when the stall costs more than one "
             "hand-off)"),
-    Setting("recalibration_window", int, 16, "the conductor multiplies its predicted TTFT and TPOT by the median "
-            "measured/predicted error of the last this many placements, fleet-wide, when that error is one-sided "
-            "(a sign test; factors within [1/4, 4]; 0: off; docs/conductor.md)",
+    Setting("recalibration_window", int, 24, "the conductor corrects its predicted TTFT and TPOT half way toward the "
+            "median measured/predicted error of the last this many placements, fleet-wide, when that error is "
+            "one-sided (a sign test; factors within [1/4, 4]; 0: off; docs/conductor.md)",
             (L, R, C), minimum=0, maximum=4096, group="placement", argv="changed",
             targets=(Target("conductor", "recalibration_window"),),
-            advice="a number of placements in [0, 4096], e.g. 16 (0 turns the correction off)"),
+            advice="a number of placements in [0, 4096], e.g. 24 (0 turns the correction off)"),
     # ---------------------------------------------------------------- the router's server
     Setting("mode_hint", str, "", "start with no workers in this mode; workers join via POST /v1/pdserve/workers",
             (R,), choices=ROUTER_MODES, flag="--mode", group="server",

@@ -1,6 +1,6 @@
-"""The conductor's predictions corrected by their measured error (pdserve/conductor/recalibration.py): the median
-error of a recent window against the uncorrected prediction, fleet-wide, only when one-sided, bounded, off at
-window 0, and applied to the predicted TTFT and TPOT the placement rules compare."""
+"""The conductor's predictions corrected by their measured error (pdserve/conductor/recalibration.py): half way to
+the median error of a recent window against the uncorrected prediction, fleet-wide, only when one-sided, bounded,
+off at window 0, and applied to the predicted TTFT and TPOT the placement rules compare."""
 
 from __future__ import annotations
 
@@ -14,14 +14,18 @@ from tests.unit.test_conductor_policy import make, req
 
 
 def test_a_one_sided_error_is_corrected_by_its_median():
-    r = Recalibration(window=16, min_obs=8)
+    r = Recalibration(window=16, min_obs=8, gain=1.0)
+    half = Recalibration(window=16, min_obs=8)  # the default gain: half way (log scale)
     rng = random.Random(0)
     for i in range(40):  # the machine runs 2x slower than the model says, with noise; 1 in 5 far faster
         fast = rng.random() < 0.2
-        r.observe("ttft", 0.2 * math.exp(rng.gauss(0, 0.2)) * (0.1 if fast else 1.0), 0.1)
+        measured = 0.2 * math.exp(rng.gauss(0, 0.2)) * (0.1 if fast else 1.0)
+        r.observe("ttft", measured, 0.1)
+        half.observe("ttft", measured, 0.1)
         if i < 7:
             assert r.factor("ttft") == 1.0  # fewer than min_obs measurements: no correction yet
     assert 1.7 < r.factor("ttft") < 2.3  # the median, not pulled down by the fast fifth as a mean would be
+    assert half.factor("ttft") == pytest.approx(math.sqrt(r.factor("ttft")))
     assert r.factor("tpot") == 1.0  # per kind
 
 
@@ -42,7 +46,7 @@ def test_the_window_forgets_and_the_factor_is_bounded():
     assert r.factor("ttft") == pytest.approx(4.0)  # 100x measured, factor within [1/4, 4]
     for _ in range(8):
         r.observe("ttft", 0.05, 0.1)  # the machine became 2x faster than the model says: the old errors leave
-    assert r.factor("ttft") == pytest.approx(0.5)
+    assert r.factor("ttft") == pytest.approx(math.sqrt(0.5))  # half way
     off = Recalibration(window=0, min_obs=1)
     off.observe("ttft", 1.0, 0.1)
     assert off.factor("ttft") == 1.0 and off.snapshot() == {"ttft": 1.0, "tpot": 1.0}
@@ -60,13 +64,13 @@ def test_the_conductor_applies_the_factors_and_learns_from_the_uncorrected_error
         c.recalibrate(d, 3 * d.ttft_s / d.ttft_factor, 2 * d.tpot_s / d.tpot_factor)
         c.finished(d.request_id)
     after = c.place(req("r9", list(range(20000, 20512))))
-    assert after.ttft_factor == pytest.approx(3.0) and after.tpot_factor == pytest.approx(2.0)
+    assert after.ttft_factor == pytest.approx(math.sqrt(3.0)) and after.tpot_factor == pytest.approx(math.sqrt(2.0))
     c.finished("r9")
     # the conductor's own figures stay what the model says: the factor multiplies them, fleet-wide
     again = c.place(req("r11", list(range(40000, 40512))))
     assert again.ttft_s / again.ttft_factor == pytest.approx(first.ttft_s, rel=0.01)
-    assert again.ttft_s == pytest.approx(3.0 * first.ttft_s, rel=0.01)
-    assert again.tpot_s == pytest.approx(2.0 * first.tpot_s, rel=0.01)
+    assert again.ttft_s == pytest.approx(math.sqrt(3.0) * first.ttft_s, rel=0.01)
+    assert again.tpot_s == pytest.approx(math.sqrt(2.0) * first.tpot_s, rel=0.01)
     off = make(recalibration_window=0)
     for i in range(20):
         d = off.place(req(f"x{i}", list(range(512))))
