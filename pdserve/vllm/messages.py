@@ -111,6 +111,8 @@ class PdserveMeta:
     # P, early hand-offs: hand-off id -> its prompt's blocks, announced after this step's forward (and seal); None:
     # P's request ended before its prompt was computed, so D stops waiting (pdserve.vllm.handoff_board)
     ready: dict[str, ReadyNote | None] = field(default_factory=dict)
+    # P request id -> its traceparent (the router's prefill attempt), for the lease's span; only traced requests
+    send_trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
