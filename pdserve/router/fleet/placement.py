@@ -121,7 +121,7 @@ class ConductorPlacement:
             ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))
             ticket.wait_s = self.moves.wait_s
             for moved in ticket.waits:  # a move's placement reports its error and its record as any other
-                moved.errors, moved.decisions = self.errors, self.decisions
+                moved.errors, moved.decisions, moved.caused_by = self.errors, self.decisions, rid
         return ticket
 
 

@@ -44,6 +44,8 @@ class PlacementTicket:
     decisions: DecisionLog | None = None  # ... and the placement, for the request's decision record
     refusals: RefusalReplay | None = None  # ... and its measured TTFT / TPOT, to judge the rejections beside it
     excluded: frozenset[str] = frozenset()  # the workers the placement left out (failed or slow in an earlier round)
+    caused_by = ""  # a move's: the request whose placement caused it ...
+    cause: object = None  # ... and, when that request is traced, its placement span's context (the move's link)
 
     def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision,
                  clock: Callable[[], float] = time.perf_counter) -> None:
