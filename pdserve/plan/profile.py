@@ -6,8 +6,10 @@ request's client-side record). For each configuration and workload in it:
 1. **Calibrate** the cost model from that run's own requests (no probe of a live server; the same features and
    non-negative fit as :mod:`.calibrate`):
 
-   - prefill: the TTFT of each request that started with no other request of the run waiting for its first token
-     (nothing queued ahead of it), against its prompt length;
+   - prefill: against its prompt length, each request's time from reaching the head of the queue to its first
+     token (one worker computes every prompt: colocated1, 1PxD; vLLM's queue is first come first served, so the
+     head is reached when the request before it had its first token), else the TTFT of each request that started
+     with nothing waiting for its first token;
    - decode step: each request's median gap between streamed tokens after the second, against the requests decoding
      beside it at the middle of its decode (batch per worker and their context: prompt + half the output);
    - hand-off (PpDd): the median first -> second token gap less the median token gap.
@@ -91,6 +93,26 @@ def shape(config: str) -> tuple[Cluster, str]:
     return Cluster(prefill=int(m.group("p")), decode=int(m.group("d"))), policy
 
 
+def prefill_samples(recs: list[dict[str, Any]], one_queue: bool) -> list[tuple[int, float]]:
+    """(prompt tokens, seconds computing it) from the run's requests, in start order. ``one_queue`` (one worker
+    computes every prompt: colocated1, 1PxD): vLLM serves its waiting queue first come first served, so a request's
+    prompt starts when it arrived or when the one before it had its first token, whichever is later, and every
+    request gives a sample (an overloaded run has few requests that found the queue empty). Else only the requests
+    that started with no other request waiting for its first token."""
+    out: list[tuple[int, float]] = []
+    prev_first = float("-inf")
+    for r in recs:
+        start, first = float(r["start_s"]), float(r["start_s"]) + float(r["ttft_s"])
+        if one_queue:
+            began = max(start, prev_first)
+            if first > began:
+                out.append((int(r["prompt_tokens"]), first - began))
+            prev_first = max(prev_first, first)
+        elif not any(o is not r and o["start_s"] < start < o["start_s"] + o["ttft_s"] for o in recs):
+            out.append((int(r["prompt_tokens"]), float(r["ttft_s"])))
+    return out
+
+
 def _ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("ok") and r.get("ttft_s") is not None and r.get("e2e_s") is not None]
 
@@ -106,12 +128,7 @@ def calibrate_run(run: MeasuredRun, kv_bytes_per_token: int, bandwidth_bytes_s: 
     recs = sorted(_ok(run.records), key=lambda r: r["start_s"])
     cluster, _ = shape(run.config)
     workers = max(1, cluster.colocated or cluster.decode or cluster.elastic)
-    prefill: list[tuple[int, float]] = []
-    for r in recs:
-        t = r["start_s"]
-        ahead = any(o is not r and o["start_s"] < t < o["start_s"] + o["ttft_s"] for o in recs)
-        if not ahead:
-            prefill.append((int(r["prompt_tokens"]), float(r["ttft_s"])))
+    prefill = prefill_samples(recs, one_queue=(cluster.colocated or cluster.prefill) == 1)
     decode: list[tuple[int, int, float]] = []
     for r in recs:
         gaps = (r.get("itl_s") or [])[1:]
@@ -128,6 +145,9 @@ def calibrate_run(run: MeasuredRun, kv_bytes_per_token: int, bandwidth_bytes_s: 
                           f"started with nothing queued, {len(decode)} streamed 3+ tokens); run more requests or "
                           "a lower rate, with prompts of several lengths")
     cal = fit(prefill, decode, kv_bytes_per_token, bandwidth_bytes_s)
+    if not any(cal.prefill_coef[1:]):
+        raise ConfigError(f"{run.config} / {run.workload}: the run's prefill times do not grow with the prompt "
+                          f"({len(prefill)} samples); run prompts of several lengths")
     if cluster.prefill:
         first_gaps = [r["itl_s"][0] for r in recs if r.get("itl_s")]
         later = [g for r in recs for g in (r.get("itl_s") or [])[1:]]
