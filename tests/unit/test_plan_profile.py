@@ -71,3 +71,14 @@ def test_the_command_prints_the_error_table(tmp_path, capsys):
                  str(folder)]) == 0
     out = capsys.readouterr().out
     assert "the planner against the measured runs" in out and "colocated1" in out
+
+
+def test_one_queue_times_each_prompt_from_the_head_of_the_queue():
+    from pdserve.plan.profile import prefill_samples
+
+    def r(start: float, ttft: float, prompt: int) -> dict:
+        return {"start_s": start, "ttft_s": ttft, "prompt_tokens": prompt}
+
+    recs = [r(0.0, 1.0, 100), r(0.5, 2.5, 200), r(5.0, 0.4, 300)]  # the second waited 0.5 s behind the first
+    assert prefill_samples(recs, one_queue=True) == [(100, 1.0), (200, 2.0), (300, pytest.approx(0.4))]
+    assert prefill_samples(recs, one_queue=False) == [(100, 1.0), (300, 0.4)]  # only those that found it empty
