@@ -50,8 +50,8 @@ class ConductorConfig:
         whenever the stall costs the decodes more than the hand-off costs the request; 2 keeps a 100-token prompt
         on one CPU core (~0.1 s, against a ~60-100 ms hand-off) colocated next to one decode, which spread the
         decodes but measured a worse TPOT tail on the 2-core mixed workload (docs/bench.md, "Retuning").
-    recalibration_window: the recent placements whose measured error corrects the predicted TTFT and TPOT
-        (:mod:`.recalibration`: the median error over them, when one-sided; 0: off).
+    recalibration_window: the recent placements whose measured error corrects the predicted TTFT
+        (:mod:`.recalibration`: half way to the median error over them, when one-sided; 0: off).
     replicas: router replicas placing on the same workers. Above 1, what a worker reports (vLLM /metrics: running
         and waiting requests) beyond what this replica placed there counts as the other replicas' load
         (:meth:`pdserve.conductor.load.WorkerLoad.merge_report`, docs/conductor.md "Router replicas").
