@@ -10,8 +10,10 @@ request's client-side record). For each configuration and workload in it:
      token (one worker computes every prompt: colocated1, 1PxD; vLLM's queue is first come first served, so the
      head is reached when the request before it had its first token), else the TTFT of each request that started
      with nothing waiting for its first token;
-   - decode step: each request's median gap between streamed tokens after the second, against the requests decoding
-     beside it at the middle of its decode (batch per worker and their context: prompt + half the output);
+   - decode step: each request's median gap between streamed tokens after the second, against the requests
+     decoding beside it at the middle of its decode (batch per worker and their context); where prompts run beside
+     decodes (colocated, elastic) only the gaps clear of every prompt's computing (a gap spanning one is a step plus
+     a prefill stall, which the simulator adds itself);
    - hand-off (PpDd): the median first -> second token gap less the median token gap.
 
 2. **Simulate** the same requests (arrival times, prompt and output lengths) on the same shape (``colocatedN``,
@@ -113,6 +115,28 @@ def prefill_samples(recs: list[dict[str, Any]], one_queue: bool) -> list[tuple[i
     return out
 
 
+def prefill_windows(recs: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(from, to) of each prompt's computing: from reaching the head of the queue (FCFS) to its first token."""
+    out, prev_first = [], float("-inf")
+    for r in recs:
+        start, first = float(r["start_s"]), float(r["start_s"]) + float(r["ttft_s"])
+        out.append((max(start, prev_first), first))
+        prev_first = max(prev_first, first)
+    return out
+
+
+def clear_gaps(r: dict[str, Any], windows: list[tuple[float, float]]) -> list[float]:
+    """The request's token gaps after its second token that overlap no prompt's computing in ``windows``."""
+    itl = r.get("itl_s") or []
+    t = float(r["start_s"]) + float(r["ttft_s"]) + (itl[0] if itl else 0.0)
+    out = []
+    for g in itl[1:]:
+        if not any(a < t + g and t < b for a, b in windows):
+            out.append(float(g))
+        t += g
+    return out
+
+
 def _ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("ok") and r.get("ttft_s") is not None and r.get("e2e_s") is not None]
 
@@ -129,9 +153,12 @@ def calibrate_run(run: MeasuredRun, kv_bytes_per_token: int, bandwidth_bytes_s: 
     cluster, _ = shape(run.config)
     workers = max(1, cluster.colocated or cluster.decode or cluster.elastic)
     prefill = prefill_samples(recs, one_queue=(cluster.colocated or cluster.prefill) == 1)
+    # where prompts run beside decodes (colocated, elastic), a gap that spans another prompt's computing is a decode
+    # step plus a prefill stall, which the simulator adds itself: only the gaps clear of every prefill count
+    stalls = prefill_windows(recs) if not cluster.prefill else []
     decode: list[tuple[int, int, float]] = []
     for r in recs:
-        gaps = (r.get("itl_s") or [])[1:]
+        gaps = clear_gaps(r, stalls)
         if len(gaps) < 2:
             continue
         first, end = r["start_s"] + r["ttft_s"], r["start_s"] + r["e2e_s"]

@@ -82,3 +82,14 @@ def test_one_queue_times_each_prompt_from_the_head_of_the_queue():
     recs = [r(0.0, 1.0, 100), r(0.5, 2.5, 200), r(5.0, 0.4, 300)]  # the second waited 0.5 s behind the first
     assert prefill_samples(recs, one_queue=True) == [(100, 1.0), (200, 2.0), (300, pytest.approx(0.4))]
     assert prefill_samples(recs, one_queue=False) == [(100, 1.0), (300, 0.4)]  # only those that found it empty
+
+
+def test_decode_gaps_that_span_another_prompts_computing_are_left_out():
+    from pdserve.plan.profile import clear_gaps, prefill_windows
+
+    decoding = {"start_s": 0.0, "ttft_s": 1.0, "itl_s": [0.1, 0.1, 0.5, 0.1, 0.1], "prompt_tokens": 10}
+    other = {"start_s": 1.25, "ttft_s": 0.45, "prompt_tokens": 500}  # computes its prompt from 1.25 to 1.7
+    windows = prefill_windows([decoding, other])
+    assert windows == [(0.0, 1.0), (1.25, 1.7)]
+    # decoding's tokens at 1.1, 1.2, 1.7, 1.8, 1.9: the 0.5 s gap (1.2 -> 1.7) is a step plus the other's prefill
+    assert clear_gaps(decoding, windows) == pytest.approx([0.1, 0.1, 0.1])
