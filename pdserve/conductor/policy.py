@@ -153,7 +153,8 @@ class Conductor(FleetView):
         if d is None:
             d = self._place_all(req, exclude)
         if self.recal.window > 0:  # the corrections the predictions carry (the record shows both figures)
-            d = replace(d, ttft_factor=self.recal.factor("ttft"), tpot_factor=self.recal.factor("tpot"))
+            d = replace(d, ttft_factor=self.recal.factor("ttft"), tpot_factor=self.recal.factor("tpot"),
+                        settled=self.prefills_seen >= self.recal.warmup)
         self.counts[d.kind] += 1
         if d.placement:
             self.placements[d.placement] += 1
@@ -391,6 +392,7 @@ class Conductor(FleetView):
             if job is not None:
                 began = max(job.enqueued_at, w.last_prefill_end)
                 observe = getattr(self.cost, "observe_prefill", None)
+                self.prefills_seen += 1
                 if observe is not None and now > began:
                     new = job.new_tokens if cached_tokens is None \
                         else job.new_tokens + job.cached_tokens - cached_tokens
@@ -479,6 +481,8 @@ class Conductor(FleetView):
     def recalibrate(self, d: Decision, ttft_s: float | None, tpot_s: float | None) -> None:
         """A closed placement's measured TTFT and TPOT (None: not measured) against ``d``'s predictions: the
         workers' correction factors learn from the error (:mod:`.recalibration`)."""
+        if not d.settled:  # decided while the cost model still left its start-up fit: that error it corrects itself
+            return
         if ttft_s is not None:
             self.recal.observe("ttft", ttft_s, d.ttft_s / d.ttft_factor)
         if tpot_s is not None:

@@ -29,6 +29,12 @@ the conductor's predicted TTFT and TPOT.
   stopped the correction from overshooting where it flipped between bursts (docs/conductor.md).
 - **Bounded**: the factor within ``[1 / bound, bound]``; one measurement moves the median by at most one rank.
 
+- **Not from the start-up transient.** The first placements are predicted by the start-up fit (measured on an idle
+  engine), which the cost model's own refit corrects within a few requests; a factor learnt from them corrected
+  an error already gone (TTFT on a quiet run: the first ten took 0.2-0.6x their prediction, the factor became 0.48
+  and stayed in force over the next burst, which the model already predicted: error p50 +21%). Placements decided
+  before the model timed ``warmup`` (16) live prefills do not teach the factor (:attr:`Decision.settled`).
+
 ``window`` 0 turns it off (the factor is always 1). Only TTFT is corrected by default (``kinds``): TPOT's correction
 made its error worse in 2 of 3 measured runs.
 """
@@ -52,6 +58,7 @@ class Recalibration:
     """Fleet-wide correction factors of predicted TTFT and TPOT (see the module docstring)."""
 
     window: int = 0
+    warmup: int = 16  # live prefills the cost model learns from before its error teaches the factor
     kinds: tuple[str, ...] = CORRECTED  # the kinds corrected (the others' factor stays 1)
     gain: float = 0.5
     bound: float = 4.0

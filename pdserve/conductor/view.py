@@ -40,6 +40,7 @@ class FleetView:
         self.store_holders: set[str] = set()  # holders of a remote store's blocks (any prefill worker loads them)
         # predicted TTFT / TPOT corrected by their recent measured error (Conductor.recalibrate)
         self.recal = Recalibration(window=config.recalibration_window)
+        self.prefills_seen = 0  # prefills timed since start (the recalibration waits for the model to settle)
 
     def forget_cache(self, worker_id: str) -> None:
         """Drop every tier ``worker_id`` holds (it left, or restarted with an empty cache)."""

@@ -64,6 +64,17 @@ def test_the_conductor_applies_the_factors_and_learns_from_the_uncorrected_error
     first = c.place(req("r0", list(range(512))))
     assert first.kind == "disaggregated" and first.ttft_factor == 1.0 and first.tpot_factor == 1.0
     c.finished("r0")
+    assert not first.settled  # the model has timed no live prefill yet: its start-up error teaches nothing
+    for i in range(8):
+        d = c.place(req(f"w{i}", list(range(50000 + 1000 * i, 50000 + 1000 * i + 512))))
+        c.recalibrate(d, 3 * d.ttft_s, 2 * d.tpot_s)
+        c.finished(d.request_id)
+    assert c.recal.factor("ttft") == 1.0
+    for i in range(c.recal.warmup):  # the model times its first live prefills (P answered)
+        c.place(req(f"p{i}", list(range(90000 + 1000 * i, 90000 + 1000 * i + 64))))
+        c.prefill_done(f"p{i}")
+        c.finished(f"p{i}")
+    assert c.prefills_seen == c.recal.warmup
     for i in range(8):  # every placement measured 3x / 2x the model's prediction, whatever was corrected
         d = c.place(req(f"r{i + 1}", list(range(1000 * (i + 1), 1000 * (i + 1) + 512))))
         c.recalibrate(d, 3 * d.ttft_s / d.ttft_factor, 2 * d.tpot_s / d.tpot_factor)
