@@ -97,7 +97,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=90, help="trace requests replayed")
     ap.add_argument("--warmup", type=int, default=15, help="first requests left out of the error")
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second")
-    ap.add_argument("--recal-window", type=int, default=24, help="the router's --recalibration-window")
+    ap.add_argument("--recal-window", type=int, default=24, help="the router's --recalibration-window (off by default "
+                    "in pdserve; the bench turns it on)")
     ap.add_argument("--dump", default="", help="write every decision record here (JSON lines)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="recal-bench-"))

@@ -35,7 +35,8 @@ the conductor's predicted TTFT and TPOT.
   and stayed in force over the next burst, which the model already predicted: error p50 +21%). Placements decided
   before the model timed ``warmup`` (16) live prefills do not teach the factor (:attr:`Decision.settled`).
 
-``window`` 0 turns it off (the factor is always 1). Only TTFT is corrected by default (``kinds``): TPOT's correction
+``window`` 0 turns it off (the factor is always 1): the default, since in two of five measured runs the error
+flipped from burst to burst and the correction, one burst late, raised it (docs/conductor.md). Only TTFT is corrected by default (``kinds``): TPOT's correction
 made its error worse in 2 of 3 measured runs.
 """
 
