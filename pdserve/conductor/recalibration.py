@@ -36,8 +36,8 @@ the conductor's predicted TTFT and TPOT.
   before the model timed ``warmup`` (16) live prefills do not teach the factor (:attr:`Decision.settled`).
 
 ``window`` 0 turns it off (the factor is always 1): the default, since in two of five measured runs the error
-flipped from burst to burst and the correction, one burst late, raised it (docs/conductor.md). Only TTFT is corrected by default (``kinds``): TPOT's correction
-made its error worse in 2 of 3 measured runs.
+flipped from burst to burst and the correction, one burst late, raised it (docs/conductor.md). Only TTFT is
+corrected by default (``kinds``): TPOT's correction made its error worse in 2 of 3 measured runs.
 """
 
 from __future__ import annotations

@@ -234,8 +234,8 @@ SETTINGS: tuple[Setting, ...] = (
             "hand-off)"),
     Setting("recalibration_window", int, 0, "the conductor corrects its predicted TTFT half way toward the median "
             "measured/predicted TTFT of the last this many placements, fleet-wide, when that error is one-sided (a "
-            "sign test; factor within [1/4, 4]; TPOT is not corrected; 0, the default: off, it helped in 3 of 5 measured "
-            "runs; docs/conductor.md)",
+            "sign test; factor within [1/4, 4]; TPOT is not corrected; 0, the default: off, it helped in 3 of 5 "
+            "measured runs; docs/conductor.md)",
             (L, R, C), minimum=0, maximum=4096, group="placement", argv="changed",
             targets=(Target("conductor", "recalibration_window"),),
             advice="a number of placements in [0, 4096], e.g. 24 (0 turns the correction off)"),
