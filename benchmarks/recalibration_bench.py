@@ -1,17 +1,20 @@
-"""Issue 40's measure: the conductor's TTFT and TPOT prediction error with recalibration on
-(``--recalibration-rate 0.1``) against off (``0``, the default), on the conversation trace, in one run.
+"""Issue 40's measure: the conductor's TTFT and TPOT prediction error before and after recalibration, on the
+conversation trace, on the same requests of one run.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/recalibration_bench.py [--requests 60] [--rate 1.5]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/recalibration_bench.py [--requests 90] [--rate 1.5] [--dump F]
 
-One 1P1D launch of a small random Llama (fp32, conductor policy, ``recalibration_rate`` 0.1); a second router on the
-same two workers with ``--recalibration-rate 0``. The conversation trace (pdserve/bench/data), scaled to this
-machine (prompts x0.1 up to 1,500 tokens, outputs x0.25 up to 24), is replayed once through each router at
-``--rate`` requests/s, off first, then on (each pass with its own token ids, so neither reuses the other's prefixes;
-the trace's own sharing inside a pass stays). Each request's decision record (``GET
-/v1/pdserve/decisions/{X-Request-Id}``) gives the predicted and the measured TTFT and TPOT of its placement; the
-error is measured / predicted. The first ``--warmup`` requests of each pass are left out (the factors start at 1 and
-need 4 measurements per worker). Prints p50 and p90 of |log2(measured / predicted)| (0: exact; 1: off by 2x) and of
-the ratio itself, per router, and one JSON line with the ratios on / off.
+One 1P1D launch of a small random Llama (fp32, conductor policy, ``--recalibration-window`` 24 unless
+``--recal-window`` says otherwise). The conversation trace (pdserve/bench/data), scaled to this machine (prompts x0.1
+up to 1,500 tokens, outputs x0.25 up to 24), is replayed through its router at ``--rate`` requests/s. Each
+request's decision record (``GET /v1/pdserve/decisions/{X-Request-Id}``) holds the measured TTFT and TPOT of its
+placement, the prediction the conductor placed with (``predicted``: corrected) and, when a correction was in
+force, the cost model's own (``recalibration.uncorrected``; else the two are equal). The error of each against the
+measurement is the before/after pair: the same requests, the same load, the same placements, so the machine's
+load from second to second (which moved two sequential passes' errors as much as the correction did, see
+docs/conductor.md) cancels out. The first ``--warmup`` requests are left out (no correction yet). Prints p50 and
+p90 of |log2(measured / predicted)| (0: exact; 1: off by 2x) and the median ratio, for the uncorrected ("before")
+and the corrected ("after") predictions, and one JSON line with the ratios after / before. ``--dump F`` writes
+every record (JSON lines) for offline study.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ import aiohttp
 from pdserve.bench.traces import TraceScale, load_trace, prompt_ids, scale_rows
 from pdserve.launch import Cluster
 from pdserve.launch.config import LauncherConfig
-from pdserve.launch.ports import free_port
-from pdserve.launch.procs import spawn_healthy, stop_children
 
 VOCAB = 32000
 
@@ -68,15 +69,17 @@ async def _records(url: str, ids: list[str]) -> list[dict]:
         return out
 
 
-def _errors(records: list[dict], kind: str) -> list[float]:
-    """measured / predicted of each first placement's ``kind`` (ttft_s or tpot_s)."""
-    out = []
+def _pairs(records: list[dict], kind: str) -> tuple[list[float], list[float]]:
+    """measured / predicted of each first placement's ``kind`` (ttft_s or tpot_s): (uncorrected, corrected)."""
+    before, after = [], []
     for rec in records:
         for p in rec.get("placements", [])[:1]:
             m, pr = (p.get("measured") or {}).get(kind), (p.get("predicted") or {}).get(kind)
-            if m and pr:
-                out.append(m / pr)
-    return out
+            raw = ((p.get("recalibration") or {}).get("uncorrected") or {}).get(kind, pr)
+            if m and pr and raw:
+                before.append(m / raw)
+                after.append(m / pr)
+    return before, after
 
 
 def _summary(ratios: list[float]) -> dict[str, float]:
@@ -91,9 +94,12 @@ def _summary(ratios: list[float]) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="")
-    ap.add_argument("--requests", type=int, default=60, help="trace requests per pass")
-    ap.add_argument("--warmup", type=int, default=15, help="first requests of each pass left out of the error")
+    ap.add_argument("--requests", type=int, default=90, help="trace requests replayed")
+    ap.add_argument("--warmup", type=int, default=15, help="first requests left out of the error")
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second")
+    ap.add_argument("--recal-window", type=int, default=24, help="the router's --recalibration-window (off by default "
+                    "in pdserve; the bench turns it on)")
+    ap.add_argument("--dump", default="", help="write every decision record here (JSON lines)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="recal-bench-"))
     model = a.model
@@ -106,34 +112,28 @@ def main() -> int:
     reqs = scale_rows(load_trace(limit=a.requests), scale)
     cfg = LauncherConfig(model=model, prefill=1, decode=1, policy="conductor", port=0, dtype="float32",
                          max_model_len=4096, served_model_name="m", pool=False, worker_timeout_s=600,
-                         run_dir=str(tmp / "run"), recalibration_rate=0.1)
-    rows: dict[str, dict[str, dict]] = {}
+                         run_dir=str(tmp / "run"), recalibration_window=a.recal_window)
     with Cluster(cfg) as c:
-        port = free_port()
-        off_url = f"http://127.0.0.1:{port}"
-        off = spawn_healthy("router-recal-off", [
-            sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir",
-            str(c.model_dir), "--served-model-name", "m", "--max-model-len", "4096", "--policy", "conductor",
-            "--recalibration-rate", "0", "--prefill", *c.worker_urls("prefill"), "--decode",
-            *c.worker_urls("decode")], off_url, 300, log_path=tmp / "router-recal-off.log")
-        try:
-            for seed, (name, url) in enumerate((("off", off_url), ("on", c.router_url)), start=1):
-                ids = asyncio.run(_pass(url, reqs, seed, scale.block_tokens))
-                recs = asyncio.run(_records(url, ids[a.warmup:]))
-                rows[name] = {k: _summary(_errors(recs, k)) for k in ("ttft_s", "tpot_s")}
-                print(f"[recal] {name}: {len(recs)} records", file=sys.stderr, flush=True)
-        finally:
-            stop_children([off], timeout_s=20)
-    print(f"{'router':8} {'kind':6} {'n':>4} {'|log2 err| p50':>15} {'|log2 err| p90':>15} {'ratio p50':>10}")
-    for name in ("off", "on"):
+        ids = asyncio.run(_pass(c.router_url, reqs, 1, scale.block_tokens))
+        recs = asyncio.run(_records(c.router_url, ids))
+    print(f"[recal] {len(recs)} records of {len(ids)} requests", file=sys.stderr, flush=True)
+    if a.dump:
+        Path(a.dump).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    kept = recs[a.warmup:]
+    rows: dict[str, dict[str, dict]] = {"before": {}, "after": {}}
+    for kind in ("ttft_s", "tpot_s"):
+        before, after = _pairs(kept, kind)
+        rows["before"][kind], rows["after"][kind] = _summary(before), _summary(after)
+    print(f"{'prediction':12} {'kind':6} {'n':>4} {'|log2 err| p50':>15} {'|log2 err| p90':>15} {'ratio p50':>10}")
+    for name in ("before", "after"):
         for kind in ("ttft_s", "tpot_s"):
             r = rows[name][kind]
-            print(f"{name:8} {kind[:4]:6} {r.get('n', 0):>4} {r.get('abs_log2_p50', '-'):>15} "
+            print(f"{name:12} {kind[:4]:6} {r.get('n', 0):>4} {r.get('abs_log2_p50', '-'):>15} "
                   f"{r.get('abs_log2_p90', '-'):>15} {r.get('ratio_p50', '-'):>10}")
-    ratio = {f"{k}_{q}": (round(rows["on"][k][q] / rows["off"][k][q], 3) if rows["off"][k].get(q) else None)
+    ratio = {f"{k}_{q}": (round(rows["after"][k][q] / rows["before"][k][q], 3) if rows["before"][k].get(q) else None)
              for k in ("ttft_s", "tpot_s") for q in ("abs_log2_p50", "abs_log2_p90")}
     print(json.dumps({"bench": "recalibration", "requests": a.requests, "warmup": a.warmup, "rate": a.rate,
-                      "rows": rows, "on_over_off": ratio}))
+                      "recal_window": a.recal_window, "rows": rows, "after_over_before": ratio}))
     return 0
 
 

@@ -50,8 +50,8 @@ class ConductorConfig:
         whenever the stall costs the decodes more than the hand-off costs the request; 2 keeps a 100-token prompt
         on one CPU core (~0.1 s, against a ~60-100 ms hand-off) colocated next to one decode, which spread the
         decodes but measured a worse TPOT tail on the 2-core mixed workload (docs/bench.md, "Retuning").
-    recalibration_rate: how fast each worker's predicted TTFT and TPOT are corrected by their measured error
-        (:mod:`.recalibration`; 0: off).
+    recalibration_window: the recent placements whose measured error corrects the predicted TTFT
+        (:mod:`.recalibration`: half way to the median error over them, when one-sided; 0: off).
     tier_pricing: how a prefill worker's start is priced (:meth:`~.view.FleetView.prefill_options`): ``priced``,
         each tier at its own bandwidth (:mod:`.tier_costs`); ``flat``, as before tiers: the ``fetchable``
         holders alike at the pool memory's price, no offload or store tiers; ``device``, the worker's own device
@@ -75,7 +75,7 @@ class ConductorConfig:
     chunk_tokens: int | None = _d("chunk_tokens")
     split_harm_handoffs: float = _d("split_harm_handoffs")
     replicas: int = _d("replicas")
-    recalibration_rate: float = _d("recalibration_rate")
+    recalibration_window: int = _d("recalibration_window")
     tier_pricing: str = _d("tier_pricing")
 
     def __post_init__(self) -> None:

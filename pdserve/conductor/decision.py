@@ -57,6 +57,12 @@ class Decision:
     fetch_tier: str = ""  # the tier they load from (pdserve.conductor.tiers), "" when none
     code: str = ""  # a reject's cause: "slo" (a target would be missed) or "worker_limit" (every worker is full)
     placement: str = ""  # elastic pools: "colocated", "chunked" (into a decoding worker) or "split" (P -> D)
+    # the recalibration factors ttft_s and tpot_s were multiplied by (:mod:`.recalibration`; 1: none)
+    ttft_factor: float = 1.0
+    tpot_factor: float = 1.0
+    # decided once the cost model had learnt from the first live prefills (Recalibration.warmup): its error teaches
+    # the recalibration; before, the model is still leaving its start-up fit and corrects that error itself
+    settled: bool = True
     # the workers weighed and their predictions (the conductor policy's fixed-role placements; empty otherwise)
     candidates: tuple[Candidate, ...] = field(default=(), compare=False)
 

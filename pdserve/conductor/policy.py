@@ -75,7 +75,6 @@ class Conductor(FleetView):
         still works)."""
         self.workers.pop(worker_id, None)
         self.forget_cache(worker_id)
-        self.recal.forget(worker_id)
         self._rekey(worker_id)
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -153,6 +152,9 @@ class Conductor(FleetView):
         d = self._whole_only(req, exclude) if req.whole else self._bounded(req, exclude)
         if d is None:
             d = self._place_all(req, exclude)
+        if self.recal.window > 0:  # the corrections the predictions carry (the record shows both figures)
+            d = replace(d, ttft_factor=self.recal.factor("ttft"), tpot_factor=self.recal.factor("tpot"),
+                        settled=self.prefills_seen >= self.recal.warmup)
         self.counts[d.kind] += 1
         if d.placement:
             self.placements[d.placement] += 1
@@ -283,7 +285,7 @@ class Conductor(FleetView):
         cached = self.own_cached(req, p)
         return Decision("disaggregated", req.request_id, p.worker_id, d.worker_id,
                         ttft_s=(p.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached))
-                        * self.recal.factor(p.worker_id, "ttft"),
+                        * self.recal.factor("ttft"),
                         tpot_s=self.tpot_s(d, now, now, req), reason=self.config.policy, cached_tokens=cached)
 
     def _baseline_decode(self, decode: list[WorkerLoad], now: float) -> WorkerLoad:
@@ -404,6 +406,7 @@ class Conductor(FleetView):
             if job is not None:
                 began = max(job.enqueued_at, w.last_prefill_end)
                 observe = getattr(self.cost, "observe_prefill", None)
+                self.prefills_seen += 1
                 if observe is not None and now > began:
                     new = job.new_tokens if cached_tokens is None \
                         else job.new_tokens + job.cached_tokens - cached_tokens
@@ -492,10 +495,12 @@ class Conductor(FleetView):
     def recalibrate(self, d: Decision, ttft_s: float | None, tpot_s: float | None) -> None:
         """A closed placement's measured TTFT and TPOT (None: not measured) against ``d``'s predictions: the
         workers' correction factors learn from the error (:mod:`.recalibration`)."""
+        if not d.settled:  # decided while the cost model still left its start-up fit: that error it corrects itself
+            return
         if ttft_s is not None:
-            self.recal.observe(d.prefill or d.decode or "", "ttft", ttft_s, d.ttft_s)
+            self.recal.observe("ttft", ttft_s, d.ttft_s / d.ttft_factor)
         if tpot_s is not None:
-            self.recal.observe(d.decode or "", "tpot", tpot_s, d.tpot_s)
+            self.recal.observe("tpot", tpot_s, d.tpot_s / d.tpot_factor)
 
     def finished(self, request_id: str) -> None:
         """The request ended (done, failed, aborted): release everything reserved for it."""

@@ -38,8 +38,9 @@ class FleetView:
         self.workers: dict[str, WorkerLoad] = {}
         self.tier_costs = TierCosts(cost.transfer_s)
         self.store_holders: set[str] = set()  # holders of a remote store's blocks (any prefill worker loads them)
-        # each worker's predicted TTFT / TPOT corrected by their measured error (Conductor.recalibrate)
-        self.recal = Recalibration(rate=config.recalibration_rate)
+        # predicted TTFT / TPOT corrected by their recent measured error (Conductor.recalibrate)
+        self.recal = Recalibration(window=config.recalibration_window)
+        self.prefills_seen = 0  # prefills timed since start (the recalibration waits for the model to settle)
 
     def forget_cache(self, worker_id: str) -> None:
         """Drop every tier ``worker_id`` holds (it left, or restarted with an empty cache)."""
@@ -81,7 +82,7 @@ class FleetView:
                 if total < best:
                     best, cached, fetched, fetch_s, source = total, have, have - own, f_s, tier
             ttft = (p.queue_s(now) + fetch_s + self.cost.prefill_s(req.prompt_tokens - cached, cached)) * \
-                self.recal.factor(p.worker_id, "ttft")
+                self.recal.factor("ttft")
             out.append(PrefillOption(p, ttft, cached, fetched, req.prompt_tokens - cached, source))
         return out
 
@@ -137,7 +138,7 @@ class FleetView:
         ``req``."""
         step_now = self.cost.decode_step_s(max(1, d.running_decodes()), 1)
         batch, ctx = d.decode_batch_at(at, now, step_now)
-        return self.cost.decode_step_s(batch + 1, ctx + req.prompt_tokens) * self.recal.factor(d.worker_id, "tpot")
+        return self.cost.decode_step_s(batch + 1, ctx + req.prompt_tokens) * self.recal.factor("tpot")
 
     def fits(self, d: WorkerLoad, req: PlacementRequest, now: float) -> bool:
         """d has KV room for ``req``'s prompt + max_tokens (less ``kv_reserve``); True when its capacity is
@@ -155,7 +156,7 @@ class FleetView:
         cached = self.own_cached(req, w, prefix)
         extra = self.cost.decode_step_s(w.running_decodes(), 1) if w.running_decodes() else 0.0
         ttft = w.queue_s(now) + self.cost.prefill_s(req.prompt_tokens - cached, cached) + extra
-        return ttft * self.recal.factor(w.worker_id, "ttft"), cached
+        return ttft * self.recal.factor("ttft"), cached
 
     def drain_s(self, w: WorkerLoad, now: float) -> float:
         """Seconds until the first of w's decodes is predicted to finish (1 when it has none)."""

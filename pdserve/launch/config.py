@@ -238,7 +238,7 @@ class LauncherConfig:
     policy: the router's placement policy: ``round_robin`` (default), ``least_loaded`` or ``conductor``
     (prefix-, load- and SLO-aware; workers then publish KV cache events to the router).
     ttft_slo_ms / tpot_slo_ms: conductor targets; requests predicted to miss them get 429 + Retry-After.
-    recalibration_rate: how fast the conductor corrects its predictions by their measured error (0: off).
+    recalibration_window: placements whose measured error corrects the conductor's predictions (0: off).
     tier_pricing: how the conductor prices a prefill's start: priced, flat (as before tiers) or device.
     pool: start a KV pool (``pdserve store`` master + one node) and point every worker's connector at it
     (default: on whenever the connector is); pool_mem / pool_disk: host memory / SSD bytes the node lends
@@ -292,7 +292,7 @@ class LauncherConfig:
     policy: str = _d("policy")
     ttft_slo_ms: float | None = _d("ttft_slo_ms")
     tpot_slo_ms: float | None = _d("tpot_slo_ms")
-    recalibration_rate: float = _d("recalibration_rate")
+    recalibration_window: int = _d("recalibration_window")
     tier_pricing: str = _d("tier_pricing")
     pool: bool | None = _d("pool")
     pool_mem: str = _d("pool_mem")

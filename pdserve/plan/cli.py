@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "transfer fan-out: each D rank reads its KV heads from the P ranks holding them)")
     m.add_argument("--calibrate", metavar="URL", help="fit the cost model to a live pdserve router / vLLM first")
     m.add_argument("--calibration", metavar="FILE", help="save (with --calibrate) or load a fitted cost model")
+    m.add_argument("--profile", metavar="DIR", help="a `pdserve bench compare --out DIR` run: calibrate from each "
+                   "measured run and report the planner's error against it (TTFT, TPOT, throughput), then stop")
     k = p.add_argument_group("KV report")
     k.add_argument("--context", type=int, default=None, help="context length for the KV report (default 128K)")
     k.add_argument("--batch", type=int, default=32, help="decode batch for the KV report")
@@ -247,6 +249,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["kv"]["fanout"] = fan.report(out["kv"]["kv_bytes_request"], net)
     if args.kv_only:
         return out
+    if args.profile:
+        from .profile import validate
+
+        kv = int(spec.kv_bytes_per_token(args.kv_dtype))
+        out["profile"] = {"folder": args.profile,
+                          "runs": validate(args.profile, kv, net.effective_bytes_s(par.devices))}
+        return out
     requests = _traffic(args)
     targets = Targets(args.ttft, args.tpot)
     settings = SimSettings(targets, policy=args.policy, chunk_tokens=args.chunk_tokens, max_seqs=args.max_seqs,
@@ -290,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
               f"each D rank from {f['p_ranks_per_d_rank']} P rank(s), "
               f"{'head slices' if f['strided'] else 'whole blocks'}; busiest rank moves "
               f"{format_bytes(f['busiest_rank_bytes'])}, transfer {f['transfer_s'] * 1e3:.0f} ms")
+    if "profile" in out:
+        from .profile import table
+
+        print(f"the planner against the measured runs of {out['profile']['folder']} (calibrated from each run's own "
+              "requests; times in ms, error = (simulated - measured) / measured):")
+        print("\n".join(table(out["profile"]["runs"])))
     if "candidates" in out:
         t = out["traffic"]
         print(f"traffic: {t['requests']} requests at {t['rate']:.2f} req/s, mean prompt {t['mean_prompt']:.0f}, "

@@ -116,7 +116,7 @@ class RouterConfig:
         Neither: no prefix index (load-only placement).
     ttft_slo_ms / tpot_slo_ms: conductor targets (429 + Retry-After when predicted to miss); None: no target.
     local_prefill_tokens: conductor: decode-local at most this many uncached prompt tokens (None: learned).
-    recalibration_rate: conductor: how fast predictions are corrected by their measured error (0: off).
+    recalibration_window: conductor: placements whose measured error corrects the predictions (0: off).
     tier_pricing: conductor: priced (each tier at its bandwidth), flat (as before tiers) or device (device hits
         only); docs/conductor.md, "Tiers".
     block_size: the workers' KV block size in tokens (vLLM CPU: 128); block keys must match it.
@@ -169,7 +169,7 @@ class RouterConfig:
     ttft_slo_ms: float | None = _d("ttft_slo_ms")
     tpot_slo_ms: float | None = _d("tpot_slo_ms")
     local_prefill_tokens: int | None = _d("local_prefill_tokens")
-    recalibration_rate: float = _d("recalibration_rate")
+    recalibration_window: int = _d("recalibration_window")
     tier_pricing: str = _d("tier_pricing")
     block_size: int = _d("block_size")
     calibrate: bool = _d("calibrate")

@@ -129,4 +129,23 @@ class ConductorCollector(Collector):
             ev.add_metric([url], n)
         hist = _histogram("pdserve_conductor_decision_seconds", "Time to choose a placement (recent decisions).",
                           self.placement.decision_seconds)
-        return [q, r, kv, blocks, dec, hist, ev]
+        return [q, r, kv, blocks, dec, hist, ev, *self._refusals()]
+
+    def _refusals(self) -> list[Metric]:
+        """The false-refusal replay's verdicts (pdserve.conductor.refusal_replay), judged up to now."""
+        replay = self.placement.refusals
+        replay.resolve()
+        verdicts = CounterMetricFamily("pdserve_conductor_refusal_verdicts_total", "Early rejections (429 slo) judged "
+                                       "by the measured requests placed beside them: verdict false_refusal (one "
+                                       "would have met the target), right, or unverified.",
+                                       labels=["target", "verdict"])
+        for (target, verdict), n in sorted(replay.counts.items()):
+            verdicts.add_metric([target, verdict], n)
+        out: list[Metric] = [verdicts]
+        share = replay.share()
+        if share is not None:
+            g = GaugeMetricFamily("pdserve_conductor_false_refusal_ratio", "False refusals / (false + right) among "
+                                  "the verified early rejections since start.")
+            g.add_metric([], share)
+            out.append(g)
+        return out

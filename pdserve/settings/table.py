@@ -244,12 +244,13 @@ SETTINGS: tuple[Setting, ...] = (
             "its harm to the decodes it stalls is over this many hand-offs", (C,), minimum=0, above=True,
             advice="a positive number of hand-offs (1, the default: split when the stall costs more than one "
             "hand-off)"),
-    Setting("recalibration_rate", float, 0.0, "how fast the conductor corrects each worker's predicted TTFT and TPOT "
-            "by their measured error (each measurement moves a worker's factor by rate/2 toward the median error; "
-            "factors bounded to [1/4, 4]; 0, the default: off; measured on 2 cores it did not help, docs/conductor.md)",
-            (L, R, C), minimum=0, maximum=1, group="placement", argv="changed",
-            targets=(Target("conductor", "recalibration_rate"),),
-            advice="a rate in [0, 1] (0 turns the correction off)"),
+    Setting("recalibration_window", int, 0, "the conductor corrects its predicted TTFT half way toward the median "
+            "measured/predicted TTFT of the last this many placements, fleet-wide, when that error is one-sided (a "
+            "sign test; factor within [1/4, 4]; TPOT is not corrected; 0, the default: off, it helped in 3 of 5 "
+            "measured runs; docs/conductor.md)",
+            (L, R, C), minimum=0, maximum=4096, group="placement", argv="changed",
+            targets=(Target("conductor", "recalibration_window"),),
+            advice="a number of placements in [0, 4096], e.g. 24 (0 turns the correction off)"),
     # ---------------------------------------------------------------- the router's server
     Setting("mode_hint", str, "", "start with no workers in this mode; workers join via POST /v1/pdserve/workers",
             (R,), choices=ROUTER_MODES, flag="--mode", group="server",

@@ -128,6 +128,8 @@ class PdserveMeta:
     # P, early hand-offs whose D continues after P's first token: the note again with that token once P sampled it
     # (None: there is none to continue after), announced as soon as the worker has this metadata, before the forward
     announce: dict[str, ReadyNote | None] = field(default_factory=dict)
+    # P request id -> its traceparent (the router's prefill attempt), for the lease's span; only traced requests
+    send_trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -141,6 +141,7 @@ class SchedulerSide:
         self.stamps = HandoffStamps()  # D hand-offs' timestamps (one log line each)
         self._recv: list[RecvJob] = []
         self._send: dict[str, float] = {}
+        self._send_trace: dict[str, str] = {}  # P request id -> traceparent, for the lease's span (traced only)
         self._seal: dict[str, tuple[int, ...]] = {}  # P: leased blocks whose checksums the worker computes
         self._faults: dict[str, str] = {}  # P: test faults for the worker (allow_test_faults)
         self.prefill_seals = PrefillSeals(block_size)  # P: seal the prompt's blocks right after its last forward
@@ -584,6 +585,8 @@ class SchedulerSide:
                 return False, None
         deadline = time.time() + self._lease_s(params)
         self._send[request.request_id] = deadline
+        if tp := traceparent_of(request):
+            self._send_trace[request.request_id] = tp
         self._held.add(request.request_id)
         if self.config.kv_checksum:
             self._seal[request.request_id] = tuple(block_ids[:nblocks])
@@ -726,7 +729,9 @@ class SchedulerSide:
         if scheduler_output is not None:
             self._announce(scheduler_output)
         meta = PdserveMeta(self._recv, self._send, self._pool_jobs, self._seal, seal_now, self._unseal, self._faults,
-                           self._ready, self._announce_now)
+                           self._ready, self._announce_now,
+                           self._send_trace)
+        self._send_trace = {}
         self._recv, self._send, self._pool_jobs, self._seal, self._unseal, self._faults = [], {}, [], {}, [], {}
         self._ready, self._announce_now = {}, {}
         return meta

@@ -151,6 +151,7 @@ class WorkerSide:
         self._pool_io: PoolIO | None = None
         self._peers: dict[tuple[str, int], Any] = {}
         self._ledger = ReleaseLedger(early_ttl_s=max(600.0, 4 * config.lease_s))
+        self._lease_spans: dict[str, tuple[str, float]] = {}  # traced leases: P request id -> (traceparent, start)
         # P: early hand-offs' rendezvous; a notification naming a hand-off id counts toward its lease once known
         self._board = HandoffBoard(self.engine.engine_id, lambda req_id, sender, readers: self._ledger.notify(
             req_id, sender=sender, readers=readers), ttl_s=max(600.0, 4 * config.lease_s))
@@ -267,8 +268,12 @@ class WorkerSide:
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
+        leased_at = time.time()
         for req_id, deadline in meta.send.items():
             self._ledger.lease(req_id, deadline)
+            tp = meta.send_trace.get(req_id)
+            if tp and req_id not in self._lease_spans:
+                self._lease_spans[req_id] = (tp, leased_at)
         self._seals.forget(meta.unseal)
         for req_id, blocks in meta.seal.items():
             self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id)))
@@ -745,11 +750,17 @@ class WorkerSide:
                                           failed_recving=failed)
 
     def _account_releases(self, released: Released) -> None:
+        now = time.time()
         for req_id, reason in released.lease_ends.items():
             if reason == LEASE:
                 log.warning("P request %s: no decode read its KV blocks within the lease; freeing them", req_id)
             else:
                 log.info("P request %s: decode read its KV blocks; freeing them", req_id)
+            traced = self._lease_spans.pop(req_id, None)
+            if traced is not None:  # P's side of the hand-off: held from the lease to D's notification or its end
+                kv_span("pdserve.kv_lease", traced[0], traced[1], now,
+                        {"released": reason, "rank": self.rank,
+                         "error": "no decode read the blocks within the lease" if reason == LEASE else None})
         self._meta.released.update(released.lease_ends)
         self._seals.drop(list(released.lease_ends))
         counts = self._ledger.take_counts()

@@ -1,8 +1,8 @@
 """One request's trace through a real 1P2D stack (the shared ``pd_faults`` launch, traced: the router and every vLLM
 worker export to a real OTLP/gRPC collector in its own process, tests/integration/otlp_collector.py): the router's
 spans (the request, joined to the client's traceparent; admission; placement; P's and D's attempts; the relay),
-vLLM's own ``llm_request`` span of P and of D, each under the attempt that called it, and the connector's KV read
-in D (pdserve/vllm/spans.py), as one tree. The output with
+vLLM's own ``llm_request`` span of P and of D, each under the attempt that called it, the connector's KV read in D
+and P's lease of the blocks it read (pdserve/vllm/spans.py), as one tree. The output with
 tracing on is the decode worker's own, token for token. test_router_faults.py checks a migrated request's trace."""
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def test_a_streamed_pd_request_is_one_trace_across_router_p_and_d(pd_faults, otl
     def complete(spans: list[dict]) -> bool:
         names = {(s["service"], s["name"]) for s in spans}
         return ("pdserve-router", "POST /v1/completions") in names and \
-            sum(s["name"] == "llm_request" for s in spans) == 2 and any(s["name"] == "pdserve.kv_read" for s in spans)
+            sum(s["name"] == "llm_request" for s in spans) == 2 and \
+            all(any(s["name"] == n for s in spans) for n in ("pdserve.kv_read", "pdserve.kv_lease"))
     spans = otlp_collector.wait_for(TRACE, complete)
     print(tree(spans))  # the report's picture of one request
     by_name: dict[str, list[dict]] = {}
@@ -83,5 +84,9 @@ def test_a_streamed_pd_request_is_one_trace_across_router_p_and_d(pd_faults, otl
     assert read["parent_span_id"] == decode["span_id"] and read["service"].startswith("pdserve-decode")
     assert read["attributes"]["pdserve.kv.ok"] is True and read["attributes"]["pdserve.kv.bytes"] > 0
     assert read["attributes"]["pdserve.kv.blocks"] == 1  # 150 prompt tokens: one full 128-token block
+    # P's side of the hand-off: its lease of the blocks, from P's answer to D's notification, under P's attempt
+    (lease,) = by_name["pdserve.kv_lease"]
+    assert lease["parent_span_id"] == prefill["span_id"] and lease["service"] == "pdserve-prefill0"
+    assert lease["attributes"]["pdserve.kv.released"] == "notified"
     record = [e for e in root["events"] if e["name"] == "pdserve.decision_record"]
     assert record and json.loads(record[0]["attributes"]["record"])["placements"][0]["why"] == "first"

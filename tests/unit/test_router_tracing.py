@@ -114,3 +114,42 @@ def test_tracing_off_makes_no_span_and_sends_no_traceparent(model_dir, tokenizer
     run(main())
     assert spans.get_finished_spans() == ()
     assert all("traceparent" not in h for w in (p, d) for h in w.headers)
+
+
+def test_a_move_is_a_span_of_the_moved_request_linked_to_the_placement_that_caused_it(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from pdserve.router.tracing import parts
+    from pdserve.router.tracing.parts import MOVE_EVENT, TracedPlacement, move_span
+    from pdserve.router.tracing.request import RequestTrace
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    tracer = provider.get_tracer("test")
+    url = lambda u: SimpleNamespace(url=u)  # noqa: E731
+    moved = SimpleNamespace(request_id="m1", prefill=url("http://w0"), decode=url("http://w1"), cause=None,
+                            caused_by="r1", decision=SimpleNamespace(reason="decode stalled by a long prefill"))
+    causing = RequestTrace(tracer, tracer.start_span("POST /v1/completions"))  # the request whose prefill moves it
+    inner = SimpleNamespace(registry=None, choose=lambda *a, **k: SimpleNamespace(decision=None, waits=(moved,)))
+    TracedPlacement(inner, causing).choose([1, 2, 3], request_id="r1")  # type: ignore[arg-type]
+    (placement,) = [s for s in mem.get_finished_spans() if s.name == "placement"]
+    assert moved.cause == placement.context
+    (event,) = [e for e in placement.events if e.name == MOVE_EVENT]
+    assert dict(event.attributes) == {"pdserve.move.request_id": "m1", "pdserve.move.from": "http://w0",
+                                      "pdserve.move.to": "http://w1"}
+    mine = RequestTrace(tracer, tracer.start_span("POST /v1/completions"))  # the moved request's own trace
+    monkeypatch.setattr(parts, "current", lambda: mine)
+    move_span(moved, time.perf_counter() - 0.05)  # type: ignore[arg-type]
+    (move,) = [s for s in mem.get_finished_spans() if s.name == "move"]
+    assert move.context.trace_id == mine.root.context.trace_id and move.parent.span_id == mine.root.context.span_id
+    assert [link.context for link in move.links] == [placement.context]  # -> the causing request's placement
+    assert move.attributes["pdserve.move.caused_by"] == "r1" and move.attributes["pdserve.move.to"] == "http://w1"
+    assert 0.04e9 < move.end_time - move.start_time < 5e9  # from the stop on the old worker
+    monkeypatch.setattr(parts, "current", lambda: None)
+    move_span(moved, None)  # type: ignore[arg-type]  # the moved request untraced: nothing
+    assert len([s for s in mem.get_finished_spans() if s.name == "move"]) == 1

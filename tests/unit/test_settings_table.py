@@ -95,7 +95,7 @@ def test_the_conductor_gets_the_slos_in_seconds(model_dir):
     kw = handed_on(rc, "conductor")
     assert kw == {"policy": "conductor", "ttft_slo_s": 0.5, "tpot_slo_s": 50.5 / 1000.0, "local_prefill_tokens": None,
                   "block_size": 128, "chunk_tokens": 256, "max_inflight_per_worker": None,
-                  "replicas": 1, "recalibration_rate": 0.0, "tier_pricing": "priced"}
+                  "replicas": 1, "recalibration_window": 0, "tier_pricing": "priced"}
     assert ConductorConfig(**kw).tpot_slo_s == 0.0505
     assert MoveConfig(**handed_on(rc, "moves")).enabled is False
 

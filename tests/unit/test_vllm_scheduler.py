@@ -444,3 +444,17 @@ def test_a_failed_pool_load_is_not_claimed_again_for_that_request(clock):
     req.status = Status.FINISHED_STOPPED
     s.request_finished(req, [1, 2, 3])
     assert s.get_num_new_matched_tokens(req, 0) == (8, True)  # the id is forgotten once the request ends
+
+
+def test_p_hands_a_traced_leases_traceparent_to_its_worker(clock):
+    """P's lease span (pdserve/vllm/worker.py, pdserve.kv_lease) needs the request's traceparent on the worker side:
+    the scheduler sends it beside the lease, once, and only for a traced request."""
+    s = side()
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    traced = Req("p1", prompt(10), {"do_remote_decode": True}, Status.FINISHED_STOPPED, 10)
+    traced.trace_headers = {"traceparent": tp}  # type: ignore[attr-defined]  # as vLLM keeps the router's
+    s.request_finished(traced, [7, 8, 9, 10])
+    s.request_finished(Req("p2", prompt(10), {"do_remote_decode": True}, Status.FINISHED_STOPPED, 10), [1, 2, 3, 4])
+    meta = s.build_connector_meta(None)
+    assert set(meta.send) == {"p1", "p2"} and meta.send_trace == {"p1": tp}
+    assert s.build_connector_meta(None).send_trace == {}  # handed over once

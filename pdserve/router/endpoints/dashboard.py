@@ -7,7 +7,8 @@ The JSON reads only what the router's metrics and decision records already hold:
 restarts as the router sees them), its mean prediction error (``*_prediction_error_ratio``), the last minute's
 placements, rejections, migrations and moves (the decision records' placements, each stamped ``at`` when it closed;
 the ring holds the newest 4096 requests), the router's counters (the page shows the increase of its admission 429s
-over the samples it has seen) and the newest decision records.
+over the samples it has seen), the early rejections' replay verdicts (``pdserve_conductor_refusal_verdicts_total``:
+false refusals) and the newest decision records.
 """
 
 from __future__ import annotations
@@ -90,7 +91,18 @@ def counters_view(m: Samples) -> dict[str, Any]:
     return {"placements": placements, "admission_rejected": _total(m, "pdserve_router_rejected_total"),
             "migrations": _total(m, "pdserve_router_migrations_total"),
             "requests": _total(m, "pdserve_router_requests_total"),
-            "worker_errors": _total(m, "pdserve_router_worker_errors_total")}
+            "worker_errors": _total(m, "pdserve_router_worker_errors_total"),
+            "refusal_verdicts": refusals_view(m)}
+
+
+def refusals_view(m: Samples) -> dict[str, Any]:
+    """The early rejections' replay verdicts (false_refusal, right, unverified) and the false-refusal share."""
+    out: dict[str, Any] = {}
+    for labels, v in m.get("pdserve_conductor_refusal_verdicts_total", []):
+        out[labels["verdict"]] = out.get(labels["verdict"], 0) + int(v)
+    share = m.get("pdserve_conductor_false_refusal_ratio")
+    out["false_refusal_ratio"] = round(share[0][1], 4) if share else None
+    return out
 
 
 def recent_view(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -32,6 +32,10 @@ def decision_fields(d: Decision) -> dict[str, Any]:
                            "predicted": {"ttft_s": round(d.ttft_s, 6), "tpot_s": round(d.tpot_s, 6)},
                            "prefix_hit": {"cached_tokens": d.cached_tokens, "fetch_tokens": d.fetch_tokens,
                                           "fetch_tier": d.fetch_tier}}
+    if d.ttft_factor != 1.0 or d.tpot_factor != 1.0:  # recalibrated: the factors and the model's own figures
+        out["recalibration"] = {"ttft_factor": round(d.ttft_factor, 4), "tpot_factor": round(d.tpot_factor, 4),
+                                "uncorrected": {"ttft_s": round(d.ttft_s / d.ttft_factor, 6),
+                                                "tpot_s": round(d.tpot_s / d.tpot_factor, 6)}}
     if d.placement:
         out["placement"] = d.placement
     if d.candidates:
@@ -82,6 +86,15 @@ class DecisionLog:
                                   "measured": {"ttft_s": _s(measured.ttft_s), "tpot_s": _s(measured.tpot_s)},
                                   "at": round(self.clock(), 3)})
         self._done(rec)
+
+    def replayed(self, request_id: str, verdict: dict[str, Any]) -> None:
+        """The false-refusal replay's verdict on the request's rejection (:mod:`pdserve.conductor.refusal_replay`),
+        kept under the rejection's ``replay``."""
+        rec = self._records.get(request_id)
+        for p in reversed(rec["placements"] if rec is not None else []):
+            if p.get("kind") == "reject":
+                p["replay"] = verdict
+                return
 
     def _done(self, rec: dict[str, Any]) -> None:
         self._closed += 1

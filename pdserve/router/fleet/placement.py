@@ -19,6 +19,7 @@ from typing import Protocol
 from ...conductor import Conductor, ConductorConfig, Decision, OnlineCostModel, PlacementRequest
 from ...conductor.decision import NoWorker
 from ...conductor.moves import MoveConfig
+from ...conductor.refusal_replay import Neighbour, Refusal, RefusalReplay, Verdict
 from ...hashing import ROOT_KEY, block_hashes
 from ..errors import RouterError, unavailable
 from ..workers.client import Worker
@@ -60,6 +61,9 @@ class ConductorPlacement:
         self.decision_seconds: deque[float] = deque(maxlen=4096)  # recent decision times, for the metrics
         self.errors: PredictionErrors | None = None  # the predictions' error, reported by each ticket it closes
         self.decisions = DecisionLog()  # a decision record per request (GET /v1/pdserve/decisions/{request_id})
+        # the early rejections judged by the requests placed beside them (false refusals)
+        self.refusals = RefusalReplay(clock)
+        self.refusals.on_verdict.append(self._verdict)
         # told (the worker that computes the prompt, its block keys) of every placement: the placeholders
         # shared through the KV indexer (:mod:`.placeholders`)
         self.on_placed: list[Callable[[str, Sequence[int]], None]] = []
@@ -98,21 +102,46 @@ class ConductorPlacement:
             raise unavailable(f"no healthy {what} ({detail or 'none registered'})") from None
         finally:
             self.decision_seconds.append(time.perf_counter() - t0)
+        now = self.clock()
         if d.kind == "reject":
             self.decisions.rejected(rid, c.config.policy, d, exclude)
+            if d.code == "slo" and not exclude:
+                self.refusals.refused(refusal(c.config, d, rid, now, len(prompt_ids), max_tokens))
             raise too_busy(d)
         ticket = PlacementTicket(c, self.registry, d, self.clock)
         computes = d.prefill if d.kind == "disaggregated" else d.decode
+        if not exclude and computes is not None and d.decode is not None:  # a first placement: a neighbour
+            self.refusals.placed(rid, Neighbour(now, computes, d.decode, len(prompt_ids) - d.cached_tokens,
+                                                len(prompt_ids), len(prompt_ids) + max_tokens))
         if computes is not None:
             for placed in self.on_placed:
                 placed(computes, keys)
         ticket.errors, ticket.decisions, ticket.excluded = self.errors, self.decisions, exclude
+        ticket.refusals = self.refusals
         if d.placement and self.moves.enabled and self.movers:  # elastic: move the decodes that pay
             ticket.waits = tuple(move_off(c, self.registry, self.movers, self.moves, rid))
             ticket.wait_s = self.moves.wait_s
             for moved in ticket.waits:  # a move's placement reports its error and its record as any other
-                moved.errors, moved.decisions = self.errors, self.decisions
+                moved.errors, moved.decisions, moved.caused_by = self.errors, self.decisions, rid
         return ticket
+
+
+    def _verdict(self, request_id: str, v: Verdict) -> None:
+        self.decisions.replayed(request_id, v.as_dict())
+
+
+def refusal(config: ConductorConfig, d: Decision, request_id: str, at: float, prompt_tokens: int,
+            max_tokens: int) -> Refusal:
+    """The early rejection ``d`` as the replay judges it: the target it missed (checked in the conductor's order:
+    TTFT, TPOT, else KV room) and the worker whose queue or batch it was refused for."""
+    if config.ttft_slo_s is not None and d.ttft_s > config.ttft_slo_s:
+        target, target_s, worker = "ttft", config.ttft_slo_s, d.prefill or d.decode or ""
+    elif config.tpot_slo_s is not None and d.tpot_s > config.tpot_slo_s:
+        target, target_s, worker = "tpot", config.tpot_slo_s, d.decode or ""
+    else:
+        target, target_s, worker = "kv", 0.0, d.decode or ""
+    return Refusal(request_id, at, target, target_s, worker, prompt_tokens - d.cached_tokens, prompt_tokens,
+                   prompt_tokens + max_tokens)
 
 
 def make_placement(registry: WorkerRegistry, config: ConductorConfig, kv_bytes_per_token: int,

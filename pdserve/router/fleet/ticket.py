@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ...conductor import Conductor, Decision
 from ...conductor.policy import NoWorker
+from ...conductor.refusal_replay import RefusalReplay
 from ..errors import unavailable
 from ..workers.client import Worker
 from .decision_log import DecisionLog
@@ -41,7 +42,10 @@ class PlacementTicket:
     wait_s = 0.0
     errors: PredictionErrors | None = None  # where close() reports the predictions' error (the router's metrics) ...
     decisions: DecisionLog | None = None  # ... and the placement, for the request's decision record
+    refusals: RefusalReplay | None = None  # ... and its measured TTFT / TPOT, to judge the rejections beside it
     excluded: frozenset[str] = frozenset()  # the workers the placement left out (failed or slow in an earlier round)
+    caused_by = ""  # a move's: the request whose placement caused it ...
+    cause: object = None  # ... and, when that request is traced, its placement span's context (the move's link)
 
     def __init__(self, conductor: Conductor, registry: WorkerRegistry, decision: Decision,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -151,6 +155,8 @@ class PlacementTicket:
         measured = self.measured()
         if measured.ttft_s is not None:  # the conductor's correction factors learn from the error
             self._conductor.recalibrate(self.decision, measured.ttft_s, measured.tpot_s)
+        if self.refusals is not None:
+            self.refusals.closed(self.request_id, measured.ttft_s, measured.tpot_s)
         if self.errors is None and self.decisions is None:
             return
         policy = self._conductor.config.policy

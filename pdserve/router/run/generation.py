@@ -34,6 +34,7 @@ from ..fleet.move import MovableRun, Moved, wait_moves
 from ..fleet.placement import Placement
 from ..fleet.ticket import PlacementTicket
 from ..metrics import RouterMetrics
+from ..tracing import move_span
 from ..workers.client import WorkerClient
 from .attempt import Attempt, AttemptContext, Diverged
 from .deadline import Deadline, within
@@ -284,6 +285,7 @@ class Generation:
         moved = self.moves.take()
         if moved is not None:
             self.output.gap_since = self.moves.at
+            move_span(moved, self.moves.at)
             ticket = moved
         else:
             try:

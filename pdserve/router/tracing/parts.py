@@ -6,11 +6,13 @@ gets) and each stretch of pass-through (:func:`relay_span`)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import Span
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span
 
 from ...hashing import ROOT_KEY
 from ..errors import RouterError
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from ..fleet.registry import WorkerRegistry
 
 DECISION_EVENT = "pdserve.decision"  # the placement's decision (the record's fields for it) as JSON
+MOVE_EVENT = "pdserve.move"  # a running decode this placement moved off its prefill worker (elastic pools)
 _OFF: AbstractContextManager[None] = nullcontext()
 
 
@@ -68,6 +71,11 @@ class TracedPlacement:
             fields = decision_fields(decision)
             span.set_attributes(decision_attributes(fields))
             span.add_event(DECISION_EVENT, {"fields": json.dumps(fields, separators=(",", ":"))})
+        for moved in getattr(ticket, "waits", ()):  # the moves this placement caused: linked from their own traces
+            moved.cause = span.get_span_context()
+            span.add_event(MOVE_EVENT, {"pdserve.move.request_id": moved.request_id,
+                                        "pdserve.move.from": moved.prefill.url if moved.prefill else "",
+                                        "pdserve.move.to": moved.decode.url})
         rt.end(span)
         return ticket
 
@@ -76,6 +84,24 @@ def traced_placement(placement: Placement) -> Placement:
     """The placement a request's run uses: ``placement`` itself unless the request is traced."""
     rt = current()
     return placement if rt is None else TracedPlacement(placement, rt)  # type: ignore[return-value]
+
+
+def move_span(ticket: PlacementTicket, stopped_at: float | None) -> None:
+    """A moved request's move, in its own trace (nothing untraced): from the stop on the old worker
+    (``stopped_at``, perf_counter) to now, when its run takes the move's ticket; linked to the placement span of the
+    request whose prefill caused it (``ticket.cause``, when that request was traced)."""
+    rt = current()
+    if rt is None:
+        return
+    cause = getattr(ticket, "cause", None)
+    start = time.time_ns() - int((time.perf_counter() - stopped_at) * 1e9) if stopped_at is not None else None
+    span = rt.tracer.start_span("move", context=trace.set_span_in_context(rt.root), start_time=start,
+                                links=[Link(cause)] if cause is not None else None,
+                                attributes={"pdserve.move.from": ticket.prefill.url if ticket.prefill else "",
+                                            "pdserve.move.to": ticket.decode.url,
+                                            "pdserve.move.caused_by": getattr(ticket, "caused_by", ""),
+                                            "pdserve.move.reason": ticket.decision.reason})
+    span.end()
 
 
 def attempt_span(kind: str, role: str, url: str, request_id: str, tokens_before: int) -> Span | None:
