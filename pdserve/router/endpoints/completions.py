@@ -32,6 +32,9 @@ class GenerateEndpoint:
                     body = parse_json(await door.read_body(request))
                     if wants_beam_search(body):  # vLLM's serving layer runs it: the whole request on one worker
                         lora = door.models.adapter(body.get("model"))  # 404 for an unknown model, as always
+                        # the body's fields checked as on any request: a value vLLM's request model crashes on (e.g.
+                        # structured_outputs as a list: its validator raises AttributeError, a 500) is refused by name
+                        parse_chat(body) if self.kind == "chat" else parse_completion(body)
                         resp = await door.beam.answer(request, self.kind, body, lora)
                         visit.status = str(resp.status)
                         return resp
