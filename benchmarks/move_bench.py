@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.prom import scrape  # noqa: E402
 from pdserve.launch import Cluster  # noqa: E402
 from pdserve.launch.config import LauncherConfig  # noqa: E402
+from pdserve.launch.models import model_or_random_llama  # noqa: E402
 from pdserve.launch.procs import free_port, spawn_healthy, stop_children  # noqa: E402
 
 R_TOKENS = 220  # R: 20 prompt tokens, this many output tokens
@@ -95,11 +96,7 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="move-bench-"))
-    model = a.model
-    if not model:
-        from pdserve.launch.models import build_random_llama
-
-        model = str(build_random_llama(tmp / "random-llama"))
+    model = model_or_random_llama(a.model, tmp)
     extra = ("--local-prefill-tokens", "256") + (() if a.calibrate else ("--no-calibrate",))
     cfg = LauncherConfig(model=model, elastic=2, policy="conductor", port=0, dtype="float32", max_model_len=4096,
                          served_model_name="m", pool=False, worker_timeout_s=600, run_dir=str(tmp / "run"),

@@ -32,9 +32,10 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.bench.traces import TraceScale, load_trace, prompt_ids, scale_rows
+from pdserve.bench.traces import cpu_scale, load_trace, prompt_ids, scale_rows
 from pdserve.launch import Cluster
 from pdserve.launch.config import LauncherConfig
+from pdserve.launch.models import model_or_random_llama
 
 VOCAB = 32000
 
@@ -102,13 +103,8 @@ def main() -> int:
     ap.add_argument("--dump", default="", help="write every decision record here (JSON lines)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="recal-bench-"))
-    model = a.model
-    if not model:
-        from pdserve.launch.models import build_random_llama
-
-        model = str(build_random_llama(tmp / "random-llama"))
-    scale = TraceScale(input_scale=0.1, output_scale=0.25, max_input=1500, max_output=24, max_model_len=4096,
-                       rate=a.rate)
+    model = model_or_random_llama(a.model, tmp)
+    scale = cpu_scale(a.rate)
     reqs = scale_rows(load_trace(limit=a.requests), scale)
     cfg = LauncherConfig(model=model, prefill=1, decode=1, policy="conductor", port=0, dtype="float32",
                          max_model_len=4096, served_model_name="m", pool=False, worker_timeout_s=600,

@@ -44,9 +44,10 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.bench.traces import TraceScale, conversation_rows, load_trace, prompt_ids, scale_rows
+from pdserve.bench.traces import conversation_rows, cpu_scale, load_trace, prompt_ids, scale_rows
 from pdserve.launch import Cluster
 from pdserve.launch.config import LauncherConfig
+from pdserve.launch.models import model_or_random_llama
 from pdserve.launch.ports import free_port
 from pdserve.launch.procs import Child, spawn_healthy, stop_children
 from pdserve.store.client import StoreClient
@@ -194,13 +195,8 @@ def main() -> int:
     a = ap.parse_args()
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="tier-bench-"))
-    model = a.model
-    if not model:
-        from pdserve.launch.models import build_random_llama
-
-        model = str(build_random_llama(tmp / "random-llama"))
-    scale = TraceScale(input_scale=0.1, output_scale=0.25, max_input=1500, max_output=16, max_model_len=4096,
-                       rate=a.rate)
+    model = model_or_random_llama(a.model, tmp)
+    scale = cpu_scale(a.rate, max_output=16)
     reqs = scale_rows(conversation_rows(load_trace(start=a.start), a.requests, 0.32), scale)
     prompts = [(r.arrival_s, prompt_ids(r, scale.block_tokens, VOCAB, 1), r.output_length) for r in reqs]
     print(f"[tiers] {len(prompts)} requests, {sum(len(p[1]) for p in prompts)} prompt tokens, arrivals over "

@@ -96,6 +96,13 @@ class TraceScale:
         return max(1, round(TRACE_BLOCK_TOKENS * self.input_scale))
 
 
+def cpu_scale(rate: float | None, max_output: int = 24) -> TraceScale:
+    """The conversation trace shrunk for a small CPU stack, as the conductor's benchmarks replay it: prompts x0.1 up
+    to 1,500 tokens, outputs x0.25 up to ``max_output``, a 4,096-token context, at ``rate`` requests per second."""
+    return TraceScale(input_scale=0.1, output_scale=0.25, max_input=1500, max_output=max_output, max_model_len=4096,
+                      rate=rate)
+
+
 @dataclass(frozen=True)
 class ScaledRequest:
     """A trace row after scaling: arrival in seconds from the first row, lengths in tokens."""

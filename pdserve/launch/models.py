@@ -238,6 +238,12 @@ def build_random(out_dir: str | os.PathLike[str], stamp: dict[str, Any],
     return build(out)
 
 
+def model_or_random_llama(model: str, folder: str | os.PathLike[str]) -> str:
+    """``model`` when given, else a random Llama (:func:`build_random_llama`'s defaults) built in
+    ``folder``/random-llama."""
+    return model or str(build_random_llama(Path(folder) / "random-llama"))
+
+
 def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden: int = 256, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 512, dtype: str = "float32", seed: int = 0,
                        init_std: float = 0.2, lm_head_std: float = 2.0, max_position_embeddings: int = 8192,
