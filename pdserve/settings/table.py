@@ -255,6 +255,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mode_hint", str, "", "start with no workers in this mode; workers join via POST /v1/pdserve/workers",
             (R,), choices=ROUTER_MODES, flag="--mode", group="server",
             advice="colocated, disaggregated or elastic"),
+    Setting("prefiller_header", bool, False, "run as a gateway's decode sidecar, beside the one --decode worker: a "
+            "request whose x-prefiller-host-port (set by the endpoint picker, pdserve picker or llm-d's) names a "
+            "registered prefill worker runs prefill there and decode on the local D (the router's P -> D path); "
+            "one without it, or naming a host:port that is not a registered prefill worker (never dialled), runs "
+            "whole on the local D (docs/picker.md)", (R,), flag="--prefiller-header", group="server"),
     Setting("connect_timeout_s", float, 5.0, "seconds to connect to a worker", (R,), unit="s", minimum=0,
             above=True, group="server", advice="must be > 0 seconds"),
     Setting("upstream_idle_timeout_s", float, 120.0, "fail a request when its worker sends nothing for this long",
