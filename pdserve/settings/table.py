@@ -347,6 +347,11 @@ SETTINGS: tuple[Setting, ...] = (
             group="picker", advice="a host name or IP address"),
     Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
             "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
+    Setting("destination_port", int, 0, "the port x-gateway-destination-endpoint names on the chosen decode "
+            "worker's host: its routing sidecar's (pdserve router --prefiller-header beside it, the InferencePool's "
+            "target port), which runs P's prefill and D's decode; 0: the decode worker's own port (D serves the "
+            "request whole)", (PK,), minimum=0, maximum=65535, metavar="PORT", group="picker",
+            advice="use a TCP port 1-65535 (the decode pods' sidecar port), or 0 for the decode worker's own"),
     Setting("prefill_dns", str, "", "follow the prefill pool's ready workers under this DNS NAME:PORT (a headless "
             "Service): added as they appear, removed when gone (pdserve.kube.discovery's rules; empty: --prefill "
             "only)", (PK, IX), metavar="NAME:PORT", group="picker"),
