@@ -254,8 +254,8 @@ class Intake:
                                     request_timeout_s=self.config.request_timeout_s,
                                     handoff_timeout_s=self.config.handoff_timeout_s,
                                     probe_timeout_s=self.config.health_timeout_s)
-        placement = self.placement
-        if req.gateway_pair is not None and isinstance(placement, ConductorPlacement):
-            placement = SidecarPlacement(placement, req.gateway_pair)  # type: ignore[assignment]
+        placement: Placement = self.placement
+        if req.gateway_pair is not None and isinstance(self.placement, ConductorPlacement):
+            placement = SidecarPlacement(self.placement, req.gateway_pair)  # first round on the picker's pair
         return Generation(req, ids, max_tokens, traced_placement(placement), client, self.metrics, t,
                           self.config.mode, detok, options)
