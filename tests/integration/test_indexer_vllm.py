@@ -281,11 +281,14 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
     entries = [kv_publisher_entry(w) for w in cluster.plan.workers if w.kv_events_endpoint]
     ix = Indexer(entries, tmp_path / "index.snap", tmp_path / "indexer.log")
     pickers: list[subprocess.Popen] = []
+    side_port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open(tmp_path / "sidecar.log", "ab") as log:  # first: its start-up overlaps the indexer's and the pickers'
+        sidecar = subprocess.Popen(_sidecar_argv(cluster, side_port), stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True)
     try:
         ix.start()
         ports = [free_port(), free_port()]
-        side_port = free_port()
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         for i, port in enumerate(ports):
             argv = [sys.executable, "-m", "pdserve.picker", "--model-dir", str(cluster.model_dir),
                     "--prefill", *cluster.worker_urls("prefill"), "--decode", *cluster.worker_urls("decode"),
@@ -294,13 +297,10 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
             with open(tmp_path / f"picker{i}.log", "ab") as log:
                 pickers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True))
-        with open(tmp_path / "sidecar.log", "ab") as log:  # started with the pickers: their start-ups overlap
-            pickers.append(subprocess.Popen(_sidecar_argv(cluster, side_port), stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True))
         side = f"http://127.0.0.1:{side_port}"
-        for i, (proc, port) in enumerate(zip(pickers, ports + [side_port])):  # up (transformers: slow to import)
+        started = [(proc, port, f"picker{i}") for i, (proc, port) in enumerate(zip(pickers, ports))]
+        for proc, port, name in [*started, (sidecar, side_port, "sidecar")]:  # up (transformers: slow to import)
             deadline = time.monotonic() + 240
-            name = f"picker{i}" if i < len(ports) else "sidecar"
             while not _listening(port):
                 assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, f"the {name} did not listen in 240 s"
@@ -341,7 +341,7 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
         assert outs[0] == outs[1], "the second picker did not follow the prefix the first one placed"
         _through_sidecar(cluster, side, ports[0])
     finally:
-        for proc in pickers:
+        for proc in [*pickers, sidecar]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
