@@ -162,6 +162,30 @@ class Conductor(FleetView):
             self._reserve(req, d)
         return d
 
+    def place_on(self, req: PlacementRequest, prefill: str | None, decode: str, reason: str) -> Decision:
+        """Place ``req`` on workers named from outside (a gateway's endpoint picker): P ``prefill`` -> D ``decode``,
+        or the whole request on ``decode`` when ``prefill`` is None. The pair is not weighed (no reject, no
+        decode-local switch); the decision carries the predictions for it and is reserved as :meth:`place`'s are
+        (call :meth:`finished`). Raises :class:`NoWorker` when a named worker is unknown."""
+        for wid, role in ((prefill, "prefill"), (decode, "decode")):
+            if wid is not None and wid not in self.workers:
+                raise NoWorker(role, f"{role} worker {wid} is not registered")
+        now = self.clock()
+        d = self.workers[decode]
+        prefix = self.index.prefix_lengths(req.block_keys)
+        if prefill is None:
+            ttft, cached = self.local_ttft(req, d, now, prefix)
+            out = Decision("local", req.request_id, None, decode, ttft_s=ttft,
+                           tpot_s=self.tpot_s(d, now, now + ttft, req), cached_tokens=cached, reason=reason)
+        else:
+            o = self.prefill_options(req, [self.workers[prefill]], prefix, now)[0]
+            out = Decision("disaggregated", req.request_id, prefill, decode, ttft_s=o.ttft_s,
+                           tpot_s=self.tpot_s(d, now, now + o.ttft_s, req), cached_tokens=o.cached,
+                           fetch_tokens=o.fetched, fetch_tier=o.source, reason=reason)
+        self.counts[out.kind] += 1
+        self._reserve(req, out)
+        return out
+
     def _bounded(self, req: PlacementRequest, exclude: frozenset[str]) -> Decision | None:
         """The conductor's fixed-role decision among the prefill workers that hold a prefix of the prompt plus the
         ``shortlist`` least-loaded ones, and the ``shortlist`` least-loaded decode workers (more when none of

@@ -48,7 +48,7 @@ def parse(argv: list[str] | None) -> tuple[RouterConfig, dict[str, Any]]:
 async def run(config: RouterConfig, mine: dict[str, Any]) -> None:
     picker = Picker(config, dns=mine["dns"], discovery_interval_s=mine["discovery_interval_s"])
     await picker.start()
-    server = await serve(picker, mine["picker_host"], mine["picker_port"])
+    server = await serve(picker, mine["picker_host"], mine["picker_port"], mine["destination_port"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

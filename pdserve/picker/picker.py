@@ -38,11 +38,12 @@ from .discovery import RegistryMembership, follow_dns
 log = logging.getLogger("pdserve.picker")
 
 
-def host_port(url: str) -> str:
-    """``http://10.0.0.5:8000`` -> ``10.0.0.5:8000`` (the form the gateway's destination header takes)."""
+def host_port(url: str, port: int = 0) -> str:
+    """``http://10.0.0.5:8000`` -> ``10.0.0.5:8000`` (the form the gateway's destination header takes); ``port``:
+    that port on the worker's host instead of its own (0: its own)."""
     u = urlsplit(url)
     host = f"[{u.hostname}]" if u.hostname and ":" in u.hostname else u.hostname
-    return f"{host}:{u.port or (443 if u.scheme == 'https' else 80)}"
+    return f"{host}:{port or u.port or (443 if u.scheme == 'https' else 80)}"
 
 
 def bad(message: str) -> RouterError:

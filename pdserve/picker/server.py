@@ -21,8 +21,9 @@ MAX_BODY = 64 << 20  # a buffered request body larger than this is refused
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker) -> None:
+    def __init__(self, picker: Picker, destination_port: int = 0) -> None:
         self.picker = picker
+        self.destination_port = destination_port  # the decode pods' routing sidecar (0: the decode worker itself)
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (Envoy's name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -52,7 +53,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         yield protocol.refused(e.status, e.message, e.code or "", int(retry) if retry else None)
                         return
                     prefill = host_port(ticket.prefill.url) if ticket.prefill is not None else ""
-                    yield protocol.picked(host_port(ticket.decode.url), prefill)
+                    yield protocol.picked(host_port(ticket.decode.url, self.destination_port), prefill)
                 elif kind == "response_headers":
                     if ticket is not None:
                         ticket.prefill_done()  # the destination answers: the prompt is computed
@@ -68,10 +69,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 ticket.close()  # the stream ended (the request is over, or the gateway gave up): release it
 
 
-async def serve(picker: Picker, host: str, port: int) -> grpc.aio.Server:
-    """Start the gRPC server on ``host:port`` (0: a free port, read back from ``server.port``)."""
+async def serve(picker: Picker, host: str, port: int, destination_port: int = 0) -> grpc.aio.Server:
+    """Start the gRPC server on ``host:port`` (0: a free port, read back from ``server.port``); ``destination_port``:
+    the port the destination names on the decode worker's host (its routing sidecar; 0: the worker's own)."""
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, destination_port), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     server.port = bound  # type: ignore[attr-defined]

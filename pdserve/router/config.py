@@ -202,11 +202,13 @@ class RouterConfig:
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
     lora_modules: str = _d("lora_modules")  # NAME=PATH,...: the adapters every worker loads (model=NAME)
     enable_lora: bool = _d("enable_lora")  # the workers serve adapters: /v1/(un)load_lora_adapter reach them
+    prefiller_header: bool = _d("prefiller_header")  # a gateway's decode sidecar (router/fleet/sidecar.py)
 
     def __post_init__(self) -> None:
         self._check_model_dir()
         write_resolved(self, self._resolved())
         check_fields(self, _SETTINGS, RouterConfigError, flags=True)
+        self._check_sidecar()
         self._check_mode()
         for entry in self.kv_events:
             check_kv_publisher(entry)
@@ -263,6 +265,15 @@ class RouterConfig:
             raise RouterConfigError(f"--model-dir {self.model_dir!r} has no tokenizer files (tokenizer.json, "
                                     "tokenizer_config.json): the router tokenizes prompts with them")
 
+    def _check_sidecar(self) -> None:
+        if not self.prefiller_header:
+            return
+        if len(self.decode) != 1 or self.colocated or self.elastic or self.mode_hint in ("colocated", "elastic"):
+            raise RouterConfigError("--prefiller-header runs the router as one decode worker's sidecar: give exactly "
+                                    "one --decode URL (the local decode worker, e.g. http://127.0.0.1:8000) and the "
+                                    "prefill pool as --prefill URL... (or --mode disaggregated to let prefill "
+                                    "workers join through POST /v1/pdserve/workers)")
+
     def _check_mode(self) -> None:
         if self.colocated and (self.prefill or self.decode):
             raise RouterConfigError("--colocated cannot be combined with --prefill/--decode: choose colocated "
@@ -279,7 +290,8 @@ class RouterConfig:
         if mode in ("colocated", "disaggregated") and (
                 self.colocated if mode == "disaggregated" else (self.prefill or self.decode)):
             raise RouterConfigError(f"--mode {mode} contradicts the worker flags given")
-        if not mode and not self.colocated and not (self.prefill and self.decode) and not self.elastic:
+        if not mode and not self.colocated and not (self.prefill and self.decode) and not self.elastic and not (
+                self.prefiller_header and self.decode):
             raise RouterConfigError("give at least one --prefill and one --decode worker URL (disaggregated), or "
                                     "--colocated URL... (baseline), or --elastic URL... (no fixed roles), or "
                                     "--mode to start empty and let workers "

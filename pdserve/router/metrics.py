@@ -43,6 +43,10 @@ class RouterMetrics:
                                 "kv_transfer_params; no_kv: it did not, D recomputes; skipped: done after t1; early: "
                                 "D sent while P prefills; early_fallback: such a D gave way to the serial hand-off).",
                                 ("outcome",), registry=r)
+        self.sidecar_pairs = Counter("pdserve_router_sidecar_pairs_total", "--prefiller-header (a gateway's decode "
+                                     "sidecar): first placements by what x-prefiller-host-port gave (pair: P named "
+                                     "and the local D; no_header, unknown_host, bad_header, unhealthy: the whole "
+                                     "request on the local D).", ("outcome",), registry=r)
         self.worker_errors = Counter("pdserve_router_worker_errors_total", "Failed worker calls.", ("role", "kind"),
                                      registry=r)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r)

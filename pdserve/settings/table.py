@@ -255,6 +255,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mode_hint", str, "", "start with no workers in this mode; workers join via POST /v1/pdserve/workers",
             (R,), choices=ROUTER_MODES, flag="--mode", group="server",
             advice="colocated, disaggregated or elastic"),
+    Setting("prefiller_header", bool, False, "run as a gateway's decode sidecar, beside the one --decode worker: a "
+            "request whose x-prefiller-host-port (set by the endpoint picker, pdserve picker or llm-d's) names a "
+            "registered prefill worker runs prefill there and decode on the local D (the router's P -> D path); "
+            "one without it, or naming a host:port that is not a registered prefill worker (never dialled), runs "
+            "whole on the local D (docs/picker.md)", (R,), flag="--prefiller-header", group="server"),
     Setting("connect_timeout_s", float, 5.0, "seconds to connect to a worker", (R,), unit="s", minimum=0,
             above=True, group="server", advice="must be > 0 seconds"),
     Setting("upstream_idle_timeout_s", float, 120.0, "fail a request when its worker sends nothing for this long",
@@ -342,6 +347,11 @@ SETTINGS: tuple[Setting, ...] = (
             group="picker", advice="a host name or IP address"),
     Setting("picker_port", int, 9002, "the picker's gRPC port (0 = a free port; 9002 is the Gateway API Inference "
             "Extension's default)", (PK,), minimum=0, maximum=65535, advice=_PORT, group="picker"),
+    Setting("destination_port", int, 0, "the port x-gateway-destination-endpoint names on the chosen decode "
+            "worker's host: its routing sidecar's (pdserve router --prefiller-header beside it, the InferencePool's "
+            "target port), which runs P's prefill and D's decode; 0: the decode worker's own port (D serves the "
+            "request whole)", (PK,), minimum=0, maximum=65535, metavar="PORT", group="picker",
+            advice="use a TCP port 1-65535 (the decode pods' sidecar port), or 0 for the decode worker's own"),
     Setting("prefill_dns", str, "", "follow the prefill pool's ready workers under this DNS NAME:PORT (a headless "
             "Service): added as they appear, removed when gone (pdserve.kube.discovery's rules; empty: --prefill "
             "only)", (PK, IX), metavar="NAME:PORT", group="picker"),

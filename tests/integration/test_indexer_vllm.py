@@ -212,21 +212,83 @@ def _ext_proc(port: int, body: dict) -> dict[str, str]:
     return got
 
 
+def _sidecar_argv(cluster, port: int) -> list[str]:
+    """pdserve's router as the decode worker's sidecar (--prefiller-header): the one D, the prefill pool."""
+    return [sys.executable, "-m", "pdserve.router", "--model-dir", str(cluster.model_dir), "--served-model-name", "rl",
+            "--max-model-len", "2048", "--prefill", *cluster.worker_urls("prefill"),
+            "--decode", *cluster.worker_urls("decode"), "--prefiller-header", "--host", "127.0.0.1",
+            "--port", str(port), "--no-calibrate"]
+
+
+def _post_with(url: str, body: Any, headers: dict[str, str]) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _prompt_tokens(url: str, source: str = "") -> float:
+    """A worker's prompt tokens (vLLM's counters): all, or those of one source (external_kv_transfer: read from P)."""
+    if not source:
+        return sum(scrape(url, "vllm:prompt_tokens_total").values())
+    return sum(v for k, v in scrape(url, "vllm:prompt_tokens_by_source_total", labels=True).items()
+               if f'source="{source}"' in k)
+
+
+def _through_sidecar(cluster, side: str, picker_port: int) -> None:
+    """The gateway's two steps for a prompt no worker holds: the picker (ext-proc) names P and D, then the request,
+    with the picker's headers, goes to the picked D's sidecar (this test's router --prefiller-header beside the
+    stack's one D). P computes the prompt (its prompt-token counter grows by it, no other P's), D reads P's KV (its
+    external_kv_transfer tokens grow) and the answer is one worker's (D alone, asked afterwards), token for token.
+    A header naming a host outside the prefill pool is never dialled: the whole request on D, the same tokens."""
+    ps, d = cluster.worker_urls("prefill"), cluster.worker_urls("decode")[0]
+    rng = random.Random(41)
+    prompt = [rng.randrange(1000, 30000) for _ in range(3 * BLOCK + 17)]
+    body = {"model": "rl", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    picked = _ext_proc(picker_port, body)
+    assert "http://" + picked["x-gateway-destination-endpoint"] == d  # the sidecar is the one beside this D
+    p = "http://" + picked["x-prefiller-host-port"]
+    before = {u: _prompt_tokens(u) for u in ps}
+    read = _prompt_tokens(d, "external_kv_transfer")
+    out = _post_with(side + "/v1/completions", body, {"x-prefiller-host-port": picked["x-prefiller-host-port"]})
+    assert _prompt_tokens(p) - before[p] >= len(prompt)  # P prefilled it ...
+    assert all(_prompt_tokens(u) == before[u] for u in ps if u != p)  # ... and no other P
+    assert _prompt_tokens(d, "external_kv_transfer") > read  # D read P's KV
+    m = scrape(side, "pdserve_router_", labels=True)
+    assert m.get('pdserve_router_sidecar_pairs_total{outcome="pair"}') == 1.0, m
+    assert sum(v for k, v in m.items() if k.startswith("pdserve_router_handoffs_total") and (
+        'outcome="kv"' in k or 'outcome="early"' in k)) >= 1, m
+    want = _post(d + "/v1/completions", body)["choices"][0]["token_ids"]  # one worker's answer
+    assert out["choices"][0]["token_ids"] == want
+    before = {u: _prompt_tokens(u) for u in ps}
+    out = _post_with(side + "/v1/completions", body, {"x-prefiller-host-port": "169.254.169.254:80"})
+    assert out["choices"][0]["token_ids"] == want
+    assert all(_prompt_tokens(u) == before[u] for u in ps)  # no P asked
+    m = scrape(side, "pdserve_router_sidecar_pairs_total", labels=True)
+    assert m.get('pdserve_router_sidecar_pairs_total{outcome="unknown_host"}') == 1.0, m
+
+
 def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
     """Two pickers (no leader) seeded from one indexer and following the same workers place the same prefix on
-    the same prefill worker; the picked P and D serve the request end to end (the test is the gateway's sidecar:
-    P's one-token prefill, then D with P's kv_transfer_params, as llm-d's decode sidecar does), token for token
-    what the router answers; and the picked D alone, as a gateway without a sidecar sends it, answers the same."""
+    the same prefill worker; the picked P and D serve the request end to end: P's one-token prefill, then D with
+    P's kv_transfer_params (what llm-d's decode sidecar does), and through pdserve's router as the picked D's
+    sidecar (--prefiller-header, with the picker's headers), token for token what the router answers; and the
+    picked D alone, as a gateway without a sidecar sends it, answers the same."""
     from pdserve.launch.commands import kv_publisher_entry
     from pdserve.launch.ports import free_port
 
     entries = [kv_publisher_entry(w) for w in cluster.plan.workers if w.kv_events_endpoint]
     ix = Indexer(entries, tmp_path / "index.snap", tmp_path / "indexer.log")
     pickers: list[subprocess.Popen] = []
+    side_port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open(tmp_path / "sidecar.log", "ab") as log:  # first: its start-up overlaps the indexer's and the pickers'
+        sidecar = subprocess.Popen(_sidecar_argv(cluster, side_port), stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True)
     try:
         ix.start()
         ports = [free_port(), free_port()]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         for i, port in enumerate(ports):
             argv = [sys.executable, "-m", "pdserve.picker", "--model-dir", str(cluster.model_dir),
                     "--prefill", *cluster.worker_urls("prefill"), "--decode", *cluster.worker_urls("decode"),
@@ -235,11 +297,13 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
             with open(tmp_path / f"picker{i}.log", "ab") as log:
                 pickers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True))
-        for i, (proc, port) in enumerate(zip(pickers, ports)):  # up (it imports transformers: slow on busy cores)
+        side = f"http://127.0.0.1:{side_port}"
+        started = [(proc, port, f"picker{i}") for i, (proc, port) in enumerate(zip(pickers, ports))]
+        for proc, port, name in [*started, (sidecar, side_port, "sidecar")]:  # up (transformers: slow to import)
             deadline = time.monotonic() + 240
             while not _listening(port):
-                assert proc.poll() is None, (tmp_path / f"picker{i}.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the picker did not listen in 240 s"
+                assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"the {name} did not listen in 240 s"
                 time.sleep(0.5)
         rng = random.Random(40)
         prefix = [rng.randrange(1000, 30000) for _ in range(5 * BLOCK)]
@@ -262,8 +326,8 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
                           {"model": "rl", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                            "return_token_ids": True})
             assert [t1] + rest["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
-            # what a gateway does today (no decode sidecar is shipped): the request as the client sent it, to the
-            # picked D alone, which serves it whole (its own prefill): the same tokens
+            # a gateway without the sidecar: the request as the client sent it, to the picked D alone, which
+            # serves it whole (its own prefill): the same tokens
             whole = _post(d + "/v1/completions", {"model": "rl", "prompt": prompt, "max_tokens": 6, "temperature": 0,
                                                   "ignore_eos": True, "return_token_ids": True})
             assert whole["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
@@ -275,8 +339,9 @@ def test_pickers_active_active_pick_endpoints_that_serve(cluster, tmp_path):
                     time.sleep(0.2)
                 time.sleep(1.0)
         assert outs[0] == outs[1], "the second picker did not follow the prefix the first one placed"
+        _through_sidecar(cluster, side, ports[0])
     finally:
-        for proc in pickers:
+        for proc in [*pickers, sidecar]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)

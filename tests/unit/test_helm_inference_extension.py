@@ -68,7 +68,7 @@ def test_pool_picker_and_service_are_wired_together():
     labels = decode["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     ports = [p["containerPort"] for c in decode["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8000] and 8000 in ports
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8200] and 8200 in ports  # the routing sidecar
     ref = pool["spec"]["endpointPickerRef"]
     svc = by_kind(docs, "Service")[ref["name"]]
     assert ref["kind"] == "Service" and svc["spec"]["ports"][0]["port"] == ref["port"]["number"] == 9002
@@ -79,6 +79,7 @@ def test_pool_picker_and_service_are_wired_together():
     assert c["command"] == ["python3", "-m", "pdserve.picker"]
     a = build_parser().parse_args(c["args"])  # the picker's own CLI takes the chart's flags
     assert a.picker_port == 9002 and a.picker_host == "0.0.0.0" and a.policy == "conductor"
+    assert a.destination_port == 8200  # the decode pods' routing sidecar, the pool's target port
     assert a.prefill == [] and a.decode == [] and a.kv_events_port == 5557
     assert a.prefill_dns == f"{FULL}-prefill.{NAMESPACE}.svc:8000"
     assert a.decode_dns == f"{FULL}-decode.{NAMESPACE}.svc:8000"
@@ -88,7 +89,39 @@ def test_pool_picker_and_service_are_wired_together():
     for name in (a.prefill_dns, a.decode_dns):
         assert svcs[name.split(".")[0]]["spec"]["clusterIP"] == "None"
     gw = by_kind(docs, "NetworkPolicy")[f"{FULL}-inference-gateway"]
-    assert {p["port"] for p in gw["spec"]["ingress"][0]["ports"]} == {9002, 8000}
+    assert {p["port"] for p in gw["spec"]["ingress"][0]["ports"]} == {9002, 8200}
+
+
+def test_decode_pods_get_the_routing_sidecar():
+    """The decode pods (only they) run pdserve's router --prefiller-header beside vLLM, on the pool's target port,
+    with the pod's vLLM as its one --decode; a discovery container adds the prefill pool to it through its
+    membership API. The router's and discovery's own CLIs take the chart's flags."""
+    from pdserve.kube.discovery import build_parser as discovery_parser
+    from pdserve.router.__main__ import build_parser
+
+    docs = render(*ON)
+    deps = by_kind(docs, "Deployment")
+    pod = deps[f"{FULL}-decode"]["spec"]["template"]["spec"]
+    cs = {c["name"]: c for c in pod["containers"]}
+    assert set(cs) == {"vllm", "decode-sidecar", "sidecar-discovery"}
+    side = cs["decode-sidecar"]
+    assert side["command"] == ["python3", "-m", "pdserve.router"]
+    a = build_parser().parse_args(side["args"])
+    assert a.prefiller_header and a.port == 8200 and a.host == "0.0.0.0"
+    assert a.decode == ["http://127.0.0.1:8000"] and not a.prefill
+    assert {p["name"]: p["containerPort"] for p in side["ports"]} == {"sidecar": 8200}
+    d = discovery_parser().parse_args(cs["sidecar-discovery"]["args"])
+    assert d.router == "http://127.0.0.1:8200" and d.prefill_dns == f"{FULL}-prefill.{NAMESPACE}.svc:8000"
+    assert not d.decode_dns
+    assert [c["name"] for c in deps[f"{FULL}-prefill"]["spec"]["template"]["spec"]["containers"]] == ["vllm"]
+    nixl = by_kind(render(*ON, "kvConnector=nixl", "lora.enabled=true"), "Deployment")[f"{FULL}-decode"]
+    side = {c["name"]: c for c in nixl["spec"]["template"]["spec"]["containers"]}["decode-sidecar"]
+    a = build_parser().parse_args(side["args"])  # the data plane and LoRA as the router's
+    assert a.kv_connector == "nixl" and a.enable_lora
+    off = by_kind(render(), "Deployment")[f"{FULL}-decode"]["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in off] == ["vllm"]
+    assert [c["name"] for c in pod["initContainers"]] == ["fetch-tokenizer"]  # the sidecar's tokenizer (source hf)
+    assert a.model_dir == "/models/router-tokenizer"
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

@@ -90,6 +90,30 @@ def test_picks_the_prefix_holder_and_releases_it(model_dir, tokenizer):  # noqa:
     asyncio.run(main())
 
 
+def test_destination_port_names_the_decode_pods_sidecar(model_dir, tokenizer):  # noqa: F811
+    """--destination-port: the destination is that port on D's host (the routing sidecar beside D, the
+    InferencePool's target port); P stays the prefill worker's own address."""
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0, destination_port=8200)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                body = json.dumps({"model": "m", "prompt": list(range(5, 25)), "max_tokens": 3}).encode()
+                out = await _exchange(stub, _headers(), _body(body))
+                got = _set(out[1])
+                assert got[protocol.DESTINATION] == "127.0.0.1:8200" and got[protocol.PREFILLER] in (
+                    "127.0.0.1:18001", "127.0.0.1:18002")
+                meta = out[1].dynamic_metadata.fields[protocol.METADATA_NAMESPACE].struct_value
+                assert meta.fields[protocol.DESTINATION].string_value == "127.0.0.1:8200"
+        finally:
+            await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
+
+
 def test_refusals_are_immediate_openai_errors(model_dir, tokenizer):  # noqa: F811
     async def main() -> None:
         picker = _picker(model_dir, tokenizer, ttft_slo_ms=1e-6)

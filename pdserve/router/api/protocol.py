@@ -68,6 +68,7 @@ class GenerationRequest:
     request_id: str = ""  # the router's own, unique: the conductor's and the workers' request id
     response_id: str = ""  # the answer's id when the client named the request (vLLM: prefix + its request_id)
     lora: str | None = None  # the LoRA adapter ``model`` names (set by the router's model check): P and D run it
+    gateway_pair: Any = None  # --prefiller-header: the pair the gateway's picker chose (router/fleet/sidecar.Pair)
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # top alternatives per output token (chat: top_logprobs); None: no logprobs
     echo: bool = False  # completions: the prompt (and its logprobs) before the output

@@ -37,7 +37,8 @@ from ..api.tools import ToolSupport
 from ..api.truncation import truncated_max_tokens
 from ..config import RouterConfig
 from ..errors import RouterError, bad_request
-from ..fleet.placement import Placement
+from ..fleet.placement import ConductorPlacement, Placement
+from ..fleet.sidecar import SidecarPlacement, pair_for
 from ..metrics import RouterMetrics
 from ..run.beam_search import BeamSearch
 from ..run.choices import Choice, choice_seed, sum_usage
@@ -132,6 +133,9 @@ class Intake:
         if request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes"):
             req.timings = True
         req.lora = self.models.adapter(req.model)
+        if self.config.prefiller_header:  # a gateway's decode sidecar: the picker's pair (fleet/sidecar.py)
+            req.gateway_pair = pair_for(request.headers, self.placement.registry, self.config.decode[0])
+            self.metrics.sidecar_pairs.labels(req.gateway_pair.outcome).inc()
         self.models.refuse_prompt_scoring(req.prompt_logprobs, req.echo, req.logprobs)
 
     async def start(self, req: GenerationRequest, request: web.Request, body: dict[str, Any], visit: Visit
@@ -250,5 +254,8 @@ class Intake:
                                     request_timeout_s=self.config.request_timeout_s,
                                     handoff_timeout_s=self.config.handoff_timeout_s,
                                     probe_timeout_s=self.config.health_timeout_s)
-        return Generation(req, ids, max_tokens, traced_placement(self.placement), client, self.metrics, t,
+        placement: Placement = self.placement
+        if req.gateway_pair is not None and isinstance(self.placement, ConductorPlacement):
+            placement = SidecarPlacement(self.placement, req.gateway_pair)  # first round on the picker's pair
+        return Generation(req, ids, max_tokens, traced_placement(placement), client, self.metrics, t,
                           self.config.mode, detok, options)

@@ -108,11 +108,35 @@ class ConductorPlacement:
             if d.code == "slo" and not exclude:
                 self.refusals.refused(refusal(c.config, d, rid, now, len(prompt_ids), max_tokens))
             raise too_busy(d)
+        return self._ticket(d, keys, len(prompt_ids), max_tokens, exclude, now)
+
+    def choose_on(self, prompt_ids: Sequence[int], prefill: str | None, decode: str, reason: str,
+                  request_id: str = "", max_tokens: int = 16, domain: int = ROOT_KEY) -> PlacementTicket:
+        """A ticket on workers named from outside (:mod:`.sidecar`: the pair a gateway's picker chose): P
+        ``prefill`` -> D ``decode``, or the whole request on ``decode`` (``prefill`` None); everything after the
+        choice (reservation, record, release) as :meth:`choose`'s. RouterError 503 when a named worker left."""
+        t0 = time.perf_counter()
+        c = self.conductor
+        rid = request_id or f"req-{next(self._ids)}"
+        keys = block_hashes(prompt_ids, c.config.block_size, domain) if c.config.policy == "conductor" else ()
+        try:
+            d = c.place_on(PlacementRequest(rid, len(prompt_ids), keys, max_tokens), prefill, decode, reason)
+        except NoWorker as e:
+            raise unavailable(str(e)) from None
+        finally:
+            self.decision_seconds.append(time.perf_counter() - t0)
+        return self._ticket(d, keys, len(prompt_ids), max_tokens, frozenset(), self.clock())
+
+    def _ticket(self, d: Decision, keys: Sequence[int], prompt_tokens: int, max_tokens: int,
+                exclude: frozenset[str], now: float) -> PlacementTicket:
+        """The ticket of decision ``d`` (placed, not rejected): the neighbour the refusal replay judges by, the
+        placeholders, the record and, elastic, the moves it causes."""
+        c, rid = self.conductor, d.request_id
         ticket = PlacementTicket(c, self.registry, d, self.clock)
         computes = d.prefill if d.kind == "disaggregated" else d.decode
         if not exclude and computes is not None and d.decode is not None:  # a first placement: a neighbour
-            self.refusals.placed(rid, Neighbour(now, computes, d.decode, len(prompt_ids) - d.cached_tokens,
-                                                len(prompt_ids), len(prompt_ids) + max_tokens))
+            self.refusals.placed(rid, Neighbour(now, computes, d.decode, prompt_tokens - d.cached_tokens,
+                                                prompt_tokens, prompt_tokens + max_tokens))
         if computes is not None:
             for placed in self.on_placed:
                 placed(computes, keys)

@@ -318,3 +318,96 @@ initContainers:
         mountPath: /models
 {{- end }}
 {{- end -}}
+
+{{- /* The decode pods' routing sidecar (inferenceExtension.enabled): pdserve's router --prefiller-header beside
+the pod's vLLM (its one --decode), on the InferencePool's target port, so the gateway's destination lands on it; it
+runs P's prefill on the prefill worker the picker named in x-prefiller-host-port and D on this pod (docs/picker.md).
+The prefill pool joins it through its membership API, from a discovery container following the prefill pool's
+headless Service. Called with (list $ $p), $p the decode pool's values. */}}
+{{- define "pdserve.decodeSidecar" -}}
+{{- $ := index . 0 -}}
+{{- $p := index . 1 -}}
+{{- $s := $.Values.inferenceExtension.sidecar -}}
+{{- $r := $.Values.router -}}
+- name: decode-sidecar
+  image: {{ include "pdserve.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command: [{{ $.Values.python | quote }}, "-m", "pdserve.router"]
+  args:
+    - --prefiller-header
+    - --host
+    - 0.0.0.0
+    - --port
+    - {{ $s.port | quote }}
+    - --decode
+    - {{ printf "http://127.0.0.1:%d" (int $p.port) }}
+    - --model-dir
+    - {{ include "pdserve.routerModelDir" $ }}
+    - --served-model-name
+    - {{ include "pdserve.servedName" $ | quote }}
+    - --max-model-len
+    - {{ $.Values.model.maxModelLen | quote }}
+    {{- if $.Values.lora.modules }}
+    # the adapters every worker loads (as the router's): model=NAME runs on P and D
+    - --lora-modules
+    - {{ include "pdserve.loraModules" $ | quote }}
+    {{- else if $.Values.lora.enabled }}
+    - --enable-lora
+    {{- end }}
+    {{- $kvc := include "pdserve.kvConnector" $ }}
+    {{- if ne $kvc "pdserve" }}
+    # the workers' data plane (as the router's): vLLM's NixlConnector or MooncakeConnector hand-off
+    - --kv-connector
+    - {{ $kvc }}
+    {{- if eq $kvc "mooncake" }}
+    - --mooncake-bootstrap-port
+    - {{ $.Values.mooncake.bootstrapPort | quote }}
+    {{- end }}
+    {{- end }}
+    {{- range $s.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    - name: PYTHONUNBUFFERED
+      value: "1"
+    {{- include "pdserve.adminTokenEnv" $ | nindent 4 }}
+  ports:
+    - name: sidecar
+      containerPort: {{ $s.port }}
+      protocol: TCP
+  readinessProbe:
+    httpGet:
+      path: /ready
+      port: sidecar
+    periodSeconds: 5
+  livenessProbe:
+    tcpSocket:
+      port: sidecar
+    periodSeconds: 10
+    failureThreshold: 6
+  resources:
+    {{- toYaml $s.resources | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+      readOnly: true
+- name: sidecar-discovery
+  image: {{ include "pdserve.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command: [{{ $.Values.python | quote }}, "-m", "pdserve.kube.discovery"]
+  args:
+    - --router
+    - {{ printf "http://127.0.0.1:%d" (int $s.port) }}
+    - --prefill-dns
+    - {{ printf "%s:%d" (include "pdserve.poolHost" (list $ "prefill")) (int $.Values.prefill.port) }}
+    - --interval
+    - {{ $r.discovery.intervalSeconds | quote }}
+    - --absent-rounds
+    - {{ $r.discovery.absentRounds | quote }}
+  env:
+    - name: PYTHONUNBUFFERED
+      value: "1"
+    {{- include "pdserve.adminTokenEnv" $ | nindent 4 }}
+  resources:
+    {{- toYaml $r.discovery.resources | nindent 4 }}
+{{- end -}}
