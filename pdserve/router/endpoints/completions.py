@@ -10,7 +10,7 @@ from ..api.response import ResponseBuilder
 from ..api.tokenizer import PromptTokenizer
 from ..errors import RouterError
 from ..run.answer import collect, refused_in_stream, stream
-from ..run.beam_search import wants_beam_search
+from ..run.beam_search import refuse_crashing_values, wants_beam_search
 from .context import RouterContext
 from .intake import Intake
 
@@ -32,9 +32,7 @@ class GenerateEndpoint:
                     body = parse_json(await door.read_body(request))
                     if wants_beam_search(body):  # vLLM's serving layer runs it: the whole request on one worker
                         lora = door.models.adapter(body.get("model"))  # 404 for an unknown model, as always
-                        # the body's fields checked as on any request: a value vLLM's request model crashes on (e.g.
-                        # structured_outputs as a list: its validator raises AttributeError, a 500) is refused by name
-                        parse_chat(body) if self.kind == "chat" else parse_completion(body)
+                        refuse_crashing_values(body)  # what vLLM's request model answers with a 500
                         resp = await door.beam.answer(request, self.kind, body, lora)
                         visit.status = str(resp.status)
                         return resp

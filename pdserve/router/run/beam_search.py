@@ -26,7 +26,7 @@ from ..errors import bad_request, deadline_exceeded, upstream_failed
 from ..fleet.placement import Placement
 from ..workers.client import WorkerClient, WorkerError
 
-__all__ = ["BeamSearch", "wants_beam_search"]
+__all__ = ["BeamSearch", "refuse_crashing_values", "wants_beam_search"]
 
 log = logging.getLogger("pdserve.router")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -42,6 +42,17 @@ def wants_beam_search(body: Any) -> bool:
     v = body.get("use_beam_search")
     return v not in (None, False, 0) and not (isinstance(v, str) and v.lower() in ("0", "off", "f", "false", "n",
                                                                                     "no"))
+
+
+def refuse_crashing_values(body: dict[str, Any]) -> None:
+    """Refuse (400, by name) the values vLLM 0.32's request model crashes on instead of refusing: its
+    ``check_structured_outputs_count`` validator runs before the field's type check and calls ``.get`` on
+    ``structured_outputs``, so anything but an object or null is an AttributeError there, a 500. The body goes to
+    the worker otherwise unchecked: beam search builds no ``SamplingParams`` (no ``n`` / greedy rule, for one), and
+    vLLM's own refusals come back in its words."""
+    so = body.get("structured_outputs")
+    if so is not None and not isinstance(so, dict):
+        raise bad_request("'structured_outputs' must be an object", "structured_outputs")
 
 
 class BeamSearch:
