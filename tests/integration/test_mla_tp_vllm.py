@@ -10,7 +10,7 @@ Why TP 1 and TP 2 used to answer differently (measured with ``benchmarks/mla_tp_
 ``custom_ops=['all']`` takes) rotates MLA's strided ``q_pe`` view differently with 4 heads than with 2 (rows 1-152 of a
 305-token prompt), so the prefill's attention, and every latent after layer 0, differ across TP degrees; layer 0's
 latent is bit-identical on TP 1 and on both TP 2 ranks. The workers here use vLLM's native rotary
-(``custom_ops: ["-rotary_embedding"]``), with which TP 1 and TP 2 latents agree to fp32 reduction order (relative
+(``-cc.custom_ops+=-rotary_embedding``), with which TP 1 and TP 2 latents agree to fp32 reduction order (relative
 1e-6) and match transformers' forward: then D continuing from P's TP 2 latent answers as from a TP 1 latent, and plain
 vLLM at TP 1 and TP 2 agree. D's read is verified against P rank 0's per-head checksums (``kv_checksum``, on by
 default): a mismatch would log a checksum failure and recompute.
@@ -35,7 +35,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 GEN = 8
 BLOCK = 16  # vLLM's CPU MLA block size
-NATIVE_ROPE = json.dumps({"custom_ops": ["-rotary_embedding"]})  # not vLLM's CPU rotary kernel (see the docstring)
+NATIVE_ROPE = "-cc.custom_ops+=-rotary_embedding"  # vLLM's PyTorch rotary, not its CPU kernel (see the docstring)
 
 
 def _post(url: str, prompt: list[int], max_tokens: int = GEN, **extra) -> dict:
@@ -68,7 +68,7 @@ def test_mla_tp2_to_tp1_moves_the_latent_once(tmp_path):
     per_token = layers * (KV_LORA_RANK + ROPE_DIM) * 4  # one fp32 latent per token and layer
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="m", run_dir=str(tmp_path / "run"), worker_timeout_s=1200, pool=False,
-                         restart=False, prefill_tp=2, decode_tp=1, worker_args=("--attention-backend", "CPU_MLA", "--compilation-config", NATIVE_ROPE),
+                         restart=False, prefill_tp=2, decode_tp=1, worker_args=("--attention-backend", "CPU_MLA", NATIVE_ROPE),
                          lease_s=600)  # (three ranks on two busy cores: a 30 s lease ran out under a read once)
     agree: dict[str, list[int]] = {"d_from_tp2_equals_d_from_tp1": [], "plain_tp1_equals_tp2": []}
     with Cluster(cfg) as c:
