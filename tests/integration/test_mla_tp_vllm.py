@@ -68,7 +68,8 @@ def test_mla_tp2_to_tp1_moves_the_latent_once(tmp_path):
     per_token = layers * (KV_LORA_RANK + ROPE_DIM) * 4  # one fp32 latent per token and layer
     cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype="float32", max_model_len=2048,
                          served_model_name="m", run_dir=str(tmp_path / "run"), worker_timeout_s=1200, pool=False,
-                         restart=False, prefill_tp=2, decode_tp=1, worker_args=("--attention-backend", "CPU_MLA", NATIVE_ROPE),
+                         restart=False, prefill_tp=2, decode_tp=1,
+                         worker_args=("--attention-backend", "CPU_MLA", NATIVE_ROPE),
                          lease_s=600)  # (three ranks on two busy cores: a 30 s lease ran out under a read once)
     agree: dict[str, list[int]] = {"d_from_tp2_equals_d_from_tp1": [], "plain_tp1_equals_tp2": []}
     with Cluster(cfg) as c:
