@@ -4,13 +4,15 @@
 
 Two real 1P1D stacks through the launcher, one after the other (router, P and D vLLM CPU workers, one core each, KV
 pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``): the first with layer-wise
-KV on (the default), the second with ``--no-layerwise-kv``. Each stack gets two more routers over the same two
-workers: one started with ``--no-early-dispatch`` (the serial hand-off, that stack's baseline) and one with
-``--no-early-continue`` (early dispatch where D regenerates P's first token and the router compares). On each stack
-the requests rotate between its three routers (which one goes first rotates too), one at a time, each with its own
-random prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has six paths:
-``all`` (everything on: early dispatch, layer-wise KV, D continuing after P's first token), ``layerwise`` (early +
-layer-wise, D regenerates t1) and ``serial`` on the first stack; ``early_cont`` (early, whole-prompt read, D
+KV on (the default), the second with ``--no-layerwise-kv``. Each stack gets more routers over the same two workers:
+one started with ``--no-early-dispatch`` (the serial hand-off, that stack's baseline), one with ``--early-continue
+never`` (early dispatch where D regenerates P's first token and the router compares) and, on the first stack, one with
+``--early-continue always`` (D always continues after P's first token, the default before ``auto``). On each stack
+the requests rotate between its routers (which one goes first rotates too), one at a time, each with its own random
+prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has seven paths: ``all`` (the
+defaults: early dispatch, layer-wise KV, ``--early-continue auto``, which regenerates a greedy request's t1 where P
+says it sends layer by layer), ``always`` (early + layer-wise, D continues after P's t1), ``layerwise`` (early +
+layer-wise, D regenerates t1) and ``serial`` on the first stack; ``early_cont`` (early, whole-prompt read: ``auto``
 continues), ``early`` (early, whole-prompt read, D regenerates t1) and ``serial_off`` on the second. Per request, at
 the client:
 
@@ -166,17 +168,18 @@ def second_router(model: str, name: str, max_len: int, p: str, d: str, log: Path
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    child = spawn_healthy(f"router{flag}", [
+    child = spawn_healthy(f"router{flag.replace(' ', '=')}", [
         sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", model,
         "--served-model-name", name, "--max-model-len", str(max_len), "--prefill", p, "--decode", d,
-        flag], url, timeout_s=180, log_path=log)
+        *flag.split()], url, timeout_s=180, log_path=log)
     return child, url
 
 
 # stack -> (layerwise_kv, {path name: the flag of its router; "" is the cluster's own router})
-STACKS = {"on": (True, {"all": "", "layerwise": "--no-early-continue", "serial": "--no-early-dispatch"}),
-          "off": (False, {"early_cont": "", "early": "--no-early-continue", "serial_off": "--no-early-dispatch"})}
-PATHS = ("serial", "layerwise", "all", "serial_off", "early", "early_cont")
+STACKS = {"on": (True, {"all": "", "always": "--early-continue always", "layerwise": "--early-continue never",
+                        "serial": "--no-early-dispatch"}),
+          "off": (False, {"early_cont": "", "early": "--early-continue never", "serial_off": "--no-early-dispatch"})}
+PATHS = ("serial", "layerwise", "always", "all", "serial_off", "early", "early_cont")
 KEYS = ("ttft", "gap", "tpot", "read", "busy", "hidden", "prefill_tps", "batches")
 
 
@@ -287,8 +290,11 @@ def main() -> None:
                   f"{s['tpot_p50']:8.1f} {s['gap_over_tpot']:8.2f} {s['read_p50']:8.1f} {s['busy_p50']:8.1f} "
                   f"{s['batches_p50']:7.0f} {s['hidden_mean']:6.2f} {s['prefill_tps_p50']:8.0f}")
         lw, se, ea, so = per["layerwise"], per["serial"], per["early"], per["serial_off"]
-        al, ec = per["all"], per["early_cont"]
+        al, ec, aw = per["all"], per["early_cont"], per["always"]
         per["ratios"] = {
+            "gap_p50_all_over_always": ratio(al["gap_p50"], aw["gap_p50"]),
+            "gap_over_tpot_always": aw["gap_over_tpot"],
+            "gap_over_tpot_layerwise": lw["gap_over_tpot"],
             "gap_p50_all_over_serial": ratio(al["gap_p50"], se["gap_p50"]),
             "gap_p50_all_over_layerwise": ratio(al["gap_p50"], lw["gap_p50"]),
             "gap_p50_early_cont_over_early": ratio(ec["gap_p50"], ea["gap_p50"]),
@@ -308,7 +314,8 @@ def main() -> None:
         per["p_answer_cpu_ms"] = round(p_cpu.get(n, float("nan")), 3)
         per["ratios"]["p_answer_cpu_over_serial_ttft"] = ratio(per["p_answer_cpu_ms"], se["ttft_p50"])
         r = per["ratios"]
-        print(f"{n:>6}  gap p50 all/serial {r['gap_p50_all_over_serial']:.2f}, all/layerwise "
+        print(f"{n:>6}  gap p50 all/always {r['gap_p50_all_over_always']:.2f}, all/serial "
+              f"{r['gap_p50_all_over_serial']:.2f}, all/layerwise "
               f"{r['gap_p50_all_over_layerwise']:.2f}, early_cont/early {r['gap_p50_early_cont_over_early']:.2f}; "
               f"gap/TPOT all {r['gap_over_tpot_all']:.2f}, serial {r['gap_over_tpot_serial']:.2f}")
         print(f"{n:>6}  gap p50 layerwise/serial {r['gap_p50_layerwise_over_serial']:.2f}, early/serial_off "

@@ -278,7 +278,7 @@ class LauncherConfig:
     kv_checksum: bool = _d("kv_checksum")
     layerwise_kv: bool = _d("layerwise_kv")  # an early hand-off's KV moves layer by layer (pdserve's connector)
     early_dispatch: bool = _d("early_dispatch")  # the router sends D its request while P prefills (pdserve's connector)
-    early_continue: bool = _d("early_continue")  # ... and D continues after P's first token instead of regenerating it
+    early_continue: str = _d("early_continue")  # ... D continues after P's t1 or regenerates it
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     worker_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()

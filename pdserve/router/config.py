@@ -198,7 +198,7 @@ class RouterConfig:
     elastic: tuple[str, ...] = ()  # workers with no fixed role (kv_both): each request colocated or split
     max_num_batched_tokens: int | None = _d("max_num_batched_tokens")  # the workers' per-step token budget
     early_dispatch: bool = _d("early_dispatch")  # pdserve's connector: D is sent its request while P prefills
-    early_continue: bool = _d("early_continue")  # ... and continues after P's first token (no regenerated t1)
+    early_continue: str = _d("early_continue")  # ... D continues after P's t1 or regenerates it
     moves: bool = _d("moves")  # elastic: move running decodes off a worker that starts a long prefill when it pays
     lora_modules: str = _d("lora_modules")  # NAME=PATH,...: the adapters every worker loads (model=NAME)
     enable_lora: bool = _d("enable_lora")  # the workers serve adapters: /v1/(un)load_lora_adapter reach them

@@ -24,6 +24,7 @@ POOL_BACKENDS = ("pdserve", "mooncake")  # the KV pool: pdserve's store, or Moon
 MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: P's bootstrap server on its host
 DTYPES = ("auto", "bfloat16", "float", "float32", "half", "float16")
 ROUTER_MODES = ("", "colocated", "disaggregated", "elastic")
+EARLY_CONTINUE = ("auto", "always", "never")  # an early hand-off's first token: D continues after P's or regenerates it
 TIER_PRICING = ("priced", "flat", "device")  # the conductor's pricing of a prefill's start (docs/conductor.md, "Tiers")
 LEASE_MIN_S = 0.1
 LEASE_MAX_S = 3600.0
@@ -221,14 +222,17 @@ SETTINGS: tuple[Setting, ...] = (
             targets=(Target("conductor", "tier_pricing"),), advice="priced, flat or device"),
     Setting("early_dispatch", bool, True, "send D its request as soon as P and D are chosen, before P answers "
             "(pdserve's connector: D waits in vLLM's WAITING_FOR_REMOTE_KVS for the blocks P announces under a "
-            "hand-off id once its prompt is computed and continues after P's first token, --no-early-continue; vLLM's "
+            "hand-off id once its prompt is computed and continues after P's first token or regenerates it, "
+            "--early-continue; vLLM's "
             "MooncakeConnector: D's pull of the transfer id at once; NixlConnector: never)", (L, R),
             off_flag="--no-early-dispatch", group="placement", argv="changed"),
-    Setting("early_continue", bool, True, "with early dispatch on pdserve's connector, requests whose first token "
-            "P streams: P gives D that token once sampled and D continues after it (its first step samples the "
-            "second token) instead of regenerating it for the router to compare; off: D "
-            "regenerates it (for comparison)", (L, R), off_flag="--no-early-continue", group="placement",
-            argv="changed"),
+    Setting("early_continue", str, "auto", "with early dispatch on pdserve's connector, requests whose first token "
+            "P streams. always: P gives D that token once sampled and D continues after it (its first step samples "
+            "the second token); never: D regenerates it from P's KV and the router checks it equals P's (greedy or "
+            "D-sampled requests only, others go serial); auto: never where P says it announces layers as its "
+            "forward writes them (host memory: D has the whole KV when P's forward ends) and sampling is greedy, "
+            "always otherwise", (L, R), choices=EARLY_CONTINUE, group="placement", argv="changed",
+            advice="auto, always or never"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "
             "conductor predicts it pays", (R, C), off_flag="--no-moves", group="placement",
             targets=(Target("moves", "enabled"),)),

@@ -186,3 +186,4 @@ class PdserveHandshake:
     unit: str = ""  # TP-independent layout signature (pdserve.vllm.shards.unit_signature)
     block_bytes: int = 0  # bytes of one block over every layer of this rank's shard (0: unknown, never sync)
     fingerprint: dict[str, str] = field(default_factory=dict)  # compatibility fingerprint (pdserve.vllm.fingerprint)
+    layerwise: bool = False  # an early hand-off's layers are announced as the forward writes them (host memory)

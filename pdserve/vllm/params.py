@@ -32,6 +32,9 @@ from pdserve.vllm.fingerprint import parse as parse_fingerprint
 
 HANDOFF_PREFIX = "hoff-"  # an early hand-off's id (pdserve.vllm.handoff_board imports it from here)
 NO_EARLY = "pdserve_no_early"  # in P's answer: this fleet's engines cannot continue an early hand-off exactly
+# in P's answer: P announces an early hand-off's layers as its forward writes them (layerwise_kv on host memory), so a
+# D of the same TP and layout has P's whole KV when P's forward ends (the router's --early-continue auto reads it)
+LAYERWISE = "pdserve_layerwise"
 
 # Test-only faults (honoured only with allow_test_faults): "zero" zeroes the received blocks after
 # the read and its checksum check (real corruption of the KV D uses: the negative control); "fail" fails the read

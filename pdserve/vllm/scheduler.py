@@ -44,6 +44,7 @@ from pdserve.vllm.messages import (
 )
 from pdserve.vllm.params import (
     HANDOFF_PREFIX,
+    LAYERWISE,
     NO_EARLY,
     BlockPlan,
     ConnectorConfig,
@@ -606,6 +607,8 @@ class SchedulerSide:
             # continue only P's whole prompt (its next step is t1), never an early hand-off, where it would compute
             # the last prompt token on top of loaded KV (_loadable_tokens); the router then keeps hand-offs serial
             out[NO_EARLY] = True
+        elif hs.layerwise:
+            out[LAYERWISE] = True
         return True, out
 
     def _settle_seal(self, req_id: str) -> None:

@@ -264,7 +264,8 @@ class WorkerSide:
     def handshake(self) -> PdserveHandshake:
         seg = self.engine.segment()
         return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout, self.rank, self.kv_heads,
-                                self.unit, sum(g.block_bytes for g in self.layers), dict(self.fingerprint))
+                                self.unit, sum(g.block_bytes for g in self.layers), dict(self.fingerprint),
+                                self.config.layerwise_kv and self.sums.alg == XXH3U)
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:

@@ -91,12 +91,48 @@ def test_router_pd_output_equals_one_worker(cluster, length):
     assert _metric(cluster.worker_urls("decode")[0], "vllm:pdserve_kv_reads_total") >= reads_before + 2
 
 
-def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster):
+@pytest.fixture(scope="module")
+def always_router(cluster, tmp_path_factory):
+    """A second router over the cluster's P and D with ``--early-continue always``: D continues after P's first token
+    whatever the sampling (the cluster's router, ``auto``, regenerates a greedy t1 from this layer-wise P)."""
+    import sys
+
+    from pdserve.launch.plan import router_env
+    from pdserve.launch.procs import free_port, spawn_healthy, stop_children
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = cluster.config
+    child = spawn_healthy("router-always", [
+        sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(port), "--model-dir", cfg.model,
+        "--served-model-name", "rl", "--max-model-len", str(cfg.max_model_len), "--tool-call-parser", "hermes",
+        "--prefill", cluster.worker_urls("prefill")[0], "--decode", cluster.worker_urls("decode")[0],
+        "--early-continue", "always"], url, timeout_s=120, env=router_env(),
+        log_path=tmp_path_factory.mktemp("router-always") / "router.log")
+    try:
+        yield url
+    finally:
+        stop_children([child])
+
+
+def _handoffs(router: str) -> dict[str, float]:
+    return scrape(router, "pdserve_router_handoffs_total", labels=True)
+
+
+def _grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+@pytest.mark.parametrize("continue_mode", ["always", "auto"])
+def test_early_dispatch_equals_one_worker_continuing_or_regenerating(cluster, always_router, continue_mode):
     """Early dispatch (issue 37): prompts that share a prefix, each sent to D while P prefills it; D waits for P's
-    blocks, reads the ones its prefix cache lacks and continues after P's first token (P's answer carries it). Greedy
-    fp32 output equals the decode worker's alone, token for token: with max_tokens 2, repetition_penalty, min_tokens,
+    blocks and reads the ones its prefix cache lacks. ``always``: D continues after P's first token (P's answer
+    carries it); ``auto`` (the default): this P sends layer by layer (host memory), so a greedy request's D
+    regenerates t1 (the router checks it equals P's) and a sampled one (n > 1, near-greedy) continues. Greedy fp32
+    output equals the decode worker's alone, token for token: with max_tokens 2, repetition_penalty, min_tokens,
     logprobs, n > 1 (near-greedy), and a stop string spanning P's token and D's first. No D gave way to the serial
-    hand-off, and none regenerated P's token: D generated max_tokens - 1 tokens per choice."""
+    hand-off; D generated max_tokens - 1 tokens per continued choice and max_tokens per regenerated one."""
+    router = always_router if continue_mode == "always" else cluster.router_url
     rng = random.Random(37)
     prefix = [rng.randrange(1000, 40000) for _ in range(600)]
     base = {"model": "rl", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -113,11 +149,11 @@ def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster)
     assert len(one) >= 1 and len(two["text"]) > len(one), (one, two)
     stopped = {**bodies[-1], "stop": [stop], "max_tokens": 16}
     stop_ref = _alone(cluster, "/v1/completions", stopped)["choices"][0]
-    _post(cluster.router_url + "/v1/completions", {**base, "prompt": prefix[:40]})  # P is known
-    before = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
+    _post(router + "/v1/completions", {**base, "prompt": prefix[:40]})  # P is known
+    before = _handoffs(router)
     generated = _settled_metric(d_url, "vllm:generation_tokens_total")
     for body, ref in zip(bodies, refs):
-        out = _post(cluster.router_url + "/v1/completions", body)
+        out = _post(router + "/v1/completions", body)
         for mine, theirs in zip(out["choices"], ref["choices"], strict=True):
             assert (mine["text"], mine["token_ids"], mine["finish_reason"]) == \
                 (theirs["text"], theirs["token_ids"], theirs["finish_reason"]), body
@@ -128,20 +164,28 @@ def test_early_dispatch_continues_after_p_s_token_and_equals_one_worker(cluster)
         assert out["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
     choices = sum(b.get("n", 1) for b in bodies)
     d_generated = _settled_metric(d_url, "vllm:generation_tokens_total") - generated
-    assert d_generated == sum(b.get("n", 1) * (len(r["choices"][0]["token_ids"]) - 1) for b, r in zip(bodies, refs))
-    out = _post(cluster.router_url + "/v1/completions", stopped)["choices"][0]
+    regenerates = continue_mode == "auto"
+    assert d_generated == sum(b.get("n", 1) * (len(r["choices"][0]["token_ids"]) - 1 + (
+        regenerates and b["temperature"] == 0)) for b, r in zip(bodies, refs))
+    out = _post(router + "/v1/completions", stopped)["choices"][0]
     assert (out["text"], out["finish_reason"], out["stop_reason"]) == \
         (stop_ref["text"], stop_ref["finish_reason"], stop_ref["stop_reason"])
     assert stop_ref["finish_reason"] == "stop" and len(stop_ref["text"]) < len(one)  # it began inside P's token
-    after = scrape(cluster.router_url, "pdserve_router_handoffs_total", labels=True)
-    grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    grew = _grew(before, _handoffs(router))
     assert grew == {'pdserve_router_handoffs_total{outcome="early"}': float(choices + 1)}, grew
-    # layer-wise KV (issue 37 item 2, on by default): a prompt D has not seen (the ones above are in D's prefix cache
-    # from the references) is read layer by layer, and layers landed on D (verified) while P's forward that computed
-    # them was still running (P answered D's next question with its forward not done); a long prompt makes P's last
-    # forward long enough to see it
+
+
+def test_early_dispatch_moves_a_long_prompt_layer_by_layer(cluster):
+    """Layer-wise KV (issue 37 item 2, on by default): a prompt D has not seen is read layer by layer, and layers
+    landed on D (verified) while P's forward that computed them was still running (P answered D's next question with
+    its forward not done); a long prompt makes P's last forward long enough to see it. Exact against D alone."""
+    rng = random.Random(38)
+    prefix = [rng.randrange(1000, 40000) for _ in range(600)]
+    base = {"model": "rl", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    d_url = cluster.worker_urls("decode")[0]
+    _post(cluster.router_url + "/v1/completions", {**base, "prompt": prefix[:40]})  # P is known
     layered = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}
-    long_body = {**bodies[0], "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(1300)]}
+    long_body = {**base, "prompt": prefix + [rng.randrange(1000, 40000) for _ in range(1300)]}
     out = _post(cluster.router_url + "/v1/completions", long_body)
     assert out["choices"][0]["text"] == _alone(cluster, "/v1/completions", long_body)["choices"][0]["text"]
     now = {k: _metric(d_url, f"vllm:pdserve_kv_{k}_total") for k in ("layerwise_reads", "layers_early")}

@@ -63,6 +63,65 @@ def test_p_without_prefix_caching_says_its_hand_offs_are_serial():
         assert delay and params is not None and bool(params.get("pdserve_no_early")) is flagged
 
 
+def test_p_says_when_it_announces_layers_as_its_forward_writes_them():
+    """A P whose worker reads and writes host memory with layerwise_kv says so in its answers (pdserve_layerwise);
+    one that does not (a device's memory, layerwise_kv off) says nothing."""
+    from dataclasses import replace
+
+    from tests.unit.test_vllm_scheduler import HS as SCHED_HS
+    from tests.unit.test_vllm_scheduler import p_finished, side
+
+    for layerwise in (False, True):
+        s = side()
+        s.set_handshake({0: replace(SCHED_HS, layerwise=layerwise)})
+        delay, params = p_finished(s)
+        assert delay and params is not None and (params.get("pdserve_layerwise") is True) is layerwise
+
+
+def test_auto_regenerates_a_greedy_first_token_only_where_p_sends_layer_by_layer():
+    """--early-continue auto: D regenerates t1 (no wait for P's token) where P's last answer said it announces layers
+    as it writes them and sampling is greedy; it continues after P's token otherwise (other sampling, a P that reads
+    whole, a P the book forgot). always and never do what they say."""
+    book = EngineBook()
+    book.learn(P_URL, p_answer())
+    assert book.continues(P_URL, {"temperature": 0.0})  # a whole read: continuing is the faster
+    book.learn(P_URL, p_answer(pdserve_layerwise=True))
+    assert not book.continues(P_URL, {"temperature": 0.0})
+    assert book.continues(P_URL, {"temperature": 0.8}) and book.continues(P_URL, {})  # D's t1 would be its own sample
+    assert book.continues("http://127.0.0.1:9002", {"temperature": 0.0})  # another P
+    book.learn(P_URL, p_answer())  # P restarted with layerwise_kv off
+    assert book.continues(P_URL, {"temperature": 0.0})
+    book.learn(P_URL, p_answer(pdserve_layerwise=True))
+    book.forget(P_URL)
+    book.learn(P_URL, p_answer(pdserve_layerwise="yes"))  # only True counts
+    assert book.continues(P_URL, {"temperature": 0.0})
+    book.learn(P_URL, p_answer(pdserve_layerwise=True))
+    assert EngineBook("always").continues(P_URL, {"temperature": 0.0})
+    never = EngineBook("never")
+    never.learn(P_URL, p_answer())
+    assert not never.continues(P_URL, {"temperature": 0.8})
+    with pytest.raises(ValueError, match="auto, always, never"):
+        EngineBook("sometimes")
+
+
+def test_auto_sends_a_greedy_request_from_a_layer_wise_p_early_without_continuation():
+    """Through the router's generation: the same output, D told to regenerate (no pdserve_continue to P or D) for a
+    greedy request from a layer-wise P, told to continue for a sampled one."""
+    book_placement.clear()
+    book, client = EngineBook(), PDClient()
+    book.learn(P0, p_answer(pdserve_layerwise=True))
+    assert asyncio.run(run_all(pd_run(client, "r1", book))) == [7, 100, 101, 102]
+    calls = dict(client.calls)
+    assert "pdserve_handoff" in calls[D0]["kv_transfer_params"]
+    assert "pdserve_continue" not in calls[D0]["kv_transfer_params"]
+    assert "pdserve_continue" not in calls[P0]["kv_transfer_params"]
+    client.calls.clear()
+    assert asyncio.run(run_all(pd_run(client, "r2", book, temperature=0.8))) == [7, 100, 101, 102]
+    calls = dict(client.calls)
+    assert calls[D0]["kv_transfer_params"]["pdserve_continue"] is True
+    assert calls[P0]["kv_transfer_params"]["pdserve_continue"] is True
+
+
 def test_only_sampling_under_which_d_s_first_token_is_p_s_goes_early():
     assert early_allowed({"temperature": 0}, True) and early_allowed({"temperature": 0.0}, True)
     assert not early_allowed({}, True)  # vLLM's default samples
@@ -333,9 +392,9 @@ def test_a_d_that_cannot_continue_gives_way_to_the_serial_hand_off():
 
 
 def test_a_d_whose_first_token_differs_gives_way_to_the_serial_hand_off():
-    """Without continuation (router --no-early-continue) D regenerates P's token and the router compares."""
+    """Without continuation (router --early-continue never) D regenerates P's token and the router compares."""
     book_placement.clear()
-    book, client = EngineBook(continues=False), PDClient(d_first=9)
+    book, client = EngineBook("never"), PDClient(d_first=9)
     book.learn(P0, p_answer())
     assert asyncio.run(run_all(pd_run(client, "r1", book))) == [7, 100, 101, 102]
     d_calls = [b for u, b in client.calls if u == D0]
@@ -348,7 +407,7 @@ def test_unseeded_random_sampling_stays_serial_unless_d_continues_after_p_s_toke
     """D's regenerated token would be a sample of its own; continuing after P's, D is the serial D."""
     for continues in (False, True):
         book_placement.clear()
-        book, client = EngineBook(continues), PDClient()
+        book, client = EngineBook("always" if continues else "never"), PDClient()
         book.learn(P0, p_answer())
         assert asyncio.run(run_all(pd_run(client, "r1", book, temperature=0.8))) == [7, 100, 101, 102]
         early = ["pdserve_handoff" in b.get("kv_transfer_params", {}) for _, b in client.calls]

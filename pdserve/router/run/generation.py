@@ -374,14 +374,19 @@ class Generation:
     async def _early_params(self, ticket: PlacementTicket) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(P's extra, D's) ``kv_transfer_params`` for an early hand-off on this ticket (:mod:`.early_dispatch`), or
         None: the serial hand-off (early dispatch off, P's engine not known yet, P's token the whole output, or
-        sampling under which D's first token need not be P's)."""
+        sampling under which D's first token need not be P's). Both carry :data:`CONTINUE` where D continues after
+        P's first token (the data plane's choice for this P and sampling)."""
         if self.early is None or ticket.prefill is None or ticket.decode is None:
             return None
         if self.first_from_prefill and self._left < 2:
             return None
-        if not early_allowed(self.req.sampling, self.first_from_prefill, self.early.continues):
+        continues = self.first_from_prefill and self.early.continues(ticket.prefill.url, self.req.sampling)
+        if not early_allowed(self.req.sampling, self.first_from_prefill, continues):
             return None
-        return await self.early.params(ticket.prefill.url, len(self._prompt))
+        early = await self.early.params(ticket.prefill.url, len(self._prompt))
+        if early is None or not continues:
+            return early
+        return {**early[0], CONTINUE: True}, {**early[1], CONTINUE: True}
 
     async def _prefill(self, ticket: PlacementTicket, p: Attempt, body: dict[str, Any]) -> tuple[dict, Any]:
         """P's call: its answer's first choice and its ``kv_transfer_params`` (the book learns P's engine from them;
@@ -468,12 +473,10 @@ class Generation:
         p = self._attempt(ticket, "prefill", "prefill")
         body = self._prefill_body()
         after_first = self.first_from_prefill
-        continues = after_first and self.early is not None and self.early.continues
-        extra = {**early[0], CONTINUE: True} if continues else early[0]
-        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **extra}
+        continues = early[1].get(CONTINUE) is True  # (_early_params: D continues after P's token)
+        body["kv_transfer_params"] = {**body.get("kv_transfer_params", {}), **early[0]}
         expect: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        d, d_deltas = self._early_decode(ticket, {**early[1], CONTINUE: True} if continues else early[1],
-                                         expect if after_first else None, continues)
+        d, d_deltas = self._early_decode(ticket, early[1], expect if after_first else None, continues)
         d_first = asyncio.ensure_future(d_deltas.__anext__())
         self.metrics.handoffs.labels("early").inc()
         try:

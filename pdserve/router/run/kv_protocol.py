@@ -78,7 +78,7 @@ class PdserveProtocol(KVProtocol):
     name = "pdserve"
     first_from_prefill = True
 
-    def __init__(self, early: bool = True, continues: bool = True) -> None:
+    def __init__(self, early: bool = True, continues: str = "auto") -> None:
         self.book: EngineBook | None = EngineBook(continues) if early else None
 
     def prefill_params(self) -> dict[str, Any]:
@@ -208,7 +208,8 @@ class MooncakeEarly:
     socket waits ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` + 60 s): D's blocks stay allocated that long, then D
     computes the prompt. The router closes such a D and sends the serial request."""
 
-    continues = False  # D regenerates P's first token (vLLM's connector cannot be given it)
+    def continues(self, prefill_url: str, sampling: Mapping[str, Any]) -> bool:
+        return False  # D regenerates P's first token (vLLM's connector cannot be given it)
 
     def __init__(self, protocol: MooncakeProtocol, transfer_id: str) -> None:
         self.protocol, self.transfer_id = protocol, transfer_id
@@ -233,7 +234,7 @@ PROTOCOLS: dict[str, KVProtocol] = {"pdserve": PdserveProtocol(early=False), "ni
 
 
 def protocol_for(name: str, mooncake_bootstrap_port: int = MOONCAKE_BOOTSTRAP_PORT, mooncake_bootstrap: str = "",
-                 early_dispatch: bool = True, early_continue: bool = True) -> KVProtocol:
+                 early_dispatch: bool = True, early_continue: str = "auto") -> KVProtocol:
     """The hand-off of data plane ``name``. Mooncake's holds state (P's engine ids), and so does pdserve's with
     ``early_dispatch`` (each P's engine address): build it once per router. Raises ValueError for an unknown name
     or a bad ``mooncake_bootstrap`` (``URL=PORT,...``)."""
