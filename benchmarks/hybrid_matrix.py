@@ -28,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,9 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
         cell["refused"] = str(exc)
     except Exception as exc:
         cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__]
+        if frames:  # where in this bench it was raised (a start-up, a request, a pool probe)
+            cell["where"] = f"{frames[-1].name}:{frames[-1].lineno}"
         cell["cause"] = last_error(run_dir)
     logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("*0.log"))
     cell["hma"] = "off" if HMA_OFF in logs else "on"
