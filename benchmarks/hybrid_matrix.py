@@ -4,13 +4,15 @@ family (``pdserve.launch.model_families``), greedy, prompts that share a prefix,
 the whole request alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
-        [--planes pdserve,pdserve+pool,nixl,mooncake] [--tp N] [--json-out FILE]
+        [--planes pdserve,pdserve+pool,nixl,nixl+store,mooncake,mooncake+store] [--tp N] [--json-out FILE]
 
 Planes: ``pdserve`` (pdserve's connector, no pool), ``pdserve+pool`` (with the KV pool, pdserve/vllm/pool_groups.py;
 the cell also takes a pool hit: P serves a fresh 740-token prompt, then its first 640 tokens alone (a block
 boundary for every family: the state after exactly 640 tokens, the window block before it), and D, sent the
 740-token prompt alone, loads the pooled 640 tokens: its pool-loaded-token counter and its answer against P's first
-one), ``nixl`` / ``mooncake`` (vLLM's own
+one), ``nixl+store`` / ``mooncake+store`` (vLLM's NixlConnector / MooncakeConnector with Mooncake Store as
+the pool, ``--pool-backend mooncake``: vLLM's MooncakeStoreConnector beside it in MultiConnector; the same pool
+hit, D's load counted as vLLM's external-KV prompt tokens), ``nixl`` / ``mooncake`` (vLLM's own
 NixlConnector / MooncakeConnector, ``--kv-connector``). Each cell says: exact answers / prompts (and which prompts
 differ), "refused at start-up" where ``pdserve serve`` refuses the combination (pdserve/launch/plane_limits.py), or
 why the stack did not serve (the workers' last error line), whether vLLM kept its hybrid KV cache manager on, and
@@ -26,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,8 @@ from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.model_families import FAMILIES, build_family
 from pdserve.plan.kvsize import handoff_bytes, load_model
 
-PLANES = ("pdserve", "pdserve+pool", "nixl", "mooncake")
+PLANES = ("pdserve", "pdserve+pool", "nixl", "nixl+store", "mooncake", "mooncake+store")
+POOLS = ("+pool", "+store")  # pdserve's KV pool; Mooncake Store (--pool-backend mooncake)
 GEN = 8
 FRESH = (0, 3)  # the prompts D has no prefix of: their hand-off bytes are compared with pdserve plan's
 HMA_OFF = "Turning off hybrid kv cache manager"
@@ -74,23 +78,51 @@ def counter(url: str, name: str) -> float:
     return scrape(url, name).get(name + "_total", 0.0)
 
 
-def pool_probe(cell: dict[str, Any], p_url: str, d_url: str) -> None:
-    """A pool hit on D (the module docstring): ``pool_loaded`` tokens D took from the pool, ``pool_exact``."""
+def store_keys(c: Cluster) -> float:
+    """How many objects Mooncake Store holds (its master's HTTP metrics server)."""
+    with urllib.request.urlopen(c.plan.pool.metrics_url + "/get_all_keys", timeout=10) as resp:
+        return float(sum(1 for k in resp.read().decode().splitlines() if k))
+
+
+def external_tokens(url: str) -> float:
+    """Prompt tokens a worker took from a KV connector (vLLM's own count: the pool or store, or P)."""
+    return sum(v for k, v in scrape(url, "vllm:prompt_tokens_by_source_total", labels=True).items()
+               if 'source="external_kv_transfer"' in k)
+
+
+def pool_probe(cell: dict[str, Any], c: Cluster, plane: str) -> None:
+    """A pool hit on D (the module docstring): ``pool_loaded`` tokens D took from the pool (pdserve's pool: its
+    connector's counter; Mooncake Store: vLLM's external-KV prompt tokens, D being sent no kv_transfer_params),
+    ``pool_exact``."""
+    p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
+    if plane.endswith("+store"):
+        def saved() -> float:
+            return store_keys(c)
+
+        def loaded() -> float:
+            return external_tokens(d_url)
+    else:
+        def saved() -> float:
+            return counter(p_url, "vllm:pdserve_kv_pool_saved_blocks")
+
+        def loaded() -> float:
+            return counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens")
     rnd = random.Random(3637)
     longer = [rnd.randrange(1000, 40000) for _ in range(740)]
     body = {"model": "m", "max_tokens": GEN, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     ref = post(p_url + "/v1/completions", {**body, "prompt": longer})["choices"][0]["token_ids"]
-    saved = counter(p_url, "vllm:pdserve_kv_pool_saved_blocks")
+    before = saved()
     post(p_url + "/v1/completions", {**body, "prompt": longer[:640], "max_tokens": 1})
     deadline = time.monotonic() + 30  # P saves after the request ends; vLLM publishes the counter periodically
-    while counter(p_url, "vllm:pdserve_kv_pool_saved_blocks") <= saved and time.monotonic() < deadline:
+    while saved() <= before and time.monotonic() < deadline:
         time.sleep(0.5)
-    loaded = counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens")
+    cell["pool_saved"] = int(saved() - before)
+    start = loaded()
     out = post(d_url + "/v1/completions", {**body, "prompt": longer})["choices"][0]["token_ids"]
     deadline = time.monotonic() + 30
-    while counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens") <= loaded and time.monotonic() < deadline:
+    while loaded() <= start and time.monotonic() < deadline:
         time.sleep(0.5)
-    cell["pool_loaded"] = int(counter(d_url, "vllm:pdserve_kv_pool_loaded_tokens") - loaded)
+    cell["pool_loaded"] = int(loaded() - start)
     cell["pool_exact"] = out == ref
 
 
@@ -98,13 +130,14 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
     spec = FAMILIES[family]
     model = build_family(family, root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
-    cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
-                         served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
-                         pool=plane == "pdserve+pool", kv_connector=plane.split("+")[0], lease_s=30,
-                         worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
     cell: dict[str, Any] = {"family": family, "plane": plane, "tp": tp, "prompts": 0, "exact": 0}
     t0 = time.monotonic()
     try:
+        cfg = LauncherConfig(model=str(model), prefill=1, decode=1, port=0, dtype=spec.dtype, max_model_len=2048,
+                             served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
+                             pool=plane.endswith(POOLS), kv_connector=plane.split("+")[0], lease_s=30,
+                             pool_backend="mooncake" if plane.endswith("+store") else "pdserve",
+                             worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
         with Cluster(cfg) as c:
             p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
             moved, tokens, predicted = 0.0, 0, 0.0
@@ -124,8 +157,8 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                 cell["exact"] += same
                 if not same:  # which prompts differ (index into prompts(), length)
                     cell.setdefault("differ", []).append([i, len(prompt)])
-            if plane == "pdserve+pool":
-                pool_probe(cell, p_url, d_url)
+            if plane.endswith(POOLS):
+                pool_probe(cell, c, plane)
             if tokens:
                 cell["wire_bytes_per_token"] = round(moved / tokens, 1)
                 cell["plan_bytes_per_token"] = round(predicted / tokens, 1)
@@ -133,6 +166,9 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
         cell["refused"] = str(exc)
     except Exception as exc:
         cell["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__]
+        if frames:  # where in this bench it was raised (a start-up, a request, a pool probe)
+            cell["where"] = f"{frames[-1].name}:{frames[-1].lineno}"
         cell["cause"] = last_error(run_dir)
     logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("*0.log"))
     cell["hma"] = "off" if HMA_OFF in logs else "on"
