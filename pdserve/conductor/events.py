@@ -21,7 +21,7 @@ on the device, and every op carries its tier. :meth:`IndexUpdate.apply_to` gives
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,18 @@ import msgpack
 
 from ..hashing import block_key, domain_root
 from .tiers import DEVICE, holder_of, tier_of_medium
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A run of consecutive blocks one ``BlockStored`` event stored: their ``keys`` and ``tokens``, after the block
+    whose key is ``parent``, or, ``first``, from the prompt's start in the key domain whose root is ``parent`` (what
+    the indexer needs to hash them another way: pdserve.indexer.xxh3_keys)."""
+
+    parent: int
+    first: bool
+    keys: Sequence[int]
+    tokens: Sequence[int]
 
 
 @dataclass
@@ -43,6 +55,7 @@ class IndexUpdate:
     ops: list[tuple[str, list[int], str]] = field(default_factory=list)
     learned: list[tuple[Hashable, int]] = field(default_factory=list)  # (vLLM block hash, our key) of stored blocks
     cleared_tiers: tuple[str, ...] = ()  # the tiers an AllBlocksCleared emptied
+    runs: list[StoredRun] = field(default_factory=list)  # the stored blocks with their tokens, in event order
 
     def apply_to(self, worker: str, index: IndexLike) -> None:
         """Apply the ops to ``index``, each tier's blocks under its holder (:func:`holder_of`)."""
@@ -159,6 +172,7 @@ class EventTranslator:
                 return
             parent = found
         mine = self.tiers.setdefault(tier, {})
+        start = parent
         new = []
         for i, h in enumerate(hashes):
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
@@ -167,6 +181,7 @@ class EventTranslator:
             up.learned.append((_h(h), parent))
         up.stored.extend(new)
         up.ops.append(("stored", new, tier))
+        up.runs.append(StoredRun(start, parent_h is None, new, tokens))  # (no copies: the router's feed too)
 
 
 def _domain_salt(ev: dict[str, Any], blocks: int, first: bool) -> str | bool:

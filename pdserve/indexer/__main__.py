@@ -49,7 +49,8 @@ def config_from(a: argparse.Namespace) -> tuple[IndexerConfig, str, int]:
                         snapshot_interval_s=v["indexer_snapshot_interval_s"],
                         placeholder_ttl_s=v["placeholder_ttl_s"], pool_master=v["pool_master"], pool_secret=secret,
                         workers=workers, dns=pools(v["prefill_dns"], v["decode_dns"]),
-                        kv_events_port=v["kv_events_port"], discovery_interval_s=v["discovery_interval_s"])
+                        kv_events_port=v["kv_events_port"], discovery_interval_s=v["discovery_interval_s"],
+                        xxh3=v["xxh3"], xxh3_seed=v["xxh3_seed"], xxh3_max_blocks=v["xxh3_max_blocks"])
     if cfg.dns and not cfg.kv_events_port:
         raise ConfigError("--prefill-dns / --decode-dns need --kv-events-port: the port every worker's vLLM binds "
                           "its KV event publisher on (the chart's router.kvEventsPort, 5557)")

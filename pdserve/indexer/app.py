@@ -3,7 +3,8 @@
 
 Differences from Mooncake's (docs/indexer.md): ``instance_id`` is the worker's URL, which is also the topic its
 vLLM publishes under (the feed keys a stream by its topic); ``seq_hashes`` are pdserve's chained block keys
-(:mod:`pdserve.hashing`, what the router and the pool use), and ``hash: "xxh3"`` is refused; a lookup answers in
+(:mod:`pdserve.hashing`, what the router and the pool use), or, with ``"hash": "xxh3"`` and ``--xxh3``, Mooncake's
+XXH3 rolling sequence hashes (:mod:`.xxh3_keys`); a lookup answers in
 tokens per pdserve tier (``device``, ``host``, ``disk``, ``pool_memory``, ``pool_disk``, ``store``,
 ``placeholder``) and ``longest_matched``; one model per indexer (``model`` and ``tenant_id`` are echoed, not
 used to scope). Errors are OpenAI-style JSON (``{"error": {"message", "type", "code"}}``) with status 400 or 404.
@@ -68,16 +69,24 @@ def _block_size(svc: IndexerService, body: dict[str, Any]) -> None:
 
 
 def _keys_of(svc: IndexerService, body: dict[str, Any]) -> list[int]:
-    """The request's block keys: ``seq_hashes`` (or Mooncake's older ``block_hash``) as given, else computed
-    from ``token_ids`` in the request's key domain (``cache_salt``, ``lora_name``)."""
+    """The request's block keys: ``seq_hashes`` (or Mooncake's older ``block_hash``) as given (``"hash": "xxh3"``:
+    Mooncake's XXH3 sequence hashes, translated to the keys learned for them), else computed from ``token_ids``;
+    both in the request's key domain (``cache_salt``, ``lora_name``)."""
     _block_size(svc, body)
-    if body.get("hash", "pdserve") != "pdserve":
-        raise BadRequest("hash: only pdserve's chained block keys are indexed (docs/indexer.md)")
+    algo = body.get("hash", "pdserve")
+    if algo not in ("pdserve", "xxh3"):
+        raise BadRequest(f"hash {algo!r}: use 'pdserve' (pdserve's chained block keys) or 'xxh3' (Mooncake's "
+                         "rolling sequence hashes; docs/indexer.md)")
+    root = domain_root(_str(body, "cache_salt", False) or None, _str(body, "lora_name", False) or None)
     for name in ("seq_hashes", "block_hash"):
         if name in body:
-            return _ints(body, name)
+            given = _ints(body, name)
+            if algo == "pdserve":
+                return given
+            if svc.xxh3 is None:
+                raise BadRequest("hash 'xxh3': this indexer keeps no XXH3 map; start it with --xxh3")
+            return svc.xxh3.keys(given, root)
     tokens = _ints(body, "token_ids", 1 << 32)
-    root = domain_root(_str(body, "cache_salt", False) or None, _str(body, "lora_name", False) or None)
     return block_hashes(tokens, svc.config.block_size, root)
 
 

@@ -25,6 +25,7 @@ from . import snapshot
 from .discovery import FeedMembership
 from .expect_log import ExpectLog
 from .table import TieredIndex
+from .xxh3_keys import Xxh3Keys
 
 log = logging.getLogger("pdserve.indexer")
 
@@ -41,6 +42,9 @@ class IndexerConfig:
     dns: tuple[PoolTarget, ...] = ()  # pools whose ready pods are followed (.discovery), at kv_events_port
     kv_events_port: int = 0
     discovery_interval_s: float = 5.0
+    xxh3: bool = False  # also map blocks to Mooncake's XXH3 sequence hashes (.xxh3_keys)
+    xxh3_seed: int = 0
+    xxh3_max_blocks: int = 2_000_000
 
 
 @dataclass
@@ -63,6 +67,7 @@ class IndexerService:
         self.expects = ExpectLog(config.placeholder_ttl_s, clock)  # the placeholders posted, for the routers
         self.feed: KVEventFeed | None = None
         self.pool: PoolIndexFollower | None = None
+        self.xxh3 = Xxh3Keys(config.block_size, config.xxh3_seed, config.xxh3_max_blocks) if config.xxh3 else None
         self.stats = SnapshotStats()
         self._task: asyncio.Task[None] | None = None
         self._dns_task: asyncio.Task[None] | None = None
@@ -71,6 +76,8 @@ class IndexerService:
     async def start(self) -> None:
         """Restore the last snapshot (when there is one), resume every stream in it, follow the rest."""
         self.feed = KVEventFeed(self.table, self.config.block_size, replayer=self.replayer)
+        if self.xxh3 is not None:
+            self.feed.run_learners.append(self.xxh3.learn)
         doc = None
         if self.config.snapshot_path:
             try:
@@ -110,6 +117,8 @@ class IndexerService:
                 n += len(m)
             self.feed.resume(s["worker"], Publisher(s["endpoint"], s["replay"]), tr, tr.last_digest)
             resumed.add(s["worker"])
+        if self.xxh3 is not None and doc.get("xxh3") and not self.xxh3.restore(doc["xxh3"]):
+            log.warning("snapshot's XXH3 map has another seed: XXH3 lookups find only blocks stored from now on")
         pool = doc.get("pool")
         if pool and self.config.pool_master:
             keys, disk = snapshot.pool_keys(pool), snapshot.pool_disk_keys(pool)
@@ -161,7 +170,7 @@ class IndexerService:
         if self.pool is not None and self.pool.epoch is not None:
             pool = snapshot.capture_pool(self.pool.epoch, self.pool.since, self.table.index.keys_of(POOL),
                                          self.table.index.keys_of(DISK_HOLDER))
-        return snapshot.document(streams, pool)
+        return snapshot.document(streams, pool, self.xxh3.capture() if self.xxh3 is not None else None)
 
     async def snapshot_now(self) -> SnapshotStats:
         """Capture on the loop, write off it; one at a time."""
@@ -200,7 +209,9 @@ class IndexerService:
                 "skipped_blocks": f.skipped_blocks, "bad_batches": f.bad_batches,
                 "placeholders": len(self.table.placeholders), "placeholders_confirmed":
                 self.table.placeholders.confirmed, "placeholders_expired": self.table.placeholders.expired,
-                "pool_resyncs": self.pool.resyncs if self.pool else 0}
+                "pool_resyncs": self.pool.resyncs if self.pool else 0,
+                "xxh3_blocks": len(self.xxh3) if self.xxh3 is not None else None,
+                "xxh3_unchained": self.xxh3.unchained if self.xxh3 is not None else None}
 
     async def close(self, final_snapshot: bool = True) -> None:
         for task in (self._task, self._dns_task):

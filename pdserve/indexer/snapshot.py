@@ -100,8 +100,10 @@ def pool_disk_keys(pool: dict[str, Any]) -> list[int]:
     return list(np.frombuffer(pool.get("disk_keys", b""), dtype="<u8").tolist())
 
 
-def document(streams: list[dict[str, Any]], pool: dict[str, Any] | None) -> dict[str, Any]:
-    return {"version": VERSION, "taken_at": time.time(), "streams": streams, "pool": pool}
+def document(streams: list[dict[str, Any]], pool: dict[str, Any] | None,
+             xxh3: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The snapshot: each stream, the pool's position and keys, and the XXH3 map (pdserve.indexer.xxh3_keys)."""
+    return {"version": VERSION, "taken_at": time.time(), "streams": streams, "pool": pool, "xxh3": xxh3}
 
 
 def encode(doc: dict[str, Any]) -> bytes:

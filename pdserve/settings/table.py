@@ -343,6 +343,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("indexer_snapshot_interval_s", float, 10.0, "seconds between snapshots (0: only on shutdown and POST "
             "/snapshot)", (IX,), unit="s", minimum=0, metavar="S", group="indexer",
             advice="use a number of seconds >= 0"),
+    Setting("xxh3", bool, False, "also map each stored block to Mooncake's XXH3 rolling sequence hash (its indexer "
+            "API's hashing standard), so POST /query_by_hash takes \"hash\": \"xxh3\" seq_hashes; costs a second "
+            "map of up to --xxh3-max-blocks entries", (IX,), group="indexer"),
+    Setting("xxh3_seed", int, 0, "the XXH3 seed S of Mooncake's hashing standard (every publisher and client must "
+            "use the same)", (IX,), minimum=0, maximum=(1 << 64) - 1, metavar="S", group="indexer",
+            advice="use an integer in [0, 2**64)"),
+    Setting("xxh3_max_blocks", int, 2_000_000, "the XXH3 map's bound (the oldest learned blocks go first; a "
+            "forgotten block is not found by its XXH3 hash)", (IX,), minimum=1, metavar="N", group="indexer",
+            advice="use a whole number of blocks >= 1"),
     Setting("placeholder_ttl_s", float, 10.0, "life of a placeholder entry (a placement not yet confirmed by its "
             "worker's KV event)", (IX,), unit="s", minimum=0, above=True, metavar="S", group="indexer",
             advice=_SECONDS),

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from ...conductor.events import EventTranslator, IndexLike, decode_batch
+from ...conductor.events import EventTranslator, IndexLike, StoredRun, decode_batch
 from ...conductor.tiers import holder_of
 from .kv_replay import replay
 
@@ -38,6 +38,7 @@ log = logging.getLogger("pdserve.router.fleet.kv_events")
 
 Replayer = Callable[[zmq.asyncio.Context, str, int], Awaitable[list[tuple[int, bytes]] | None]]
 Learner = Callable[[list[tuple[Hashable, int]]], None]
+RunLearner = Callable[[list[StoredRun]], None]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class KVEventFeed:
         # told (vLLM block hash, our key) of every block a worker stored, e.g. the Mooncake Store view, which sees
         # only vLLM's hashes in the store's keys (pdserve.router.fleet.mooncake_store)
         self.learners: list[Learner] = []
+        # told every stored run with its tokens, e.g. the indexer's XXH3 map (pdserve.indexer.xxh3_keys)
+        self.run_learners: list[RunLearner] = []
         self.task = asyncio.create_task(self._run())
 
     # ---- membership ----
@@ -225,6 +228,9 @@ class KVEventFeed:
         if up.learned:
             for learn in self.learners:
                 learn(up.learned)
+        if up.runs:
+            for learn_runs in self.run_learners:
+                learn_runs(up.runs)
 
     def _clear(self, worker: str, translator: EventTranslator) -> None:
         """Drop ``worker``'s entries in every tier it published."""
