@@ -24,7 +24,7 @@ from .hardware import Accelerator, Link, accelerator, link, load_catalogue
 from .kvsize import ModelSpec, format_bytes, handoff_bytes, load_model
 from .results import Targets
 from .search import candidates, elastic_summary, evaluate, parse_clusters, rank, reason, sweep
-from .simulator import SimSettings, config_kind
+from .simulator import HANDOFFS, SimSettings, config_kind
 from .traffic import LengthMix, Request, load_trace, poisson
 
 
@@ -79,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all-sizes", action="store_true", help="also configurations using fewer workers")
     s.add_argument("--chunk-tokens", type=int, default=8192, help="per-step token budget (max_num_batched_tokens)")
     s.add_argument("--max-seqs", type=int, default=256, help="decodes per step (max_num_seqs)")
-    s.add_argument("--no-overlap", action="store_true",
-                   help="model PD's hand-off sequentially: no early dispatch to D, no layer-wise KV transfer")
+    s.add_argument("--handoff", choices=HANDOFFS, default="early",
+                   help="PD's hand-off: early (default; early dispatch to D, the whole KV after P's prefill: what "
+                        "pdserve's connector does from GPU memory), layerwise (early dispatch and each layer's KV as "
+                        "P computes it: pdserve's connector from host memory only), serial (no early dispatch)")
+    s.add_argument("--no-overlap", action="store_const", const="serial", dest="handoff",
+                   help="the same as --handoff serial")
     s.add_argument("--top", type=int, default=5, help="candidates shown")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -259,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = _traffic(args)
     targets = Targets(args.ttft, args.tpot)
     settings = SimSettings(targets, policy=args.policy, chunk_tokens=args.chunk_tokens, max_seqs=args.max_seqs,
-                           kv_capacity_tokens=capacity, reject=args.reject, overlap=not args.no_overlap)
+                           kv_capacity_tokens=capacity, reject=args.reject, handoff=args.handoff)
     clusters = (parse_clusters(args.configs, par.devices) if args.configs
                 else candidates(args.gpus, par.devices, args.all_sizes, elastic=args.policy == "conductor"))
     ranked = rank(evaluate(clusters, cost, settings, requests))

@@ -82,14 +82,19 @@ def config_kind(label: str) -> str:
     return "colocated" if label.startswith("colocated") else "elastic" if label.startswith("elastic") else "pd"
 
 
+HANDOFFS = ("early", "layerwise", "serial")  # SimSettings.handoff, pdserve plan --handoff
+
+
 @dataclass(frozen=True)
 class SimSettings:
     """policy: the conductor policy (round_robin | least_loaded | conductor).
     chunk_tokens: per-step token budget (vLLM max_num_batched_tokens); max_seqs: vLLM max_num_seqs.
     reject: give the targets to the conductor so it rejects requests predicted to miss them.
-    overlap: model PD's hand-off with early dispatch (D admits the request when it is placed) and layer-wise KV
-    transfer (each layer's KV leaves P as P computes it); False: the sequential hand-off (whole prefill, then the
-    whole transfer, then the router's hand-off to D). :func:`handoff_ready_s` says how."""
+    handoff: PD's hand-off (:data:`HANDOFFS`). early (the default, what pdserve's connector does from a GPU's
+    memory): early dispatch (D admits the request when it is placed), the whole KV after P's prefill; layerwise:
+    early dispatch and each layer's KV leaving P as P computes it (what pdserve's connector does from host memory
+    only); serial: the whole prefill, then the whole transfer, then the router's hand-off to D.
+    :func:`handoff_ready_s` says how."""
 
     targets: Targets
     policy: str = "round_robin"
@@ -99,7 +104,11 @@ class SimSettings:
     kv_capacity_tokens: int = 1 << 20
     reject: bool = False
     progress_every: int = 4  # tokens between decode_progress calls to the conductor
-    overlap: bool = True  # early dispatch + layer-wise KV transfer (docs/plan.md "The hand-off"); False: sequential
+    handoff: str = "early"  # early | layerwise | serial (docs/plan.md "The hand-off")
+
+    def __post_init__(self) -> None:
+        if self.handoff not in HANDOFFS:
+            raise ConfigError(f"handoff {self.handoff!r}: use one of {', '.join(HANDOFFS)}")
 
 
 class Simulation:
@@ -205,7 +214,7 @@ class Simulation:
                 return
             nbytes = int(self._kv_bytes(job.req.prompt_tokens))
             secs = self.cost.transfer_s(nbytes)
-            landed, ready = handoff_ready_s(self.cost, nbytes, self.layers if self.settings.overlap else 0, self.now,
+            landed, ready = handoff_ready_s(self.cost, nbytes, self._handoff_layers(), self.now,
                                             job.prefill_start_s or self.now, job.req.arrival_s,
                                             self._link_free.get(w.wid, 0.0))
             self._link_free[w.wid] = landed
@@ -248,6 +257,11 @@ class Simulation:
         if stored:
             self.conductor.blocks_stored(w.wid, stored)
 
+    def _handoff_layers(self) -> int:
+        """:func:`handoff_ready_s`'s ``layers`` for the configured hand-off: the model's KV layers (layer-wise), one
+        batch after the prefill with early dispatch (early), 0 (serial)."""
+        return {"layerwise": self.layers, "early": 1, "serial": 0}[self.settings.handoff]
+
     def _kv_bytes(self, tokens: int) -> float:
         exact = getattr(self.cost, "kv_bytes", None)
         return exact(tokens) if exact is not None else tokens * self.cost.kv_bytes_per_token
@@ -271,7 +285,7 @@ class Simulation:
             out["transfer"] = {"count": n, "mean_bytes": sum(b for b, _, _ in self.transfers) / n,
                                "mean_s": moving / n, "mean_exposed_s": exposed / n,
                                "hidden_share": max(0.0, 1.0 - exposed / moving) if moving > 0 else None,
-                               "handoff_s": self.cost.handoff_s, "overlap": self.settings.overlap,
+                               "handoff_s": self.cost.handoff_s, "handoff": self.settings.handoff,
                                "layers": self.layers}
         return out
 

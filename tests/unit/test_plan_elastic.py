@@ -21,9 +21,9 @@ def cost():
     return HardwareCostModel(load_model("llama-3-8b"), accelerator("H100"), link("efa-p5"), Parallelism(1))
 
 
-def _settings(cost, policy="conductor", overlap=True):
+def _settings(cost, policy="conductor", handoff="early"):
     return SimSettings(Targets(1.0, 0.05), policy=policy, kv_capacity_tokens=cost.kv_capacity_tokens(),
-                       overlap=overlap)
+                       handoff=handoff)
 
 
 def _bursts(n=12, per=6, gap=1.0, long=16000, short=200, out=256):
@@ -44,11 +44,13 @@ def test_short_prompts_run_colocated_and_long_prompts_split(cost):
     assert out["config"] == "elastic x2" and set(out["utilization"]) == {"elastic"}
     # the split requests' KV crossed the link once each, with the hand-off after it
     assert out["transfer"]["count"] == 2 and out["transfer"]["handoff_s"] == cost.handoff_s
-    l0 = sim.jobs[1]  # overlapped (the default): at least its last layer's transfer stays after P's prefill
-    assert l0.gaps[0] >= cost.transfer_s(cost.kv_bytes(8000) / cost.layers)
-    seq = Simulation(Cluster(elastic=2), cost, _settings(cost, overlap=False))
+    l0 = sim.jobs[1]  # early dispatch (the default): the whole transfer after P's prefill, D's intake beside it
+    assert l0.gaps[0] >= cost.transfer_s(cost.kv_bytes(8000))
+    seq, lw = (Simulation(Cluster(elastic=2), cost, _settings(cost, handoff=h)) for h in ("serial", "layerwise"))
     seq.run(reqs)  # sequential: the whole transfer, then the router's hand-off
-    assert seq.jobs[1].gaps[0] >= cost.transfer_s(cost.kv_bytes(8000)) + cost.handoff_s > l0.gaps[0]
+    lw.run(reqs)  # layer by layer: at least its last layer's transfer stays after P's prefill
+    assert seq.jobs[1].gaps[0] >= cost.transfer_s(cost.kv_bytes(8000)) + cost.handoff_s
+    assert seq.jobs[1].gaps[0] > l0.gaps[0] > lw.jobs[1].gaps[0] >= cost.transfer_s(cost.kv_bytes(8000) / cost.layers)
 
 
 def test_bursty_long_prompts_elastic_tpot_tail_below_colocated(cost):

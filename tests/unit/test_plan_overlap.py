@@ -9,8 +9,9 @@ from pdserve.plan.cost import HardwareCostModel, Parallelism
 from pdserve.plan.hardware import accelerator, link
 from pdserve.plan.kvsize import load_model
 from pdserve.plan.results import Targets
-from pdserve.plan.simulator import Cluster, SimSettings, Simulation, handoff_ready_s
+from pdserve.plan.simulator import HANDOFFS, Cluster, SimSettings, Simulation, handoff_ready_s
 from pdserve.plan.traffic import LengthMix, poisson
+from pdserve.settings.errors import ConfigError
 
 
 class Toy:
@@ -51,21 +52,30 @@ def test_cost_model_counts_the_kv_layers(cost):
 
 
 @pytest.mark.parametrize("prompt, hidden", [(2000, 0.7), (8000, 0.9)])  # a longer prefill hides more of the KV
-def test_overlap_shortens_the_predicted_gap_and_hides_the_transfer(cost, prompt, hidden):
+def test_layerwise_shortens_the_predicted_gap_and_hides_the_transfer(cost, prompt, hidden):
     reqs = poisson(0.2, 40, LengthMix.parse(f"1:{prompt}:50"), seed=1)
     runs = {}
-    for overlap in (True, False):
-        settings = SimSettings(Targets(5.0, 0.1), kv_capacity_tokens=cost.kv_capacity_tokens(), overlap=overlap)
-        runs[overlap] = Simulation(Cluster(prefill=1, decode=1), cost, settings).run(reqs)
-    on, off = runs[True], runs[False]
+    for handoff in HANDOFFS:
+        settings = SimSettings(Targets(5.0, 0.1), kv_capacity_tokens=cost.kv_capacity_tokens(), handoff=handoff)
+        runs[handoff] = Simulation(Cluster(prefill=1, decode=1), cost, settings).run(reqs)
+    on, early, off = runs["layerwise"], runs["early"], runs["serial"]
     assert off["transfer"]["hidden_share"] == 0.0 and on["transfer"]["hidden_share"] > hidden
+    assert early["transfer"]["hidden_share"] == 0.0  # early dispatch alone moves the whole KV after the prefill
     assert on["transfer"]["mean_s"] == pytest.approx(off["transfer"]["mean_s"])  # the same bytes move
-    assert on["handoff_gap_s"]["p50"] < off["handoff_gap_s"]["p50"]
+    assert on["handoff_gap_s"]["p50"] < early["handoff_gap_s"]["p50"] < off["handoff_gap_s"]["p50"]
     # what overlap takes off the gap: the router's hand-off and all but one layer's transfer (light load: no queue)
     saved = off["handoff_gap_s"]["p50"] - on["handoff_gap_s"]["p50"]
     per_layer = cost.transfer_s(on["transfer"]["mean_bytes"] / cost.layers)
     assert saved == pytest.approx(cost.handoff_s + on["transfer"]["mean_s"] - per_layer, rel=0.25)
+    # early dispatch alone takes off the router's hand-off (D's intake ran beside the prefill)
+    assert off["handoff_gap_s"]["p50"] - early["handoff_gap_s"]["p50"] == pytest.approx(cost.handoff_s, rel=0.25)
     assert on["ttft_s"]["p50"] == pytest.approx(off["ttft_s"]["p50"])  # P's side is unchanged
+
+
+def test_the_default_hand_off_is_what_pdserve_does_from_gpu_memory():
+    assert SimSettings(Targets(5.0, 0.1)).handoff == "early"
+    with pytest.raises(ConfigError, match="early, layerwise, serial"):
+        SimSettings(Targets(5.0, 0.1), handoff="overlap")
 
 
 def test_colocated_gap_is_one_decode_step(cost):
