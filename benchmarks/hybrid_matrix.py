@@ -1,6 +1,7 @@
-"""Coverage matrix of the hybrid KV cache families (issue 36): family x data plane x pool, each cell a real 1P1D
-stack (``pdserve serve`` through the launcher: router, P and D vLLM CPU workers) on a tiny random model of the
-family (``pdserve.launch.model_families``), greedy, prompts that share a prefix, compared token for token with P serving
+"""Coverage matrix of the model families (issue 36): family x data plane x pool, each cell a real 1P1D stack
+(``pdserve serve`` through the launcher: router, P and D vLLM CPU workers) on a tiny random model of the family
+(the hybrid KV cache families of ``pdserve.launch.model_families`` by default; ``llama``, ``qwen3moe`` and
+``deepseekv3`` too: :data:`ROWS`), greedy, prompts that share a prefix, compared token for token with P serving
 the whole request alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
@@ -30,6 +31,8 @@ import tempfile
 import time
 import traceback
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,38 @@ from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
 from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.model_families import FAMILIES, build_family
+from pdserve.launch.models import build_random_llama
+from pdserve.launch.models_mla import build_random_deepseek_v3
+from pdserve.launch.models_moe import build_random_qwen3_moe
 from pdserve.plan.kvsize import handoff_bytes, load_model
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the matrix: a model family, how to build its tiny random model, what to serve it with."""
+
+    kind: str
+    dtype: str
+    build: Callable[[Path], Path]
+    worker_args: tuple[str, ...] = ()
+
+
+def _family_row(name: str) -> Row:
+    spec = FAMILIES[name]
+    return Row(spec.kind, spec.dtype, lambda out: build_family(name, out), spec.worker_args)
+
+
+# the hybrid KV cache families (pdserve.launch.model_families), and the single-group families beside them: dense,
+# MoE, and MLA (DeepSeek-V3's shape; vLLM's reference CPU MLA backend: on AMX hosts vLLM would pick one that takes
+# bf16 only, as tests/integration/test_mla_vllm.py says)
+ROWS: dict[str, Row] = {
+    "llama": Row("dense, one group", "float32", lambda out: build_random_llama(out)),
+    "qwen3moe": Row("MoE, one group", "float32", lambda out: build_random_qwen3_moe(out)),
+    "deepseekv3": Row("MLA + MoE, one group", "float32", lambda out: build_random_deepseek_v3(out),
+                      ("--attention-backend", "CPU_MLA")),
+    **{name: _family_row(name) for name in FAMILIES},
+}
+HYBRID = tuple(FAMILIES)  # the default rows
 
 PLANES = ("pdserve", "pdserve+pool", "nixl", "nixl+store", "mooncake", "mooncake+store")
 POOLS = ("+pool", "+store")  # pdserve's KV pool; Mooncake Store (--pool-backend mooncake)
@@ -127,8 +161,8 @@ def pool_probe(cell: dict[str, Any], c: Cluster, plane: str) -> None:
 
 
 def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
-    spec = FAMILIES[family]
-    model = build_family(family, root / "models" / family)
+    spec = ROWS[family]
+    model = spec.build(root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
     cell: dict[str, Any] = {"family": family, "plane": plane, "tp": tp, "prompts": 0, "exact": 0}
     t0 = time.monotonic()
@@ -198,7 +232,8 @@ def verdict(cell: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(HYBRID), help=f"rows, of {', '.join(ROWS)} (default: the "
+                    "hybrid families)")
     ap.add_argument("--planes", default=",".join(PLANES))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of P and D alike (pdserve+pool "
                     "needs 1: the pool is TP=1 only)")
@@ -206,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     planes = [p for p in args.planes.split(",") if p]
-    unknown = sorted(set(families) - set(FAMILIES)) + sorted(set(planes) - set(PLANES))
+    unknown = sorted(set(families) - set(ROWS)) + sorted(set(planes) - set(PLANES))
     if unknown:
-        ap.error(f"unknown family or plane {unknown}: families {sorted(FAMILIES)}, planes {list(PLANES)}")
+        ap.error(f"unknown family or plane {unknown}: families {sorted(ROWS)}, planes {list(PLANES)}")
     root = Path(tempfile.mkdtemp(prefix="hybrid-matrix-"))
     cells = []
     for family in families:
@@ -221,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * len(planes))
     for family in families:
         row = [verdict(c) for p in planes for c in cells if c["family"] == family and c["plane"] == p]
-        print(f"| {family} ({FAMILIES[family].kind}, {FAMILIES[family].dtype}) | " + " | ".join(row) + " |")
+        print(f"| {family} ({ROWS[family].kind}, {ROWS[family].dtype}) | " + " | ".join(row) + " |")
     result = {"bench": "hybrid_matrix", "cells": cells}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
