@@ -26,6 +26,7 @@ import argparse
 import json
 import random
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -99,13 +100,25 @@ def read_bytes(url: str) -> float:
 
 
 def last_error(run_dir: Path) -> str:
-    """The last line of the workers' logs that names an error (why a stack did not come up)."""
+    """The last line of the workers' logs that names an error before the stack was stopped (why a stack did not
+    come up or a request failed; what follows the launcher's SIGTERM is the stop's own noise). Mooncake's glog
+    error lines (``E1204 ...``) count too."""
     found = ""
     for log in sorted(run_dir.glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            if re.search(r"(Error|error:|Exception)\b", line) and "ulimit" not in line:
+            if "[shutdown]" in line:
+                break
+            if (re.search(r"(Error|error:|Exception)\b", line) or re.match(r"E\d{4} ", line)) and "ulimit" not in line:
                 found = f"{log.stem}: {line.strip()[-160:]}"
     return found
+
+
+def worker_block_size(run_dir: Path) -> int:
+    """The block size of P's single-group KV cache (pdserve's connector logs its layout, e.g. ``float32/bs16/L3``),
+    else 128. vLLM's CPU MLA backend keeps 16-token blocks; a hand-off moves whole blocks."""
+    log = run_dir / "prefill0.log"
+    found = re.search(r"/bs(\d+)/L\d+", log.read_text(errors="replace")) if log.exists() else None
+    return int(found.group(1)) if found else 128
 
 
 def counter(url: str, name: str) -> float:
@@ -160,7 +173,7 @@ def pool_probe(cell: dict[str, Any], c: Cluster, plane: str) -> None:
     cell["pool_exact"] = out == ref
 
 
-def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
+def run_cell(family: str, plane: str, root: Path, tp: int = 1, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     spec = ROWS[family]
     model = spec.build(root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
@@ -171,7 +184,7 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                              served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
                              pool=plane.endswith(POOLS), kv_connector=plane.split("+")[0], lease_s=30,
                              pool_backend="mooncake" if plane.endswith("+store") else "pdserve",
-                             worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
+                             worker_args=spec.worker_args + extra, prefill_tp=tp, decode_tp=tp)
         with Cluster(cfg) as c:
             p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
             moved, tokens, predicted = 0.0, 0, 0.0
@@ -184,7 +197,8 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                 if plane.startswith("pdserve") and i in FRESH:  # D's own prefix cache holds none of it
                     moved += read_bytes(d_url) - before
                     tokens += len(prompt)
-                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
+                    bs = 128 if family in HYBRID else worker_block_size(run_dir)  # (HMA sizes its own pages)
+                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32", bs)
                 ref = post(p_url + "/v1/completions", body)
                 cell["prompts"] += 1
                 same = out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
@@ -237,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--planes", default=",".join(PLANES))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of P and D alike (pdserve+pool "
                     "needs 1: the pool is TP=1 only)")
+    ap.add_argument("--worker-args", default="", help="more vLLM arguments for every worker of every cell (one "
+                    "string, split as a shell would)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
@@ -248,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     for family in families:
         for plane in planes:
-            cell = run_cell(family, plane, root, args.tp)
+            cell = run_cell(family, plane, root, args.tp, tuple(shlex.split(args.worker_args)))
             cells.append(cell)
             print(f"# {family} x {plane}: {verdict(cell)} ({cell['seconds']} s)", file=sys.stderr, flush=True)
     tp = f", P TP={args.tp} -> D TP={args.tp}" if args.tp > 1 else ""
