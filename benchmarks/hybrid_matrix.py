@@ -1,6 +1,7 @@
-"""Coverage matrix of the hybrid KV cache families (issue 36): family x data plane x pool, each cell a real 1P1D
-stack (``pdserve serve`` through the launcher: router, P and D vLLM CPU workers) on a tiny random model of the
-family (``pdserve.launch.model_families``), greedy, prompts that share a prefix, compared token for token with P serving
+"""Coverage matrix of the model families (issue 36): family x data plane x pool, each cell a real 1P1D stack
+(``pdserve serve`` through the launcher: router, P and D vLLM CPU workers) on a tiny random model of the family
+(the hybrid KV cache families of ``pdserve.launch.model_families`` by default; ``llama``, ``qwen3moe`` and
+``deepseekv3`` too: :data:`ROWS`), greedy, prompts that share a prefix, compared token for token with P serving
 the whole request alone.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/hybrid_matrix.py [--families gemma3,gptoss,qwen3next,granitehybrid]
@@ -25,11 +26,14 @@ import argparse
 import json
 import random
 import re
+import shlex
 import sys
 import tempfile
 import time
 import traceback
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,38 @@ from pdserve.bench.prom import scrape
 from pdserve.launch import Cluster
 from pdserve.launch.config import ConfigError, LauncherConfig
 from pdserve.launch.model_families import FAMILIES, build_family
+from pdserve.launch.models import build_random_llama
+from pdserve.launch.models_mla import build_random_deepseek_v3
+from pdserve.launch.models_moe import build_random_qwen3_moe
 from pdserve.plan.kvsize import handoff_bytes, load_model
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the matrix: a model family, how to build its tiny random model, what to serve it with."""
+
+    kind: str
+    dtype: str
+    build: Callable[[Path], Path]
+    worker_args: tuple[str, ...] = ()
+
+
+def _family_row(name: str) -> Row:
+    spec = FAMILIES[name]
+    return Row(spec.kind, spec.dtype, lambda out: build_family(name, out), spec.worker_args)
+
+
+# the hybrid KV cache families (pdserve.launch.model_families), and the single-group families beside them: dense,
+# MoE, and MLA (DeepSeek-V3's shape; vLLM's reference CPU MLA backend: on AMX hosts vLLM would pick one that takes
+# bf16 only, as tests/integration/test_mla_vllm.py says)
+ROWS: dict[str, Row] = {
+    "llama": Row("dense, one group", "float32", lambda out: build_random_llama(out)),
+    "qwen3moe": Row("MoE, one group", "float32", lambda out: build_random_qwen3_moe(out)),
+    "deepseekv3": Row("MLA + MoE, one group", "float32", lambda out: build_random_deepseek_v3(out),
+                      ("--attention-backend", "CPU_MLA")),
+    **{name: _family_row(name) for name in FAMILIES},
+}
+HYBRID = tuple(FAMILIES)  # the default rows
 
 PLANES = ("pdserve", "pdserve+pool", "nixl", "nixl+store", "mooncake", "mooncake+store")
 POOLS = ("+pool", "+store")  # pdserve's KV pool; Mooncake Store (--pool-backend mooncake)
@@ -65,13 +100,25 @@ def read_bytes(url: str) -> float:
 
 
 def last_error(run_dir: Path) -> str:
-    """The last line of the workers' logs that names an error (why a stack did not come up)."""
+    """The last line of the workers' logs that names an error before the stack was stopped (why a stack did not
+    come up or a request failed; what follows the launcher's SIGTERM is the stop's own noise). Mooncake's glog
+    error lines (``E1204 ...``) count too."""
     found = ""
     for log in sorted(run_dir.glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            if re.search(r"(Error|error:|Exception)\b", line) and "ulimit" not in line:
+            if "[shutdown]" in line:
+                break
+            if (re.search(r"(Error|error:|Exception)\b", line) or re.match(r"E\d{4} ", line)) and "ulimit" not in line:
                 found = f"{log.stem}: {line.strip()[-160:]}"
     return found
+
+
+def worker_block_size(run_dir: Path) -> int:
+    """The block size of P's single-group KV cache (pdserve's connector logs its layout, e.g. ``float32/bs16/L3``),
+    else 128. vLLM's CPU MLA backend keeps 16-token blocks; a hand-off moves whole blocks."""
+    log = run_dir / "prefill0.log"
+    found = re.search(r"/bs(\d+)/L\d+", log.read_text(errors="replace")) if log.exists() else None
+    return int(found.group(1)) if found else 128
 
 
 def counter(url: str, name: str) -> float:
@@ -126,9 +173,9 @@ def pool_probe(cell: dict[str, Any], c: Cluster, plane: str) -> None:
     cell["pool_exact"] = out == ref
 
 
-def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]:
-    spec = FAMILIES[family]
-    model = build_family(family, root / "models" / family)
+def run_cell(family: str, plane: str, root: Path, tp: int = 1, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    spec = ROWS[family]
+    model = spec.build(root / "models" / family)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{family}-{plane}-", dir=root))
     cell: dict[str, Any] = {"family": family, "plane": plane, "tp": tp, "prompts": 0, "exact": 0}
     t0 = time.monotonic()
@@ -137,7 +184,7 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                              served_model_name="m", run_dir=str(run_dir), worker_timeout_s=600, restart=False,
                              pool=plane.endswith(POOLS), kv_connector=plane.split("+")[0], lease_s=30,
                              pool_backend="mooncake" if plane.endswith("+store") else "pdserve",
-                             worker_args=spec.worker_args, prefill_tp=tp, decode_tp=tp)
+                             worker_args=spec.worker_args + extra, prefill_tp=tp, decode_tp=tp)
         with Cluster(cfg) as c:
             p_url, d_url = c.worker_urls("prefill")[0], c.worker_urls("decode")[0]
             moved, tokens, predicted = 0.0, 0, 0.0
@@ -150,7 +197,8 @@ def run_cell(family: str, plane: str, root: Path, tp: int = 1) -> dict[str, Any]
                 if plane.startswith("pdserve") and i in FRESH:  # D's own prefix cache holds none of it
                     moved += read_bytes(d_url) - before
                     tokens += len(prompt)
-                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32")
+                    bs = 128 if family in HYBRID else worker_block_size(run_dir)  # (HMA sizes its own pages)
+                    predicted += handoff_bytes(plan, len(prompt), "bf16" if spec.dtype == "bfloat16" else "fp32", bs)
                 ref = post(p_url + "/v1/completions", body)
                 cell["prompts"] += 1
                 same = out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
@@ -198,22 +246,25 @@ def verdict(cell: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(HYBRID), help=f"rows, of {', '.join(ROWS)} (default: the "
+                    "hybrid families)")
     ap.add_argument("--planes", default=",".join(PLANES))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of P and D alike (pdserve+pool "
                     "needs 1: the pool is TP=1 only)")
+    ap.add_argument("--worker-args", default="", help="more vLLM arguments for every worker of every cell (one "
+                    "string, split as a shell would)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     planes = [p for p in args.planes.split(",") if p]
-    unknown = sorted(set(families) - set(FAMILIES)) + sorted(set(planes) - set(PLANES))
+    unknown = sorted(set(families) - set(ROWS)) + sorted(set(planes) - set(PLANES))
     if unknown:
-        ap.error(f"unknown family or plane {unknown}: families {sorted(FAMILIES)}, planes {list(PLANES)}")
+        ap.error(f"unknown family or plane {unknown}: families {sorted(ROWS)}, planes {list(PLANES)}")
     root = Path(tempfile.mkdtemp(prefix="hybrid-matrix-"))
     cells = []
     for family in families:
         for plane in planes:
-            cell = run_cell(family, plane, root, args.tp)
+            cell = run_cell(family, plane, root, args.tp, tuple(shlex.split(args.worker_args)))
             cells.append(cell)
             print(f"# {family} x {plane}: {verdict(cell)} ({cell['seconds']} s)", file=sys.stderr, flush=True)
     tp = f", P TP={args.tp} -> D TP={args.tp}" if args.tp > 1 else ""
@@ -221,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * len(planes))
     for family in families:
         row = [verdict(c) for p in planes for c in cells if c["family"] == family and c["plane"] == p]
-        print(f"| {family} ({FAMILIES[family].kind}, {FAMILIES[family].dtype}) | " + " | ".join(row) + " |")
+        print(f"| {family} ({ROWS[family].kind}, {ROWS[family].dtype}) | " + " | ".join(row) + " |")
     result = {"bench": "hybrid_matrix", "cells": cells}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
