@@ -37,7 +37,7 @@ from .config_devices import worker_tp
 from .config_experts import worker_dp, worker_ep
 from .config_gpus import GpuSlot, assign_gpus
 from .mooncake import STORE_CONFIG_FILE, mooncake_master_argv, mooncake_store_config
-from .plane_limits import check_plane
+from .plane_limits import check_mla_rotary, check_plane
 from .pool_note import check_pool_model
 from .procs import assign_cores, available_cores
 
@@ -385,6 +385,7 @@ def make_plan(
     workers = plan_workers(config, model_dir, ports.workers, cores, events, pool.master if pool and own_pool else "",
                            ports.side_channels)
     check_plane(config, workers, model_dir)  # a data plane that would answer wrong tokens is refused here
+    check_mla_rotary(config, workers, model_dir)  # ... and MLA on CPU where vLLM's rotary kernel would
     check_pool_model(config, model_dir)  # a pool whose connector would refuse the model at every worker's start
     if pool is not None and pool.backend == "mooncake":
         workers = [replace(w, mooncake_store_config=pool.store_config) if w.connector else w for w in workers]

@@ -31,7 +31,7 @@ def _model(tmp_path: Path, cfg: dict) -> Path:
 
 def _plan(tmp_path: Path, cfg: dict, **settings):
     model = _model(tmp_path, cfg)
-    config = LauncherConfig(model=str(model), port=0, cores=(0, 1), **settings)
+    config = LauncherConfig(model=str(model), port=0, **{"cores": (0, 1), **settings})
     return make_plan(config, model)
 
 
@@ -89,3 +89,33 @@ def test_a_dtype_in_the_worker_args_is_the_one_judged(tmp_path):
     with pytest.raises(ConfigError, match="in auto"):
         _plan(tmp_path, GRANITE_HYBRID, kv_connector="nixl", dtype="float32", decode_args=("--dtype=auto",))
     assert _plan(tmp_path, GRANITE_HYBRID, kv_connector="nixl", dtype="bfloat16", worker_args=("--dtype", "float32"))
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+NATIVE = "-cc.custom_ops+=-rotary_embedding"
+
+
+@pytest.mark.parametrize("plane", ["nixl", "mooncake"])
+def test_mla_on_cpu_is_refused_on_vllms_planes_unless_every_worker_runs_pytorch_rotary(tmp_path, plane):
+    """vLLM's connectors have D compute the last prompt token on P's KV, which vLLM's CPU rotary kernel caches
+    otherwise than one worker's single pass (0 of 4 equal in the coverage matrix; 4 of 4 with PyTorch rotary)."""
+    with pytest.raises(ConfigError) as e:
+        _plan(tmp_path, DEEPSEEK_V3, kv_connector=plane, dtype="float32")
+    msg = str(e.value)
+    assert "MLA model on CPU workers" in msg and "last prompt token" in msg and f"--worker-args '{NATIVE}'" in msg
+    assert _plan(tmp_path, DEEPSEEK_V3, kv_connector=plane, dtype="float32", worker_args=(NATIVE,)).workers
+    assert _plan(tmp_path, DEEPSEEK_V3, kv_connector=plane, dtype="float32",  # the same in -cc's JSON
+                 worker_args=("-cc", '{"custom_ops": ["-rotary_embedding"]}')).workers
+    with pytest.raises(ConfigError):  # one worker without it is enough to answer wrong
+        _plan(tmp_path, DEEPSEEK_V3, kv_connector=plane, dtype="float32", prefill_args=(NATIVE,))
+    assert _plan(tmp_path, DEEPSEEK_V3, kv_connector=plane, dtype="float32", gpus=("0", "1"), pool=False).workers
+
+
+def test_mla_on_cpu_with_other_tp_on_p_and_d_is_refused_on_pdserves_connector_too(tmp_path):
+    with pytest.raises(ConfigError, match=r"other tensor-parallel degrees \(\[1, 2\]\)"):
+        _plan(tmp_path, DEEPSEEK_V3, dtype="float32", prefill_tp=2, decode_tp=1, cores=(0, 1, 2), pool=False)
+    assert _plan(tmp_path, DEEPSEEK_V3, dtype="float32", prefill_tp=2, decode_tp=1, cores=(0, 1, 2), pool=False,
+                 worker_args=(NATIVE,)).workers
+    assert _plan(tmp_path, DEEPSEEK_V3, dtype="float32").workers  # same TP, pdserve's connector: exact as is
+    assert make_plan(LauncherConfig(model=str(_model(tmp_path, DEEPSEEK_V3)), port=0, cores=(0, 1), dtype="float32",
+                                    kv_connector="nixl", prefill=0, decode=0, colocated=1), tmp_path / "model").workers
