@@ -1,9 +1,13 @@
 """The endpoint-picker side of Envoy's ext-proc protocol, as the Gateway API Inference Extension uses it.
 
-The gateway opens one ``Process`` stream per HTTP request and sends the request's headers, then (body mode
-``BUFFERED``) its body. The picker answers the headers with a plain continue and the body with the chosen
-endpoint: the header ``x-gateway-destination-endpoint: HOST:PORT`` and the same key in the dynamic metadata
-namespace ``envoy.lb`` (what the extension's protocol names for the gateway's original-destination cluster).
+The gateway opens one ``Process`` stream per HTTP request and sends the request's headers, then its body. In body
+mode ``BUFFERED`` (or ``BUFFERED_PARTIAL``) the picker answers the headers with a plain continue and the body with
+the chosen endpoint: the header ``x-gateway-destination-endpoint: HOST:PORT`` and the same key in the dynamic
+metadata namespace ``envoy.lb`` (what the extension's protocol names for the gateway's original-destination
+cluster). In ``FULL_DUPLEX_STREAMED`` (the mode the extension's protocol requires an endpoint picker to support;
+Envoy names the modes in the stream's first message, ``protocol_config``) the gateway forwards nothing the picker
+has not sent back: the picker gathers the body's chunks, then answers the headers with the chosen endpoint and
+sends the body back unchanged as streamed body responses; a streamed response body is echoed chunk by chunk.
 For a P -> D placement the decode worker is the destination (it streams the answer) and the prefill worker goes
 in ``x-prefiller-host-port`` (llm-d's header, which its decode sidecar reads). A request the picker cannot place
 gets an immediate response: 400 for a body it cannot read, 429 with ``retry-after`` when the conductor rejects
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -23,6 +28,8 @@ from google.protobuf import struct_pb2
 DESTINATION = "x-gateway-destination-endpoint"
 PREFILLER = "x-prefiller-host-port"  # llm-d's P -> D header
 METADATA_NAMESPACE = "envoy.lb"
+STREAMED = mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+CHUNK = 62 * 1024  # a streamed body goes back in chunks of at most this many bytes (below gRPC's message limits)
 
 
 def headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -65,3 +72,12 @@ def refused(status: int, message: str, code: str | int, retry_after_s: int | Non
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=sets), body=body,
         details=code))
+
+
+def streamed_body(kind: str, body: bytes, end: bool = True) -> list[pb.ProcessingResponse]:
+    """``body`` sent back to the gateway as ``kind`` (``request_body`` / ``response_body``) streamed body responses
+    (FULL_DUPLEX_STREAMED), in chunks of at most :data:`CHUNK` bytes, the last one marked ``end``."""
+    parts = [body[i:i + CHUNK] for i in range(0, len(body), CHUNK)] or [b""]
+    return [pb.ProcessingResponse(**{kind: pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+        streamed_response=pb.StreamedBodyResponse(body=part, end_of_stream=end and i == len(parts) - 1))))})
+        for i, part in enumerate(parts)]

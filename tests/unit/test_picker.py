@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import grpc
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -163,6 +164,90 @@ def test_a_worker_that_refuses_connections_is_no_longer_picked(model_dir, tokeni
             else:
                 raise AssertionError("a dead worker was picked")
         finally:
+            await picker.close()
+
+    asyncio.run(main())
+
+
+def _streamed_config() -> pb.ProcessingRequest:
+    """What Envoy sends first with both body modes FULL_DUPLEX_STREAMED (the extension's streaming mode): the
+    modes in ``protocol_config``, beside the request headers."""
+    first = _headers()
+    first.protocol_config.CopyFrom(pb.ProtocolConfiguration(request_body_mode=protocol.STREAMED,
+                                                            response_body_mode=protocol.STREAMED))
+    return first
+
+
+def test_full_duplex_streamed_body_mode(model_dir, tokenizer):  # noqa: F811
+    """In FULL_DUPLEX_STREAMED the gateway forwards only what the picker sends back: nothing answers the headers
+    or the body's chunks until the body ends; then the headers' answer carries the endpoint (header and metadata)
+    and the body goes back unchanged in streamed chunks of at most 62 KiB, the last one ending the stream; the
+    response body is echoed chunk by chunk, and its end releases the placement."""
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                prompt = list(range(5, 25))
+                picker.conductor.blocks_stored(P1, block_hashes(prompt, BS)[:4])
+                body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 3,
+                                   "user": "x" * 100_000}).encode()  # over one 62 KiB chunk
+                cut = len(body) // 3
+                chunks = [pb.ProcessingRequest(request_body=pb.HttpBody(body=body[a:b], end_of_stream=b == len(body)))
+                          for a, b in ((0, cut), (cut, 2 * cut), (2 * cut, len(body)))]
+                answer = [pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+                          pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n")),
+                          pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))]
+                out = await _exchange(stub, _streamed_config(), *chunks, *answer)
+                kinds = [r.WhichOneof("response") for r in out]
+                assert kinds == ["request_headers", "request_body", "request_body", "response_headers",
+                                 "response_body", "response_body"], kinds
+                common = out[0].request_headers.response
+                assert {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers} == \
+                    {protocol.DESTINATION: "127.0.0.1:18003", protocol.PREFILLER: "127.0.0.1:18002"}
+                meta = out[0].dynamic_metadata.fields[protocol.METADATA_NAMESPACE].struct_value
+                assert meta.fields[protocol.DESTINATION].string_value == "127.0.0.1:18003"
+                sent = [r.request_body.response.body_mutation.streamed_response for r in out[1:3]]
+                assert b"".join(s.body for s in sent) == body and all(len(s.body) <= protocol.CHUNK for s in sent)
+                assert [s.end_of_stream for s in sent] == [False, True]
+                echoed = [r.response_body.response.body_mutation.streamed_response for r in out[4:]]
+                assert [(e.body, e.end_of_stream) for e in echoed] == [(b"data: 1\n\n", False),
+                                                                      (b"data: [DONE]\n\n", True)]
+                # a refusal is still an immediate response, whatever the mode
+                out = await _exchange(stub, _streamed_config(), _body(b"{not json"))
+                assert [r.WhichOneof("response") for r in out] == ["immediate_response"]
+                assert out[0].immediate_response.status.code == 400
+            await asyncio.sleep(0.05)
+            assert all(not w.prefills and not w.decodes for w in picker.conductor.workers.values())
+        finally:
+            await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
+
+
+def test_grpc_health_for_the_services_the_protocol_names(model_dir, tokenizer):  # noqa: F811
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.picker.server import HEALTH_SERVICES
+
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                for name in HEALTH_SERVICES:
+                    r = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+                    assert r.status == health_pb2.HealthCheckResponse.SERVING, name
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            await server.stop(0)
             await picker.close()
 
     asyncio.run(main())
