@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -144,8 +145,11 @@ class Picker:
             return list(prompt)
         raise bad("the body needs 'prompt' (text or token ids) or 'messages'")
 
-    def pick(self, raw: bytes) -> PlacementTicket:
-        """Place the request whose body is ``raw``; RouterError 400 / 429 / 503 when it cannot be placed."""
+    def pick(self, raw: bytes, subset: Sequence[str] | None = None, destination_port: int = 0) -> PlacementTicket:
+        """Place the request whose body is ``raw``; RouterError 400 / 429 / 503 when it cannot be placed.
+        ``subset``: the endpoints (``HOST:PORT``, as the destination names them with ``destination_port``) the
+        gateway allows for this request (the extension's subset hint); a worker that would be the destination and
+        is not among them is not chosen, and none left is a 503."""
         try:
             body = json.loads(raw)
         except ValueError:
@@ -158,11 +162,22 @@ class Picker:
             raise bad("'max_tokens' must be a positive integer")
         ids = self.prompt_ids(body)
         t0 = time.perf_counter()
-        ticket = self.placement.choose(ids, max_tokens=max_tokens)
+        exclude = self._outside(subset, destination_port) if subset is not None else frozenset()
+        ticket = self.placement.choose(ids, exclude=exclude, max_tokens=max_tokens)
+        if subset is not None and host_port(ticket.decode.url, destination_port) not in subset:
+            ticket.close()  # no allowed worker left: the conductor fell back to one the gateway did not list
+            raise RouterError(503, "no endpoint of the gateway's subset can serve the request", "server_error",
+                              None, "no_endpoint_in_subset")
         self.decision_seconds.append(time.perf_counter() - t0)
         self.decisions += 1
         self.cached_tokens += ticket.decision.cached_tokens
         return ticket
+
+    def _outside(self, subset: Sequence[str], destination_port: int) -> frozenset[str]:
+        """The workers that would be a destination (any that decodes: decode or elastic roles) outside ``subset``."""
+        allowed = set(subset)
+        return frozenset(w.url for w in self.registry
+                         if w.roles - {"prefill"} and host_port(w.url, destination_port) not in allowed)
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -28,6 +28,8 @@ from google.protobuf import struct_pb2
 DESTINATION = "x-gateway-destination-endpoint"
 PREFILLER = "x-prefiller-host-port"  # llm-d's P -> D header
 METADATA_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the gateway's allowed endpoints for a request, in its filter metadata
+SUBSET = "x-gateway-destination-endpoint-subset"
 STREAMED = mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 CHUNK = 62 * 1024  # a streamed body goes back in chunks of at most this many bytes (below gRPC's message limits)
 
@@ -81,3 +83,15 @@ def streamed_body(kind: str, body: bytes, end: bool = True) -> list[pb.Processin
     return [pb.ProcessingResponse(**{kind: pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
         streamed_response=pb.StreamedBodyResponse(body=part, end_of_stream=end and i == len(parts) - 1))))})
         for i, part in enumerate(parts)]
+
+
+def subset_of(req: pb.ProcessingRequest) -> list[str] | None:
+    """The endpoints (``HOST:PORT``) the gateway lets the picker choose from for this request (the extension's
+    subset hint in ``metadata_context``), or None when it names none (every endpoint of the pool)."""
+    hint = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET not in hint.fields:
+        return None
+    value = hint.fields[SUBSET]
+    if value.HasField("list_value"):
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    return [e.strip() for e in value.string_value.split(",") if e.strip()]

@@ -32,8 +32,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         body = bytearray()
         ticket: PlacementTicket | None = None
         streamed_request = streamed_response = False  # FULL_DUPLEX_STREAMED (protocol.py)
+        subset: list[str] | None = None  # the gateway's allowed endpoints (None: the whole pool)
         try:
             async for req in request_iterator:
+                if subset is None and req.HasField("metadata_context"):
+                    subset = protocol.subset_of(req)
                 if req.HasField("protocol_config"):  # Envoy's body modes, in the stream's first message
                     streamed_request = req.protocol_config.request_body_mode == protocol.STREAMED
                     streamed_response = req.protocol_config.response_body_mode == protocol.STREAMED
@@ -55,7 +58,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             yield protocol.carry_on(kind)  # BUFFERED_PARTIAL: the rest follows
                         continue
                     try:
-                        ticket = self.picker.pick(bytes(body))
+                        ticket = self.picker.pick(bytes(body), subset, self.destination_port)
                     except RouterError as e:
                         retry = e.headers.get("Retry-After")
                         yield protocol.refused(e.status, e.message, e.code or "", int(retry) if retry else None)

@@ -251,3 +251,42 @@ def test_grpc_health_for_the_services_the_protocol_names(model_dir, tokenizer): 
             await picker.close()
 
     asyncio.run(main())
+
+
+def test_the_gateway_s_endpoint_subset_is_honoured(model_dir, tokenizer):  # noqa: F811
+    """The extension's subset hint (``envoy.lb.subset_hint`` in the request's filter metadata): the destination is
+    one of the listed endpoints (a listed prefill worker serves whole, as when no decode worker is up); when none of
+    them is a worker, the answer is an immediate 503."""
+    from google.protobuf import struct_pb2
+
+    def hinted(endpoints: list[str]) -> pb.ProcessingRequest:
+        first = _headers()
+        hint = struct_pb2.Struct()
+        hint.update({protocol.SUBSET: endpoints})
+        first.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].CopyFrom(hint)
+        return first
+
+    async def main() -> None:
+        picker = _picker(model_dir, tokenizer)
+        await picker.start()
+        server = await serve(picker, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                body = _body(json.dumps({"model": "m", "prompt": list(range(5, 25)), "max_tokens": 3}).encode())
+                out = await _exchange(stub, hinted(["10.1.1.1:8000", "127.0.0.1:18003"]), body)
+                assert _set(out[1])[protocol.DESTINATION] == "127.0.0.1:18003"
+                # only a prefill worker listed: it serves the request whole (as when no decode worker is up)
+                out = await _exchange(stub, hinted(["127.0.0.1:18001"]), body)
+                assert _set(out[1])[protocol.DESTINATION] == "127.0.0.1:18001"
+                for endpoints in (["10.1.1.1:8000"], []):  # no worker of the pool; none at all
+                    out = await _exchange(stub, hinted(endpoints), body)
+                    assert [r.WhichOneof("response") for r in out] == ["request_headers", "immediate_response"]
+                    assert out[1].immediate_response.status.code == 503, endpoints
+            await asyncio.sleep(0.05)
+            assert all(not w.prefills and not w.decodes for w in picker.conductor.workers.values())
+        finally:
+            await server.stop(0)
+            await picker.close()
+
+    asyncio.run(main())
