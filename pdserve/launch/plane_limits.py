@@ -124,14 +124,9 @@ def is_mla(cfg: dict[str, Any]) -> bool:
 
 def native_rope(worker: WorkerConfig) -> bool:
     """Whether the worker's extra arguments turn vLLM's CPU rotary kernel off (``-cc.custom_ops+=-rotary_embedding``,
-    or the same in a ``--compilation-config`` / ``-cc`` JSON's ``custom_ops``)."""
-    args = list(worker.extra_args)
-    for i, arg in enumerate(args):
-        if "-rotary_embedding" in arg:
-            return True
-        if arg in ("-cc", "--compilation-config") and i + 1 < len(args) and "-rotary_embedding" in args[i + 1]:
-            return True
-    return False
+    or the same in a ``--compilation-config`` / ``-cc`` JSON's ``custom_ops``: either way an argument names
+    ``-rotary_embedding``)."""
+    return any("-rotary_embedding" in arg for arg in worker.extra_args)
 
 
 def check_mla_rotary(config: LauncherConfig, workers: Sequence[WorkerConfig], model_dir: str | Path) -> None:
