@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .models import save_model_folder, stamp_matches, tokenizer_source
+from .models import init_random_weights, save_model_folder, stamp_matches, tokenizer_source
 
 WINDOW = 128  # the sliding-window families' window (tokens)
 
@@ -99,25 +99,9 @@ def _build(spec: Family, out: Path, stamp: dict[str, Any], tokenizer_dir: str | 
         **spec.kwargs)
     config.architectures = [spec.model_class]
     torch.manual_seed(stamp["seed"])
-    generator = torch.Generator().manual_seed(stamp["seed"])
     model = getattr(transformers, spec.model_class)(config)
-    with torch.no_grad():  # explicit init, independent of transformers' init defaults
-        for name, param in sorted(model.named_parameters()):
-            param.copy_(_init(name, param, generator, stamp["init_std"], stamp["lm_head_std"]))
+    init_random_weights(model, stamp["seed"], stamp["init_std"], stamp["lm_head_std"])
     return save_model_folder(model.to(getattr(torch, spec.dtype)), tokenizer, out, stamp)
-
-
-def _init(name: str, param: Any, generator: Any, std: float, head_std: float) -> Any:
-    """A parameter's random value: norms at 1 (Gemma's at 0: it scales by 1 + weight), Mamba's and the gated
-    delta-net's decay (A_log) and time step bias small, the output head large (decisive logits)."""
-    import torch
-
-    if name.endswith("norm.weight") or name.endswith("norm.bias") or ".norm." in name:
-        return torch.zeros_like(param) if "bias" in name else torch.ones_like(param)
-    if name.endswith("A_log") or name.endswith("dt_bias") or name.endswith(".D"):
-        return torch.rand(param.shape, generator=generator) * 0.5
-    scale = head_std if name == "lm_head.weight" else std
-    return torch.randn(param.shape, generator=generator) * scale
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,6 +212,32 @@ def tokenizer_source(tokenizer_dir: str | os.PathLike[str] | None) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+def init_random_weights(model: Any, seed: int, std: float, head_std: float, zeros: tuple[str, ...] = ()) -> None:
+    """Every parameter of ``model`` drawn explicitly (independent of transformers' init defaults), in name order
+    from one generator seeded with ``seed``: norms at 1 (their biases at 0), Mamba's and the gated delta-net's decay
+    (``A_log``) and time step bias small, parameters named by a suffix in ``zeros`` at 0, the output head at
+    ``head_std`` (decisive logits), the rest at ``std``. What every tiny random model here is built with."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(_random_value(name, param, generator, std, head_std, zeros))
+
+
+def _random_value(name: str, param: Any, generator: Any, std: float, head_std: float, zeros: tuple[str, ...]) -> Any:
+    import torch
+
+    if name.endswith("norm.weight") or name.endswith("norm.bias") or ".norm." in name:
+        return torch.zeros_like(param) if "bias" in name else torch.ones_like(param)
+    if zeros and name.endswith(zeros):
+        return torch.zeros_like(param)
+    if name.endswith("A_log") or name.endswith("dt_bias") or name.endswith(".D"):
+        return torch.rand(param.shape, generator=generator) * 0.5
+    scale = head_std if name == "lm_head.weight" else std
+    return torch.randn(param.shape, generator=generator) * scale
+
+
 def build_random(out_dir: str | os.PathLike[str], stamp: dict[str, Any],
                  tokenizer_dir: str | os.PathLike[str] | None, write: Callable[[Path, Any], None]) -> Path:
     """A random model folder for ``stamp`` (another family's builder, e.g. :mod:`pdserve.launch.models_mla`):
@@ -295,15 +321,8 @@ def _build_random_llama(out: Path, stamp: dict[str, Any],
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # explicit init, independent of transformers' init defaults
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = lm_head_std if name == "lm_head.weight" else init_std
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    init_random_weights(model, seed, init_std, lm_head_std)
     model = model.to(getattr(torch, dtype))
 
     def write(tmp: Path) -> None:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .models import build_random
+from .models import build_random, init_random_weights
 
 KV_LORA_RANK = 512  # vLLM's CPU MLA decode kernel: kv_lora_rank 512 + rope 64 = 576
 ROPE_DIM = 64
@@ -64,17 +64,9 @@ def _write(folder: Path, stamp: dict[str, Any], tokenizer: Any) -> None:
 
     config = _config(stamp, tokenizer)
     torch.manual_seed(stamp["seed"])
-    generator = torch.Generator().manual_seed(stamp["seed"])
     model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():  # explicit init, independent of transformers' init defaults
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                param.zero_()
-            else:
-                std = stamp["lm_head_std"] if name == "lm_head.weight" else stamp["init_std"]
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    init_random_weights(model, stamp["seed"], stamp["init_std"], stamp["lm_head_std"],
+                        zeros=("e_score_correction_bias",))  # DeepSeek-V3's router bias starts at 0
     model.to(getattr(torch, stamp["dtype"])).save_pretrained(str(folder), safe_serialization=True)
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .models import build_random
+from .models import build_random, init_random_weights
 
 
 def build_random_qwen3_moe(out_dir: str | os.PathLike[str], layers: int = 3, hidden: int = 128, experts: int = 8,
@@ -51,15 +51,8 @@ def _write(folder: Path, stamp: dict[str, Any], tokenizer: Any) -> None:
 
     config = _config(stamp, tokenizer)
     torch.manual_seed(stamp["seed"])
-    generator = torch.Generator().manual_seed(stamp["seed"])
     model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # explicit init, independent of transformers' init defaults
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = stamp["lm_head_std"] if name == "lm_head.weight" else stamp["init_std"]
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    init_random_weights(model, stamp["seed"], stamp["init_std"], stamp["lm_head_std"])
     model.to(torch.float32).save_pretrained(str(folder), safe_serialization=True)
 
 
