@@ -56,6 +56,7 @@ from pdserve.vllm.params import (
 )
 from pdserve.vllm.pool_groups import candidates, load_groups, longest, save_items
 from pdserve.vllm.prefill_seals import PrefillSeals
+from pdserve.vllm.read_signal import READ_SIGNAL
 from pdserve.vllm.shards import ShardError, plan_slices
 from pdserve.vllm.spans import traceparent_of
 from pdserve.vllm.stamps import HandoffStamps
@@ -76,7 +77,7 @@ COMPLETED = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 # a stopped prefill is leased too, for a caller whose D regenerates the first token (structured outputs).
 LEASE_ON_STOP = "lease_on_stop"
 MAX_READ_STATS = 10000  # D reads whose stats wait for their request to finish (aborted ones never do)
-EARLY_PACE_MS = 1.0  # D's empty steps while only early reads wait for P's prefill
+EARLY_PACE_MS = 1.0  # D's empty steps while only early reads wait for P's prefill (worker in another process)
 
 
 class PoolLookup(Protocol):
@@ -722,9 +723,14 @@ class SchedulerSide:
             time.sleep(self.config.idle_wait_ms / 1e3)
         elif (scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens and not self._recv
               and self._early_reads and self.config.idle_wait_ms > 0):
-            # D's early reads wait for P's prefill (seconds, on the cores P computes on): pace the empty steps
-            # more finely, so that a read that landed is seen within about a millisecond
-            time.sleep(min(self.config.idle_wait_ms, EARLY_PACE_MS) / 1e3)
+            # D's early reads wait for P's prefill (seconds, on the cores P computes on). With the worker in this
+            # process, sleep until a read ended (pdserve.vllm.read_signal), at most idle_wait_ms (a request that
+            # arrives meanwhile waits that long for its admission); else pace the empty steps finely, so that a read
+            # that landed is seen within about a millisecond
+            if READ_SIGNAL.local:
+                READ_SIGNAL.wait(self.config.idle_wait_ms / 1e3)
+            else:
+                time.sleep(min(self.config.idle_wait_ms, EARLY_PACE_MS) / 1e3)
         if scheduler_output is not None:
             self.stamps.step(getattr(r, "req_id", "") for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
         self.reading += sum(1 for job in self._recv if job.load)

@@ -42,6 +42,7 @@ from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layerwise import LayerMarks, LayerPull
+from pdserve.vllm.read_signal import READ_SIGNAL
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import (
@@ -173,6 +174,7 @@ class WorkerSide:
                                                  transfer_deadline_s=min(config.transfer_deadline_s, 4.0)),
                                     self.engine)
         self._pool_done: list[tuple[PoolJob, int, dict[str, Any]]] = []  # (job, blocks that made it, stats)
+        READ_SIGNAL.attach()  # D's scheduler in this process sleeps until a read ends (pdserve.vllm.read_signal)
         seg = self.engine.segment()
         log.info("worker rank %d: transfer engine %s listening on %s:%d (backend %s)", rank,
                  self.engine.engine_id, seg.host, seg.port, config.backend)
@@ -440,6 +442,7 @@ class WorkerSide:
             stats["per_rank"] = {self.rank: [stats["bytes"], stats["ms"]]}
             with self._lock:
                 self._done.append((job, ok, stats))
+                READ_SIGNAL.ended()
             kv_span("pdserve.kv_read", job.traceparent, stats["t0"], stats["t1"], {**stats, "rank": self.rank})
         if ok:
             log.info("request %s: rank %d read %d blocks (%d B, %s) from %s in %.2f ms (%.2f GB/s)", job.req_id,
@@ -641,11 +644,13 @@ class WorkerSide:
                 {**stats, "blocks": len(job.block_ids), "loaded_blocks": None if job.save else good})
         with self._lock:
             self._pool_done.append((job, good, stats))
+            READ_SIGNAL.ended()
 
     def _pool_results(self, recving: set[str], failed: set[str]) -> None:
         """Account finished pool jobs: loads into ``recving``/``failed``, ended saves to the ledger."""
         with self._lock:
             done, self._pool_done = self._pool_done, []
+            READ_SIGNAL.collected(len(done))
         for job, good, stats in done:
             data = self.stats.data
             if job.save:
@@ -773,6 +778,7 @@ class WorkerSide:
         data = self.stats.data
         with self._lock:
             done, self._done = self._done, []
+            READ_SIGNAL.collected(len(done))
             for job, ok, stats in done:
                 self._inflight.pop(job.req_id, None)
                 if not job.sync:  # a synchronous load's request is running: vLLM expects no finished_recving
@@ -811,6 +817,7 @@ class WorkerSide:
         return meta
 
     def close(self) -> None:
+        READ_SIGNAL.detach()
         self._seals.close()
         if self.pool is not None:
             self.pool.close()
