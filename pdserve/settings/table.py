@@ -425,7 +425,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allow_test_faults", bool, False, "honour pdserve_test_fault in kv_transfer_params (tests only)", (W,),
             on_cli=False, group="connector"),
     Setting("idle_wait_ms", float, 10.0, "pace the empty steps vLLM runs while P holds blocks and has nothing else "
-            "to do, and D's while its early reads wait for P (a read's end wakes D at once) (0: let them spin)", (W,), unit="ms", minimum=0, maximum=1000, on_cli=False, group="connector"),
+            "to do, and D's while its early reads wait for P (a read's end wakes D at once) (0: let them spin)",
+            (W,), unit="ms", minimum=0, maximum=1000, on_cli=False, group="connector"),
     Setting("pool_save", bool, True, "save finished blocks to the KV pool (with pool_master)", (W,), on_cli=False,
             group="connector"),
     Setting("pool_load", bool, True, "load pooled prefixes from the KV pool (with pool_master)", (W,), on_cli=False,

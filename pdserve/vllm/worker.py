@@ -42,7 +42,6 @@ from pdserve.vllm.head_sums import head_reply, verify_slices
 from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layerwise import LayerMarks, LayerPull
-from pdserve.vllm.read_signal import READ_SIGNAL
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
 from pdserve.vllm.logs import connector_log
 from pdserve.vllm.messages import (
@@ -71,6 +70,7 @@ from pdserve.vllm.params import (
 )
 from pdserve.vllm.pool import SEAL_REGION, SealSlots, loaded_tokens
 from pdserve.vllm.pool_io import PoolIO
+from pdserve.vllm.read_signal import READ_SIGNAL
 from pdserve.vllm.regions import join
 from pdserve.vllm.release import Released, ReleaseLedger
 from pdserve.vllm.shards import (
