@@ -237,7 +237,10 @@ def test_p_that_stops_or_dies_mid_layers_ends_d_s_wait_and_the_read_fails(pair, 
     res = d.results()
     assert res.failed_recving == {"dreq"} and d.take_invalid_blocks() == {0, 1}
     error = d.take_worker_meta().reads["dreq"]["error"]
-    assert ("not ready within" in error) if how == "stops" else ("TransferError" in error), error
+    # "stops": D's bounded wait ended, told by P ("not ready within") or, when P's answer comes after D's own deadline
+    # on a loaded machine, by D ("announced 1 of 3 layers ... within")
+    stopped = "not ready within" in error or "announced 1 of 3 layers" in error
+    assert stopped if how == "stops" else ("TransferError" in error), error
 
 
 def test_only_an_early_read_of_the_same_tp_and_layout_goes_layer_by_layer(pair):
