@@ -110,7 +110,7 @@ def burst(url: str, bodies: list[dict[str, Any]], pids: dict[str, int]) -> dict[
     before = {k: tree_cpu_s(pid) for k, pid in pids.items()}
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
         recs = list(ex.map(lambda b: stream(url, b), bodies))
-    out = {f"{k}_cpu": (tree_cpu_s(pid) - before[k]) * 1e3 / len(bodies) for k, pid in pids.items()}
+    out = cpu_used(pids, before, len(bodies))
     span = max(r["arrivals"][0] for r in recs) - min(r["send"] for r in recs)
     out["tps"] = sum(len(b["prompt"]) for b in bodies) / max(span, 1e-9)
     return out
@@ -172,11 +172,17 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def cpu_used(pids: dict[str, int], before: dict[str, float], requests: int = 1) -> dict[str, float]:
+    """The CPU ms per request each worker (``pids``: "p", "d") used since ``before`` (:func:`tree_cpu_s` of each),
+    as ``{"p_cpu": .., "d_cpu": ..}``."""
+    return {f"{k}_cpu": (tree_cpu_s(pid) - before[k]) * 1e3 / requests for k, pid in pids.items()}
+
+
 def timed(url: str, body: dict[str, Any], pids: dict[str, int]) -> dict[str, Any]:
     """:func:`stream`, with the CPU ms each worker (``pids``: "p", "d") used from the send to the last token."""
     before = {k: tree_cpu_s(pid) for k, pid in pids.items()}
     rec = stream(url, body)
-    rec.update({f"{k}_cpu": (tree_cpu_s(pid) - before[k]) * 1e3 for k, pid in pids.items()})
+    rec.update(cpu_used(pids, before))
     return rec
 
 
