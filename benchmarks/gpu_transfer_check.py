@@ -11,7 +11,9 @@ outside the blocks checked untouched; then READ GB/s at 16 MiB, 256 MiB and 4096
 device-to-device copy and pinned device-to-host copy in the same run. Issue 27's checksum row: the connector's
 device checksum (wsum32, one batched torch reduction per K/V plane over every block) on each layout: equal to the
 same reduction over a host copy of the bytes, a flipped byte changes exactly its block's sum, and its GB/s over the
-nhd cache (16 MiB) against the device-to-device copy. Prints a table, then one JSON line.
+nhd cache (16 MiB) against the device-to-device copy. Issue 37's fence row: pdserve.vllm.fence runs an update
+given after queued kernels only once they ran, without blocking the thread that gave it. Prints a table, then one
+JSON line.
 Needs PyTorch only (NIXL and Mooncake optional); without CUDA it prints that nothing ran and exits 0.
 """
 
@@ -310,6 +312,34 @@ def checksum_check(tensors: dict[str, Any], device: Any, reps: int) -> dict[str,
     return out
 
 
+def fence_check(device: Any) -> dict[str, Any]:
+    """pdserve.vllm.fence on this device (issue 37, layer-wise sends from device memory): an update given after
+    ~0.2 s of queued kernels runs once they ran (the event has completed and the time has passed), the giving
+    thread only records and queues, and an update given with no event runs at once."""
+    import threading
+
+    import torch
+
+    from pdserve.vllm.fence import DeviceFence, record_event
+    fence, seen, done = DeviceFence(), {}, threading.Event()
+    buf = torch.zeros(16 * MiB // 4, dtype=torch.int32, device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    torch.cuda._sleep(int(4e8))  # queued work: a layer's kernels not yet run
+    buf.fill_(7)
+    event = record_event(True)
+    fence.after(None, lambda: seen.update(now=event.query()))  # nothing queued before it: at once
+    fence.after(event, lambda: (seen.update(query=event.query(), at=time.perf_counter() - t0), done.set()))
+    queued_s = time.perf_counter() - t0
+    ran = done.wait(60)
+    sync(device)
+    kernel_s = time.perf_counter() - t0
+    return {"fence_waited_ok": bool(ran and seen.get("query") and seen.get("now") is False),
+            "fence_after_kernels_ok": bool(ran and seen["at"] >= 0.5 * kernel_s),
+            "fence_sum_ok": int(buf.sum().item()) == 7 * buf.numel(),
+            "fence_queue_ms": round(queued_s * 1e3, 3), "fence_kernels_ms": round(kernel_s * 1e3, 1)}
+
+
 def run(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
     import torch
     optional = optional_backends()
@@ -362,6 +392,12 @@ def run(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
         rows.append(("checksum", "wsum32 byte-exact", "ok" if all(v for k, v in sums.items() if k.endswith("_ok"))
                      else "FAILED " + ",".join(k for k, v in sums.items() if k.endswith("_ok") and not v)))
         rows.append(("checksum", "wsum32 16MiB", f"{sums['checksum_gbps_nhd_16MiB']:.2f}"))
+        if kind == "cuda":
+            fenced = fence_check(device)
+            result.update(fenced)
+            rows.append(("fence", "after the kernels", "ok" if all(v for k, v in fenced.items() if k.endswith("_ok"))
+                         else "FAILED " + ",".join(k for k, v in fenced.items() if k.endswith("_ok") and not v)))
+            rows.append(("fence", "queue ms (model thread)", f"{fenced['fence_queue_ms']:.3f}"))
     finally:
         try:
             parent.send_bytes(msgpack.packb({"cmd": "quit"}))

@@ -39,7 +39,7 @@ from typing import Any
 from ..http_probe import http_status
 from .checksum_note import checksum_note
 from .config import LauncherConfig, default_model_dir
-from .plan import POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
+from .plan import MEMBERSHIP_FILE, POOL_HOST, Plan, Ports, ProcessSpec, make_plan, worker_dtype
 from .pool_note import pool_note
 from .procs import (
     Child,
@@ -118,12 +118,16 @@ def memory_warning(config: LauncherConfig, available: int | None = None) -> str:
 
 
 def new_run_dir(config: LauncherConfig) -> Path:
+    """The launch's run folder, created. A folder given again (``--run-dir``) starts a new launch: the membership
+    the previous launch's routers shared there names that launch's workers, and a router that found it would take
+    it (as a restarted replica does) over its own, so it is removed; the logs stay and are appended to."""
     if config.run_dir:
         d = Path(config.run_dir).expanduser()
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         d = Path(".pdserve") / "runs" / f"{stamp}-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=True)
+    (d / MEMBERSHIP_FILE).unlink(missing_ok=True)
     return d.resolve()
 
 

@@ -225,6 +225,16 @@ def init_random_weights(model: Any, seed: int, std: float, head_std: float, zero
             param.copy_(_random_value(name, param, generator, std, head_std, zeros))
 
 
+def unit_rms_rows(table: Any) -> None:
+    """Scale every row of ``table`` (a torch parameter) to RMS 1, in place: an input norm of weight 1 then passes
+    it through but for its epsilon (the mirror drafters of :mod:`pdserve.launch.models_drafters` and
+    :mod:`pdserve.launch.models_mla` rely on it)."""
+    import torch
+
+    with torch.no_grad():
+        table.div_(table.pow(2).mean(-1, keepdim=True).sqrt())
+
+
 def _random_value(name: str, param: Any, generator: Any, std: float, head_std: float, zeros: tuple[str, ...]) -> Any:
     import torch
 
@@ -273,13 +283,17 @@ def model_or_random_llama(model: str, folder: str | os.PathLike[str]) -> str:
 def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden: int = 256, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 512, dtype: str = "float32", seed: int = 0,
                        init_std: float = 0.2, lm_head_std: float = 2.0, max_position_embeddings: int = 8192,
-                       tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
+                       tokenizer_dir: str | os.PathLike[str] | None = None, unit_embeddings: bool = False) -> Path:
     """Write a small ``LlamaForCausalLM`` with random weights and the SmolLM2 tokenizer.
 
     ``init_std`` 0.2 (vs HF's 0.02) keeps the hidden states far from uniform, and ``lm_head_std`` 2.0 scales
     the logits (std ~30) so greedy decoding is decisive: the top-1 logit typically beats the second by
     several units, so fp32 rounding differences between batch shapes never flip a token, while a KV cache
     that arrives wrong changes the output.
+
+    ``unit_embeddings``: every embedding row scaled to RMS 1, so layer 0's input norm (weight 1) passes it
+    through unchanged but for its epsilon: a drafter without that norm (an EAGLE head) can mirror layer 0
+    (:func:`pdserve.launch.models_drafters.build_random_eagle`).
 
     Note: vLLM's CPU backend downcasts float32 checkpoints to bfloat16 unless the server is started with
     ``--dtype float32``. Deterministic for a seed; idempotent.
@@ -293,6 +307,8 @@ def build_random_llama(out_dir: str | os.PathLike[str], layers: int = 2, hidden:
              "intermediate": intermediate, "dtype": dtype, "seed": seed, "init_std": init_std,
              "lm_head_std": lm_head_std,
              "max_position_embeddings": max_position_embeddings, "version": 1}
+    if unit_embeddings:  # only then: the folders built without it keep their stamp
+        stamp["unit_embeddings"] = True
     if stamp_matches(out, stamp):
         return out
     cache = os.environ.get(CACHE_ENV)
@@ -323,6 +339,8 @@ def _build_random_llama(out: Path, stamp: dict[str, Any],
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     init_random_weights(model, seed, init_std, lm_head_std)
+    if stamp.get("unit_embeddings"):
+        unit_rms_rows(model.model.embed_tokens.weight)
     model = model.to(getattr(torch, dtype))
 
     def write(tmp: Path) -> None:

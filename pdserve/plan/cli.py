@@ -79,10 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all-sizes", action="store_true", help="also configurations using fewer workers")
     s.add_argument("--chunk-tokens", type=int, default=8192, help="per-step token budget (max_num_batched_tokens)")
     s.add_argument("--max-seqs", type=int, default=256, help="decodes per step (max_num_seqs)")
-    s.add_argument("--handoff", choices=HANDOFFS, default="early",
-                   help="PD's hand-off: early (default; early dispatch to D, the whole KV after P's prefill: what "
-                        "pdserve's connector does from GPU memory), layerwise (early dispatch and each layer's KV as "
-                        "P computes it: pdserve's connector from host memory only), serial (no early dispatch)")
+    s.add_argument("--handoff", choices=HANDOFFS, default="layerwise",
+                   help="PD's hand-off: layerwise (default; early dispatch to D and each layer's KV as P computes "
+                        "it: what pdserve's connector does, from GPU memory once each layer's kernels ran, not yet "
+                        "run on a GPU), early (early dispatch, the whole KV after P's prefill: layerwise_kv off), "
+                        "serial (no early dispatch)")
     s.add_argument("--no-overlap", action="store_const", const="serial", dest="handoff",
                    help="the same as --handoff serial")
     s.add_argument("--top", type=int, default=5, help="candidates shown")

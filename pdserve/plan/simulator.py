@@ -90,10 +90,11 @@ class SimSettings:
     """policy: the conductor policy (round_robin | least_loaded | conductor).
     chunk_tokens: per-step token budget (vLLM max_num_batched_tokens); max_seqs: vLLM max_num_seqs.
     reject: give the targets to the conductor so it rejects requests predicted to miss them.
-    handoff: PD's hand-off (:data:`HANDOFFS`). early (the default, what pdserve's connector does from a GPU's
-    memory): early dispatch (D admits the request when it is placed), the whole KV after P's prefill; layerwise:
-    early dispatch and each layer's KV leaving P as P computes it (what pdserve's connector does from host memory
-    only); serial: the whole prefill, then the whole transfer, then the router's hand-off to D.
+    handoff: PD's hand-off (:data:`HANDOFFS`). layerwise (the default, what pdserve's connector does: from a GPU's
+    memory once each layer's kernels ran, pdserve.vllm.fence, not yet run on a GPU): early dispatch (D admits the
+    request when it is placed) and each layer's KV leaving P as P computes it; early: early dispatch, the whole KV
+    after P's prefill (layerwise_kv off); serial: the whole prefill, then the whole transfer, then the router's
+    hand-off to D.
     :func:`handoff_ready_s` says how."""
 
     targets: Targets
@@ -104,7 +105,7 @@ class SimSettings:
     kv_capacity_tokens: int = 1 << 20
     reject: bool = False
     progress_every: int = 4  # tokens between decode_progress calls to the conductor
-    handoff: str = "early"  # early | layerwise | serial (docs/plan.md "The hand-off")
+    handoff: str = "layerwise"  # layerwise | early | serial (docs/plan.md "The hand-off")
 
     def __post_init__(self) -> None:
         if self.handoff not in HANDOFFS:

@@ -230,7 +230,7 @@ SETTINGS: tuple[Setting, ...] = (
             "P streams. always: P gives D that token once sampled and D continues after it (its first step samples "
             "the second token); never: D regenerates it from P's KV and the router checks it equals P's (greedy or "
             "D-sampled requests only, others go serial); auto: never where P says it announces layers as its "
-            "forward writes them (host memory: D has the whole KV when P's forward ends) and sampling is greedy, "
+            "forward writes them (layerwise_kv: D has the whole KV when P's forward ends) and sampling is greedy, "
             "always otherwise", (L, R), choices=EARLY_CONTINUE, group="placement", argv="changed",
             advice="auto, always or never"),
     Setting("moves", bool, True, "elastic: move running decodes off a worker that starts a long prefill when the "

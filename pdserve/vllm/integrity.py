@@ -43,12 +43,17 @@ def _is_host(mem: Any) -> bool:
     return isinstance(mem, np.ndarray)
 
 
+def on_cuda(memory: dict[str, Any]) -> bool:
+    """Whether the registered KV cache ``memory`` (layer name -> its bytes) is CUDA memory."""
+    devices = [m for m in memory.values() if not _is_host(m)]
+    return bool(devices) and devices[0].device.type == "cuda"
+
+
 def forward_done_event(memory: dict[str, Any]) -> Any:
     """None for a KV cache in host memory (the forward has written it when ``wait_for_save`` runs); for CUDA
     memory, an event recorded on the current stream, after the forward's kernels, that a seal waits for before
-    hashing. (Not run on a GPU yet.)"""
-    devices = [m for m in memory.values() if not _is_host(m)]
-    if not devices or devices[0].device.type != "cuda":
+    hashing and the worker's fence before announcing (pdserve.vllm.fence). (Not run on a GPU yet.)"""
+    if not on_cuda(memory):
         return None
     import torch
 

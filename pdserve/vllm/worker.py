@@ -34,12 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.transfer.checksum import XXH3U
+from pdserve.vllm.fence import DeviceFence, record_event
 from pdserve.vllm.fingerprint import differences, digest, worker_fingerprint
 from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
 from pdserve.vllm.handoff_board import TOKEN_PREFIX, HandoffBoard, is_handoff, parse_layers, parse_wait, wait_message
 from pdserve.vllm.head_sums import head_reply, verify_slices
-from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, sealer
+from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, on_cuda, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layerwise import LayerMarks, LayerPull
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
@@ -159,6 +160,9 @@ class WorkerSide:
         self.engine.on_notify(self._on_notify)
         # P, layer-wise (issue 37): the layers the running forward has saved for the hand-offs it completes
         self._marks = LayerMarks()
+        self._fence = DeviceFence()  # the board hears of bytes on a device once its kernels ran (pdserve.vllm.fence)
+        self._cuda = False  # the KV cache is CUDA memory (set at registration)
+        self._by_layer = False  # P announces, and D reads, an early hand-off layer by layer (set at registration)
         self._marks_meta: PdserveMeta | None = None  # the step whose forward the marks are of
         self._lock = threading.Lock()
         self._inflight: dict[str, RecvJob] = {}
@@ -222,6 +226,9 @@ class WorkerSide:
         sliceable = self.kv_heads and not self.hybrid
         self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if sliceable else ""
         self.sums = BlockSums(self.layers, self._memory)
+        self._cuda = on_cuda(self._memory)
+        # layer by layer from host memory (per-layer xxh3u sums) or CUDA memory (wsum32 sums, the fence)
+        self._by_layer = self.config.layerwise_kv and (self.sums.alg == XXH3U or self._cuda)
         self.fingerprint = worker_fingerprint(self.vllm_config, self.unit or self.layout.split(PEER_BLOCKS_SEP)[0],
                                               self.block_size, self.tp)
         self.fp_digest = digest(self.fingerprint)
@@ -267,7 +274,7 @@ class WorkerSide:
         seg = self.engine.segment()
         return PdserveHandshake(self.engine.engine_id, seg.host, seg.port, self.layout, self.rank, self.kv_heads,
                                 self.unit, sum(g.block_bytes for g in self.layers), dict(self.fingerprint),
-                                self.config.layerwise_kv and self.sums.alg == XXH3U)
+                                self._by_layer)
 
     # ---- per step ----
     def start(self, meta: PdserveMeta) -> None:
@@ -301,11 +308,10 @@ class WorkerSide:
     def _begin_layers(self, meta: PdserveMeta) -> None:
         """P, at the forward's first saved layer (vLLM binds the step's metadata before the forward but calls
         ``start_load_kv`` after it unless a load is synchronous): the early hand-offs whose prompt this forward
-        completes, announced layer by layer as it writes them (layerwise_kv; host memory only: on a device the
-        layer's kernels may still be queued when vLLM calls save_kv_layer, so those wait for the forward's end,
-        as with layerwise_kv off)."""
+        completes, announced layer by layer as it writes them (layerwise_kv; in CUDA memory once the layer's
+        kernels ran: :meth:`layer_saved`)."""
         self._marks_meta = meta
-        if not meta.ready or not self.config.layerwise_kv or self.sums.alg != XXH3U:
+        if not meta.ready or not self._by_layer:
             self._marks.end()
             return
         live = [h for h, note in meta.ready.items() if note is not None]
@@ -316,30 +322,37 @@ class WorkerSide:
         self._marks.begin(live)
 
     def layer_saved(self, layer_name: str, meta: PdserveMeta) -> None:
-        """P, the model's thread (vLLM's ``save_kv_layer``, after the layer's attention wrote its KV): mark it
-        ready for the hand-offs this forward (``meta``: its step's) completes. A bit under a lock: the forward
-        never waits for the wire."""
+        """P, the model's thread (vLLM's ``save_kv_layer``, after the layer's attention wrote its KV, or in CUDA
+        memory queued its kernels): mark it ready for the hand-offs this forward (``meta``: its step's) completes,
+        at once (host memory: a bit under a lock) or once an event recorded now has completed (the fence's
+        thread). The forward never waits for the wire."""
         if meta is not self._marks_meta:
             self._begin_layers(meta)
         region = self._marks.saved(layer_name)
         if region is not None:
-            self._board.layer(self._marks.live, region)
+            live = self._marks.live  # begin/end replace the list, never change it
+            self._fence.after(record_event(self._cuda), lambda: self._board.layer(live, region))
 
     def after_forward(self, meta: PdserveMeta) -> None:
         """P, in ``wait_for_save``: checksum the prompts this step's forward completed (before P answers, so D's
         notification finds them; device memory: the checksums wait for an event recorded after the forward), then
-        announce the early hand-offs among them to the D that waits (a D asking for the sums waits for the seal)."""
+        announce the early hand-offs among them to the D that waits (a D asking for the sums waits for the seal;
+        device memory: the announcement waits for that event too, so D never reads KV still being written)."""
         self._marks.end()
         self._marks_meta = None
-        if meta.seal_now:
-            ready = forward_done_event(self._memory)
-            for req_id, blocks in meta.seal_now.items():
-                self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
-        self.announce(meta.ready)
+        ready = forward_done_event(self._memory) if meta.seal_now or (meta.ready and self._cuda) else None
+        for req_id, blocks in meta.seal_now.items():
+            self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
+        if meta.ready:
+            self._fence.after(ready, lambda: self.announce(meta.ready))
 
     def announce_tokens(self, tokens: dict[str, ReadyNote | None]) -> None:
         """P: the first token of each hand-off whose D continues after it (None: there is none), for D's second
-        question (pdserve.vllm.continuation)."""
+        question (pdserve.vllm.continuation); after the announcements still waiting for the device."""
+        if tokens:
+            self._fence.after(None, lambda: self._announce_tokens(tokens))
+
+    def _announce_tokens(self, tokens: dict[str, ReadyNote | None]) -> None:
         for handoff, note in tokens.items():
             if note is None:
                 self._board.no_token(handoff)
@@ -530,8 +543,8 @@ class WorkerSide:
 
     def _layerwise(self, remote: RemoteParams) -> bool:
         """Whether this early hand-off is read layer by layer: on, P's TP and layout equal ours (a read that
-        reshards heads keeps the whole-request path), host memory with per-layer checksums."""
-        return (self.config.layerwise_kv and remote.tp == self.tp and self.sums.alg == XXH3U
+        reshards heads keeps the whole-request path), host memory (per-layer xxh3u sums) or CUDA memory (wsum32)."""
+        return (self._by_layer and remote.tp == self.tp
                 and (not remote.layout or same_layout(remote.layout, self.layout)))
 
     def _read_layers(self, job: RecvJob, counts: dict[int, int], notified: set[int],

@@ -72,8 +72,8 @@ def test_layerwise_shortens_the_predicted_gap_and_hides_the_transfer(cost, promp
     assert on["ttft_s"]["p50"] == pytest.approx(off["ttft_s"]["p50"])  # P's side is unchanged
 
 
-def test_the_default_hand_off_is_what_pdserve_does_from_gpu_memory():
-    assert SimSettings(Targets(5.0, 0.1)).handoff == "early"
+def test_the_default_hand_off_is_what_pdserve_does_layer_by_layer():
+    assert SimSettings(Targets(5.0, 0.1)).handoff == "layerwise"
     with pytest.raises(ConfigError, match="early, layerwise, serial"):
         SimSettings(Targets(5.0, 0.1), handoff="overlap")
 

@@ -194,6 +194,61 @@ def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair, backend):
     assert p.take_stats().data["layer_answer_seconds"] > 0  # P's own CPU for the answers (their checksums)
 
 
+class GateEvent:
+    """Stands in for a CUDA event: ``synchronize()`` returns once the test calls ``done()`` (the kernels ran)."""
+
+    def __init__(self) -> None:
+        self._gate = threading.Event()
+
+    def done(self) -> None:
+        self._gate.set()
+
+    def synchronize(self) -> None:
+        assert self._gate.wait(10), "the test never let the event complete"
+
+
+def test_on_a_device_p_tells_d_of_a_layer_and_of_the_forward_s_end_once_their_kernels_ran(pair, monkeypatch):
+    """P's KV in CUDA memory (here: host memory taken for it, with stand-in events): save_kv_layer and
+    wait_for_save come when the kernels are queued, so the board hears of each layer, and of the forward's end, only
+    once the event recorded then completed (pdserve.vllm.fence); D reads nothing before."""
+    import pdserve.vllm.worker as worker_module
+
+    p, d = pair()
+    p._cuda = True
+    events: list[GateEvent] = []
+
+    def record(cuda: bool) -> GateEvent:
+        assert cuda
+        events.append(GateEvent())
+        return events[-1]
+
+    monkeypatch.setattr(worker_module, "record_event", record)
+    monkeypatch.setattr(worker_module, "forward_done_event", lambda memory: record(True))
+    hid = new_handoff_id()
+    reader, meta = _forward(p, d, hid)
+    p.layer_saved(LAYERS[0], meta)
+    p.layer_saved(LAYERS[1], meta)
+    time.sleep(0.2)
+    assert len(events) == 2 and not any(_landed(d, p, name) for name in LAYERS)  # queued, not run: nothing moves
+    events[0].done()
+    _wait(lambda: _landed(d, p, LAYERS[0]))
+    time.sleep(0.1)
+    assert not _landed(d, p, LAYERS[1])
+    events[1].done()
+    _wait(lambda: _landed(d, p, LAYERS[1]))
+    p.layer_saved(LAYERS[2], meta)
+    p.after_forward(meta)  # the forward's end: one event for the seal and the announcement
+    time.sleep(0.2)
+    assert reader.is_alive() and not _landed(d, p, LAYERS[2])
+    for event in events[2:]:
+        event.done()
+    reader.join(10)
+    assert not reader.is_alive() and all(_landed(d, p, name) for name in LAYERS)
+    res = d.results()
+    assert res.finished_recving == {"dreq"} and not res.failed_recving
+    assert d.take_worker_meta().reads["dreq"]["ok"]
+
+
 def test_a_flipped_byte_in_one_layer_fails_the_read(pair):
     p, d = pair()
     hid = new_handoff_id()

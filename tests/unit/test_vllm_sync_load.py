@@ -216,6 +216,8 @@ def worker(engine: FakeEngine, **extra: Any) -> Any:
     from pdserve.vllm.handoff_board import HandoffBoard
     w._board = HandoffBoard("engine-p", lambda *a: None)
     w._batches = lambda remote, job: {0: [("layer", 0, "layer", 0, 3000)]}
+    from pdserve.vllm.fence import DeviceFence
+    w._fence, w._cuda, w._by_layer = DeviceFence(), False, False  # host memory, no layer-wise reads
     return w
 
 

@@ -1,0 +1,159 @@
+"""Small drafters for tests and benchmarks of speculative decoding across the hand-off (issue 36, item 4): an EAGLE
+head for a Llama target, and :func:`mirror_stack`, a target with a drafter that mirrors it for each of vLLM's
+methods with layers (``draft_model``, ``eagle``, ``mtp``).
+
+    python -m pdserve.launch.models_drafters OUT_DIR TARGET_DIR [--seed 1] [--mirror]
+
+The checkpoint vLLM's ``eagle`` method loads (``EagleLlamaForCausalLM``, vllm/model_executor/models/llama_eagle.py):
+a ``LlamaConfig`` of one decoder layer shaped as the target's, and weights named without the ``model.`` prefix:
+``fc`` (the next token's embedding and the target's hidden state, 2 x hidden -> hidden) and ``layers.0.*``
+without the first layer's input norm. The embedding and the output head are the target's (vLLM shares them when
+the drafter has none). The drafter's attention layer keeps KV of its own, which vLLM allocates beside the target's.
+
+- Random (default): weights scaled as :func:`pdserve.launch.models.build_random_llama` scales them; its drafts are
+  rarely accepted.
+- ``mirror``: the drafter is the target itself, for a one-layer target built with ``unit_embeddings``: ``fc``
+  passes the embedding through and drops the hidden state, and layer 0 is the target's (whose input norm is the
+  identity on unit-RMS embeddings, up to its epsilon). Fed token ``i + 1`` at position ``i`` (RoPE sees the same
+  relative positions), it predicts what the target predicts, so every draft is accepted, as long as the drafter's
+  own KV for the earlier tokens is right: a test of the drafter's KV that acceptance reads.
+
+Deterministic for a seed; idempotent; built once per run under ``PDSERVE_MODEL_CACHE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .models import build_random, build_random_llama, init_random_weights
+from .plane_limits import NATIVE_ROPE
+
+MIRROR_METHODS = ("draft_model", "eagle", "mtp")
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "rms_norm_eps", "rope_theta", "bos_token_id", "eos_token_id",
+              "pad_token_id")
+UNIT_RMS_TOLERANCE = 1e-3
+
+
+def build_random_eagle(out_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str], seed: int = 1,
+                       init_std: float = 0.2, mirror: bool = False,
+                       tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write a one-layer EAGLE drafter shaped for the Llama at ``target_dir``: random, or (``mirror``) the target's
+    own layer (a one-layer target with unit-RMS embeddings; ValueError otherwise)."""
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    if target.get("model_type") != "llama":
+        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; the EAGLE drafter here is for a "
+                         "Llama target")
+    if mirror and target.get("num_hidden_layers") != 1:
+        raise ValueError(f"{target_dir}: {target.get('num_hidden_layers')} layers; a mirror drafter copies a "
+                         "one-layer target (build_random_llama(layers=1, unit_embeddings=True))")
+    shape = {key: target.get(key) for key in SHAPE_KEYS}
+    stamp = {"kind": "random_eagle", "target": shape, "dtype": target.get("dtype", "float32"), "seed": seed,
+             "init_std": init_std, "version": 1}
+    if mirror:
+        stamp.update(mirror=True, target_dir=str(Path(target_dir).resolve()))
+    return build_random(out_dir, stamp, tokenizer_dir, lambda folder, tokenizer: _write(folder, stamp))
+
+
+def _write(folder: Path, stamp: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    config = _config(stamp)
+    weights = _mirror_weights(Path(stamp["target_dir"])) if stamp.get("mirror") else _random_weights(config, stamp)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(folder))
+
+
+def _config(stamp: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig
+
+    shape = {k: v for k, v in stamp["target"].items() if v is not None}
+    config = LlamaConfig(**shape, num_hidden_layers=1, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]  # vLLM's eagle method names it EagleLlamaForCausalLM
+    config.dtype = stamp["dtype"]
+    return config
+
+
+def _random_weights(config: Any, stamp: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(stamp["seed"])
+    layer = LlamaForCausalLM(config)
+    init_random_weights(layer, stamp["seed"], stamp["init_std"], stamp["init_std"])
+    dtype = getattr(torch, stamp["dtype"])
+    weights = {name[len("model."):]: value.to(dtype).contiguous() for name, value in layer.state_dict().items()
+               if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    generator = torch.Generator().manual_seed(stamp["seed"] + 1)
+    hidden = config.hidden_size
+    weights["fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * stamp["init_std"]).to(dtype)
+    return weights
+
+
+def _mirror_weights(target_dir: Path) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    target = load_file(str(target_dir / "model.safetensors"))
+    table = target["model.embed_tokens.weight"].float()
+    worst = float((table.pow(2).mean(-1).sqrt() - 1).abs().max())
+    if worst > UNIT_RMS_TOLERANCE:
+        raise ValueError(f"{target_dir}: embedding rows off RMS 1 by up to {worst:.3g}; a mirror drafter needs "
+                         "build_random_llama(layers=1, unit_embeddings=True)")
+    weights = {name[len("model."):]: value.contiguous() for name, value in target.items()
+               if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    hidden, dtype = table.shape[1], target["model.embed_tokens.weight"].dtype
+    weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(dtype)
+    return weights
+
+
+def mirror_stack(method: str, folder: str | os.PathLike[str],
+                 tokenizer_dir: str | os.PathLike[str] | None = None) -> tuple[Path, dict[str, Any], tuple[str, ...]]:
+    """A random target, vLLM's ``--speculative-config`` for a drafter of ``method`` that mirrors it, and the vLLM
+    arguments its workers need on CPU, built under ``folder``:
+
+    - ``draft_model``: a 2-layer Llama drafting 2 tokens for itself;
+    - ``eagle``: a one-layer Llama (unit-RMS embeddings) and an EAGLE head copying it, 2 tokens;
+    - ``mtp``: a one-layer DeepSeek-V3 (MLA) whose MTP layer copies layer 0, 1 token, with vLLM's PyTorch rotary
+      (its CPU kernel writes MLA's k_pe otherwise in one-token and multi-token passes, so the MTP layer's one-token
+      drafts would not mirror the prompt's KV: docs/architecture.md, MLA).
+
+    Each drafter predicts what its target predicts when its attention over the earlier tokens reads the right KV of
+    its own layers, so acceptance measures that KV."""
+    root = Path(folder)
+    if method == "draft_model":
+        target = build_random_llama(root / "target2", layers=2, tokenizer_dir=tokenizer_dir)
+        return target, {"method": method, "model": str(target), "num_speculative_tokens": 2}, ()
+    if method == "eagle":
+        target = build_random_llama(root / "target1", layers=1, unit_embeddings=True, tokenizer_dir=tokenizer_dir)
+        draft = build_random_eagle(root / "eagle", target, mirror=True, tokenizer_dir=tokenizer_dir)
+        return target, {"method": method, "model": str(draft), "num_speculative_tokens": 2}, ()
+    if method == "mtp":
+        from .models_mla import build_random_deepseek_v3
+
+        model = build_random_deepseek_v3(root / "ds3-mtp", layers=1, mtp_layers=1, mtp_mirror=True,
+                                         tokenizer_dir=tokenizer_dir)
+        return model, {"method": method, "num_speculative_tokens": 1}, (NATIVE_ROPE,)
+    raise ValueError(f"method {method!r}: use one of {', '.join(MIRROR_METHODS)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.launch.models_drafters",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("target_dir")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--mirror", action="store_true", help="copy a one-layer target with unit-RMS embeddings")
+    args = parser.parse_args(argv)
+    print(build_random_eagle(args.out_dir, args.target_dir, seed=args.seed, mirror=args.mirror))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
