@@ -11,18 +11,7 @@ import time
 
 from pdserve.vllm.fence import DeviceFence, record_event
 
-
-class GateEvent:
-    """``synchronize()`` returns once the test calls ``done()``: a kernel still running until then."""
-
-    def __init__(self) -> None:
-        self._gate = threading.Event()
-
-    def done(self) -> None:
-        self._gate.set()
-
-    def synchronize(self) -> None:
-        assert self._gate.wait(10), "the test never let the event complete"
+from .gate_event import GateEvent
 
 
 def _until(check, timeout_s: float = 5.0) -> None:

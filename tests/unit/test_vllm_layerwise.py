@@ -20,6 +20,8 @@ from pdserve.vllm.layerwise import LayerMarks
 from pdserve.vllm.messages import PdserveMeta, ReadyNote, RecvJob
 from pdserve.vllm.params import BlockPlan, ConnectorConfig, LayerGeometry, RemoteParams, prompt_hash
 
+from .gate_event import GateEvent
+
 SECRET = "0123456789abcdef-layerwise"
 BS, NB, HEADS, D = 16, 6, 2, 8
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.10.attn")  # registered in name order
@@ -192,19 +194,6 @@ def test_d_reads_and_verifies_each_layer_before_p_s_forward_ends(pair, backend):
     p.after_forward(meta)
     assert all(_landed(d, p, name) for name in LAYERS)
     assert p.take_stats().data["layer_answer_seconds"] > 0  # P's own CPU for the answers (their checksums)
-
-
-class GateEvent:
-    """Stands in for a CUDA event: ``synchronize()`` returns once the test calls ``done()`` (the kernels ran)."""
-
-    def __init__(self) -> None:
-        self._gate = threading.Event()
-
-    def done(self) -> None:
-        self._gate.set()
-
-    def synchronize(self) -> None:
-        assert self._gate.wait(10), "the test never let the event complete"
 
 
 def test_on_a_device_p_tells_d_of_a_layer_and_of_the_forward_s_end_once_their_kernels_ran(pair, monkeypatch):
