@@ -11,10 +11,11 @@ machine shared with other work): ``spec`` (1P1D with ``--speculative-config``), 
 - ``--method ngram`` (default; the launcher gives D only the config): SmolLM2-135M-Instruct in fp32 (a real model:
   a random one's output rarely repeats the prompt, so ngram drafts would not be accepted); prompts ask it to copy a
   passage it has begun to copy, where prompt-lookup drafting pays.
-- ``--method draft_model|eagle|mtp`` (drafters with layers: P gets the config too and computes the drafter's KV,
-  which D reads with the target's): the tiny random target and the drafter that mirrors it of
-  :func:`pdserve.launch.models_drafters.mirror_stack`, so acceptance measures whether the drafter's KV D holds is
-  the one it would have computed; prompts of random token ids (300-600).
+- ``--method draft_model|eagle|eagle3|mtp`` (drafters with layers: P gets the config too and computes the drafter's
+  KV, which D reads with the target's): the tiny random target and drafter of
+  :func:`pdserve.launch.models_drafters.drafter_stack`, which mirrors its target but for ``eagle3``, so acceptance
+  measures whether the drafter's KV D holds is the one it would have computed; prompts of random token ids
+  (300-600).
 
 Per stack: TPOT per request (first streamed token -> last, over the tokens after the first; median), and for
 ``spec`` and ``one`` the deciding worker's acceptance from its ``/metrics`` (vLLM's ``spec_decode`` counters:
@@ -105,7 +106,7 @@ def spec_counters(url: str) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model", "eagle", "mtp"))
+    ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model", "eagle", "eagle3", "mtp"))
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output", type=int, default=64)
@@ -145,9 +146,9 @@ def setup(args: argparse.Namespace, work: Path) -> tuple[Path, str, tuple[str, .
         model = Path(args.model) if args.model else convert_smollm2(default_model_dir().parent / "smollm2-fp32",
                                                                    dtype="float32")
         return model, json.dumps(NGRAM), (), prompts(args.requests)
-    from pdserve.launch.models_drafters import mirror_stack
+    from pdserve.launch.models_drafters import drafter_stack
 
-    model, spec, worker_args = mirror_stack(args.method, work / "models")
+    model, spec, worker_args = drafter_stack(args.method, work / "models")
     return model, json.dumps(spec), worker_args, token_prompts(args.requests)
 
 
@@ -164,7 +165,8 @@ def report(args: argparse.Namespace, spec: str, tpots: dict[str, list[float]], i
     exact = ids["spec"] == ids["one"]
     same_as_plain = sum(a == b for a, b in zip(ids["spec"], ids["plain"], strict=True))
     (accept, per_step), (accept_one, per_step_one) = acceptance(judged["spec"]), acceptance(judged["one"])
-    what = "SmolLM2-135M fp32, copy prompts" if args.method == "ngram" else "mirror drafter, random-token prompts"
+    drafter = "random drafter" if args.method == "eagle3" else "mirror drafter"
+    what = "SmolLM2-135M fp32, copy prompts" if args.method == "ngram" else f"{drafter}, random-token prompts"
     print(f"{args.method}: {what}; {args.requests} prompts x {args.rounds} rounds, {args.output} tokens each; {spec}")
     print(f"{'stack':6} {'TPOT ms (median)':>17} {'x plain':>8} {'acceptance':>11} {'tokens/step':>12}")
     for k in tpots:

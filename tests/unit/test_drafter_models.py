@@ -116,3 +116,23 @@ def test_deepseek_mtp_mirror_copies_layer_0(tmp_path, tokenizer_dir):
         assert torch.equal(w["model.layers.1." + name[len("model.layers.0."):]], w[name]), name
     assert torch.equal(w["model.layers.1.eh_proj.weight"], torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)],
                                                                      dim=1))
+
+
+def test_eagle3_head_has_vllm_s_names_and_three_distinct_target_layers(tmp_path, tokenizer_dir):
+    from pdserve.launch.models import build_random_llama
+    from pdserve.launch.models_drafters import build_random_eagle3
+
+    target = build_random_llama(tmp_path / "t", layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128,
+                                tokenizer_dir=tokenizer_dir)
+    folder = build_random_eagle3(tmp_path / "e3", target, tokenizer_dir=tokenizer_dir)
+    w = _weights(folder)
+    assert w["fc.weight"].shape == (64, 192) and w["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    assert w["midlayer.self_attn.k_proj.weight"].shape == (32, 128) and "midlayer.hidden_norm.weight" in w
+    assert w["lm_head.weight"].shape[1] == 64 and "embed_tokens.weight" not in w  # the target's embedding
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's default (2, 2, 1) repeats one
+    small = build_random_llama(tmp_path / "s", layers=2, hidden=64, heads=2, kv_heads=1, intermediate=128,
+                               tokenizer_dir=tokenizer_dir)
+    with pytest.raises(ValueError, match="4 or more"):
+        build_random_eagle3(tmp_path / "e3s", small, tokenizer_dir=tokenizer_dir)
