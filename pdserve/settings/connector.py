@@ -83,6 +83,7 @@ class ConnectorConfig:
         nothing; pool objects still carry their fingerprint).
     layerwise_kv: an early hand-off's KV moves layer by layer (P announces each layer as its attention writes it;
         D reads and verifies each one while P computes the rest); false: the whole prompt after P's last forward.
+    layer_batch_bytes: a layer-by-layer read waits for enough new layers that its batch carries this many bytes.
     """
 
     secret: str
@@ -108,12 +109,13 @@ class ConnectorConfig:
     sync_load_deadline_s: float = setting("sync_load_deadline_s").default
     kv_checksum: bool = setting("kv_checksum").default
     layerwise_kv: bool = setting("layerwise_kv").default
+    layer_batch_bytes: int = setting("layer_batch_bytes").default
 
     KEYS = ("secret", "lease_s", "transfer_host", "advertise_host", "transfer_port", "backend", "streams",
             "transfer_deadline_s", "handoff_wait_s", "clock_margin_s", "on_load_failure", "allow_test_faults",
             "idle_wait_ms",
             "pool_master", "pool_save", "pool_load", "pool_min_blocks", "pool_timeout_s", "pool_backoff_s",
-            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum", "layerwise_kv")
+            "sync_load_max_bytes", "sync_load_deadline_s", "kv_checksum", "layerwise_kv", "layer_batch_bytes")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:

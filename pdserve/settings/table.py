@@ -442,6 +442,10 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0, maximum=1 << 40, on_cli=False, group="connector"),
     Setting("sync_load_deadline_s", float, 2.0, "longest a synchronous read may hold D's step (then it fails and "
             "vLLM recomputes)", (W,), unit="s", minimum=0.01, maximum=60, on_cli=False, group="connector"),
+    Setting("layer_batch_bytes", int, 1 << 20, "a layer-by-layer read asks P for enough new layers that one batch "
+            "carries at least this many bytes (a short prompt's small layers move in fewer batches, each with its "
+            "fixed cost and P's answer; 0: a batch as soon as any layer is new)", (W,), unit="bytes", minimum=0,
+            maximum=1 << 40, on_cli=False, group="connector"),
     Setting("kv_checksum", bool, True, "checksum every KV block that crosses a process (P's leased blocks, pool "
             "objects) and verify it before vLLM uses the block (pdserve's connector; kv_connector_extra_config "
             "kv_checksum)", (L, W), flag="--kv-checksum", off_flag="--no-kv-checksum", group="workers"),

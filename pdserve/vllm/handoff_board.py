@@ -36,8 +36,9 @@ from pdserve.vllm.params import HANDOFF_PREFIX  # every hand-off id starts so: n
 __all__ = ["HANDOFF_PREFIX", "LAYERS_PREFIX", "MAX_WAIT_S", "TOKEN_PREFIX", "WAIT_PREFIX", "HandoffBoard",
            "LayersQuestion", "is_handoff", "layers_message", "parse_layers", "parse_wait", "wait_message"]
 WAIT_PREFIX = "?wait|"  # D's question: "?wait|<hand-off id>|<P's engine id>|<seconds>"
-# D's layer-wise question: "?layers|<hand-off id>|<P's engine id>|<seconds>|<layers D has, hex mask>|<first>|<end>"
-# (first, end: the positions of P's prompt blocks D reads, whose checksums P answers)
+# D's layer-wise question: "?layers|<hand-off id>|<P's engine id>|<seconds>|<layers D has, hex mask>|<first>|<end>
+# [|<need>]" (first, end: the positions of P's prompt blocks D reads, whose checksums P answers; need: how many new
+# layers P waits for before it answers, 1 when absent; the forward's end answers whatever is new)
 LAYERS_PREFIX = "?layers|"
 # D's second question, where it continues after P's first token (pdserve.vllm.continuation): the same fields; P
 # answers once it sampled that token (or that there is none to continue after)
@@ -78,10 +79,11 @@ class LayersQuestion:
     have: int
     first: int  # D reads P's prompt blocks [first, end)
     end: int
+    need: int = 1  # new layers P waits for before answering (the forward's end answers at once)
 
 
-def layers_message(handoff: str, engine_id: str, wait_s: float, have: int, first: int, end: int) -> str:
-    return f"{LAYERS_PREFIX}{handoff}|{engine_id}|{wait_s:.3f}|{have:x}|{first}|{end}"
+def layers_message(handoff: str, engine_id: str, wait_s: float, have: int, first: int, end: int, need: int = 1) -> str:
+    return f"{LAYERS_PREFIX}{handoff}|{engine_id}|{wait_s:.3f}|{have:x}|{first}|{end}|{max(1, need)}"
 
 
 def parse_layers(msg: str) -> LayersQuestion | None:
@@ -89,15 +91,16 @@ def parse_layers(msg: str) -> LayersQuestion | None:
     if not msg.startswith(LAYERS_PREFIX):
         return None
     parts = msg[len(LAYERS_PREFIX):].split("|")
-    if len(parts) != 6 or not is_handoff(parts[0]):
+    if len(parts) not in (6, 7) or not is_handoff(parts[0]):
         return None
     try:
         wait_s, have, first, end = float(parts[2]), int(parts[3], 16), int(parts[4]), int(parts[5])
+        need = int(parts[6]) if len(parts) == 7 else 1
     except ValueError:
         return None
-    if have < 0 or not 0 <= first <= end:
+    if have < 0 or not 0 <= first <= end or need < 1:
         return None
-    return LayersQuestion(parts[0], parts[1], min(max(wait_s, 0.0), MAX_WAIT_S), have, first, end)
+    return LayersQuestion(parts[0], parts[1], min(max(wait_s, 0.0), MAX_WAIT_S), have, first, end, need)
 
 
 @dataclass
@@ -198,14 +201,15 @@ class HandoffBoard:
 
     def wait_layers(self, q: LayersQuestion) -> dict[str, Any]:
         """D's layer-wise question: as :meth:`wait`, but answered as soon as the forward that completes the prompt
-        has written layers D lacks (``layers``: the hex mask of those written; ``done``: the forward has ended,
-        every layer is final)."""
+        has written ``q.need`` layers D lacks (``layers``: the hex mask of those written; ``done``: the forward has
+        ended, every layer is final, answered whatever is new)."""
         if q.engine_id != self.engine_id:
             return {"ok": False, "why": f"engine {self.engine_id} is not {q.engine_id} (P restarted?)"}
         end = time.monotonic() + q.wait_s
         with self._cond:
             entry = self._entry(q.handoff, time.monotonic())
-            while entry.note is None and not entry.gone and (entry.early is None or not entry.layers & ~q.have):
+            while entry.note is None and not entry.gone and (entry.early is None
+                                                              or bin(entry.layers & ~q.have).count("1") < q.need):
                 left = end - time.monotonic()
                 if left <= 0:
                     return {"ok": False, "why": f"not ready within {q.wait_s:g} s"}

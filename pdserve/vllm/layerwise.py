@@ -90,11 +90,22 @@ class LayerPull:
 
     def __init__(self, engine: Any, peer: Any, engine_id: str, layers: Sequence[LayerGeometry], sums: BlockSums,
                  fp_digest: int, verify: bool, peer_blocks: int,
-                 pair: Callable[[RecvJob, ReadyNote], RecvJob]) -> None:
+                 pair: Callable[[RecvJob, ReadyNote], RecvJob], min_batch_bytes: int = 0) -> None:
         self.engine, self.peer, self.engine_id = engine, peer, engine_id
         self.layers, self.sums, self.fp_digest, self.verify = list(layers), sums, fp_digest, verify
-        self.peer_blocks, self.pair = peer_blocks, pair
+        self.peer_blocks, self.pair, self.min_batch_bytes = peer_blocks, pair, min_batch_bytes
         self.starts = sums.unit_starts()
+
+    def need(self, blocks: int, have: int) -> int:
+        """How many new layers to ask P for at once: enough that a batch of ``blocks`` blocks carries
+        ``min_batch_bytes`` (a short prompt's small layers move in fewer batches, each with its fixed cost and
+        P's answer), at least 1, at most the layers still missing."""
+        missing = len(self.layers) - bin(have).count("1")
+        if missing <= 0 or not self.layers:
+            return 1
+        per_layer = blocks * sum(g.block_bytes for g in self.layers) / len(self.layers)
+        want = -(-self.min_batch_bytes // max(1, int(per_layer))) if per_layer else missing
+        return max(1, min(missing, want))
 
     def run(self, job: RecvJob, wait_s: float, batch_deadline: Callable[[RecvJob], float],
             flips_for: Callable[[RecvJob], list[Flip]], margin_s: float = 1.0) -> PullResult:
@@ -111,7 +122,7 @@ class LayerPull:
             if left <= 0:
                 raise TransferError("handoff", f"P announced {bin(have).count('1')} of {len(self.layers)} "
                                                f"layers of {job.remote.handoff} within {wait_s:g} s")
-            reply = self._ask(job.remote.handoff, left, have, first, end, margin_s)
+            reply = self._ask(job.remote.handoff, left, have, first, end, margin_s, self.need(end - first, have))
             note = self._note(reply)
             if out is None:
                 out = PullResult(self.pair(job, note))
@@ -130,9 +141,10 @@ class LayerPull:
         assert out is not None or not self.layers
         return out if out is not None else PullResult(job)
 
-    def _ask(self, handoff: str, left: float, have: int, first: int, end: int, margin_s: float) -> dict[str, Any]:
+    def _ask(self, handoff: str, left: float, have: int, first: int, end: int, margin_s: float,
+             need: int = 1) -> dict[str, Any]:
         handle = self.engine.submit(self.peer, [], "read",
-                                    notify=layers_message(handoff, self.engine_id, left, have, first, end),
+                                    notify=layers_message(handoff, self.engine_id, left, have, first, end, need),
                                     deadline_s=left + margin_s)
         handle.result()
         reply = handle.reply if isinstance(handle.reply, dict) else {}

@@ -557,7 +557,7 @@ class WorkerSide:
             raise TransferError("test", f"pdserve_test_fault={fault} (P rank {self.rank})")
         pull = LayerPull(self.engine, self._peer(remote, self.rank), remote.rank(self.rank)[0], self.layers,
                          self.sums, self.fp_digest, self.config.kv_checksum, layout_blocks(remote.layout),
-                         self._paired)
+                         self._paired, self.config.layer_batch_bytes)
 
         def deadline(paired: RecvJob) -> float:
             left = self.config.transfer_deadline_s

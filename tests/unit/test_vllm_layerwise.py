@@ -68,6 +68,45 @@ def test_the_board_answers_each_new_layer_then_the_forward_s_end():
     assert "restarted" in board.wait_layers(parse_layers(layers_message(hid, "old", 1, 0, 0, 2)))["why"]  # type: ignore[arg-type]
 
 
+def test_a_question_that_needs_several_layers_is_answered_once_that_many_are_new_or_the_forward_ends():
+    hid = new_handoff_id()
+    q = parse_layers(layers_message(hid, "e", 1.0, 0b1, 0, 2, need=2))
+    assert q is not None and q.need == 2
+    assert parse_layers(f"?layers|{hid}|e|1|0|0|2").need == 1  # type: ignore[union-attr]  # without it: one
+    assert parse_layers(f"?layers|{hid}|e|1|0|0|2|0") is None and parse_layers(f"?layers|{hid}|e|1|0|0|2|x") is None
+    board = HandoffBoard("engine-p", lambda *a: None)
+    board.begin(hid, note())
+
+    def ask(have: int, need: int, wait_s: float = 10.0) -> dict[str, Any]:
+        question = parse_layers(layers_message(hid, "engine-p", wait_s, have, 0, 2, need))
+        assert question is not None
+        return board.wait_layers(question)
+
+    board.layer([hid], 0)
+    assert "within" in ask(0, 2, 0.05)["why"]  # one new layer of the two asked for
+    assert ask(0, 1)["layers"] == "1"
+    board.layer([hid], 1)
+    assert ask(0, 2)["layers"] == "3"
+    board.ready(hid, note())
+    assert ask(0b11, 3)["done"] is True  # the forward's end answers whatever is new
+
+
+def test_a_layer_read_asks_for_enough_layers_to_fill_a_batch():
+    from pdserve.vllm.layerwise import LayerPull
+
+    layers = [LayerGeometry(name, 4096, 4096) for name in LAYERS]  # 4 KiB a block and layer
+
+    def need(min_bytes: int, blocks: int, have: int = 0) -> int:
+        pull = LayerPull(None, None, "e", layers, BlockSums([], {}), 0, False, 0, lambda job, n: job, min_bytes)
+        return pull.need(blocks, have)
+
+    assert need(0, 4) == 1  # off: a batch as soon as any layer is new
+    assert need(4096, 4) == 1  # one layer of 4 blocks is 16 KiB
+    assert need(32 << 10, 4) == 2 and need(40 << 10, 4) == 3
+    assert need(1 << 20, 4) == 3 and need(1 << 20, 4, have=0b001) == 2  # never more than the layers missing
+    assert need(1 << 20, 4, have=0b111) == 1
+
+
 def test_the_board_tells_a_layer_waiter_when_p_s_request_is_gone():
     board, hid = HandoffBoard("engine-p", lambda *a: None), new_handoff_id()
     q = parse_layers(layers_message(hid, "engine-p", 10.0, 0, 0, 2))
@@ -113,8 +152,9 @@ def _side(fill: bool, **extra: Any) -> Any:
     cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS,
                                                        get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC),
                           model_config=None, parallel_config=None)
+    # layer_batch_bytes 0: these layers are a few KiB, and the tests follow each one (batching: its own test)
     conf = ConnectorConfig.from_extra({"secret": SECRET, "allow_test_faults": True, "handoff_wait_s": 5.0,
-                                       **extra})
+                                       "layer_batch_bytes": 0, **extra})
     w = WorkerSide(cfg, conf)  # type: ignore[arg-type]
     w.tp, w.rank, w.kv_heads = 1, 0, HEADS
     caches = {}
