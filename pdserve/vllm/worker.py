@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from pdserve.settings.speculative import TOKEN_DRAFTERS
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.transfer.checksum import XXH3U
@@ -227,8 +228,11 @@ class WorkerSide:
         self.unit = unit_signature(dtype, self.block_size, self.rank_layers) if sliceable else ""
         self.sums = BlockSums(self.layers, self._memory)
         self._cuda = on_cuda(self._memory)
-        # layer by layer from host memory (per-layer xxh3u sums) or CUDA memory (wsum32 sums, the fence)
-        self._by_layer = self.config.layerwise_kv and (self.sums.alg == XXH3U or self._cuda)
+        # layer by layer from host memory (per-layer xxh3u sums) or CUDA memory (wsum32 sums, the fence), unless a
+        # drafter with layers runs here: its later draft steps write their tokens' KV into the prompt's last block
+        # after its layer was saved (vLLM's wait_for_save comes after the drafting), so it moves whole
+        self._by_layer = (self.config.layerwise_kv and (self.sums.alg == XXH3U or self._cuda)
+                          and not drafter_with_layers(self.vllm_config))
         self.fingerprint = worker_fingerprint(self.vllm_config, self.unit or self.layout.split(PEER_BLOCKS_SEP)[0],
                                               self.block_size, self.tp)
         self.fp_digest = digest(self.fingerprint)
@@ -838,3 +842,11 @@ class WorkerSide:
             self.engine.close()
         except Exception:
             pass
+
+
+def drafter_with_layers(vllm_config: Any) -> bool:
+    """Whether this worker runs a speculative drafter with KV layers of its own (EAGLE, MTP, a draft model), whose
+    draft steps write KV after the forward's layers were saved."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    return bool(method) and method not in TOKEN_DRAFTERS
