@@ -235,6 +235,14 @@ def unit_rms_rows(table: Any) -> None:
         table.div_(table.pow(2).mean(-1, keepdim=True).sqrt())
 
 
+def embedding_passthrough(hidden: int, dtype: Any) -> Any:
+    """The ``2 x hidden -> hidden`` projection of an EAGLE ``fc`` or an MTP ``eh_proj`` (fed the next token's
+    embedding, then a hidden state) that keeps the embedding and drops the hidden state: a mirror drafter's."""
+    import torch
+
+    return torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(dtype)
+
+
 def _random_value(name: str, param: Any, generator: Any, std: float, head_std: float, zeros: tuple[str, ...]) -> Any:
     import torch
 

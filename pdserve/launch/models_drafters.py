@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .models import build_random, build_random_llama, init_random_weights
+from .models import build_random, build_random_llama, embedding_passthrough, init_random_weights
 from .plane_limits import NATIVE_ROPE
 
 DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
@@ -50,10 +50,7 @@ def build_random_eagle(out_dir: str | os.PathLike[str], target_dir: str | os.Pat
                        tokenizer_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write a one-layer EAGLE drafter shaped for the Llama at ``target_dir``: random, or (``mirror``) the target's
     own layer (a one-layer target with unit-RMS embeddings; ValueError otherwise)."""
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    if target.get("model_type") != "llama":
-        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; the EAGLE drafter here is for a "
-                         "Llama target")
+    target = _llama_config(target_dir, "EAGLE")
     if mirror and target.get("num_hidden_layers") != 1:
         raise ValueError(f"{target_dir}: {target.get('num_hidden_layers')} layers; a mirror drafter copies a "
                          "one-layer target (build_random_llama(layers=1, unit_embeddings=True))")
@@ -74,10 +71,7 @@ def build_random_eagle3(out_dir: str | os.PathLike[str], target_dir: str | os.Pa
     over the target's vocabulary (no draft vocabulary map), and the config names the three target layers whose
     hidden states ``fc`` joins (``eagle_aux_hidden_state_layer_ids``). Random weights: its drafts are rarely
     accepted. ValueError for a target of fewer than 4 layers."""
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    if target.get("model_type") != "llama":
-        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; the EAGLE-3 drafter here is for a "
-                         "Llama target")
+    target = _llama_config(target_dir, "EAGLE-3")
     layers = int(target.get("num_hidden_layers") or 0)
     if layers < 4:
         raise ValueError(f"{target_dir}: {layers} layers; EAGLE-3 reads three distinct target layers, use 4 or more")
@@ -85,6 +79,15 @@ def build_random_eagle3(out_dir: str | os.PathLike[str], target_dir: str | os.Pa
              "aux_layers": [1, layers // 2, layers - 1], "dtype": target.get("dtype", "float32"), "seed": seed,
              "init_std": init_std, "version": 1}
     return build_random(out_dir, stamp, tokenizer_dir, lambda folder, tokenizer: _write_eagle3(folder, stamp))
+
+
+def _llama_config(target_dir: str | os.PathLike[str], drafter: str) -> dict[str, Any]:
+    """The config of the Llama target at ``target_dir`` (ValueError for another model type)."""
+    target: dict[str, Any] = json.loads((Path(target_dir) / "config.json").read_text())
+    if target.get("model_type") != "llama":
+        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; the {drafter} drafter here is for "
+                         "a Llama target")
+    return target
 
 
 def _write_eagle3(folder: Path, stamp: dict[str, Any]) -> None:
@@ -151,7 +154,6 @@ def _random_weights(config: Any, stamp: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mirror_weights(target_dir: Path) -> dict[str, Any]:
-    import torch
     from safetensors.torch import load_file
 
     target = load_file(str(target_dir / "model.safetensors"))
@@ -163,7 +165,7 @@ def _mirror_weights(target_dir: Path) -> dict[str, Any]:
     weights = {name[len("model."):]: value.contiguous() for name, value in target.items()
                if name.startswith("model.layers.0.") and "input_layernorm" not in name}
     hidden, dtype = table.shape[1], target["model.embed_tokens.weight"].dtype
-    weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(dtype)
+    weights["fc.weight"] = embedding_passthrough(hidden, dtype)
     return weights
 
 

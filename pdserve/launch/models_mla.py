@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .models import build_random, init_random_weights, unit_rms_rows
+from .models import build_random, embedding_passthrough, init_random_weights, unit_rms_rows
 
 KV_LORA_RANK = 512  # vLLM's CPU MLA decode kernel: kv_lora_rank 512 + rope 64 = 576
 ROPE_DIM = 64
@@ -115,8 +115,7 @@ def _add_mtp(folder: Path, stamp: dict[str, Any]) -> None:
     if stamp.get("mtp_mirror"):  # the MTP layer is layer 0; eh_proj keeps the embedding, drops the hidden state
         for name in [n for n in weights if n.startswith("model.layers.0.")]:
             weights["model.layers.1." + name[len("model.layers.0."):]] = weights[name].clone()
-        weights["model.layers.1.eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)],
-                                                             dim=1).to(dtype)
+        weights["model.layers.1.eh_proj.weight"] = embedding_passthrough(hidden, dtype)
     save_file(weights, str(path), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=mtp)
