@@ -36,10 +36,16 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
     return value
 
 
+def drafts_with_layers(method: str | None) -> bool:
+    """Whether vLLM's speculative ``method`` drafts with layers of its own (EAGLE, MTP, a draft model), which keep
+    KV of their own for the prompt; False for none and for a drafter that reads token ids only."""
+    return bool(method) and method not in TOKEN_DRAFTERS
+
+
 def speculative_roles(text: str) -> frozenset[str]:
     """The worker roles that get ``--speculative-config text``: none when empty; the decoding roles for a
     token-only drafter; every role for a drafter with layers (P computes its KV for the hand-off)."""
     config = parse_speculative_config(text)
     if not config:
         return frozenset()
-    return DECODING_ROLES if config["method"] in TOKEN_DRAFTERS else ALL_ROLES
+    return ALL_ROLES if drafts_with_layers(config["method"]) else DECODING_ROLES

@@ -49,19 +49,6 @@ def on_cuda(memory: dict[str, Any]) -> bool:
     return bool(devices) and devices[0].device.type == "cuda"
 
 
-def forward_done_event(memory: dict[str, Any]) -> Any:
-    """None for a KV cache in host memory (the forward has written it when ``wait_for_save`` runs); for CUDA
-    memory, an event recorded on the current stream, after the forward's kernels, that a seal waits for before
-    hashing and the worker's fence before announcing (pdserve.vllm.fence). (Not run on a GPU yet.)"""
-    if not on_cuda(memory):
-        return None
-    import torch
-
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 class BlockSums:
     """Checksums of whole blocks over ``layers``; ``memory``: layer name -> its registered bytes (a uint8 numpy
     view of host memory, or a flat uint8 torch tensor on a device)."""

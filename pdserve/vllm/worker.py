@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from pdserve.settings.speculative import TOKEN_DRAFTERS
+from pdserve.settings.speculative import drafts_with_layers
 from pdserve.store import ClientConfig, StoreClient
 from pdserve.transfer import TransferConfig, TransferEngine, TransferError
 from pdserve.transfer.checksum import XXH3U
@@ -41,7 +41,7 @@ from pdserve.vllm.flips import Flip, placements
 from pdserve.vllm.groups import MAMBA, GroupSpec, groups_of, hybrid_tag, is_hybrid
 from pdserve.vllm.handoff_board import TOKEN_PREFIX, HandoffBoard, is_handoff, parse_layers, parse_wait, wait_message
 from pdserve.vllm.head_sums import head_reply, verify_slices
-from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, forward_done_event, on_cuda, sealer
+from pdserve.vllm.integrity import BlockSums, ReadVerifier, SealTable, on_cuda, sealer
 from pdserve.vllm.kvmemory import byte_region, zero_ranges
 from pdserve.vllm.layerwise import LayerMarks, LayerPull
 from pdserve.vllm.layout import KVLayout, LayoutError, attn_backend, derive_layout, layout_of_tensor
@@ -231,8 +231,9 @@ class WorkerSide:
         # layer by layer from host memory (per-layer xxh3u sums) or CUDA memory (wsum32 sums, the fence), unless a
         # drafter with layers runs here: its later draft steps write their tokens' KV into the prompt's last block
         # after its layer was saved (vLLM's wait_for_save comes after the drafting), so it moves whole
+        drafter = getattr(getattr(self.vllm_config, "speculative_config", None), "method", None)
         self._by_layer = (self.config.layerwise_kv and (self.sums.alg == XXH3U or self._cuda)
-                          and not drafter_with_layers(self.vllm_config))
+                          and not drafts_with_layers(drafter))
         self.fingerprint = worker_fingerprint(self.vllm_config, self.unit or self.layout.split(PEER_BLOCKS_SEP)[0],
                                               self.block_size, self.tp)
         self.fp_digest = digest(self.fingerprint)
@@ -344,7 +345,7 @@ class WorkerSide:
         device memory: the announcement waits for that event too, so D never reads KV still being written)."""
         self._marks.end()
         self._marks_meta = None
-        ready = forward_done_event(self._memory) if meta.seal_now or (meta.ready and self._cuda) else None
+        ready = record_event(self._cuda) if meta.seal_now or meta.ready else None  # None for host memory
         for req_id, blocks in meta.seal_now.items():
             self._seals.seal(req_id, blocks, sealer(self.sums, self._fault(meta, req_id), ready))
         if meta.ready:
@@ -842,11 +843,3 @@ class WorkerSide:
             self.engine.close()
         except Exception:
             pass
-
-
-def drafter_with_layers(vllm_config: Any) -> bool:
-    """Whether this worker runs a speculative drafter with KV layers of its own (EAGLE, MTP, a draft model), whose
-    draft steps write KV after the forward's layers were saved."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    method = getattr(spec, "method", None) if spec is not None else None
-    return bool(method) and method not in TOKEN_DRAFTERS

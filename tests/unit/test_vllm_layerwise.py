@@ -252,7 +252,6 @@ def test_on_a_device_p_tells_d_of_a_layer_and_of_the_forward_s_end_once_their_ke
         return events[-1]
 
     monkeypatch.setattr(worker_module, "record_event", record)
-    monkeypatch.setattr(worker_module, "forward_done_event", lambda memory: record(True))
     hid = new_handoff_id()
     reader, meta = _forward(p, d, hid)
     p.layer_saved(LAYERS[0], meta)
