@@ -177,11 +177,12 @@ class IndexerService:
         async with self._lock:
             t0 = time.perf_counter()
             doc = self.capture()
+            blocks = self.table.entries()  # what ``doc`` holds: the loop applies events while the file is written
             t1 = time.perf_counter()
             size = await asyncio.to_thread(snapshot.write, self.config.snapshot_path, doc)
             t2 = time.perf_counter()
             self.stats.capture_s, self.stats.write_s, self.stats.bytes = t1 - t0, t2 - t1, size
-            self.stats.blocks = self.table.entries()
+            self.stats.blocks = blocks
             self.stats.taken += 1
             return self.stats
 
