@@ -106,12 +106,18 @@ def parse_layers(msg: str) -> LayersQuestion | None:
 @dataclass
 class _Entry:
     since: float
+    cond: threading.Condition  # over the board's lock: wakes this hand-off's waiters only
     note: ReadyNote | None = None
     gone: str = ""  # why P will never announce it
     token_done: bool = False  # P's first token is in ``note``, or P said there is none (D continues after it)
     pending: list[tuple[int, int]] = field(default_factory=list)  # (sender, readers) of notes naming the id
     early: ReadyNote | None = None  # known before the forward that completes the prompt (layer-wise)
     layers: int = 0  # layers that forward has written so far, a bit per layer region
+    waits: list[tuple[int, int]] = field(default_factory=list)  # (have, need) of the layer questions waiting
+
+    def answers(self) -> bool:
+        """Whether a layer question waiting on this entry can be answered now."""
+        return any(bin(self.layers & ~have).count("1") >= need for have, need in self.waits)
 
 
 class HandoffBoard:
@@ -123,28 +129,31 @@ class HandoffBoard:
         self.on_note = on_note
         self.ttl_s = ttl_s
         self._entries: dict[str, _Entry] = {}
-        self._cond = threading.Condition()
+        # one lock; each entry's condition wakes only its own waiters, so a layer written during P's forward wakes
+        # no thread unless a question it answers waits (each wake-up is time the forward's thread waits for P's
+        # core and the GIL)
+        self._lock = threading.Lock()
 
     def _entry(self, handoff: str, now: float) -> _Entry:
         entry = self._entries.get(handoff)
         if entry is None:
-            entry = self._entries[handoff] = _Entry(now)
+            entry = self._entries[handoff] = _Entry(now, threading.Condition(self._lock))
         return entry
 
     # ---- the worker's step ----
     def ready(self, handoff: str, note: ReadyNote) -> None:
         """P's prompt of ``handoff`` is computed (and sealed) in ``note.blocks``: answer its waiters."""
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             entry.note, pending, entry.pending = note, entry.pending, []
             entry.token_done = entry.token_done or note.first_token is not None
-            self._cond.notify_all()
+            entry.cond.notify_all()
         for sender, readers in pending:  # D gave up or was aborted before it knew P's request id
             self.on_note(note.req_id, sender, readers)
 
     def begin(self, handoff: str, note: ReadyNote) -> None:
         """The forward that completes ``handoff``'s prompt (into ``note.blocks``) starts: its layers follow."""
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             if entry.note is None and not entry.gone:
                 entry.early, entry.layers = note, 0
@@ -152,33 +161,35 @@ class HandoffBoard:
     def layer(self, handoffs: list[str], region: int) -> None:
         """The model's thread: layer region ``region`` of these hand-offs' prompts is written (cheap: no I/O)."""
         bit = 1 << region
-        with self._cond:
+        with self._lock:
             for handoff in handoffs:
                 entry = self._entries.get(handoff)
                 if entry is not None:
                     entry.layers |= bit
-            self._cond.notify_all()
+                    if entry.answers():
+                        entry.cond.notify_all()
 
     def gone(self, handoff: str, why: str) -> None:
         """P's request of ``handoff`` ended before its prompt was computed: its waiters are answered at once."""
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             if entry.note is None:
                 entry.gone = why or "P's request ended"
-            self._cond.notify_all()
+            entry.cond.notify_all()
 
     def no_token(self, handoff: str) -> None:
         """P's request of ``handoff`` ended otherwise than by length after its prompt: no first token to continue
         after (D's second question is answered at once)."""
-        with self._cond:
-            self._entry(handoff, time.monotonic()).token_done = True
-            self._cond.notify_all()
+        with self._lock:
+            entry = self._entry(handoff, time.monotonic())
+            entry.token_done = True
+            entry.cond.notify_all()
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        with self._cond:
+        with self._lock:
             for handoff in [h for h, e in self._entries.items() if now - e.since > self.ttl_s]:
-                del self._entries[handoff]
+                self._entries.pop(handoff).cond.notify_all()  # its waiters look again (a fresh entry)
 
     # ---- the engine's threads ----
     def wait(self, handoff: str, engine_id: str, wait_s: float) -> dict[str, Any]:
@@ -187,13 +198,13 @@ class HandoffBoard:
         if engine_id != self.engine_id:
             return {"ok": False, "why": f"engine {self.engine_id} is not {engine_id} (P restarted?)"}
         end = time.monotonic() + wait_s
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             while entry.note is None and not entry.gone:
                 left = end - time.monotonic()
                 if left <= 0:
                     return {"ok": False, "why": f"not ready within {wait_s:g} s"}
-                self._cond.wait(left)
+                entry.cond.wait(left)
                 entry = self._entry(handoff, time.monotonic())  # (expired meanwhile: a fresh one)
             if entry.note is None:
                 return {"ok": False, "why": entry.gone}
@@ -206,14 +217,19 @@ class HandoffBoard:
         if q.engine_id != self.engine_id:
             return {"ok": False, "why": f"engine {self.engine_id} is not {q.engine_id} (P restarted?)"}
         end = time.monotonic() + q.wait_s
-        with self._cond:
+        wait = (q.have, q.need)
+        with self._lock:
             entry = self._entry(q.handoff, time.monotonic())
             while entry.note is None and not entry.gone and (entry.early is None
                                                               or bin(entry.layers & ~q.have).count("1") < q.need):
                 left = end - time.monotonic()
                 if left <= 0:
                     return {"ok": False, "why": f"not ready within {q.wait_s:g} s"}
-                self._cond.wait(left)
+                entry.waits.append(wait)
+                try:
+                    entry.cond.wait(left)
+                finally:
+                    entry.waits.remove(wait)
                 entry = self._entry(q.handoff, time.monotonic())
             if entry.note is not None:
                 return {"ok": True, **entry.note.to_wire(), "layers": "", "done": True}
@@ -227,13 +243,13 @@ class HandoffBoard:
         if engine_id != self.engine_id:
             return {"ok": False, "why": f"engine {self.engine_id} is not {engine_id} (P restarted?)"}
         end = time.monotonic() + wait_s
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             while not entry.token_done and not entry.gone:
                 left = end - time.monotonic()
                 if left <= 0:
                     return {"ok": False, "why": f"no first token within {wait_s:g} s"}
-                self._cond.wait(left)
+                entry.cond.wait(left)
                 entry = self._entry(handoff, time.monotonic())
             t1 = entry.note.first_token if entry.note is not None else None
             if t1 is None:
@@ -242,7 +258,7 @@ class HandoffBoard:
 
     def note(self, handoff: str, sender: int, readers: int) -> None:
         """A notification that names the hand-off id (D read nothing): ends P's lease now or once it is known."""
-        with self._cond:
+        with self._lock:
             entry = self._entry(handoff, time.monotonic())
             if entry.note is None:
                 entry.pending.append((sender, readers))
@@ -251,5 +267,5 @@ class HandoffBoard:
         self.on_note(req_id, sender, readers)
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._entries)

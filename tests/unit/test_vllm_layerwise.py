@@ -91,6 +91,62 @@ def test_a_question_that_needs_several_layers_is_answered_once_that_many_are_new
     assert ask(0b11, 3)["done"] is True  # the forward's end answers whatever is new
 
 
+class _CountingCond:
+    """An entry's condition that counts its wake-ups."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond, self.wakes = cond, 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.cond.wait(timeout)
+
+    def notify_all(self) -> None:
+        self.wakes += 1
+        self.cond.notify_all()
+
+
+def test_a_written_layer_wakes_only_the_questions_it_answers():
+    board, h1, h2 = HandoffBoard("engine-p", lambda *a: None), new_handoff_id(), new_handoff_id()
+    board.begin(h1, note())
+    board.begin(h2, note("p2"))
+    conds = {h: _CountingCond(board._entries[h].cond) for h in (h1, h2)}
+    for h, cond in conds.items():
+        board._entries[h].cond = cond  # type: ignore[assignment]
+    got: dict[str, dict[str, Any]] = {}
+    q1 = parse_layers(layers_message(h1, "engine-p", 10.0, 0, 0, 2, need=2))
+    assert q1 is not None
+    threads = [threading.Thread(target=lambda: got.__setitem__(h1, board.wait_layers(q1))),
+               threading.Thread(target=lambda: got.__setitem__(h2, board.wait(h2, "engine-p", 10.0)))]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 5
+    while not board._entries[h1].waits and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # h2's whole-prompt question waits too
+    board.layer([h1, h2], 0)
+    assert (conds[h1].wakes, conds[h2].wakes) == (0, 0)  # h1 asked for two new layers; h2 for the whole prompt
+    board.layer([h1, h2], 1)
+    threads[0].join(5)
+    assert (conds[h1].wakes, conds[h2].wakes) == (1, 0) and got[h1]["layers"] == "3"
+    assert board._entries[h1].waits == []
+    board.ready(h2, note("p2"))
+    threads[1].join(5)
+    assert conds[h2].wakes == 1 and got[h2]["ok"] and got[h2]["req"] == "p2"
+
+
+def test_a_waiter_of_an_expired_entry_looks_again():
+    board, hid = HandoffBoard("engine-p", lambda *a: None, ttl_s=0.0), new_handoff_id()
+    got: list[dict[str, Any]] = []
+    waiter = threading.Thread(target=lambda: got.append(board.wait(hid, "engine-p", 10.0)))
+    waiter.start()
+    time.sleep(0.05)
+    board.expire(time.monotonic() + 1)  # the waiter's entry leaves; the waiter waits on a fresh one
+    time.sleep(0.05)
+    board.ready(hid, note())
+    waiter.join(5)
+    assert got and got[0]["ok"]
+
+
 def test_a_layer_read_asks_for_enough_layers_to_fill_a_batch():
     from pdserve.vllm.layerwise import LayerPull
 
