@@ -1,7 +1,7 @@
 """Serial vs early dispatch vs early dispatch + layer-wise KV (issue 37): the hand-off gap at the client, in one run.
 
     PYTHONPATH=$PWD python benchmarks/overlap_bench.py [--lengths 500,2000,8000] [--requests 8] [--output 32]
-        [--bursts 6] [--burst-size 8]
+        [--bursts 6] [--burst-size 8] [--layer-batch-bytes N]
 
 Two real 1P1D stacks through the launcher, one after the other (router, P and D vLLM CPU workers, one core each, KV
 pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``): the first with layer-wise
@@ -329,6 +329,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bursts", type=int, default=6, help="rounds of prompts sent at once, per length and path")
     ap.add_argument("--burst-size", type=int, default=8, help="prompts sent at once in a round")
+    ap.add_argument("--layer-batch-bytes", type=int, default=None,
+                    help="the connector's layer_batch_bytes on both stacks (default: the connector's own)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     max_len = max(lengths) + a.output + 64
@@ -349,12 +351,15 @@ def main() -> None:
     for stack, (layerwise, flags) in STACKS.items():
         cfg = launcher_config("1p1d", CompareSettings(model=str(model), dtype="float32", max_model_len=max_len,
                                                       run_dir=str(tmp / f"run-{stack}")))
-        cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise)
+        extra = {} if a.layer_batch_bytes is None else {"layer_batch_bytes": a.layer_batch_bytes}
+        cfg = dataclasses.replace(cfg, pool=False, served_model_name="m", layerwise_kv=layerwise,
+                                  connector_extra={**cfg.connector_extra, **extra})
         rows.update(run_stack(cfg, model, max_len, lengths, a.requests, a.output, flags, rng, tmp, p_cpu, exact,
                               (a.bursts, a.burst_size), busy))
         loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
     out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
+                           "layer_batch_bytes": a.layer_batch_bytes,
                            "requests": a.requests, "wall_s": round(wall, 1), "loadavg_after_each_stack": loads,
                            "exact": exact, "lengths": {}}
     print(f"{'tokens':>6} {'path':>10} | {'ttft p50':>8} {'gap p50':>8} {'gap p99':>8} {'tpot p50':>8} "
