@@ -4,18 +4,19 @@
         [--bursts 6] [--burst-size 8] [--layer-batch-bytes N]
 
 Two real 1P1D stacks through the launcher, one after the other (router, P and D vLLM CPU workers, one core each, KV
-pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``): the first with layer-wise
-KV on (the default), the second with ``--no-layerwise-kv``. Each stack gets more routers over the same two workers:
-one started with ``--no-early-dispatch`` (the serial hand-off, that stack's baseline), one with ``--early-continue
-never`` (early dispatch where D regenerates P's first token and the router compares) and, on the first stack, one with
-``--early-continue always`` (D always continues after P's first token, the default before ``auto``). On each stack
-the requests rotate between its routers (which one goes first rotates too), one at a time, each with its own random
-prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has seven paths: ``all`` (the
-defaults: early dispatch, layer-wise KV, ``--early-continue auto``, which regenerates a greedy request's t1 where P
-says it sends layer by layer), ``always`` (early + layer-wise, D continues after P's t1), ``layerwise`` (early +
-layer-wise, D regenerates t1) and ``serial`` on the first stack; ``early_cont`` (early, whole-prompt read: ``auto``
-continues), ``early`` (early, whole-prompt read, D regenerates t1) and ``serial_off`` on the second. Per request, at
-the client:
+pool off, a random fp32 Llama from ``pdserve.launch.models``: ``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``,
+``--intermediate``; the default is small, with about 1/100 of a Llama-3-8B's forward work per KV byte): the first with
+layer-wise KV on (the default), the second with ``--no-layerwise-kv``. Each stack gets more routers over the same two
+workers: one started with ``--no-early-dispatch`` (the serial hand-off, that stack's baseline), one with
+``--early-continue never`` (early dispatch where D regenerates P's first token and the router compares) and, on the
+first stack, one with ``--early-continue always`` (D always continues after P's first token, the default before
+``auto``). On each stack the requests rotate between its routers (which one goes first rotates too), one at a time,
+each with its own random prompt (no prefix-cache hit on P or D), greedy, ``ignore_eos``, streamed. So one run has
+seven paths: ``all`` (the defaults: early dispatch, layer-wise KV, ``--early-continue auto``, which regenerates a
+greedy request's t1 where P says it sends layer by layer), ``always`` (early + layer-wise, D continues after P's t1),
+``layerwise`` (early + layer-wise, D regenerates t1) and ``serial`` on the first stack; ``early_cont`` (early,
+whole-prompt read: ``auto`` continues), ``early`` (early, whole-prompt read, D regenerates t1) and ``serial_off`` on
+the second. Per request, at the client:
 
 * ``ttft``: send -> the first token (P's, streamed at once on every path); P's prefill throughput is the prompt's
   tokens over it;
@@ -326,6 +327,10 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=512,
+                    help="the MLP's width: with --hidden and --kv-heads, the forward's work per KV byte")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bursts", type=int, default=6, help="rounds of prompts sent at once, per length and path")
     ap.add_argument("--burst-size", type=int, default=8, help="prompts sent at once in a round")
@@ -339,8 +344,8 @@ def main() -> None:
     from pdserve.launch.models import build_random_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="overlap-bench-"))
-    model = build_random_llama(tmp / "model", layers=a.layers, hidden=a.hidden,
-                               max_position_embeddings=max(8192, max_len))
+    model = build_random_llama(tmp / "model", layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                               intermediate=a.intermediate, max_position_embeddings=max(8192, max_len))
     rng = random.Random(a.seed)
     rows: dict[tuple[int, str], list[dict[str, float]]] = {}
     t0 = time.monotonic()
@@ -358,7 +363,8 @@ def main() -> None:
                               (a.bursts, a.burst_size), busy))
         loads.append([round(x, 2) for x in os.getloadavg()])
     wall = time.monotonic() - t0
-    out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}", "output": a.output,
+    out: dict[str, Any] = {"model": f"random llama fp32, {a.layers} layers, hidden {a.hidden}, heads {a.heads}, "
+                                    f"kv heads {a.kv_heads}, intermediate {a.intermediate}", "output": a.output,
                            "layer_batch_bytes": a.layer_batch_bytes,
                            "requests": a.requests, "wall_s": round(wall, 1), "loadavg_after_each_stack": loads,
                            "exact": exact, "lengths": {}}
