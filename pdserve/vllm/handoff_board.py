@@ -115,9 +115,13 @@ class _Entry:
     layers: int = 0  # layers that forward has written so far, a bit per layer region
     waits: list[tuple[int, int]] = field(default_factory=list)  # (have, need) of the layer questions waiting
 
+    def enough(self, have: int, need: int) -> bool:
+        """Whether ``need`` layers not in ``have`` are written."""
+        return bin(self.layers & ~have).count("1") >= need
+
     def answers(self) -> bool:
         """Whether a layer question waiting on this entry can be answered now."""
-        return any(bin(self.layers & ~have).count("1") >= need for have, need in self.waits)
+        return any(self.enough(have, need) for have, need in self.waits)
 
 
 class HandoffBoard:
@@ -220,8 +224,7 @@ class HandoffBoard:
         wait = (q.have, q.need)
         with self._lock:
             entry = self._entry(q.handoff, time.monotonic())
-            while entry.note is None and not entry.gone and (entry.early is None
-                                                              or bin(entry.layers & ~q.have).count("1") < q.need):
+            while entry.note is None and not entry.gone and (entry.early is None or not entry.enough(q.have, q.need)):
                 left = end - time.monotonic()
                 if left <= 0:
                     return {"ok": False, "why": f"not ready within {q.wait_s:g} s"}
