@@ -16,6 +16,7 @@ from typing import Any
 
 from ..settings.argv import launcher_values_for_router, router_flags
 from ..settings.lora import RUNTIME_UPDATES_ENV, parse_lora_modules
+from ..vllm.nixl_cores import ENV as NIXL_CORES_ENV
 from ..vllm.nixl_progress import ENV as NIXL_PROGRESS_ENV
 from .config import CONNECTOR_MODULE, CONNECTOR_NAME, NIXL_CONNECTOR_NAME, LauncherConfig, WorkerConfig
 from .mooncake import mooncake_bootstrap_flag, mooncake_transfer_config, mooncake_worker_env, with_mooncake_store
@@ -194,6 +195,8 @@ def worker_env(worker: WorkerConfig) -> dict[str, str]:
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", worker.host)
         if not worker.gpus and NIXL_PROGRESS_ENV not in os.environ:  # a value set in the launcher's env wins
             env.setdefault(NIXL_PROGRESS_ENV, "idle")  # NIXL's spinning progress thread: pdserve/vllm/nixl_progress.py
+        if not worker.gpus and NIXL_CORES_ENV not in os.environ:
+            env.setdefault(NIXL_CORES_ENV, "1")  # the worker's cores kept across NixlConnector's: nixl_cores.py
     if worker.connector and worker.kv_connector == "mooncake":
         env.update(mooncake_worker_env(worker, env))
     if worker.connector and worker.mooncake_store_config:  # MooncakeStoreConnector reads its store from this file

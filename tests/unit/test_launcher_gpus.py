@@ -238,6 +238,8 @@ def test_nixl_plan_workers_router_and_ports(tmp_path):
                       "kv_connector_extra_config": {"kv_lease_duration": 13, "backends": ["UCX"]}}
         assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(side) == str(w.nixl_side_channel_port)
         assert p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        # CPU workers: NIXL's progress threads idle, and the worker's cores kept across NixlConnector's constructor
+        assert p.env["PDSERVE_NIXL_PROGRESS"] == "idle" and p.env["PDSERVE_NIXL_KEEP_CORES"] == "1"
         assert not p.secret  # NixlConnector has no use for pdserve's transfer secret
     r = plan.router.argv
     assert r[r.index("--kv-connector") + 1] == "nixl"
