@@ -39,7 +39,7 @@ def kv_transfer_config(worker: WorkerConfig) -> dict[str, Any]:
     Mooncake Store (``mooncake_store_config``) that one and MooncakeStoreConnector in vLLM's MultiConnector."""
     if worker.kv_connector in ("nixl", "mooncake"):
         p2d = nixl_transfer_config(worker) if worker.kv_connector == "nixl" else mooncake_transfer_config(worker)
-        return with_mooncake_store(p2d) if worker.mooncake_store_config else p2d
+        return with_mooncake_store(p2d, worker.port) if worker.mooncake_store_config else p2d
     extra: dict[str, Any] = {"lease_s": worker.lease_s}
     extra.update(worker.connector_extra)
     return {

@@ -92,10 +92,16 @@ def mooncake_store_config(master: str, segment: str, protocol: str) -> str:
                        "local_buffer_size": STORE_LOCAL_BUFFER}, indent=2) + "\n"
 
 
-def with_mooncake_store(p2d: Mapping[str, Any]) -> dict[str, Any]:
+def with_mooncake_store(p2d: Mapping[str, Any], lookup_port: int) -> dict[str, Any]:
     """vLLM's MultiConnector: the P -> D connector first (its kv_transfer_params and loads come first), then
-    MooncakeStoreConnector (saves finished blocks to the store, loads what D or P lacks from it)."""
-    store = {"kv_connector": STORE_CONNECTOR_NAME, "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    MooncakeStoreConnector (saves finished blocks to the store, loads what D or P lacks from it).
+
+    ``lookup_port``: a number unique to the worker on its host (its HTTP port). MooncakeStoreConnector's scheduler
+    asks its worker what the store holds over a ZMQ socket at ``ipc://$VLLM_RPC_BASE_PATH/lookup_rpc_port_<N>_host_
+    <hostname>_dp_rank<R>``, N its ``lookup_rpc_port`` (0 by default): two workers on one host with the default would
+    bind one path (seen: "Address already in use" at a worker's start, or one worker's scheduler asking the other's)."""
+    store = {"kv_connector": STORE_CONNECTOR_NAME, "kv_role": "kv_both",
+             "kv_connector_extra_config": {"lookup_rpc_port": lookup_port}}
     outer = {k: v for k, v in p2d.items() if k in ("kv_role", "kv_buffer_device", "kv_load_failure_policy")}
     return {"kv_connector": "MultiConnector", **outer,
             "kv_connector_extra_config": {"connectors": [dict(p2d), store]}}

@@ -106,17 +106,21 @@ def test_mooncake_store_pool_plan(tmp_path, connector):
     assert store["master_server_address"] == f"127.0.0.1:{plan.pool.port}"
     assert store["global_segment_size"] == 256 << 20 and store["metadata_server"] == "P2PHANDSHAKE"
     assert plan.pool.store_config == str(tmp_path / "run" / "mooncake-store.json")
-    for p in plan.of_kind("worker"):
+    lookups = set()
+    for p, w in zip(plan.of_kind("worker"), plan.workers):
         kv = _kv(p.argv)
         assert kv["kv_connector"] == "MultiConnector"
         first, second = kv["kv_connector_extra_config"]["connectors"]
         assert first["kv_connector"] == {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}[connector]
+        # each worker's store lookup socket its own (the IPC path names lookup_rpc_port, not the worker)
         assert second == {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {}}
+                          "kv_connector_extra_config": {"lookup_rpc_port": w.port}}
+        lookups.add(w.port)
         assert p.env["MOONCAKE_CONFIG_PATH"] == plan.pool.store_config
         if connector == "mooncake":  # the class whose Prometheus counters MultiConnector needs
             assert first["kv_connector_module_path"] == "pdserve.vllm.mooncake_cpu"
         assert "pool_master" not in json.dumps(kv)  # pdserve's pool is not involved
+    assert len(lookups) == len(plan.workers)
     assert "--pool-master" not in plan.router.argv  # pdserve's pool master: none here
     # the conductor follows the store through its master's HTTP admin server (its metrics port)
     argv = plan.router.argv
