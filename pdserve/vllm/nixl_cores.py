@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .logs import connector_log
+from .proc_threads import own_threads
 
 ENV = "PDSERVE_NIXL_KEEP_CORES"  # "1": keep the worker's cores across NixlConnector's constructor
 WORKER_CLASS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -50,12 +51,12 @@ def keep_cores_of(init: Callable[..., None]) -> Callable[..., None]:
 
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
         before = os.sched_getaffinity(0)
-        threads = set(_threads())
+        threads = set(own_threads())
         init(self, *args, **kwargs)
         moved = os.sched_getaffinity(0)
         if moved == before:
             return
-        back = [tid for tid in _threads() if tid not in threads and _affinity(tid) == moved and _pin(tid, before)]
+        back = [tid for tid in own_threads() if tid not in threads and _affinity(tid) == moved and _pin(tid, before)]
         _pin(0, before)
         connector_log().info("NixlConnector moved this worker's thread to cores %s (vLLM's CPU core reserved for KV "
                              "transfer); put back on its own cores %s (%s=1), with %d thread(s) started meanwhile",
@@ -63,13 +64,6 @@ def keep_cores_of(init: Callable[..., None]) -> Callable[..., None]:
 
     wrapped._pdserve_keep_cores = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return []
 
 
 def _affinity(tid: int) -> set[int] | None:

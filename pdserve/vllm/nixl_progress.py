@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .logs import connector_log
+from .proc_threads import own_threads
 
 ENV = "PDSERVE_NIXL_PROGRESS"  # "idle": NIXL's threads at SCHED_IDLE; anything else: left as NIXL starts them
 
@@ -43,21 +44,14 @@ def register() -> None:
 def idle_threads_of(init: Callable[..., None]) -> Callable[..., None]:
     """``init`` wrapped: the threads of this process that appeared while it ran are set to ``SCHED_IDLE``."""
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
-        before = set(_threads())
+        before = set(own_threads())
         init(self, *args, **kwargs)
-        demoted = [tid for tid in _threads() if tid not in before and _set_idle(tid)]
+        demoted = [tid for tid in own_threads() if tid not in before and _set_idle(tid)]
         connector_log().info("NIXL agent: %d thread(s) it started set to SCHED_IDLE (%s=idle): %s",
                              len(demoted), ENV, demoted)
 
     wrapped._pdserve_idle = True  # type: ignore[attr-defined]
     return wrapped
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return []
 
 
 def _set_idle(tid: int) -> bool:

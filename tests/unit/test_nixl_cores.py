@@ -6,37 +6,30 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import pytest
 
 from pdserve.vllm import nixl_cores
 
+from .plugin_check import ThreadStarter, check_register
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity only")
 
 
-class Worker:
-    """Stands in for NixlBaseConnectorWorker: its constructor pins its caller to one core, as vLLM's reserves the
-    last core of each NUMA node on CPU, then starts a thread (which inherits that core)."""
+def _worker_class(reserved: set[int], keep: bool) -> type:
+    """Stands in for NixlBaseConnectorWorker: its constructor pins its caller to ``reserved`` (as vLLM's reserves the
+    last core of each NUMA node on CPU), then starts a thread, which inherits it; ``keep``: wrapped."""
 
-    def __init__(self, reserved: set[int]) -> None:
-        self.stop = threading.Event()
-        self.tid = 0
-        ready = threading.Event()
-        os.sched_setaffinity(0, reserved)
+    def init(self: Any) -> None:
+        ThreadStarter.__init__(self, lambda: os.sched_setaffinity(0, reserved))
 
-        def run() -> None:
-            self.tid = threading.get_native_id()
-            ready.set()
-            self.stop.wait(10)
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        ready.wait(5)
+    return type("Worker", (ThreadStarter,), {"__init__": nixl_cores.keep_cores_of(init) if keep else init})
 
 
-def _in_a_thread(fn) -> dict:
+def _in_a_thread(fn: Any) -> Any:
     """Run ``fn`` on a fresh thread (affinity changes stay off the test runner's thread); its result or error."""
-    out: dict = {}
+    out: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -57,20 +50,18 @@ def test_the_caller_and_threads_started_meanwhile_get_their_cores_back():
     if len(cores) < 2:
         pytest.skip("needs two cores to move a thread between")
     own, reserved = {min(cores)}, {max(cores)}
-    Keep = type("Keep", (Worker,), {"__init__": nixl_cores.keep_cores_of(Worker.__init__)})
 
     def construct() -> tuple[set[int], set[int], set[int]]:
         os.sched_setaffinity(0, own)  # the worker's cores, as the launcher pins it
-        plain = Worker(reserved)
+        plain = _worker_class(reserved, keep=False)()
         moved = os.sched_getaffinity(0)
         os.sched_setaffinity(0, own)
-        kept = Keep(reserved)
+        kept = _worker_class(reserved, keep=True)()
         try:
             return moved, os.sched_getaffinity(0), os.sched_getaffinity(kept.tid)
         finally:
-            for w in (plain, kept):
-                w.stop.set()
-                w.thread.join(5)
+            plain.end()
+            kept.end()
 
     moved, caller, started = _in_a_thread(construct)
     assert moved == reserved  # unwrapped, the caller stays on the reserved core
@@ -79,31 +70,14 @@ def test_the_caller_and_threads_started_meanwhile_get_their_cores_back():
 
 def test_a_constructor_that_moves_nothing_is_left_alone():
     cores = os.sched_getaffinity(0)
-    Keep = type("Keep", (Worker,), {"__init__": nixl_cores.keep_cores_of(Worker.__init__)})
 
     def construct() -> set[int]:
-        w = Keep(cores)
-        w.stop.set()
-        w.thread.join(5)
+        _worker_class(cores, keep=True)().end()
         return os.sched_getaffinity(0)
 
     assert _in_a_thread(construct) == cores
 
 
 def test_register_wraps_nothing_unless_asked(monkeypatch):
-    try:
-        import importlib
-
-        module = importlib.import_module(nixl_cores.WORKER_CLASS)
-    except Exception:
-        module = None
-    if module is not None:  # restored after the test: the wrapped constructor stays out of other tests
-        monkeypatch.setattr(module.NixlBaseConnectorWorker, "__init__", module.NixlBaseConnectorWorker.__init__)
-    monkeypatch.delenv(nixl_cores.ENV, raising=False)
-    nixl_cores.register()  # no env: nothing wrapped
-    assert module is None or not getattr(module.NixlBaseConnectorWorker.__init__, "_pdserve_keep_cores", False)
-    monkeypatch.setenv(nixl_cores.ENV, "1")
-    nixl_cores.register()
-    if module is None:
-        pytest.skip("vLLM's NixlConnector is not importable here")
-    assert getattr(module.NixlBaseConnectorWorker.__init__, "_pdserve_keep_cores", False)
+    check_register(monkeypatch, nixl_cores.register, nixl_cores.ENV, "1", nixl_cores.WORKER_CLASS,
+                   "NixlBaseConnectorWorker", "_pdserve_keep_cores")
