@@ -101,7 +101,7 @@ class LayerPull:
         ``min_batch_bytes`` (a short prompt's small layers move in fewer batches, each with its fixed cost and
         P's answer), at least 1, at most the layers still missing."""
         missing = len(self.layers) - bin(have).count("1")
-        if missing <= 0 or not self.layers:
+        if missing <= 0:  # (no layers at all included)
             return 1
         per_layer = blocks * sum(g.block_bytes for g in self.layers) / len(self.layers)
         want = -(-self.min_batch_bytes // max(1, int(per_layer))) if per_layer else missing
