@@ -18,6 +18,7 @@ each thread the constructor started that was moved with it. Nothing else of vLLM
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from .logs import connector_log
 from .proc_threads import own_threads
 
 ENV = "PDSERVE_NIXL_KEEP_CORES"  # "1": keep the worker's cores across NixlConnector's constructor
-WORKER_CLASS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 
 
 def register() -> None:
@@ -34,9 +35,7 @@ def register() -> None:
     if os.environ.get(ENV) != "1" or not hasattr(os, "sched_setaffinity"):
         return
     try:
-        import importlib
-
-        module = importlib.import_module(WORKER_CLASS)
+        module = importlib.import_module(WORKER_MODULE)
     except Exception:  # nixl or this vLLM's NixlConnector not importable here: nothing to do
         return
     worker = getattr(module, "NixlBaseConnectorWorker", None)

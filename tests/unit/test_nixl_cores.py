@@ -79,5 +79,5 @@ def test_a_constructor_that_moves_nothing_is_left_alone():
 
 
 def test_register_wraps_nothing_unless_asked(monkeypatch):
-    check_register(monkeypatch, nixl_cores.register, nixl_cores.ENV, "1", nixl_cores.WORKER_CLASS,
+    check_register(monkeypatch, nixl_cores.register, nixl_cores.ENV, "1", nixl_cores.WORKER_MODULE,
                    "NixlBaseConnectorWorker", "_pdserve_keep_cores")
